@@ -1,0 +1,212 @@
+#!/usr/bin/env bash
+# A real single-node Apache Kafka 4.x broker (KRaft, combined broker+controller) on 127.0.0.1,
+# for development, tests and the demo. Needs only Java 17+ and Maven.
+#
+#   deploy/local/kafka.sh start    start (or reuse) the broker; last line: KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:PORT
+#   deploy/local/kafka.sh stop     stop it and wait until its JVM is gone
+#   deploy/local/kafka.sh status   exit 0 and print the address when it runs, exit 1 otherwise
+#   deploy/local/kafka.sh libs     print the classpath folder (resolving the jars first)
+#
+# Environment:
+#   KAFKA_PORT         listener port (default: a free one)
+#   KWE_KAFKA_HOME     state folder (default: ~/.cache/keyword-embedder/kafka); the jar cache under it
+#                      survives between runs, the broker's data is wiped at each fresh start
+#   KAFKA_HEAP_OPTS    JVM heap (default: -Xms256m -Xmx768m)
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+home="${KWE_KAFKA_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/keyword-embedder/kafka}"
+run="$home/run"
+pidfile="$run/broker.pid"
+portfile="$run/broker.port"
+
+die() { echo "kafka.sh: $*" >&2; exit 1; }
+log() { echo "kafka.sh: $*" >&2; }
+
+need_java() {
+  command -v java >/dev/null 2>&1 || die "Java 17+ is required but 'java' is not on PATH (Debian: apt-get install openjdk-17-jre-headless)"
+  local v
+  v="$(java -version 2>&1 | head -n1 | sed -E 's/.*version "([0-9]+).*/\1/')"
+  [[ "$v" =~ ^[0-9]+$ ]] && (( v >= 17 )) || die "Java 17+ is required, found: $(java -version 2>&1 | head -n1)"
+}
+
+# The jars are resolved once per pom.xml content and kept: a second start needs no network.
+libs_dir() {
+  local key
+  key="$(sha256sum "$here/pom.xml" | cut -c1-16)"
+  echo "$home/libs-$key"
+}
+
+resolve_libs() {
+  local dir tmp
+  dir="$(libs_dir)"
+  if [[ -f "$dir/.complete" ]]; then echo "$dir"; return; fi
+  command -v mvn >/dev/null 2>&1 || die "Maven is required to fetch the Kafka jars but 'mvn' is not on PATH (Debian: apt-get install maven)"
+  log "resolving Apache Kafka jars with Maven into $dir"
+  tmp="$dir.tmp.$$"
+  rm -rf "$tmp"; mkdir -p "$tmp"
+  if ! mvn -q -B -f "$here/pom.xml" dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$tmp" >"$tmp.log" 2>&1; then
+    tail -n 30 "$tmp.log" >&2
+    die "Maven could not resolve the Kafka jars (see above)"
+  fi
+  touch "$tmp/.complete"
+  rm -rf "$dir"; mv "$tmp" "$dir"; rm -f "$tmp.log"
+  echo "$dir"
+}
+
+port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+free_port() {
+  local p
+  for _ in $(seq 1 200); do
+    p=$(( 20000 + RANDOM % 40000 ))
+    port_busy "$p" || { echo "$p"; return; }
+  done
+  die "no free port found on 127.0.0.1"
+}
+
+running_pid() {
+  [[ -f "$pidfile" ]] || return 1
+  local pid; pid="$(cat "$pidfile")"
+  [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null && grep -q "kafka.Kafka" "/proc/$pid/cmdline" 2>/dev/null && echo "$pid"
+}
+
+# A real metadata round trip (ApiVersions + Metadata through the admin client), not just an open port.
+metadata_ok() {
+  local port="$1" libs; libs="$(libs_dir)"
+  timeout 30 java -Xmx128m -cp "$libs/*" -Dlog4j2.configurationFile="$run/log4j2-tools.properties" \
+    org.apache.kafka.tools.TopicCommand --bootstrap-server "127.0.0.1:$port" --list >/dev/null 2>&1
+}
+
+write_configs() {
+  local port="$1" cport="$2"
+  mkdir -p "$run/data"
+  cat >"$run/server.properties" <<PROPS
+process.roles=broker,controller
+node.id=1
+controller.quorum.bootstrap.servers=127.0.0.1:$cport
+listeners=PLAINTEXT://127.0.0.1:$port,CONTROLLER://127.0.0.1:$cport
+advertised.listeners=PLAINTEXT://127.0.0.1:$port
+controller.listener.names=CONTROLLER
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+inter.broker.listener.name=PLAINTEXT
+log.dirs=$run/data
+num.partitions=1
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=8
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+# Tests create many groups; make a new group's first join fast.
+group.initial.rebalance.delay.ms=0
+auto.create.topics.enable=false
+log.retention.hours=24
+log.segment.bytes=67108864
+PROPS
+  cat >"$run/log4j2.properties" <<'L4J'
+status = warn
+appender.file.type = File
+appender.file.name = file
+appender.file.fileName = ${sys:kafka.logs.dir}/server.log
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = INFO
+rootLogger.appenderRef.file.ref = file
+logger.kafka.name = kafka
+logger.kafka.level = INFO
+logger.state.name = state.change.logger
+logger.state.level = WARN
+L4J
+  cat >"$run/log4j2-tools.properties" <<'L4J'
+status = error
+appender.err.type = Console
+appender.err.name = err
+appender.err.target = SYSTEM_ERR
+appender.err.layout.type = PatternLayout
+appender.err.layout.pattern = %p %m%n
+rootLogger.level = WARN
+rootLogger.appenderRef.err.ref = err
+L4J
+}
+
+cmd_start() {
+  need_java
+  local pid port
+  if pid="$(running_pid)"; then
+    port="$(cat "$portfile")"
+    if metadata_ok "$port"; then
+      log "reusing the broker already running (pid $pid)"
+      echo "KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:$port"
+      return 0
+    fi
+    log "broker pid $pid does not answer; restarting it"
+    cmd_stop
+  fi
+  local libs cport cluster
+  libs="$(resolve_libs)"
+  port="${KAFKA_PORT:-$(free_port)}"
+  port_busy "$port" && die "port $port on 127.0.0.1 is already in use"
+  cport="$(free_port)"
+  [[ "$cport" == "$port" ]] && cport="$(free_port)"
+  rm -rf "$run"; mkdir -p "$run"
+  write_configs "$port" "$cport"
+  cluster="$(java -cp "$libs/*" -Dlog4j2.configurationFile="$run/log4j2-tools.properties" kafka.tools.StorageTool random-uuid)"
+  java -cp "$libs/*" -Dlog4j2.configurationFile="$run/log4j2-tools.properties" \
+    kafka.tools.StorageTool format --standalone -t "$cluster" -c "$run/server.properties" >"$run/format.log" 2>&1 \
+    || { cat "$run/format.log" >&2; die "formatting the KRaft storage failed"; }
+  log "starting Apache Kafka $(ls "$libs" | sed -nE 's/^kafka_2\.13-(.*)\.jar$/\1/p') (KRaft) on 127.0.0.1:$port"
+  # setsid: the broker outlives the shell that started it (tests, CI steps) until 'stop'.
+  # shellcheck disable=SC2086
+  setsid java ${KAFKA_HEAP_OPTS:--Xms256m -Xmx768m} -XX:+UseG1GC -Djava.awt.headless=true \
+    -Dkafka.logs.dir="$run" -Dlog4j2.configurationFile="$run/log4j2.properties" \
+    -cp "$libs/*" kafka.Kafka "$run/server.properties" >"$run/stdout.log" 2>&1 < /dev/null &
+  pid=$!
+  echo "$pid" >"$pidfile"
+  echo "$port" >"$portfile"
+  local deadline=$(( SECONDS + 90 ))
+  until metadata_ok "$port"; do
+    if ! kill -0 "$pid" 2>/dev/null; then
+      tail -n 40 "$run/stdout.log" "$run/server.log" >&2 2>/dev/null || true
+      die "the broker exited during start (logs above, full logs in $run)"
+    fi
+    (( SECONDS < deadline )) || { cmd_stop; die "the broker did not answer a metadata request within 90 s (logs in $run)"; }
+    sleep 0.5
+  done
+  log "broker ready (pid $pid, logs in $run)"
+  echo "KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:$port"
+}
+
+cmd_stop() {
+  local pid
+  if ! pid="$(running_pid)"; then
+    rm -f "$pidfile"
+    log "no broker of ours is running"
+    return 0
+  fi
+  kill -TERM "$pid" 2>/dev/null || true
+  local deadline=$(( SECONDS + 30 ))
+  while kill -0 "$pid" 2>/dev/null; do
+    if (( SECONDS >= deadline )); then log "broker did not stop in 30 s; killing it"; kill -KILL "$pid" 2>/dev/null || true; fi
+    sleep 0.2
+  done
+  rm -f "$pidfile"
+  log "broker stopped (pid $pid)"
+}
+
+cmd_status() {
+  local pid
+  if pid="$(running_pid)"; then
+    echo "running: pid $pid, KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:$(cat "$portfile")"
+  else
+    echo "not running"; return 1
+  fi
+}
+
+case "${1:-}" in
+  start) cmd_start ;;
+  stop) cmd_stop ;;
+  status) cmd_status ;;
+  libs) need_java; resolve_libs ;;
+  *) echo "usage: $0 start|stop|status|libs" >&2; exit 2 ;;
+esac

@@ -1,0 +1,49 @@
+"""The inference backend protocol shared by ONNX Runtime and TensorRT.
+
+A backend is loaded once per process. It hands out *contexts*: each context is owned by
+exactly one dispatcher thread for its whole life (TensorRT: one IExecutionContext on its
+own CUDA stream per bucket profile; ONNX Runtime: a handle on a shared session), so a
+context needs no locking of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+PadPolicy = Literal["bucket", "longest"]
+
+
+class BackendError(RuntimeError):
+    """The backend cannot be loaded or cannot run a batch; the message says which and why."""
+
+
+@runtime_checkable
+class InferenceContext(Protocol):
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """[B, L] int64 ids and mask in, [B, dim] float32 L2-normalised embeddings out.
+
+        B and L must fit the context's shape limits (for TensorRT, its profile's max shape).
+        """
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    dim: int
+    # What a batch should be padded to when the caller has the choice: TensorRT wants the
+    # bucket's aligned bound (one optimised shape per profile), ONNX Runtime on CPU gains
+    # from padding only to the longest item.
+    preferred_pad: PadPolicy
+    # How many contexts create_context() may be asked for; None: any number.
+    max_contexts: int | None
+
+    def create_context(self, index: int) -> InferenceContext:
+        """Context `index`: for TensorRT, the one bound to bucket profile `index`."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,1 @@
+"""Subcommands of `keyword-embedder`: each module has `configure(parser)` and `main(args) -> int`."""

