@@ -56,6 +56,10 @@ class Settings:
     max_in_flight: int = _setting(4096, "Keywords consumed but not yet acknowledged by the broker; "
                                   "partitions pause at this bound. It also bounds the duplicates after a crash.",
                                   minimum=1)
+    commit_interval_ms: int = _setting(100, "How often finished offsets are committed. Consumed-but-uncommitted "
+                                       "keywords count against max_in_flight, so a short interval keeps "
+                                       "throughput up and duplicates after a crash within max_in_flight.",
+                                       minimum=1)
     max_queue_delay_ms: float = _setting(20.0, "Longest a keyword waits in its bucket before a partial batch "
                                          "is flushed.", minimum=0.0)
     drain_timeout_s: float = _setting(30.0, "On shutdown, how long in-flight work may take to finish.",

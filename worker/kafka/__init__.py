@@ -1,0 +1,1 @@
+"""Thin wrappers over confluent-kafka: configs, the delivery loop, offsets and message formats."""

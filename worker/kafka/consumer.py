@@ -1,0 +1,30 @@
+"""Consumer configuration: a group member that stores offsets only after the output is acknowledged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.config import Settings
+
+
+def consumer_config(settings: Settings, **callbacks: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "bootstrap.servers": settings.bootstrap_servers,
+        "group.id": settings.group_id,
+        # Incremental rebalances: a joining member does not stop the others' partitions.
+        "partition.assignment.strategy": "cooperative-sticky",
+        # Commit-after-write: the pipeline commits explicit offsets (the lowest unfinished
+        # offset per partition) itself; nothing is stored or committed behind its back.
+        "enable.auto.offset.store": False,
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        "session.timeout.ms": 10000,
+        "heartbeat.interval.ms": 1000,
+        "max.poll.interval.ms": 300000,
+        "client.id": f"keyword-embedder-{settings.group_id}",
+    }
+    if settings.metrics_port:
+        config["statistics.interval.ms"] = 5000  # per-partition consumer lag for /metrics
+    config.update(callbacks)
+    config.update(settings.librdkafka_overrides())
+    return config

@@ -1,0 +1,117 @@
+"""Per-partition offset tracking for commit-after-write.
+
+Messages of one partition are consumed in offset order but finish out of order (buckets
+flush independently, deliveries ack independently). A partition may only commit up to
+its lowest unfinished offset: committing further would lose the unfinished messages on
+a crash. Each assignment of a partition gets a fresh `PartitionOffsets` (a new epoch),
+so completions that arrive after a revoke land on the old object and are never
+committed on behalf of the next owner.
+
+Thread-safety: `track` is called by the poll thread, `done` by the delivery thread and
+`committable` by the poll thread; one lock per partition keeps them consistent.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class PartitionOffsets:
+    topic: str
+    partition: int
+    epoch: int
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # Offsets in consumption order, each with its done flag: a list cell so `done` can flip it in O(1).
+    _order: deque[list] = field(default_factory=deque, repr=False)
+    _cells: dict[int, list] = field(default_factory=dict, repr=False)
+    _next: int | None = None  # one past the highest offset tracked so far
+    _first: int | None = None  # the first offset this owner consumed: where its group offset stood
+    _committed: int | None = None  # the highest offset the broker confirmed as committed
+    revoked: bool = False
+
+    def track(self, offset: int) -> None:
+        with self._lock:
+            if self._next is not None and offset < self._next:
+                # A re-fetch after a seek/reset: everything from here on is seen again.
+                raise ValueError(f"{self.topic}[{self.partition}]: offset {offset} tracked out of order "
+                                 f"(next expected >= {self._next})")
+            if self._first is None:
+                self._first = offset
+            cell = [offset, False]
+            self._order.append(cell)
+            self._cells[offset] = cell
+            self._next = offset + 1
+
+    def done(self, offset: int) -> None:
+        with self._lock:
+            cell = self._cells.pop(offset, None)
+            if cell is None:
+                return
+            cell[1] = True
+            while self._order and self._order[0][1]:
+                self._order.popleft()
+
+    def committable(self) -> int | None:
+        """The offset to commit (the next message to read after a restart), or None before any message."""
+        with self._lock:
+            if self._order:
+                return self._order[0][0]
+            return self._next
+
+    def unfinished(self) -> int:
+        with self._lock:
+            return len(self._cells)
+
+    def confirm_commit(self, offset: int) -> None:
+        with self._lock:
+            if self._committed is None or offset > self._committed:
+                self._committed = offset
+
+    def uncommitted(self) -> int:
+        """Messages consumed but not yet confirmed committed: what a crash now would redeliver.
+
+        Counted in offsets, so it over-counts across gaps (compaction, transaction markers),
+        which only makes the in-flight bound stricter.
+        """
+        with self._lock:
+            if self._next is None:
+                return 0
+            base = self._committed if self._committed is not None else self._first
+            return max(0, self._next - (base if base is not None else self._next))
+
+
+class OffsetTracker:
+    """The `PartitionOffsets` of the current assignment, keyed by (topic, partition)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._parts: dict[tuple[str, int], PartitionOffsets] = {}
+        self._epoch = 0
+
+    def assign(self, topic: str, partition: int) -> PartitionOffsets:
+        with self._lock:
+            self._epoch += 1
+            old = self._parts.get((topic, partition))
+            if old is not None:
+                old.revoked = True
+            state = PartitionOffsets(topic, partition, self._epoch)
+            self._parts[(topic, partition)] = state
+            return state
+
+    def revoke(self, topic: str, partition: int) -> PartitionOffsets | None:
+        with self._lock:
+            state = self._parts.pop((topic, partition), None)
+        if state is not None:
+            state.revoked = True
+        return state
+
+    def get(self, topic: str, partition: int) -> PartitionOffsets | None:
+        with self._lock:
+            return self._parts.get((topic, partition))
+
+    def partitions(self) -> list[PartitionOffsets]:
+        with self._lock:
+            return list(self._parts.values())

@@ -1,0 +1,281 @@
+"""Prometheus metrics and the /metrics, /healthz, /readyz HTTP server.
+
+Nothing here is module-level state: each `Metrics` owns its own `CollectorRegistry`, so two
+workers in one process (tests, the demo) never share or collide on series, and tests can
+build as many as they like. The pipeline gets a `Metrics` handed in and calls the small
+methods below; it never touches prometheus_client itself.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Protocol
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.exposition import generate_latest
+
+PREFIX = "kwe_"
+REBALANCE_KINDS = ("assign", "revoke", "lost")
+
+# Powers of two: the bucketer's batch limits are powers of two up to 256, so every full
+# batch lands exactly on a bucket edge.
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# 0.0 is its own bucket: pad-to-longest batches of equal lengths waste nothing, and that is
+# worth seeing apart from "a little".
+WASTE_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# Queue waits are bounded by max_queue_delay_ms (20 ms by default) unless the backend is the
+# bottleneck, so resolution is finest around 1-50 ms.
+QUEUE_WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+BACKEND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# End to end includes time spent in the topic before the worker read it, so a backlog after a
+# restart shows up here as minutes.
+E2E_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class BatchStatsLike(Protocol):
+    """What `Metrics.observe_batch` reads from one dispatched batch."""
+
+    @property
+    def bucket(self) -> int: ...
+    @property
+    def bound(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def pad_len(self) -> int: ...
+    @property
+    def real_tokens(self) -> int: ...
+    @property
+    def padded_tokens(self) -> int: ...
+    @property
+    def queue_wait_s(self) -> Sequence[float]: ...
+    @property
+    def backend_s(self) -> float: ...
+    @property
+    def padding_waste(self) -> float: ...
+
+
+class Metrics:
+    """All the worker's instruments, in a registry of their own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.consumed = Counter(f"{PREFIX}consumed_messages", "Input messages consumed.", registry=r)
+        self.produced = Counter(f"{PREFIX}produced_messages",
+                                "Embeddings acknowledged by the broker on the output topic.", registry=r)
+        self.dead_lettered = Counter(f"{PREFIX}dead_lettered_messages",
+                                     "Messages acknowledged on the dead-letter topic, by reason.", ["reason"],
+                                     registry=r)
+        self.in_flight = Gauge(f"{PREFIX}in_flight_keywords",
+                               "Keywords consumed and not yet acknowledged by the broker.", registry=r)
+        self.paused_partitions = Gauge(f"{PREFIX}paused_partitions",
+                                       "Assigned partitions paused by flow control.", registry=r)
+        self.batch_size = Histogram(f"{PREFIX}batch_size", "Keywords per dispatched batch, by bucket bound.",
+                                    ["bucket"], buckets=BATCH_SIZE_BUCKETS, registry=r)
+        self.padding_waste = Histogram(f"{PREFIX}padding_waste_ratio",
+                                       "Per batch: padded tokens that are padding (1 - real/padded).",
+                                       ["bucket"], buckets=WASTE_BUCKETS, registry=r)
+        # The histogram weighs every batch alike; these two let a dashboard compute the
+        # token-weighted waste exactly: 1 - rate(real) / rate(padded).
+        self.real_tokens = Counter(f"{PREFIX}real_tokens", "Non-padding tokens sent to the backend.",
+                                   ["bucket"], registry=r)
+        self.padded_tokens = Counter(f"{PREFIX}padded_tokens",
+                                     "Tokens sent to the backend including padding (batch x pad length).",
+                                     ["bucket"], registry=r)
+        self.queue_wait = Histogram(f"{PREFIX}queue_wait_seconds",
+                                    "Per keyword: time in its bucket queue before its batch was dispatched.",
+                                    ["bucket"], buckets=QUEUE_WAIT_BUCKETS, registry=r)
+        self.backend_time = Histogram(f"{PREFIX}backend_seconds", "Per batch: time in the inference backend.",
+                                      ["bucket"], buckets=BACKEND_BUCKETS, registry=r)
+        self.end_to_end = Histogram(f"{PREFIX}end_to_end_latency_seconds",
+                                    "Kafka timestamp of the input message to broker ack of its output.",
+                                    buckets=E2E_BUCKETS, registry=r)
+        self.consumer_lag = Gauge(f"{PREFIX}consumer_lag", "Messages behind the high watermark, per partition.",
+                                  ["topic", "partition"], registry=r)
+        self.rebalances = Counter(f"{PREFIX}rebalances", "Partition rebalance callbacks, by kind.", ["kind"],
+                                  registry=r)
+        self.backend_info = Info(f"{PREFIX}backend", "Inference backend, model and bucket profile in use.",
+                                 registry=r)
+        # Series that exist from the start read 0 instead of "no data", so rate() and
+        # alerts on them work before the first event.
+        for kind in REBALANCE_KINDS:
+            self.rebalances.labels(kind=kind)
+
+    # --- messages ----------------------------------------------------------------------
+    def count_consumed(self, n: int = 1) -> None:
+        self.consumed.inc(n)
+
+    def count_produced(self, n: int = 1) -> None:
+        self.produced.inc(n)
+
+    def count_dead_lettered(self, reason: str, n: int = 1) -> None:
+        self.dead_lettered.labels(reason=reason).inc(n)
+
+    def observe_end_to_end(self, timestamp_ms: int, now_s: float | None = None) -> None:
+        """Latency from a Kafka message timestamp (ms since the epoch) to now.
+
+        Messages without a timestamp (librdkafka gives 0 or -1) are skipped. Clock skew
+        between producer and worker can make the difference negative; it is clamped to 0
+        rather than dragging the histogram's sum below the truth.
+        """
+        if timestamp_ms <= 0:
+            return
+        now = time.time() if now_s is None else now_s
+        self.end_to_end.observe(max(0.0, now - timestamp_ms / 1000.0))
+
+    # --- flow control --------------------------------------------------------------------
+    def set_in_flight(self, n: int) -> None:
+        self.in_flight.set(n)
+
+    def set_paused_partitions(self, n: int) -> None:
+        self.paused_partitions.set(n)
+
+    # --- batches -------------------------------------------------------------------------
+    def observe_batch(self, stats: BatchStatsLike) -> None:
+        # The bound, not the index, labels the series: "bucket=16" reads on a dashboard,
+        # "bucket=7" needs the profile file open beside it.
+        label = str(stats.bound)
+        self.batch_size.labels(bucket=label).observe(stats.size)
+        self.padding_waste.labels(bucket=label).observe(stats.padding_waste)
+        self.real_tokens.labels(bucket=label).inc(stats.real_tokens)
+        self.padded_tokens.labels(bucket=label).inc(stats.padded_tokens)
+        wait = self.queue_wait.labels(bucket=label)
+        for seconds in stats.queue_wait_s:
+            wait.observe(seconds)
+        self.backend_time.labels(bucket=label).observe(stats.backend_s)
+
+    # --- consumer group ------------------------------------------------------------------
+    def set_lag(self, topic: str, partition: int, lag: int) -> None:
+        self.consumer_lag.labels(topic=topic, partition=str(partition)).set(max(0, lag))
+
+    def forget_partition(self, topic: str, partition: int) -> None:
+        """Drops the lag series of a partition this worker no longer owns.
+
+        Left in place, a revoked partition's last lag would be summed with the new owner's
+        on the dashboard and keep a lag alert firing on the wrong worker.
+        """
+        try:
+            self.consumer_lag.remove(topic, str(partition))
+        except KeyError:
+            pass
+
+    def count_rebalance(self, kind: str, n: int = 1) -> None:
+        if kind not in REBALANCE_KINDS:
+            raise ValueError(f"rebalance kind {kind!r} is not one of {', '.join(REBALANCE_KINDS)}")
+        self.rebalances.labels(kind=kind).inc(n)
+
+    # --- identity ------------------------------------------------------------------------
+    def set_backend_info(self, backend: str, model: str, profile: str) -> None:
+        self.backend_info.info({"backend": backend, "model": model, "profile": profile})
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text exposition format."""
+        return generate_latest(self.registry)
+
+
+ReadyCheck = Callable[[], tuple[bool, dict[str, bool]]]
+
+
+class _Server(ThreadingHTTPServer):
+    # Request threads must not keep the process alive if a scraper hangs mid-request.
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], metrics: Metrics, ready: ReadyCheck) -> None:
+        self.metrics = metrics
+        self.ready = ready
+        super().__init__(address, _Handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+    # Keep-alive connections from scrapers idle between scrapes; bound how long a handler
+    # thread waits on one so threads do not pile up behind dead clients.
+    timeout = 30
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            self._send(HTTPStatus.OK, self.server.metrics.render(), CONTENT_TYPE_LATEST)
+        elif path == "/healthz":
+            self._send(HTTPStatus.OK, b"ok\n", "text/plain; charset=utf-8")
+        elif path == "/readyz":
+            self._readyz()
+        else:
+            self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain; charset=utf-8")
+
+    def _readyz(self) -> None:
+        try:
+            ready, checks = self.server.ready()
+            body: dict[str, object] = {"ready": bool(ready), "checks": {k: bool(v) for k, v in checks.items()}}
+        except Exception as exc:  # a failing check means "not ready", never a dropped connection
+            ready, body = False, {"ready": False, "checks": {}, "error": f"{type(exc).__name__}: {exc}"}
+        status = HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE
+        self._send(status, json.dumps(body, sort_keys=True).encode() + b"\n", "application/json")
+
+    def _send(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        # Probes and scrapes arrive every few seconds; access lines on stderr would drown the
+        # worker's own logs.
+        pass
+
+
+class MetricsServer:
+    """Serves /metrics, /healthz and /readyz on its own thread until `stop()`.
+
+    `port=0` binds an ephemeral port (read it back from `.port` after `start()`); the
+    setting metrics_port=0 meaning "disabled" is the caller's decision, not this class's.
+    """
+
+    def __init__(self, metrics: Metrics, host: str, port: int, ready: ReadyCheck) -> None:
+        self._metrics = metrics
+        self._host = host
+        self._requested_port = port
+        self._ready = ready
+        self._server: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            return self._requested_port
+        return int(self._server.server_address[1])
+
+    def start(self) -> None:
+        if self._server is not None:
+            raise RuntimeError("metrics server already started")
+        # Binding here, not in a background thread, so a port in use fails start() loudly.
+        self._server = _Server((self._host, self._requested_port), self._metrics, self._ready)
+        # Not a daemon: the owner must call stop(), which keeps shutdown ordering explicit.
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="kwe-metrics-http")
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        server, thread = self._server, self._thread
+        if server is None:
+            return
+        server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join(timeout_s)
+        self._server = self._thread = None
+
+    def __enter__(self) -> MetricsServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

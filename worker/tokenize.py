@@ -1,0 +1,78 @@
+"""Tokenisation as the reference does it: [CLS] text [SEP], cut at max_seq_length, no padding.
+
+The packaged tokenizer.json switches on truncation at 128 and fixed padding to 128. Used as it
+stands, every keyword would cost 128 positions and long ones would be cut below the reference's
+256, so both are replaced here. Padding is done later, per batch, by `pad`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from worker.model import ModelError, ModelInfo
+
+
+@dataclass(frozen=True)
+class Encoded:
+    # Token ids with special tokens, already cut at max_len: what the model sees.
+    ids: np.ndarray
+    # Token count with special tokens *before* truncation (for metrics and bucketing decisions).
+    length: int
+    truncated: bool
+
+
+def pad(encoded: Sequence[Encoded], pad_len: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad a batch to pad_len: (input_ids, attention_mask), both int64 [B, pad_len]."""
+    input_ids = np.full((len(encoded), pad_len), pad_id, dtype=np.int64)
+    attention_mask = np.zeros((len(encoded), pad_len), dtype=np.int64)
+    for row, item in enumerate(encoded):
+        n = len(item.ids)
+        if n > pad_len:
+            raise ValueError(f"pad: item {row} has {n} tokens, more than pad_len {pad_len}")
+        input_ids[row, :n] = item.ids
+        attention_mask[row, :n] = 1
+    return input_ids, attention_mask
+
+
+class KeywordTokenizer:
+    def __init__(self, tokenizer: Tokenizer, max_len: int, *, source: str = "<tokenizer>") -> None:
+        if max_len < 3:
+            raise ValueError(f"{source}: max_len {max_len} cannot hold [CLS] x [SEP]")
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(max_len)
+        self._tokenizer = tokenizer
+        self._max_len = max_len
+        # Each overflow piece repeats the special tokens; subtracting them gives the full length.
+        self._n_special = tokenizer.num_special_tokens_to_add(False)
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path, max_len: int | None = None) -> KeywordTokenizer:
+        info = ModelInfo.from_dir(path)
+        limit = info.max_seq_length if max_len is None else max_len
+        if not 3 <= limit <= info.max_position_embeddings:
+            raise ModelError(f"{info.model_dir}: max_len {limit} must be in [3, {info.max_position_embeddings}]")
+        try:
+            tokenizer = Tokenizer.from_file(str(info.tokenizer_path))
+        except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
+            raise ModelError(f"{info.tokenizer_path}: cannot load tokenizer ({exc})") from None
+        return cls(tokenizer, limit, source=str(info.tokenizer_path))
+
+    @property
+    def max_len(self) -> int:
+        return self._max_len
+
+    def encode(self, texts: Sequence[str]) -> list[Encoded]:
+        out = []
+        for enc in self._tokenizer.encode_batch(list(texts), add_special_tokens=True):
+            ids = np.asarray(enc.ids, dtype=np.int64)
+            overflow = sum(len(o.ids) - self._n_special for o in enc.overflowing)
+            out.append(Encoded(ids=ids, length=len(ids) + overflow, truncated=overflow > 0))
+        return out
+
+    def pad(self, encoded: Sequence[Encoded], pad_len: int) -> tuple[np.ndarray, np.ndarray]:
+        return pad(encoded, pad_len)
