@@ -98,7 +98,7 @@ class Pipeline:
         self._bucketer = factory(
             profile, backend, self._on_batch, on_error=self._on_batch_error,
             max_queue_delay_ms=settings.max_queue_delay_ms, dispatchers=settings.dispatchers,
-            pad_to=settings.pad_to)
+            pad_to=None if settings.pad_to == "auto" else settings.pad_to)
 
     # ------------------------------------------------------------------ state for probes
     def ready(self) -> tuple[bool, dict[str, bool]]:
@@ -179,6 +179,7 @@ class Pipeline:
     def _handle(self, msgs: Sequence[Message]) -> None:
         s = self.settings
         good: list[tuple[int, Keyword, PartitionOffsets, Message]] = []
+        consumed = 0
         for msg in msgs:
             err = msg.error()
             if err is not None:
@@ -190,8 +191,13 @@ class Pipeline:
                 # Delivered for a partition no longer ours (revoked between fetch and here).
                 continue
             offset = msg.offset()
-            part.track(offset)
-            self._count("consumed")
+            try:
+                part.track(offset)
+            except ValueError as exc:
+                # Re-fetched after an offset reset: already in flight or done here.
+                log.warning("skipping a re-fetched message", error=str(exc))
+                continue
+            consumed += 1
             decoded = decode_input(msg.key(), msg.value(), fmt=s.input_format,  # type: ignore[arg-type]
                                    max_bytes=s.max_message_bytes)
             seq = next(self._seq)
@@ -204,8 +210,9 @@ class Pipeline:
                 with self._inflight_lock:
                     self._inflight[seq] = InFlight(part, offset, decoded.id, 0, False, ts if ts_type else None, msg)
                 good.append((seq, decoded, part, msg))
+        self._count("consumed", consumed)
         if self._metrics is not None:
-            self._metrics.consumed.inc(len(msgs))
+            self._metrics.count_consumed(consumed)
         if not good:
             return
         encoded = self._tokenizer.encode([kw.text for _, kw, _, _ in good])
@@ -224,7 +231,7 @@ class Pipeline:
         log.debug("dead-lettering", reason=rejection.reason, topic=msg.topic(), partition=msg.partition(),
                   offset=msg.offset())
         if self._metrics is not None:
-            self._metrics.dead_lettered.labels(reason=rejection.reason).inc()
+            self._metrics.count_dead_lettered(rejection.reason)
         self._count("dead_lettered")
         self._produce(self.settings.dead_letter_topic, msg.key(), value, headers, seq)
 
@@ -295,9 +302,9 @@ class Pipeline:
         if msg.topic() == self.settings.output_topic:
             self._count("produced")
             if self._metrics is not None:
-                self._metrics.produced.inc()
+                self._metrics.count_produced()
                 if rec.timestamp_ms is not None:
-                    self._metrics.e2e_latency.observe(max(0.0, time.time() - rec.timestamp_ms / 1000.0))
+                    self._metrics.observe_end_to_end(rec.timestamp_ms)
 
     # ------------------------------------------------------------------ offsets
     def _committable(self, parts: Sequence[PartitionOffsets]) -> list[TopicPartition]:
@@ -355,19 +362,21 @@ class Pipeline:
         for tp in partitions:
             self._tracker.assign(tp.topic, tp.partition)
         self._assigned = bool(partitions) or bool(self._tracker.partitions())
-        if self._paused and partitions:
-            # Paused members stay paused on newly assigned partitions; resumed together later.
-            self._pending_pause = True
         log.info("partitions assigned", partitions=[f"{tp.topic}[{tp.partition}]" for tp in partitions])
         if self._metrics is not None:
-            self._metrics.rebalances.labels(kind="assign").inc()
+            self._metrics.count_rebalance("assign")
         if self._paused and partitions:
+            # A paused member takes new partitions paused too (resumed with the rest once the
+            # in-flight bound drains). Assigning here replaces the library's own assign, which
+            # must happen before the partitions can be paused.
             consumer.incremental_assign(partitions)
             consumer.pause(partitions)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         parts = [p for tp in partitions if (p := self._tracker.get(tp.topic, tp.partition)) is not None]
-        deadline = time.monotonic() + self.settings.revoke_timeout_s
+        # Closing after an abort or a fatal error: nothing more will finish, so do not wait.
+        wait_s = 0.0 if (self._abort.is_set() or self._fatal is not None) else self.settings.revoke_timeout_s
+        deadline = time.monotonic() + wait_s
         while any(p.unfinished() for p in parts) and time.monotonic() < deadline and self._fatal is None:
             time.sleep(0.01)
         unfinished = sum(p.unfinished() for p in parts)
@@ -380,7 +389,7 @@ class Pipeline:
         log.info("partitions revoked", partitions=[f"{tp.topic}[{tp.partition}]" for tp in partitions],
                  dropped_unfinished=unfinished)
         if self._metrics is not None:
-            self._metrics.rebalances.labels(kind="revoke").inc()
+            self._metrics.count_rebalance("revoke")
 
     def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Lost, not revoked: another member may already own them, so commit nothing.
@@ -391,7 +400,7 @@ class Pipeline:
         self._assigned = bool(self._tracker.partitions())
         log.warning("partitions lost", partitions=[f"{tp.topic}[{tp.partition}]" for tp in partitions])
         if self._metrics is not None:
-            self._metrics.rebalances.labels(kind="lost").inc()
+            self._metrics.count_rebalance("lost")
 
     # ------------------------------------------------------------------ errors, stats
     def _on_consumer_error(self, err: KafkaError) -> None:
@@ -412,7 +421,10 @@ class Pipeline:
     def _on_stats(self, raw: str) -> None:
         if self._metrics is None:
             return
-        stats = orjson.loads(raw)
+        try:
+            stats = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return
         for topic, tdata in stats.get("topics", {}).items():
             for pid, pdata in tdata.get("partitions", {}).items():
                 lag = pdata.get("consumer_lag", -1)

@@ -75,6 +75,8 @@ def decode_input(key: bytes | None, value: bytes | None, *, fmt: InputFormat, ma
 
 
 def _checked(qid: str, text: str) -> Keyword | Rejection:
+    if not qid:
+        return Rejection("empty_id", "the query ID is empty; it keys the output record")
     if not text.strip():
         return Rejection("empty_text", "'text' is empty or whitespace only")
     return Keyword(qid, text)

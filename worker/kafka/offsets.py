@@ -65,6 +65,11 @@ class PartitionOffsets:
         with self._lock:
             return len(self._cells)
 
+    @property
+    def committed(self) -> int | None:
+        with self._lock:
+            return self._committed
+
     def confirm_commit(self, offset: int) -> None:
         with self._lock:
             if self._committed is None or offset > self._committed:

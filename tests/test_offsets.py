@@ -1,0 +1,104 @@
+"""Commit-after-write offset tracking: never commit past the lowest unfinished offset."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from worker.kafka.offsets import OffsetTracker, PartitionOffsets
+
+
+def test_out_of_order_completion_commits_only_the_finished_prefix() -> None:
+    p = PartitionOffsets("t", 0, 1)
+    assert p.committable() is None
+    for off in range(10, 15):
+        p.track(off)
+    assert p.committable() == 10
+    p.done(12)
+    p.done(11)
+    assert p.committable() == 10  # 10 still unfinished
+    p.done(10)
+    assert p.committable() == 13  # 10..12 done, 13 next
+    p.done(14)
+    assert p.committable() == 13
+    p.done(13)
+    assert p.committable() == 15 and p.unfinished() == 0
+
+
+def test_gaps_in_offsets_are_fine() -> None:
+    # Compacted topics and transaction markers leave gaps; the commit point skips them.
+    p = PartitionOffsets("t", 0, 1)
+    for off in (3, 7, 8, 20):
+        p.track(off)
+    p.done(7)
+    p.done(3)
+    assert p.committable() == 8
+    p.done(20)
+    p.done(8)
+    assert p.committable() == 21
+
+
+def test_uncommitted_counts_until_the_broker_confirms() -> None:
+    p = PartitionOffsets("t", 0, 1)
+    for off in range(100, 110):
+        p.track(off)
+    assert p.uncommitted() == 10
+    for off in range(100, 106):
+        p.done(off)
+    assert p.uncommitted() == 10  # done but not yet committed: a crash now redelivers them
+    p.confirm_commit(106)
+    assert p.committed == 106 and p.uncommitted() == 4
+    p.confirm_commit(103)  # a late, older commit confirmation never moves it back
+    assert p.committed == 106
+
+
+def test_tracking_backwards_is_refused() -> None:
+    p = PartitionOffsets("t", 0, 1)
+    p.track(5)
+    with pytest.raises(ValueError, match=r"t\[0\]"):
+        p.track(5)
+
+
+def test_done_twice_or_unknown_is_harmless() -> None:
+    p = PartitionOffsets("t", 0, 1)
+    p.track(0)
+    p.track(1)
+    p.done(1)
+    p.done(1)
+    p.done(99)
+    assert p.committable() == 0
+
+
+def test_reassignment_starts_a_new_epoch_and_marks_the_old_one_revoked() -> None:
+    tracker = OffsetTracker()
+    first = tracker.assign("t", 0)
+    first.track(0)
+    assert tracker.revoke("t", 0) is first and first.revoked
+    assert tracker.get("t", 0) is None
+    second = tracker.assign("t", 0)
+    assert second is not first and second.epoch > first.epoch and not second.revoked
+    # A late completion of the old owner's message lands on the old object only.
+    first.done(0)
+    assert second.committable() is None
+    assert tracker.partitions() == [second]
+
+
+def test_concurrent_completion_matches_a_sequential_model() -> None:
+    p = PartitionOffsets("t", 0, 1)
+    offsets = list(range(5000))
+    for off in offsets:
+        p.track(off)
+    shuffled = offsets[:]
+    random.Random(7).shuffle(shuffled)
+    finished = shuffled[:4000]
+    chunks = [finished[i::4] for i in range(4)]
+    threads = [threading.Thread(target=lambda c=c: [p.done(o) for o in c]) for c in chunks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = min(set(offsets) - set(finished))
+    assert p.committable() == expected
+    assert p.unfinished() == 1000

@@ -1,0 +1,289 @@
+"""The worker against the real broker: delivery, parity, scaling, crashes, dead letters, shutdown.
+
+Every worker here is a `keyword-embedder run` process, as deployed; the tests only produce
+input, read the output and dead-letter topics back, and send signals.
+"""
+
+from __future__ import annotations
+
+import base64
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from tests.kafka_tools import (
+    TopicReader, WorkerProcess, committed_offsets, end_offsets, http_get, load_queries, produce, produce_queries,
+)
+
+pytestmark = pytest.mark.kafka
+
+
+@pytest.fixture(scope="module")
+def onnx_ready() -> None:
+    # Export once before worker processes start, so they all load the cached file.
+    from engines.export_onnx import ensure_onnx
+
+    ensure_onnx()
+
+
+@pytest.fixture(scope="module")
+def embedder():  # noqa: ANN201
+    from worker import Embedder
+
+    return Embedder()
+
+
+def topics(make_topic: Callable[..., str], partitions: int) -> tuple[str, str, str]:
+    return make_topic("kw", partitions), make_topic("emb", partitions), make_topic("dlq", 1)
+
+
+def workers(n: int, bootstrap: str, names: tuple[str, str, str], group: str, tmp_path: Path,
+            extra: tuple[str, ...] = ()) -> list[WorkerProcess]:
+    inp, out, dlq = names
+    return [WorkerProcess(bootstrap, inp, out, dlq, group, tmp_path / f"worker-{i}.log", extra) for i in range(n)]
+
+
+def test_readyz_waits_for_assignment_and_metrics_count_the_work(
+        kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path, onnx_ready: None) -> None:
+    out, dlq = make_topic("emb", 1), make_topic("dlq", 1)
+    inp = f"kw-late-{group_id}"  # created only after the worker has started
+    # The passthrough setting makes the worker notice the new topic within a second.
+    w = WorkerProcess(kafka_bootstrap, inp, out, dlq, group_id, tmp_path / "w.log",
+                      ("--kafka-config", "topic.metadata.refresh.interval.ms=1000")).start()
+    try:
+        deadline = time.monotonic() + 90
+        while w.probe("/healthz") != 200:
+            assert w.proc is not None and w.proc.poll() is None, w.log()
+            assert time.monotonic() < deadline, w.log()
+            time.sleep(0.1)
+        status, body = http_get(w.url + "/readyz")
+        assert status == 503, body
+        assert b"assigned" in body
+        admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+        admin.create_topics([NewTopic(inp, num_partitions=2, replication_factor=1)])[inp].result(30)
+        w.wait_ready(60)
+
+        queries = load_queries(0, 300)
+        produce_queries(kafka_bootstrap, inp, queries)
+        reader = TopicReader(kafka_bootstrap, out, group_id + "-reader")
+        reader.wait_for({q for q, _ in queries}, 60, alive=[w])
+        reader.close()
+        time.sleep(0.5)
+        metrics = http_get(w.url + "/metrics")[1].decode()
+        values = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                  if line and not line.startswith("#")}
+        assert values["kwe_consumed_messages_total"] == 300
+        assert values["kwe_produced_messages_total"] == 300
+        batch_counts = {k: v for k, v in values.items() if k.startswith("kwe_batch_size_count{")}
+        assert batch_counts and sum(batch_counts.values()) >= 1, metrics
+        assert all('bucket="' in k for k in batch_counts)
+        assert any(k.startswith("kwe_end_to_end_latency_seconds_count") and v == 300 for k, v in values.items())
+        assert w.stop() == 0
+    finally:
+        if w.proc and w.proc.poll() is None:
+            w.kill()
+
+
+def test_one_worker_embeds_20k_queries_exactly_as_the_embedder(
+        kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path, onnx_ready: None,
+        embedder) -> None:  # noqa: ANN001
+    names = topics(make_topic, 3)
+    queries = load_queries()
+    assert len(queries) == 20000
+    produce_queries(kafka_bootstrap, names[0], queries)
+    [w] = workers(1, kafka_bootstrap, names, group_id, tmp_path, ("--output-encoding", "base64-f32"))
+    w.start()
+    reader = TopicReader(kafka_bootstrap, names[1], group_id + "-reader")
+    try:
+        reader.wait_for({q for q, _ in queries}, 600, alive=[w])
+        assert w.stop() == 0
+    finally:
+        if w.proc and w.proc.poll() is None:
+            w.kill()
+    reader.settle(1.0)
+    reader.close()
+    # Commit-after-write: everything done, everything committed, exactly once here.
+    assert committed_offsets(kafka_bootstrap, group_id, names[0], 3) == end_offsets(kafka_bootstrap, names[0], 3)
+    by_id = {r.key: r for r in reader.records}
+    assert len(reader.records) == len(by_id) == 20000
+
+    texts = dict(queries)
+    ids = [q for q, _ in queries]
+    expected = embedder.embed([texts[q] for q in ids])
+    got = np.stack([np.frombuffer(base64.b64decode(by_id[q].value["embedding"]), dtype="<f4") for q in ids])
+    assert got.shape == expected.shape == (20000, embedder.dim)
+    diff = np.abs(got - expected).max()
+    assert diff <= 1e-5, f"max |worker - Embedder| = {diff}"
+    sample = by_id[ids[0]]
+    assert sample.value["id"] == ids[0] and sample.value["model"] == embedder.model_name
+    assert sample.value["tokens"] == len(embedder.tokenizer.encode([texts[ids[0]]])[0].ids)
+    assert sample.headers["kwe-encoding"] == b"base64-f32"
+
+
+def test_three_workers_share_six_partitions(
+        kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path, onnx_ready: None) -> None:
+    names = topics(make_topic, 6)
+    queries = load_queries(0, 6000)
+    ws = workers(3, kafka_bootstrap, names, group_id, tmp_path, ("--intra-op-threads", "1"))
+    for w in ws:
+        w.start()
+    # Publish once every member owns partitions, so the spread tests the group, not start-up order.
+    for w in ws:
+        w.wait_ready()
+    produce_queries(kafka_bootstrap, names[0], queries)
+    reader = TopicReader(kafka_bootstrap, names[1], group_id + "-reader")
+    try:
+        reader.wait_for({q for q, _ in queries}, 600, alive=ws)
+        codes = [w.stop() for w in ws]
+    finally:
+        for w in ws:
+            if w.proc and w.proc.poll() is None:
+                w.kill()
+    reader.settle(1.0)
+    reader.close()
+    assert codes == [0, 0, 0]
+    produced = [w.events("worker stopped")[-1]["produced"] for w in ws]
+    assert sum(produced) >= 6000
+    assert all(n > 0 for n in produced), f"work not spread across members: {produced}"
+    assigned = [sum(len(e["partitions"]) for e in w.events("partitions assigned")) for w in ws]
+    assert all(a > 0 for a in assigned), assigned
+    assert committed_offsets(kafka_bootstrap, group_id, names[0], 6) == end_offsets(kafka_bootstrap, names[0], 6)
+
+
+def test_kill_9_loses_nothing_and_duplicates_stay_within_the_in_flight_bound(
+        kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path, onnx_ready: None) -> None:
+    max_in_flight = 400
+    names = topics(make_topic, 6)
+    queries = load_queries(6000, 9000)
+    ws = workers(3, kafka_bootstrap, names, group_id, tmp_path,
+                 ("--intra-op-threads", "1", "--max-in-flight", str(max_in_flight)))
+    for w in ws:
+        w.start()
+    for w in ws:
+        w.wait_ready()
+    produce_queries(kafka_bootstrap, names[0], queries)
+    reader = TopicReader(kafka_bootstrap, names[1], group_id + "-reader")
+    victim, survivors = ws[0], ws[1:]
+    try:
+        deadline = time.monotonic() + 300
+        while len(reader.ids()) < 2500:
+            reader.poll(0.2)
+            assert time.monotonic() < deadline, "no progress before the kill"
+        victim.kill()
+        reader.wait_for({q for q, _ in queries}, 600, alive=survivors)
+        reader.settle(3.0)
+        codes = [w.stop() for w in survivors]
+    finally:
+        for w in ws:
+            if w.proc and w.proc.poll() is None:
+                w.kill()
+    reader.close()
+    assert codes == [0, 0]
+    counts = Counter(r.key for r in reader.records)
+    duplicates = sum(n - 1 for n in counts.values())
+    print(f"\nkill -9 of 1 of 3 workers: {len(counts)} IDs, {duplicates} duplicates "
+          f"(bound: the victim's max_in_flight = {max_in_flight})")
+    assert set(counts) == {q for q, _ in queries}
+    assert duplicates <= max_in_flight
+    # The bound held by backpressure: the victim paused at its in-flight limit before dying.
+    assert victim.events("partitions paused"), "backpressure never engaged; the test does not exercise the bound"
+
+
+BAD_KINDS: list[tuple[str, Callable[[int], tuple[bytes | None, bytes | None]]]] = [
+    ("malformed_json", lambda i: (f"bad-{i}".encode(), b'{"id": "x", "text": ')),
+    ("not_an_object", lambda i: (f"bad-{i}".encode(), b'["shoes"]')),
+    ("missing_id", lambda i: (f"bad-{i}".encode(), b'{"text": "shoes"}')),
+    ("id_not_string", lambda i: (f"bad-{i}".encode(), orjson.dumps({"id": i, "text": "shoes"}))),
+    ("missing_text", lambda i: (f"bad-{i}".encode(), orjson.dumps({"id": f"bad-{i}"}))),
+    ("text_not_string", lambda i: (f"bad-{i}".encode(), orjson.dumps({"id": f"bad-{i}", "text": 5}))),
+    ("empty_text", lambda i: (f"bad-{i}".encode(), orjson.dumps({"id": f"bad-{i}", "text": " \t "}))),
+    ("empty_id", lambda i: (f"bad-{i}".encode(), orjson.dumps({"id": "", "text": "shoes"}))),
+    ("not_utf8", lambda i: (f"bad-{i}".encode(), b'{"id": "bad", "text": "caf\xe9"}')),
+    ("oversized", lambda i: (f"bad-{i}".encode(), orjson.dumps({"id": f"bad-{i}", "text": "word " * 800}))),
+    ("null_value", lambda i: (f"bad-{i}".encode(), None)),
+]
+
+
+def test_ten_percent_bad_messages_go_to_the_dead_letter_topic(
+        kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path, onnx_ready: None) -> None:
+    names = topics(make_topic, 2)
+    good = load_queries(15000, 1980)
+    records: list[tuple[bytes | None, bytes | None]] = []
+    expected_bad: dict[str, str] = {}
+    for i, (qid, text) in enumerate(good):
+        records.append((qid.encode(), orjson.dumps({"id": qid, "text": text})))
+        if i % 9 == 0:  # 220 bad among 2200: 10%, every kind 20 times, interleaved with good ones
+            reason, make = BAD_KINDS[(i // 9) % len(BAD_KINDS)]
+            key, value = make(i)
+            records.append((key, value))
+            expected_bad[key.decode()] = reason
+    assert len(expected_bad) == 220 and len(set(expected_bad.values())) == len(BAD_KINDS)
+    produce(kafka_bootstrap, names[0], records)
+    [w] = workers(1, kafka_bootstrap, names, group_id, tmp_path, ("--max-message-bytes", "2048"))
+    w.start()
+    out = TopicReader(kafka_bootstrap, names[1], group_id + "-out")
+    dlq = TopicReader(kafka_bootstrap, names[2], group_id + "-dlq")
+    try:
+        out.wait_for({q for q, _ in good}, 300, alive=[w])
+        dlq.wait_for(set(expected_bad), 60, alive=[w])
+        assert w.stop() == 0
+    finally:
+        if w.proc and w.proc.poll() is None:
+            w.kill()
+    out.settle(1.0)
+    dlq.settle(1.0)
+    out.close()
+    dlq.close()
+    assert out.ids() == {q for q, _ in good}
+    got = {r.key: r for r in dlq.records}
+    assert len(dlq.records) == len(got) == 220
+    for key, reason in expected_bad.items():
+        rec = got[key]
+        assert rec.value["reason"] == reason and rec.headers["kwe-dlq-reason"] == reason.encode()
+        assert rec.value["source"]["topic"] == names[0]
+        original = dict(records)[key.encode()]
+        assert (base64.b64decode(rec.value["value_b64"]) if rec.value["value_b64"] else None) == original
+    # Nothing stalled: the whole input, bad messages included, is committed.
+    assert committed_offsets(kafka_bootstrap, group_id, names[0], 2) == end_offsets(kafka_bootstrap, names[0], 2)
+
+
+def test_sigterm_and_restart_lose_nothing_and_duplicate_nothing(
+        kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path, onnx_ready: None) -> None:
+    names = topics(make_topic, 3)
+    queries = load_queries(17000, 3000)
+    produce_queries(kafka_bootstrap, names[0], queries)
+    reader = TopicReader(kafka_bootstrap, names[1], group_id + "-reader")
+    # A small in-flight bound keeps most of the input unconsumed when the stop comes.
+    [first] = workers(1, kafka_bootstrap, names, group_id, tmp_path, ("--max-in-flight", "500"))
+    first.start()
+    try:
+        deadline = time.monotonic() + 300
+        while len(reader.ids()) < 600:
+            reader.poll(0.1)
+            assert time.monotonic() < deadline
+        first.signal(signal.SIGTERM)
+        assert first.proc is not None and first.proc.wait(60) == 0
+    finally:
+        if first.proc and first.proc.poll() is None:
+            first.kill()
+    stopped = first.events("worker stopped")[-1]
+    assert 0 < stopped["produced"] < 3000, "the stop must interrupt the stream for this test to mean anything"
+    second = WorkerProcess(kafka_bootstrap, *names, group_id, tmp_path / "second.log").start()
+    try:
+        reader.wait_for({q for q, _ in queries}, 300, alive=[second])
+        reader.settle(2.0)
+        assert second.stop() == 0
+    finally:
+        if second.proc and second.proc.poll() is None:
+            second.kill()
+    reader.close()
+    counts = Counter(r.key for r in reader.records)
+    assert set(counts) == {q for q, _ in queries}
+    assert max(counts.values()) == 1, f"duplicates: {sum(n - 1 for n in counts.values())}"
