@@ -249,6 +249,14 @@ def _neighbours(vectors: dict[str, np.ndarray], texts: dict[str, str]) -> None:
     print("nearest neighbours among the embedded keywords (cosine):")
     for probe, vec in zip(NEIGHBOUR_PROBES, probes):
         scores = matrix @ vec
-        top = np.argsort(-scores)[:3]
-        shown = "; ".join(f"{texts[ids[i]]!r} {scores[i]:.2f}" for i in top)
+        picked: list[str] = []
+        seen = {probe.lower()}
+        for i in np.argsort(-scores):
+            text = texts[ids[i]]
+            if text.lower().strip() not in seen:  # the sample repeats popular queries; show distinct ones
+                seen.add(text.lower().strip())
+                picked.append(f"{text!r} {scores[i]:.2f}")
+            if len(picked) == 3:
+                break
+        shown = "; ".join(picked)
         print(f"    {probe!r} -> {shown}")
