@@ -1,0 +1,177 @@
+"""What Kafka costs: end-to-end keywords/s through the broker against the same pipeline offline.
+
+Run with a broker (the script starts none itself):
+    deploy/local/with-kafka.sh .venv/bin/python benchmarks/kafka_vs_offline.py --json benchmarks/results/kafka_vs_offline.json
+
+kafka:   one `keyword-embedder run` process (default settings), already in its group and warm;
+         a round publishes N keywords and ends when the last embedding is read back from the
+         output topic (produce + consume + worker, through a single-node broker on the same box).
+offline: in this process, the same path without Kafka: tokenize in consume-sized chunks, the
+         worker's own Bucketer and backend, the same in-flight window (max_in_flight).
+Rounds alternate the order of the two; the ratio kafka/offline is paired per round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import orjson
+from confluent_kafka import Consumer, Producer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.kafka_tools import WorkerProcess  # noqa: E402
+from worker.bucketing import Bucketer  # noqa: E402
+from worker.commands.produce import read_keywords  # noqa: E402
+from worker.config import Settings  # noqa: E402
+from worker.kafka.admin import ensure_topics  # noqa: E402
+from worker.pipeline import CONSUME_BATCH  # noqa: E402
+
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "queries" / "msmarco-passage-dev.tsv"
+FALLBACK_DATA = ROOT / "tests" / "data" / "queries" / "terabyte05-20k.tsv"
+
+
+def offline_round(texts: list[str], settings: Settings, tokenizer, backend, profile) -> float:  # noqa: ANN001
+    """Seconds to embed texts with the worker's bucketer, fed through the in-flight window."""
+    window = settings.max_in_flight
+    done = threading.Semaphore(0)
+    room = threading.Condition()
+    pending = [0]
+
+    def on_complete(seqs, rows, stats) -> None:  # noqa: ANN001
+        with room:
+            pending[0] -= len(seqs)
+            room.notify_all()
+        for _ in seqs:
+            done.release()
+
+    def on_error(seqs, exc) -> None:  # noqa: ANN001
+        raise SystemExit(f"backend failed: {exc!r}")
+
+    bucketer = Bucketer(profile, backend, on_complete, on_error=on_error,
+                        max_queue_delay_ms=settings.max_queue_delay_ms, dispatchers=settings.dispatchers)
+    bucketer.start()
+    start = time.perf_counter()
+    seq = 0
+    for i in range(0, len(texts), CONSUME_BATCH):
+        chunk = texts[i:i + CONSUME_BATCH]
+        with room:
+            room.wait_for(lambda: pending[0] + len(chunk) <= window)
+            pending[0] += len(chunk)
+        for enc in tokenizer.encode(chunk):
+            bucketer.submit(seq, enc.ids)
+            seq += 1
+    for _ in range(len(texts)):
+        done.acquire()
+    elapsed = time.perf_counter() - start
+    bucketer.stop()
+    return elapsed
+
+
+def kafka_round(tag: str, rows: list[tuple[str, str]], bootstrap: str, topic_in: str, reader: Consumer) -> float:
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": True})
+    want = {f"{tag}-{qid}" for qid, _ in rows}
+    start = time.perf_counter()
+    for qid, text in rows:
+        key = f"{tag}-{qid}"
+        while True:
+            try:
+                producer.produce(topic_in, key=key.encode(), value=orjson.dumps({"id": key, "text": text}))
+                break
+            except BufferError:
+                producer.poll(0.01)
+        producer.poll(0)
+    producer.flush(60)
+    deadline = time.monotonic() + 600
+    while want:
+        for msg in reader.consume(1000, timeout=0.05):
+            if not msg.error():
+                want.discard(msg.key().decode())
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{len(want)} embeddings missing after 600 s")
+    return time.perf_counter() - start
+
+
+def quartiles(xs: list[float]) -> dict[str, float]:
+    q = np.percentile(xs, [25, 50, 75])
+    return {"q1": float(q[0]), "median": float(q[1]), "q3": float(q[2])}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA if DEFAULT_DATA.exists() else FALLBACK_DATA)
+    ap.add_argument("-n", type=int, default=4000, help="keywords per round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if not bootstrap:
+        raise SystemExit("set KAFKA_BOOTSTRAP_SERVERS (run through deploy/local/with-kafka.sh)")
+    rows = list(read_keywords(args.data))[: args.n]
+
+    from worker.app import build_pipeline  # noqa: F401  (same loaders as the worker)
+    from worker.backends.select import load_backend
+    from worker.tokenize import KeywordTokenizer
+    from worker.model import default_model_dir
+
+    settings = Settings()
+    tokenizer = KeywordTokenizer.from_model_dir(default_model_dir())
+    backend, profile = load_backend(settings)
+
+    run = f"bench-{uuid.uuid4().hex[:6]}"
+    topic_in, topic_out, topic_dlq = f"{run}-in", f"{run}-out", f"{run}-dlq"
+    ensure_topics(bootstrap, {topic_in: 6, topic_out: 6, topic_dlq: 1})
+    logdir = Path(tempfile.mkdtemp(prefix="kwe-bench-"))
+    worker = WorkerProcess(bootstrap, topic_in, topic_out, topic_dlq, run, logdir / "worker.log").start()
+    reader = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{run}-reader", "auto.offset.reset": "latest",
+                       "enable.auto.commit": False})
+    reader.subscribe([topic_out])
+    try:
+        worker.wait_ready(120)
+        reader.consume(1, timeout=3.0)  # join before the first round publishes
+        texts = [t for _, t in rows]
+        kafka_round("warmup", rows[:500], bootstrap, topic_in, reader)
+        offline_round(texts[:500], settings, tokenizer, backend, profile)
+        results = []
+        for r in range(args.rounds):
+            order = ("kafka", "offline") if r % 2 == 0 else ("offline", "kafka")
+            t: dict[str, float] = {}
+            for which in order:
+                t[which] = (kafka_round(f"r{r}", rows, bootstrap, topic_in, reader) if which == "kafka"
+                            else offline_round(texts, settings, tokenizer, backend, profile))
+            kw = {k: len(rows) / v for k, v in t.items()}
+            results.append({"round": r, "order": list(order), "kafka_kw_s": kw["kafka"],
+                            "offline_kw_s": kw["offline"], "ratio": kw["kafka"] / kw["offline"]})
+            print(f"round {r}: kafka {kw['kafka']:7.0f} kw/s  offline {kw['offline']:7.0f} kw/s  "
+                  f"ratio {kw['kafka'] / kw['offline']:.3f}", flush=True)
+    finally:
+        reader.close()
+        worker.stop()
+    ratio = quartiles([x["ratio"] for x in results])
+    summary = {
+        "dataset": str(args.data.name), "n": len(rows), "rounds": args.rounds, "cpu_count": os.cpu_count(),
+        "backend": backend.name, "profile": profile.name,
+        "kafka_keywords_per_s": statistics.median(x["kafka_kw_s"] for x in results),
+        "offline_keywords_per_s": statistics.median(x["offline_kw_s"] for x in results),
+        "ratio_kafka_over_offline": ratio, "kafka_cost": 1 - ratio["median"], "rounds_detail": results,
+    }
+    print(f"kafka/offline: median {ratio['median']:.3f} (q1 {ratio['q1']:.3f}, q3 {ratio['q3']:.3f}); "
+          f"Kafka costs {1 - ratio['median']:.1%} (target <= 15%)")
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
