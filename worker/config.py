@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import math
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -20,14 +22,23 @@ from typing import Any, get_origin, get_type_hints
 
 ENV_PREFIX = "KWE_"
 
+# librdkafka keys that --kafka-config may not set: each either has a setting of its own (one
+# source of truth, no silent "which one won?") or is what at-least-once delivery rests on.
+RESERVED_KAFKA_KEYS: dict[str, str] = {
+    "bootstrap.servers": "use the bootstrap_servers setting",
+    "group.id": "use the group_id setting",
+    "enable.auto.commit": "the worker commits offsets itself, only after the output is acknowledged",
+    "enable.auto.offset.store": "the worker stores offsets itself, only after the output is acknowledged",
+}
+
 
 class SettingsError(ValueError):
     """A setting has an invalid value; the message names the setting and its source."""
 
 
 def _setting(default: Any, help: str, *, choices: Sequence[str] | None = None, minimum: float | None = None,
-             default_factory: Any = None) -> Any:
-    meta = {"help": help, "choices": tuple(choices) if choices else None, "minimum": minimum}
+             maximum: float | None = None, default_factory: Any = None) -> Any:
+    meta = {"help": help, "choices": tuple(choices) if choices else None, "minimum": minimum, "maximum": maximum}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -43,7 +54,10 @@ class Settings:
     group_id: str = _setting("keyword-embedder", "Consumer group; every worker of one deployment shares it.")
     kafka_config: tuple[str, ...] = _setting(
         None, "Extra librdkafka settings as key=value (TLS, SASL, ...), applied to consumer and producer; "
-        "repeat the flag, or comma-separate in the environment.", default_factory=tuple)
+        "repeat the flag; in the environment and in a config-file string, comma-separate them (a piece "
+        "without '=' continues the previous value, as in debug=cgrp,fetch). The config file also takes a "
+        "list or a table. bootstrap.servers, group.id, enable.auto.commit and enable.auto.offset.store are "
+        "refused: they have settings of their own or would break commit-after-write.", default_factory=tuple)
     # --- Messages ----------------------------------------------------------------------
     input_format: str = _setting("json", "Input value format: 'json' ({\"id\", \"text\"}) or 'raw' "
                                  "(UTF-8 text, query ID in the message key).", choices=("json", "raw"))
@@ -86,8 +100,8 @@ class Settings:
     dispatchers: int = _setting(1, "Inference contexts (and dispatcher threads) on CPU; TensorRT always uses "
                                 "one per bucket profile.", minimum=1)
     # --- Operations --------------------------------------------------------------------
-    metrics_port: int = _setting(0, "Port for /metrics, /healthz and /readyz on 0.0.0.0; 0 disables them.",
-                                 minimum=0)
+    metrics_port: int = _setting(0, "Port for /metrics, /healthz and /readyz (on metrics_host); 0 disables "
+                                 "them.", minimum=0, maximum=65535)
     metrics_host: str = _setting("0.0.0.0", "Address the metrics server binds to.")
     log_format: str = _setting("auto", "Log format: 'json', 'console', or 'auto' (console on a terminal).",
                                choices=("auto", "json", "console"))
@@ -96,26 +110,58 @@ class Settings:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            # Type first: Settings(...) built in code skips _coerce, and a str compared with
+            # an int minimum would raise a bare TypeError that names no setting.
+            kind = _field_type(f)
+            if kind is tuple:
+                ok = isinstance(value, tuple) and all(isinstance(x, str) for x in value)
+            elif kind is float:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            else:
+                ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+            if not ok:
+                raise SettingsError(f"setting {f.name!r}: {value!r} is not a {kind.__name__}")
+            if kind is float and not math.isfinite(value):
+                raise SettingsError(f"setting {f.name!r}: {value!r} is not a finite number")
             choices = f.metadata.get("choices")
             if choices and value not in choices:
                 raise SettingsError(f"setting {f.name!r}: {value!r} is not one of {', '.join(choices)}")
             minimum = f.metadata.get("minimum")
             if minimum is not None and value < minimum:
                 raise SettingsError(f"setting {f.name!r}: {value!r} is below the minimum {minimum}")
+            maximum = f.metadata.get("maximum")
+            if maximum is not None and value > maximum:
+                raise SettingsError(f"setting {f.name!r}: {value!r} is above the maximum {maximum}")
         for item in self.kafka_config:
-            if "=" not in item or not item.split("=", 1)[0].strip():
+            key = item.split("=", 1)[0].strip()
+            if "=" not in item or not key:
                 raise SettingsError(f"setting 'kafka_config': {item!r} is not key=value")
+            if key in RESERVED_KAFKA_KEYS:
+                raise SettingsError(f"setting 'kafka_config': {key!r} cannot be overridden "
+                                    f"({RESERVED_KAFKA_KEYS[key]})")
 
     def librdkafka_overrides(self) -> dict[str, str]:
-        return dict(item.split("=", 1) for item in self.kafka_config)
+        """The kafka_config items as a librdkafka dict; a key given twice keeps its last value."""
+        overrides: dict[str, str] = {}
+        for item in self.kafka_config:
+            key, value = item.split("=", 1)
+            # Surrounding blanks are never part of a librdkafka key or value ("acks = all").
+            overrides[key.strip()] = value.strip()
+        return overrides
 
 
 def setting_fields() -> list[dataclasses.Field[Any]]:
     return list(dataclasses.fields(Settings))
 
 
+@functools.cache
+def _type_hints() -> dict[str, Any]:
+    # Resolving the string annotations is slow, and every Settings() type-checks each field.
+    return get_type_hints(Settings)
+
+
 def _field_type(f: dataclasses.Field[Any]) -> type:
-    hint = get_type_hints(Settings)[f.name]
+    hint = _type_hints()[f.name]
     return tuple if get_origin(hint) is tuple else hint
 
 
@@ -127,27 +173,59 @@ def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
+def split_kafka_config(raw: str) -> tuple[str, ...]:
+    """`a=1,b=2` -> ("a=1", "b=2"); a piece without '=' belongs to the previous value.
+
+    librdkafka list values are comma-separated themselves (debug=cgrp,fetch), so a plain
+    split on ',' would turn `debug=cgrp,fetch` into a broken item "fetch". A leading piece
+    without '=' is kept as its own item, so validation still reports it.
+    """
+    items: list[str] = []
+    for piece in raw.split(","):
+        if not piece.strip():
+            continue
+        if "=" not in piece and items:
+            items[-1] += "," + piece.strip()
+        else:
+            items.append(piece.strip())
+    return tuple(items)
+
+
 def _coerce(name: str, raw: Any, source: str) -> Any:
     f = {f.name: f for f in setting_fields()}[name]
     kind = _field_type(f)
     try:
         if kind is tuple:
             if isinstance(raw, str):
-                return tuple(x.strip() for x in raw.split(",") if x.strip())
+                return split_kafka_config(raw)
             if isinstance(raw, (list, tuple)) and all(isinstance(x, str) for x in raw):
                 return tuple(raw)
-            raise TypeError("expected a list of key=value strings")
+            if isinstance(raw, dict):
+                # A TOML table: [kafka_config] with "security.protocol" = "SASL_SSL" lines.
+                # Numbers and booleans are written as librdkafka expects its strings.
+                return tuple(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in raw.items())
+            raise TypeError("expected key=value strings or a table")
         if kind is bool:
             if isinstance(raw, bool):
                 return raw
             return {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}[str(raw).lower()]
+        # bool is an int subclass: TOML `max_in_flight = true` must not read as 1.
+        if isinstance(raw, bool):
+            raise TypeError(f"expected {'an integer' if kind is int else 'a number'}")
         if kind is int and isinstance(raw, float):
             raise TypeError("expected an integer")
         if kind is str and not isinstance(raw, str):
             raise TypeError("expected a string")
-        return kind(raw)
+        value = kind(raw.strip() if isinstance(raw, str) and kind is not str else raw)
+        if kind is float and not math.isfinite(value):
+            raise ValueError("expected a finite number")
+        return value
     except (TypeError, ValueError, KeyError) as exc:
         raise SettingsError(f"setting {name!r} from {source}: cannot read {raw!r} as {kind.__name__} ({exc})") from None
+
+
+# Short spellings users type (`run --group G`); the canonical flag stays the documented one.
+FLAG_ALIASES: dict[str, tuple[str, ...]] = {"group_id": ("--group",)}
 
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
@@ -160,8 +238,8 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag_name(f.name), dest=f.name, action="append", metavar="KEY=VALUE",
                                 default=None, help=help_text)
         else:
-            parser.add_argument(flag_name(f.name), dest=f.name, default=None, metavar=f.name.upper(),
-                                help=help_text)
+            parser.add_argument(flag_name(f.name), *FLAG_ALIASES.get(f.name, ()), dest=f.name, default=None,
+                                metavar=f.name.upper(), help=help_text)
 
 
 def load_settings(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None,
@@ -193,6 +271,28 @@ def load_settings(args: argparse.Namespace | None = None, env: Mapping[str, str]
     return Settings(**values)
 
 
+def _cell(text: str) -> str:
+    # A '|' inside a cell would end it and shift every later column of the row.
+    return text.replace("|", "\\|")
+
+
+REFERENCE_HEADER = (
+    "# Settings reference\n\n"
+    "<!-- Generated file: do not edit. Regenerate with\n"
+    "     keyword-embedder settings --markdown > docs/settings.md\n"
+    "     (tests/test_settings.py fails when this file and worker/config.py disagree). -->\n\n"
+    "Every setting has a default, a command-line flag, a `KWE_*` environment variable and a key in "
+    "the TOML config file (`--config FILE` or `KWE_CONFIG`). Precedence, lowest to highest: "
+    "default < config file < environment < flag. An invalid value stops the worker at start with "
+    "a message naming the setting.\n\n"
+)
+
+
+def reference_markdown() -> str:
+    """The whole of docs/settings.md: header and table."""
+    return REFERENCE_HEADER + reference_table()
+
+
 def reference_table() -> str:
     """The settings reference as a Markdown table (docs/settings.md)."""
     lines = [
@@ -202,9 +302,13 @@ def reference_table() -> str:
     defaults = Settings()
     for f in setting_fields():
         default = getattr(defaults, f.name)
-        shown = "(none)" if default in ("", ()) else f"`{default}`"
+        shown = "(none)" if default in ("", ()) else f"`{_cell(str(default))}`"
         desc = f.metadata["help"]
         if f.metadata.get("choices"):
             desc += " One of: " + ", ".join(f"`{c}`" for c in f.metadata["choices"]) + "."
-        lines.append(f"| `{f.name}` | `{flag_name(f.name)}` | `{env_name(f.name)}` | {shown} | {desc} |")
+        if f.metadata.get("minimum") is not None or f.metadata.get("maximum") is not None:
+            low, high = f.metadata.get("minimum"), f.metadata.get("maximum")
+            desc += (f" Range: {low} to {high}." if low is not None and high is not None
+                     else f" Minimum: {low}." if low is not None else f" Maximum: {high}.")
+        lines.append(f"| `{f.name}` | `{flag_name(f.name)}` | `{env_name(f.name)}` | {shown} | {_cell(desc)} |")
     return "\n".join(lines) + "\n"

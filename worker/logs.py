@@ -46,6 +46,8 @@ def configure_logging(fmt: LogFormat = "auto", level: str = "info", stream: Text
     # Run on structlog events and on foreign (stdlib) records alike, so both carry the same keys.
     shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
+        # `extra={...}` on a stdlib call becomes keys of the line, as structlog kwargs do.
+        structlog.stdlib.ExtraAdder(),
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.stdlib.PositionalArgumentsFormatter(),
@@ -74,6 +76,9 @@ def configure_logging(fmt: LogFormat = "auto", level: str = "info", stream: Text
         old.close()
     root.addHandler(handler)
     root.setLevel(numeric_level)
+    # warnings.warn() from libraries (deprecations, onnxruntime) would otherwise print raw
+    # multi-line text to stderr, outside the JSON stream.
+    logging.captureWarnings(True)
 
     structlog.configure(
         processors=[structlog.stdlib.filter_by_level, *shared,

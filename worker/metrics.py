@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Protocol
@@ -154,6 +154,53 @@ class Metrics:
     def set_lag(self, topic: str, partition: int, lag: int) -> None:
         self.consumer_lag.labels(topic=topic, partition=str(partition)).set(max(0, lag))
 
+    def update_from_stats(self, stats_json: str | bytes,
+                          owned: Container[tuple[str, int]] | None = None) -> int:
+        """Sets the per-partition lag gauge from a librdkafka statistics callback payload.
+
+        librdkafka (`statistics.interval.ms`) hands `stats_cb` a JSON document whose
+        `topics.<name>.partitions.<id>.consumer_lag` is the high watermark minus the
+        committed offset. Two kinds of entries carry no lag and are skipped: the internal
+        partition -1 (the "unassigned" queue every topic has) and a consumer_lag of -1
+        (not known yet: no committed offset or no watermark fetched). `owned`, when given,
+        holds the (topic, partition) pairs this member owns now: librdkafka keeps reporting
+        a revoked partition for a while, and its stale lag must not come back after
+        `forget_partition` dropped it. Returns how many partitions were set.
+
+        Raises ValueError when the payload is not a librdkafka statistics object, so a
+        caller can log it; the stats callback must not take the worker down either way.
+        """
+        try:
+            stats = json.loads(stats_json)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"librdkafka statistics are not JSON: {exc}") from None
+        if not isinstance(stats, dict):
+            raise ValueError("librdkafka statistics are not a JSON object")
+        topics = stats.get("topics") or {}
+        if not isinstance(topics, Mapping):
+            raise ValueError("librdkafka statistics: 'topics' is not an object")
+        updated = 0
+        for topic, tdata in topics.items():
+            partitions = tdata.get("partitions") if isinstance(tdata, Mapping) else None
+            if not isinstance(partitions, Mapping):
+                continue
+            for pid_text, pdata in partitions.items():
+                try:
+                    pid = int(pid_text)
+                except ValueError:
+                    continue
+                if pid < 0 or not isinstance(pdata, Mapping):
+                    continue
+                lag = pdata.get("consumer_lag", -1)
+                # bool is an int subclass; a JSON true is not a lag.
+                if not isinstance(lag, int) or isinstance(lag, bool) or lag < 0:
+                    continue
+                if owned is not None and (topic, pid) not in owned:
+                    continue
+                self.set_lag(topic, pid, lag)
+                updated += 1
+        return updated
+
     def forget_partition(self, topic: str, partition: int) -> None:
         """Drops the lag series of a partition this worker no longer owns.
 
@@ -171,15 +218,36 @@ class Metrics:
         self.rebalances.labels(kind=kind).inc(n)
 
     # --- identity ------------------------------------------------------------------------
-    def set_backend_info(self, backend: str, model: str, profile: str) -> None:
-        self.backend_info.info({"backend": backend, "model": model, "profile": profile})
+    def set_backend_info(self, backend: str, model: str, profile: str, **extra: str) -> None:
+        """Identity labels on `kwe_backend_info` (value 1); `extra` adds e.g. device=... ."""
+        self.backend_info.info({"backend": backend, "model": model, "profile": profile,
+                                **{k: str(v) for k, v in extra.items()}})
 
     def render(self) -> bytes:
         """The registry in the Prometheus text exposition format."""
         return generate_latest(self.registry)
 
 
-ReadyCheck = Callable[[], tuple[bool, dict[str, bool]]]
+# The readiness callable returns (ready, detail). The detail is either named checks
+# ({"assigned": True, "backend_loaded": False, ...}, what Pipeline.ready() returns) or a
+# plain reason string; either way /readyz shows it, so a failing probe says why.
+ReadyCheck = Callable[[], tuple[bool, Mapping[str, bool] | str]]
+
+
+def readiness_body(ready: bool, detail: Mapping[str, bool] | str) -> dict[str, object]:
+    """The /readyz JSON: `ready`, `reason` (one line) and, for named checks, `checks`."""
+    body: dict[str, object] = {"ready": bool(ready)}
+    if isinstance(detail, str):
+        body["reason"] = detail or ("ready" if ready else "not ready")
+        return body
+    checks = {str(k): bool(v) for k, v in detail.items()}
+    failing = sorted(k for k, ok in checks.items() if not ok)
+    body["checks"] = checks
+    if ready:
+        body["reason"] = "ready"
+    else:
+        body["reason"] = ("not ready: " + ", ".join(failing) + " false") if failing else "not ready"
+    return body
 
 
 class _Server(ThreadingHTTPServer):
@@ -198,8 +266,17 @@ class _Handler(BaseHTTPRequestHandler):
     # Keep-alive connections from scrapers idle between scrapes; bound how long a handler
     # thread waits on one so threads do not pile up behind dead clients.
     timeout = 30
+    # Set per request: HEAD sends the headers of the GET answer without its body.
+    _head = False
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        self._route(head=False)
+
+    def do_HEAD(self) -> None:  # noqa: N802 (some load balancers probe with HEAD)
+        self._route(head=True)
+
+    def _route(self, head: bool) -> None:
+        self._head = head
         path = self.path.split("?", 1)[0]
         if path == "/metrics":
             self._send(HTTPStatus.OK, self.server.metrics.render(), CONTENT_TYPE_LATEST)
@@ -211,11 +288,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain; charset=utf-8")
 
     def _readyz(self) -> None:
+        body: dict[str, object]
         try:
-            ready, checks = self.server.ready()
-            body: dict[str, object] = {"ready": bool(ready), "checks": {k: bool(v) for k, v in checks.items()}}
+            ready, detail = self.server.ready()
+            body = readiness_body(ready, detail)
         except Exception as exc:  # a failing check means "not ready", never a dropped connection
-            ready, body = False, {"ready": False, "checks": {}, "error": f"{type(exc).__name__}: {exc}"}
+            ready = False
+            body = {"ready": False, "reason": f"readiness check failed: {type(exc).__name__}: {exc}"}
         status = HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE
         self._send(status, json.dumps(body, sort_keys=True).encode() + b"\n", "application/json")
 
@@ -224,7 +303,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if not self._head:
+            self.wfile.write(body)
 
     def log_message(self, format: str, *args: object) -> None:
         # Probes and scrapes arrive every few seconds; access lines on stderr would drown the

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import orjson
 import structlog
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
@@ -63,6 +62,17 @@ class InFlight:
     truncated: bool
     timestamp_ms: int | None
     msg: Message | None  # kept for dead-lettering after an inference error
+
+
+class _Owned:
+    """`(topic, partition) in owned`: whether the partition is in the current assignment."""
+
+    def __init__(self, tracker: OffsetTracker) -> None:
+        self._tracker = tracker
+
+    def __contains__(self, key: object) -> bool:
+        topic, partition = key  # type: ignore[misc]
+        return self._tracker.get(topic, partition) is not None
 
 
 class Pipeline:
@@ -422,14 +432,10 @@ class Pipeline:
         if self._metrics is None:
             return
         try:
-            stats = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            return
-        for topic, tdata in stats.get("topics", {}).items():
-            for pid, pdata in tdata.get("partitions", {}).items():
-                lag = pdata.get("consumer_lag", -1)
-                if int(pid) >= 0 and lag >= 0 and self._tracker.get(topic, int(pid)) is not None:
-                    self._metrics.set_lag(topic, int(pid), lag)
+            # Only partitions still ours: a revoked partition's lag must not come back.
+            self._metrics.update_from_stats(raw, owned=_Owned(self._tracker))
+        except ValueError as exc:
+            log.debug("bad librdkafka stats", error=str(exc))
 
     # ------------------------------------------------------------------ shutdown
     def _drain(self) -> None:

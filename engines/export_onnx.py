@@ -1,0 +1,463 @@
+"""Export a BERT-family sentence encoder to ONNX without torch.
+
+The weights are read with safetensors into numpy and the graph is written node by node with the
+`onnx` package: embeddings -> N encoder layers -> pooling over the attention mask -> L2
+normalisation. Sizes come from config.json, so any BERT-architecture folder works, not only
+MiniLM.
+
+The node layout deliberately mirrors what `torch.onnx.export` produces for HF BertModel
+(Reshape to [0, 0, heads, head_size], Transpose, MatMul, Div by sqrt(head_size), additive mask
+built as (1 - mask) * -10000, Erf GELU, ...). That is the layout ONNX Runtime's transformer
+optimizer pattern-matches, so `optimize=True` can fuse it into Attention,
+SkipLayerNormalization, BiasGelu and EmbedLayerNormalization. The unfused graph uses only
+standard opset-17 operators, which is what TensorRT needs.
+
+Inputs `input_ids` and `attention_mask`: int64 [batch, seq], both dynamic.
+Output `sentence_embedding`: float32 [batch, hidden], unit L2 norm.
+
+Exports are cached under the user cache dir, keyed by the weights, the config files, the
+exporter version and the optimize flag (plus the onnxruntime version for fused graphs, whose
+contents depend on the optimizer), and written atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import math
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from worker.model import ModelError, ModelInfo, default_model_dir
+
+# Bump whenever the emitted graph changes: it is part of the cache key.
+EXPORTER_VERSION = "1"
+OPSET = 17  # LayerNormalization is a standard op from 17; ReduceL2 still takes axes as attribute
+INPUT_NAMES = ("input_ids", "attention_mask")
+OUTPUT_NAME = "sentence_embedding"
+# The additive mask value HF BERT used when ORT's fusion patterns were written; exp(-10000) is 0
+# in float32, so padded positions get exactly zero attention weight (padding invariance).
+MASK_FILL = -10000.0
+ENV_CACHE_DIR = "KWE_CACHE_DIR"
+# A fused graph must match the plain graph within this on the self-check batch; float32
+# reassociation stays around 1e-6, a broken fusion is off by far more.
+FUSED_CHECK_TOL = 1e-4
+
+
+class ExportError(RuntimeError):
+    """The model cannot be exported; the message names the model folder or file and the reason."""
+
+
+# ---------------------------------------------------------------- weights
+
+
+def _load_weights(info: ModelInfo) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    try:
+        raw = load_file(str(info.weights_path))
+    except Exception as exc:  # safetensors raises SafetensorError / OSError variants
+        raise ExportError(f"{info.weights_path}: cannot read safetensors weights ({exc})") from None
+    weights: dict[str, np.ndarray] = {}
+    for key, value in raw.items():
+        # BertForXxx checkpoints prefix the encoder with "bert."; old TF ports call LayerNorm
+        # parameters gamma/beta.
+        name = key.removeprefix("bert.").replace("LayerNorm.gamma", "LayerNorm.weight")
+        name = name.replace("LayerNorm.beta", "LayerNorm.bias")
+        weights[name] = value
+    return weights
+
+
+@dataclass
+class _Weights:
+    info: ModelInfo
+    tensors: dict[str, np.ndarray]
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        try:
+            value = self.tensors[name]
+        except KeyError:
+            raise ExportError(f"{self.info.weights_path}: missing tensor {name!r} "
+                              f"(is this a BERT model? config says {self.info.model_type})") from None
+        if value.shape != shape:
+            raise ExportError(f"{self.info.weights_path}: tensor {name!r} has shape {value.shape}, "
+                              f"config.json implies {shape}")
+        # Weights may be stored in float16/bfloat16-as-float; compute is float32 throughout.
+        return np.ascontiguousarray(value, dtype=np.float32)
+
+
+# ---------------------------------------------------------------- graph builder
+
+
+@dataclass
+class _Graph:
+    nodes: list[onnx.NodeProto] = field(default_factory=list)
+    inits: list[onnx.TensorProto] = field(default_factory=list)
+    _counter: int = 0
+
+    def _name(self, hint: str) -> str:
+        self._counter += 1
+        return f"{hint}_{self._counter}"
+
+    def const(self, hint: str, value: np.ndarray) -> str:
+        name = self._name(hint)
+        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], hint: str | None = None, *, output: str | None = None,
+           **attrs: object) -> str:
+        # `output` fixes the value's name (the graph output); otherwise it is made unique.
+        out = output or self._name(hint or op_type.lower())
+        self.nodes.append(helper.make_node(op_type, inputs, [out], name=f"{out}_node", **attrs))
+        return out
+
+
+def _i64(*values: int) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64)
+
+
+def _f32(value: float) -> np.ndarray:
+    return np.asarray(value, dtype=np.float32)
+
+
+def _linear(g: _Graph, w: _Weights, x: str, prefix: str, n_in: int, n_out: int) -> str:
+    # HF Linear stores [out, in]; MatMul wants [in, out]. MatMul + Add (not Gemm) is what ORT's
+    # fusions expect, and it works on [B, S, H] without reshaping to 2-D.
+    weight = g.const(f"{prefix}.weight", w.get(f"{prefix}.weight", (n_out, n_in)).T.copy())
+    bias = g.const(f"{prefix}.bias", w.get(f"{prefix}.bias", (n_out,)))
+    return g.op("Add", [g.op("MatMul", [x, weight], f"{prefix}.matmul"), bias], f"{prefix}.add")
+
+
+def _layer_norm(g: _Graph, w: _Weights, x: str, prefix: str, hidden: int, eps: float) -> str:
+    scale = g.const(f"{prefix}.weight", w.get(f"{prefix}.weight", (hidden,)))
+    bias = g.const(f"{prefix}.bias", w.get(f"{prefix}.bias", (hidden,)))
+    return g.op("LayerNormalization", [x, scale, bias], f"{prefix}.ln", axis=-1, epsilon=eps)
+
+
+def _embeddings(g: _Graph, w: _Weights, info: ModelInfo, input_ids: str) -> str:
+    h = info.hidden_size
+    word = g.const("word_embeddings", w.get("embeddings.word_embeddings.weight", (info.vocab_size, h)))
+    pos_table = w.get("embeddings.position_embeddings.weight", (info.max_position_embeddings, h))
+    pos = g.const("position_embeddings", pos_table)
+    type_table = w.tensors.get("embeddings.token_type_embeddings.weight")
+    # Position ids: Slice of a [1, max_pos] constant up to seq_len, as HF exports it (the layout
+    # ORT's EmbedLayerNormalization fusion recognises).
+    seq_len = g.op("Gather", [g.op("Shape", [input_ids]), g.const("one", np.asarray(1, dtype=np.int64))],
+                   "seq_len", axis=0)  # scalar index -> scalar
+    end = g.op("Unsqueeze", [seq_len, g.const("axis0", _i64(0))], "seq_end")
+    pos_ids = g.op("Slice", [g.const("position_ids", np.arange(info.max_position_embeddings, dtype=np.int64)[None]),
+                             g.const("zero", _i64(0)), end, g.const("axis1", _i64(1)), g.const("step", _i64(1))],
+                   "position_ids")
+    words = g.op("Gather", [word, input_ids], "word_emb")
+    if type_table is not None:
+        # Single-sentence input: token type 0 everywhere. Kept as a Gather on zeros shaped like
+        # input_ids so the graph keeps BERT's three-Gather embedding layout.
+        types = g.const("token_type_embeddings", w.get("embeddings.token_type_embeddings.weight", type_table.shape))
+        zeros = g.op("Mul", [input_ids, g.const("zero_scalar", np.asarray(0, dtype=np.int64))], "token_type_ids")
+        words = g.op("Add", [words, g.op("Gather", [types, zeros], "type_emb")], "word_type_emb")
+    summed = g.op("Add", [words, g.op("Gather", [pos, pos_ids], "pos_emb")], "emb_sum")
+    return _layer_norm(g, w, summed, "embeddings.LayerNorm", h, info.layer_norm_eps)
+
+
+def _mask_bias(g: _Graph, attention_mask: str) -> str:
+    # [B, S] -> [B, 1, 1, S] additive bias: 0 where attended, -10000 on padding.
+    m = g.op("Unsqueeze", [attention_mask, g.const("axis1", _i64(1))], "mask_u1")
+    m = g.op("Unsqueeze", [m, g.const("axis2", _i64(2))], "mask_u2")
+    m = g.op("Cast", [m], "mask_f", to=TensorProto.FLOAT)
+    inv = g.op("Sub", [g.const("one_f", _f32(1.0)), m], "mask_inv")
+    return g.op("Mul", [inv, g.const("mask_fill", _f32(MASK_FILL))], "mask_bias")
+
+
+def _encoder_layer(g: _Graph, w: _Weights, info: ModelInfo, x: str, mask_bias: str, i: int) -> str:
+    h, heads, hs = info.hidden_size, info.num_heads, info.head_size
+    p = f"encoder.layer.{i}"
+    split = g.const("split_heads", _i64(0, 0, heads, hs))
+
+    def heads_of(name: str, perm: list[int]) -> str:
+        proj = _linear(g, w, x, f"{p}.attention.self.{name}", h, h)
+        return g.op("Transpose", [g.op("Reshape", [proj, split], f"{p}.{name}.reshape")], f"{p}.{name}.t", perm=perm)
+
+    q = heads_of("query", [0, 2, 1, 3])        # [B, heads, S, hs]
+    k = heads_of("key", [0, 2, 3, 1])          # [B, heads, hs, S]
+    v = heads_of("value", [0, 2, 1, 3])        # [B, heads, S, hs]
+    scores = g.op("Div", [g.op("MatMul", [q, k], f"{p}.qk"), g.const("sqrt_hs", _f32(math.sqrt(hs)))], f"{p}.scaled")
+    probs = g.op("Softmax", [g.op("Add", [scores, mask_bias], f"{p}.masked")], f"{p}.probs", axis=-1)
+    ctx = g.op("Transpose", [g.op("MatMul", [probs, v], f"{p}.ctx")], f"{p}.ctx.t", perm=[0, 2, 1, 3])
+    ctx = g.op("Reshape", [ctx, g.const("merge_heads", _i64(0, 0, h))], f"{p}.ctx.merge")
+    attn = _linear(g, w, ctx, f"{p}.attention.output.dense", h, h)
+    x = _layer_norm(g, w, g.op("Add", [attn, x], f"{p}.attn.residual"), f"{p}.attention.output.LayerNorm",
+                    h, info.layer_norm_eps)
+    inter = _linear(g, w, x, f"{p}.intermediate.dense", h, info.intermediate_size)
+    # Exact GELU as torch's erf form: x * 0.5 * (1 + erf(x / sqrt(2))) (ORT fuses it to BiasGelu).
+    erf = g.op("Erf", [g.op("Div", [inter, g.const("sqrt2", _f32(math.sqrt(2.0)))], f"{p}.gelu.div")], f"{p}.gelu.erf")
+    gelu = g.op("Mul", [g.op("Mul", [inter, g.op("Add", [erf, g.const("one_f", _f32(1.0))], f"{p}.gelu.add")],
+                             f"{p}.gelu.mul"), g.const("half", _f32(0.5))], f"{p}.gelu")
+    out = _linear(g, w, gelu, f"{p}.output.dense", info.intermediate_size, h)
+    return _layer_norm(g, w, g.op("Add", [out, x], f"{p}.ffn.residual"), f"{p}.output.LayerNorm",
+                       h, info.layer_norm_eps)
+
+
+def _pool_and_normalise(g: _Graph, info: ModelInfo, hidden_states: str, attention_mask: str) -> str:
+    if info.pooling_mode == "mean":
+        m = g.op("Cast", [g.op("Unsqueeze", [attention_mask, g.const("axis2", _i64(2))], "pool_mask_u")],
+                 "pool_mask", to=TensorProto.FLOAT)            # [B, S, 1]
+        summed = g.op("ReduceSum", [g.op("Mul", [hidden_states, m], "masked_states"), g.const("axis1", _i64(1))],
+                      "pool_sum", keepdims=0)                 # [B, H]
+        count = g.op("ReduceSum", [m, g.const("axis1", _i64(1))], "pool_count", keepdims=0)  # [B, 1]
+        # sentence-transformers clamps the count at 1e-9 (an all-padding row gives zeros, not NaN).
+        pooled = g.op("Div", [summed, g.op("Max", [count, g.const("count_min", _f32(1e-9))], "pool_count_c")], "pooled")
+    elif info.pooling_mode == "cls":
+        pooled = g.op("Gather", [hidden_states, g.const("zero_scalar", np.asarray(0, dtype=np.int64))], "pooled", axis=1)
+    else:
+        raise ExportError(f"{info.model_dir}: pooling mode {info.pooling_mode!r} is not supported (mean, cls)")
+    # torch.nn.functional.normalize: x / max(||x||, 1e-12).
+    norm = g.op("ReduceL2", [pooled], "norm", axes=[1], keepdims=1)
+    norm = g.op("Max", [norm, g.const("norm_min", _f32(1e-12))], "norm_c")
+    return g.op("Div", [pooled, norm], output=OUTPUT_NAME)
+
+
+def build_model(model_dir: str | Path | None = None) -> onnx.ModelProto:
+    """The unfused ONNX graph of the model folder, with metadata_props (in memory, not cached)."""
+    info = _model_info(model_dir)
+    if info.model_type not in ("bert",):
+        raise ExportError(f"{info.config_path}: model_type {info.model_type!r} is not a BERT model")
+    w = _Weights(info, _load_weights(info))
+    g = _Graph()
+    ids, mask = INPUT_NAMES
+    x = _embeddings(g, w, info, ids)
+    bias = _mask_bias(g, mask)
+    for i in range(info.num_layers):
+        x = _encoder_layer(g, w, info, x, bias, i)
+    _pool_and_normalise(g, info, x, mask)
+    graph = helper.make_graph(
+        g.nodes, f"{info.name}-sentence-encoder",
+        inputs=[helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"]) for n in INPUT_NAMES],
+        outputs=[helper.make_tensor_value_info(OUTPUT_NAME, TensorProto.FLOAT, ["batch", info.hidden_size])],
+        initializer=g.inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                              producer_name="keyword-embedder", producer_version=EXPORTER_VERSION)
+    # ir_version 8 keeps the file loadable by older runtimes (TensorRT's parser included).
+    model.ir_version = 8
+    _set_metadata(model, info, optimize=False)
+    try:
+        onnx.checker.check_model(model, full_check=False)
+    except onnx.checker.ValidationError as exc:
+        raise ExportError(f"{info.model_dir}: exported graph is invalid ({exc})") from None
+    return model
+
+
+# ---------------------------------------------------------------- metadata, hashing, cache
+
+
+def _model_info(model_dir: str | Path | None) -> ModelInfo:
+    try:
+        return ModelInfo.from_dir(default_model_dir() if model_dir is None else model_dir)
+    except ModelError as exc:
+        raise ExportError(str(exc)) from exc
+
+
+def _hash_file(path: Path, digest: hashlib._Hash) -> None:
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+
+
+def weights_hash(info: ModelInfo) -> str:
+    st = info.weights_path.stat()
+    return _weights_hash(str(info.weights_path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _weights_hash(path: str, size: int, mtime_ns: int) -> str:
+    # Keyed by size and mtime too, so a rewritten file is hashed again (cache key, metadata and
+    # ensure_onnx each ask for it; hashing 90 MB three times would be wasted).
+    del size, mtime_ns
+    digest = hashlib.sha256()
+    _hash_file(Path(path), digest)
+    return digest.hexdigest()
+
+
+def cache_key(info: ModelInfo, *, optimize: bool) -> str:
+    """Hash of everything the exported file depends on."""
+    digest = hashlib.sha256()
+    digest.update(f"exporter={EXPORTER_VERSION};opset={OPSET};optimize={optimize};".encode())
+    if optimize:
+        # The fused graph is written by onnxruntime's optimizer: a new version may fuse differently.
+        import onnxruntime
+
+        digest.update(f"onnxruntime={onnxruntime.__version__};".encode())
+    digest.update(weights_hash(info).encode())
+    for extra in (info.config_path, info.model_dir / "sentence_bert_config.json",
+                  info.model_dir / "1_Pooling" / "config.json"):
+        digest.update(extra.name.encode())
+        if extra.is_file():
+            _hash_file(extra, digest)
+    return digest.hexdigest()
+
+
+def _set_metadata(model: onnx.ModelProto, info: ModelInfo, *, optimize: bool) -> None:
+    props = {
+        "model_name": info.name,
+        "dim": str(info.hidden_size),
+        "max_seq_length": str(info.max_seq_length),
+        "pooling": info.pooling_mode,
+        "normalize": "l2",
+        "exporter_version": EXPORTER_VERSION,
+        "weights_sha256": weights_hash(info),
+        "optimized": str(optimize).lower(),
+    }
+    del model.metadata_props[:]
+    for key, value in props.items():
+        model.metadata_props.add(key=key, value=value)
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get(ENV_CACHE_DIR)
+    if env:
+        return Path(env).expanduser() / "onnx"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "keyword-embedder" / "onnx"
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    # Serialises concurrent exporters of the same file (two workers starting together): the
+    # second one waits and then finds the cached file instead of exporting it again.
+    import fcntl
+
+    with lock_path.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _save_atomic(model: onnx.ModelProto, output: Path) -> None:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
+    os.close(fd)
+    try:
+        onnx.save_model(model, tmp)
+        # mkstemp creates 0600; a cache file should get the usual umask-based mode.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, output)  # atomic on POSIX: readers see the old file or the new, never half
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+# ---------------------------------------------------------------- optimisation
+
+
+def _fuse(model: onnx.ModelProto, info: ModelInfo) -> onnx.ModelProto:
+    """ORT's transformer optimizer (offline, opt_level 0: pattern fusions only, no session)."""
+    import logging
+
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    # The optimizer logs each fusion at INFO/WARNING; the counts are checked below instead.
+    logging.getLogger("onnxruntime.transformers").setLevel(logging.ERROR)
+    try:
+        optimized = optimize_model(model, model_type="bert", num_heads=info.num_heads,
+                                   hidden_size=info.hidden_size, opt_level=0)
+    except Exception as exc:  # the optimizer raises whatever its passes raise
+        raise ExportError(f"{info.model_dir}: onnxruntime transformer optimizer failed ({exc})") from exc
+    fused = optimized.model
+    counts = _op_counts(fused)
+    if counts.get("Attention", 0) != info.num_layers:
+        raise ExportError(f"{info.model_dir}: attention fusion applied to {counts.get('Attention', 0)} "
+                          f"of {info.num_layers} layers; the graph layout no longer matches ORT's patterns")
+    _set_metadata(fused, info, optimize=True)
+    return fused
+
+
+def _op_counts(model: onnx.ModelProto) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in model.graph.node:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+def _check_fused(plain: onnx.ModelProto, fused: onnx.ModelProto, info: ModelInfo) -> None:
+    """Runs both graphs on a small padded batch; a fusion that changed the maths is an error."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    lengths = [3, 7, 12]
+    ids = np.zeros((len(lengths), max(lengths)), dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = rng.integers(1, info.vocab_size, n)
+        mask[row, :n] = 1
+    outs = []
+    for model in (plain, fused):
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        outs.append(sess.run([OUTPUT_NAME], {"input_ids": ids, "attention_mask": mask})[0])
+    diff = float(np.abs(outs[0] - outs[1]).max())
+    if not diff <= FUSED_CHECK_TOL:
+        raise ExportError(f"{info.model_dir}: fused graph differs from the plain graph by {diff:.3g} "
+                          f"(> {FUSED_CHECK_TOL}); not using it")
+
+
+# ---------------------------------------------------------------- public API
+
+
+def export_onnx(model_dir: str | Path | None, output: str | Path, *, optimize: bool = True) -> Path:
+    """Export the model folder to `output` (atomically) and return the path."""
+    info = _model_info(model_dir)
+    model = build_model(info.model_dir)
+    if optimize:
+        fused = _fuse(model, info)
+        _check_fused(model, fused, info)
+        model = fused
+    if model.ByteSize() >= 2**31:
+        # One protobuf cannot exceed 2 GiB; external-data export is not implemented (BERT-large is 1.3 GB).
+        raise ExportError(f"{info.model_dir}: the graph is {model.ByteSize() / 2**30:.1f} GiB, over the 2 GiB "
+                          "protobuf limit (external-data export is not supported)")
+    output = Path(output).expanduser()
+    try:
+        _save_atomic(model, output)
+    except OSError as exc:
+        raise ExportError(f"{output}: cannot write the ONNX file ({exc.strerror or exc})") from None
+    return output
+
+
+def cached_path(model_dir: str | Path | None = None, *, optimize: bool = True,
+                cache_dir: str | Path | None = None) -> Path:
+    """Where ensure_onnx keeps (or would keep) the export of this model folder."""
+    info = _model_info(model_dir)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    variant = "fused" if optimize else "plain"
+    safe_name = "".join(c if c.isalnum() or c in "-_." else "_" for c in info.name)
+    return root / f"{safe_name}-{variant}-{cache_key(info, optimize=optimize)[:20]}.onnx"
+
+
+def ensure_onnx(model_dir: str | Path | None = None, *, optimize: bool = True,
+                cache_dir: str | Path | None = None) -> Path:
+    """The cached ONNX export of the model folder, exported first if missing or stale."""
+    path = cached_path(model_dir, optimize=optimize, cache_dir=cache_dir)
+    if path.is_file():
+        return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ExportError(f"{path.parent}: cannot create the ONNX cache dir ({exc.strerror or exc})") from None
+    with _locked(path.parent / f".{path.name}.lock"):
+        if not path.is_file():  # another process may have finished it while we waited
+            export_onnx(model_dir, path, optimize=optimize)
+    return path

@@ -1,0 +1,920 @@
+"""The TensorRT path without a GPU: its pure logic, and its orchestration against fake tensorrt/pycuda.
+
+No test here imports the real tensorrt or pycuda. The fakes below implement the small part of
+TensorRT 10's and pycuda's Python API that the backend and the builder use, and check the
+calls the way the real ones would fail: CUDA calls need the context pushed on the calling
+thread, input shapes must lie inside the selected optimisation profile, the output is computed
+from what was actually copied to "device" memory. What they cannot show is that real
+TensorRT accepts the plan or produces the right numbers (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import threading
+import types
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engines.build_engine import (
+    AlignmentError,
+    EngineBuildError,
+    GpuExtraMissingError,
+    PlanSidecar,
+    PlanSidecarError,
+    build_engine,
+    profile_shapes,
+    profile_table,
+    read_sidecar,
+    sha256_file,
+    sidecar_path,
+    validate_sidecar,
+    write_sidecar,
+)
+from worker.backends.base import Backend, BackendError, InferenceContext
+from worker.backends.select import (
+    GPU_INSTALL_HINT,
+    choose_backend,
+    gpu_present,
+    load_backend,
+    missing_gpu_packages,
+    resolve_profile_name,
+)
+from worker.backends.tensorrt import (
+    BufferPlan,
+    buffer_plan,
+    check_batch,
+    check_engine_profiles,
+    numpy_dtype,
+    profile_index_for_bucket,
+    shared_memory_size,
+    stage_batch,
+)
+from worker.config import Settings
+from worker.profiles import Bucket, Profile, ProfileError, load_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILES = ROOT / "engines" / "profiles.toml"
+DIM = 384
+
+
+@pytest.fixture()
+def gpu() -> Profile:
+    return load_profile("gpu", PROFILES, model_max_len=256)
+
+
+# ============================================================================ profile shapes
+def test_profile_shapes_from_the_real_gpu_profile(gpu: Profile) -> None:
+    shapes = profile_shapes(gpu)
+    assert [(s.index, s.min, s.opt, s.max) for s in shapes] == [
+        (0, (1, 8), (256, 8), (256, 8)),
+        (1, (1, 16), (128, 16), (128, 16)),
+        (2, (1, 32), (64, 32), (64, 32)),
+        (3, (1, 64), (32, 64), (32, 64)),
+        (4, (1, 256), (4, 256), (8, 256)),  # the overflow bucket: opt 4, max 8, aligned
+    ]
+    # Every batch the bucketer can send to bucket i fits profile i.
+    for i, s in enumerate(shapes):
+        assert gpu.batch_limit(i) <= s.max_batch
+
+
+def test_unaligned_bounds_are_refused_with_the_fix(gpu: Profile) -> None:
+    cpu = load_profile("cpu", PROFILES)
+    with pytest.raises(AlignmentError) as exc:
+        profile_shapes(cpu)
+    msg = str(exc.value)
+    assert "'cpu'" in msg and "multiple of 8" in msg
+    assert "[4, 5, 6, 7, 10, 12]" in msg and "10 -> 16" in msg
+    assert "24" not in msg.split("not aligned:")[1].split("(round")[0]  # 24 and 48 are aligned
+    assert isinstance(exc.value, ProfileError)  # caught where profile errors are caught
+
+    odd = Profile("odd", (Bucket(8, 64, 64), Bucket(20, 32, 32), Bucket(256, 8, 8)), 4096, "bucket")
+    with pytest.raises(AlignmentError, match=r"\[20\].*20 -> 24"):
+        profile_shapes(odd)
+    assert [s.seq_len for s in profile_shapes(odd, align=4)] == [8, 20, 256]
+    # The aligned CPU comparison profile is accepted as is.
+    assert [s.seq_len for s in profile_shapes(load_profile("cpu-aligned", PROFILES))] == [8, 16, 32, 64, 256]
+
+
+# ============================================================================ sidecar
+def _sidecar(profile: Profile, **over: Any) -> PlanSidecar:
+    base = PlanSidecar(tensorrt_version="10.3.0", gpu_name="NVIDIA L40S", compute_capability="8.9",
+                       profile_name=profile.name, profile_table=profile_table(profile), onnx_sha256="a" * 64,
+                       onnx_path="/models/minilm.onnx", fp16=True, exporter_version="keyword-embedder/0.1.0",
+                       created="2026-11-30T00:00:00+00:00", plan_sha256="")
+    return replace(base, **over)
+
+
+def test_sidecar_round_trip_next_to_the_plan(tmp_path: Path, gpu: Profile) -> None:
+    plan = tmp_path / "minilm.plan"
+    plan.write_bytes(b"plan")
+    sc = _sidecar(gpu, plan_sha256=hashlib.sha256(b"plan").hexdigest())
+    assert write_sidecar(plan, sc) == tmp_path / "minilm.plan.json" == sidecar_path(plan)
+    assert read_sidecar(plan) == sc
+    raw = json.loads((tmp_path / "minilm.plan.json").read_text())
+    assert raw["profile_table"][4] == {"max_len": 256, "max_batch": 8, "opt_batch": 4}
+    assert {"tensorrt_version", "gpu_name", "compute_capability", "onnx_sha256", "fp16", "exporter_version",
+            "created", "profile_name"} <= set(raw)
+
+
+def test_missing_or_broken_sidecar_is_refused(tmp_path: Path, gpu: Profile) -> None:
+    plan = tmp_path / "p.plan"
+    with pytest.raises(PlanSidecarError, match="not found.*build-engine"):
+        read_sidecar(plan)
+    plan.write_bytes(b"x")
+    with pytest.raises(PlanSidecarError, match="no sidecar"):
+        read_sidecar(plan)
+    sidecar_path(plan).write_text("{not json")
+    with pytest.raises(PlanSidecarError, match="not valid JSON"):
+        read_sidecar(plan)
+    sidecar_path(plan).write_text(json.dumps({"schema": 1, "gpu_name": "x"}))
+    with pytest.raises(PlanSidecarError, match="missing field.*onnx_sha256"):
+        read_sidecar(plan)
+    sidecar_path(plan).write_text(json.dumps({"schema": 99}))
+    with pytest.raises(PlanSidecarError, match="schema 99"):
+        read_sidecar(plan)
+
+
+def test_matching_sidecar_passes(gpu: Profile) -> None:
+    sc = _sidecar(gpu)
+    validate_sidecar(sc, plan_path="p.plan", profile=gpu, onnx_sha256="a" * 64, tensorrt_version="10.3.0",
+                     gpu_name="NVIDIA L40S", compute_capability="8.9")
+
+
+def test_stale_plan_is_refused(gpu: Profile) -> None:
+    with pytest.raises(PlanSidecarError) as exc:
+        validate_sidecar(_sidecar(gpu), plan_path="p.plan", profile=gpu, onnx_sha256="b" * 64)
+    assert "stale" in str(exc.value) and "aaaaaaaaaaaa" in str(exc.value) and "bbbbbbbbbbbb" in str(exc.value)
+    assert "keyword-embedder build-engine --profile gpu --output p.plan" in str(exc.value)
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("gpu_name", "NVIDIA H100 80GB HBM3", "built on GPU 'NVIDIA L40S'"),
+    ("compute_capability", "9.0", "compute capability 8.9"),
+    ("tensorrt_version", "10.4.0", "TensorRT 10.3.0, this is TensorRT 10.4.0"),
+])
+def test_foreign_plan_is_refused(gpu: Profile, field: str, value: str, words: str) -> None:
+    with pytest.raises(PlanSidecarError) as exc:
+        validate_sidecar(_sidecar(gpu), plan_path="p.plan", profile=gpu, **{field: value})
+    assert "foreign" in str(exc.value) and words in str(exc.value)
+
+
+def test_mismatched_profile_is_refused_and_all_problems_are_listed(gpu: Profile) -> None:
+    other = replace(gpu, name="gpu-big", buckets=gpu.buckets[:-1] + (Bucket(256, 16, 16),))
+    with pytest.raises(PlanSidecarError) as exc:
+        validate_sidecar(_sidecar(gpu), plan_path="p.plan", profile=other, gpu_name="Other GPU",
+                         onnx_sha256="c" * 64)
+    msg = str(exc.value)
+    assert "profile mismatch" in msg and "256x8" in msg and "256x16" in msg
+    assert "stale" in msg and "foreign" in msg  # one message, every reason
+    # Same buckets under another name are the same plan.
+    validate_sidecar(_sidecar(gpu), plan_path="p.plan", profile=replace(gpu, name="renamed"))
+
+
+def test_sidecar_of_another_plan_is_refused(gpu: Profile) -> None:
+    with pytest.raises(PlanSidecarError, match="belongs to another plan"):
+        validate_sidecar(_sidecar(gpu, plan_sha256="1" * 64), plan_path="p.plan", plan_sha256="2" * 64)
+
+
+# ============================================================================ buffers and mapping
+def _plan(gpu: Profile, index: int, ids_dtype: Any = np.int64) -> BufferPlan:
+    return buffer_plan(gpu, index, input_dtypes={"input_ids": ids_dtype, "attention_mask": ids_dtype},
+                       output_name="sentence_embedding", output_dtype=np.float32, dim=DIM)
+
+
+def test_buffer_sizing_follows_the_bucket_and_the_engine_dtypes(gpu: Profile) -> None:
+    p0 = _plan(gpu, 0)
+    assert p0.input_shape == (256, 8) and p0.output_shape == (256, DIM)
+    assert p0.input_nbytes("input_ids") == 256 * 8 * 8  # int64
+    assert p0.output_nbytes == 256 * DIM * 4
+    assert p0.total_nbytes == 2 * 256 * 8 * 8 + 256 * DIM * 4
+    p4 = _plan(gpu, 4, np.int32)  # a plan whose inputs TensorRT narrowed to int32
+    assert p4.input_shape == (8, 256) and p4.input_nbytes("attention_mask") == 8 * 256 * 4
+    assert p4.output_nbytes == 8 * DIM * 4
+    with pytest.raises(BackendError, match="integer"):
+        buffer_plan(gpu, 0, input_dtypes={"input_ids": np.float32, "attention_mask": np.int64},
+                    output_name="o", output_dtype=np.float32, dim=DIM)
+    with pytest.raises(BackendError, match="missing"):
+        buffer_plan(gpu, 0, input_dtypes={"input_ids": np.int64}, output_name="o", output_dtype=np.float32, dim=DIM)
+
+
+def test_trt_dtype_names_map_to_numpy() -> None:
+    assert numpy_dtype(types.SimpleNamespace(name="INT64")) == np.int64
+    assert numpy_dtype(types.SimpleNamespace(name="INT32")) == np.int32
+    assert numpy_dtype(types.SimpleNamespace(name="HALF")) == np.float16
+    assert numpy_dtype("DataType.FLOAT") == np.float32
+    with pytest.raises(BackendError, match="FP8 is not supported"):
+        numpy_dtype(types.SimpleNamespace(name="FP8"))
+
+
+def test_bucket_maps_to_the_profile_of_the_same_index(gpu: Profile) -> None:
+    assert [profile_index_for_bucket(gpu, i) for i in range(5)] == [0, 1, 2, 3, 4]
+    # bucket_for (the bucketer's choice) and the profile's bound agree for every length.
+    for length in range(1, 257):
+        i = profile_index_for_bucket(gpu, gpu.bucket_for(length))
+        assert profile_shapes(gpu)[i].seq_len >= length
+    with pytest.raises(BackendError, match="has 5 buckets"):
+        profile_index_for_bucket(gpu, 5)
+    with pytest.raises(BackendError):
+        profile_index_for_bucket(gpu, -1)
+
+
+def test_engine_profile_shapes_are_checked_against_the_buckets(gpu: Profile) -> None:
+    good = [{n: [s.min, s.opt, s.max] for n in ("input_ids", "attention_mask")} for s in profile_shapes(gpu)]
+    check_engine_profiles(gpu, good)
+    with pytest.raises(BackendError, match="4 optimisation profiles"):
+        check_engine_profiles(gpu, good[:4])
+    bad = [dict(x) for x in good]
+    bad[2] = {**bad[2], "attention_mask": [(1, 32), (64, 32), (32, 32)]}  # max batch 32 < 64
+    with pytest.raises(BackendError, match="profile 2 input 'attention_mask'"):
+        check_engine_profiles(gpu, bad)
+
+
+def test_batch_checks_and_staging_pad_to_the_bound(gpu: Profile) -> None:
+    plan = _plan(gpu, 1, np.int32)  # bound 16, max batch 128, int32 engine inputs
+    host = {n: np.full(plan.input_shape, 7, dtype=dt) for n, dt in plan.input_dtypes}
+    ids = np.arange(30, dtype=np.int64).reshape(3, 10) + 100
+    mask = np.ones((3, 10), dtype=np.int64)
+    mask[2, 6:] = 0
+    assert stage_batch(plan, host, ids, mask) == 3
+    assert host["input_ids"].dtype == np.int32
+    np.testing.assert_array_equal(host["input_ids"][:3, :10], ids)
+    np.testing.assert_array_equal(host["input_ids"][:3, 10:], 0)  # padded up to the bound
+    np.testing.assert_array_equal(host["attention_mask"][:3, 10:], 0)
+    np.testing.assert_array_equal(host["attention_mask"][2, 6:10], 0)
+    np.testing.assert_array_equal(host["input_ids"][3:], 7)  # rows past the batch untouched
+
+    with pytest.raises(BackendError, match="exceeds profile 1's bound 16"):
+        check_batch(plan, np.zeros((2, 17), np.int64), np.zeros((2, 17), np.int64))
+    with pytest.raises(BackendError, match="batch of 129 exceeds profile 1's max batch 128"):
+        check_batch(plan, np.zeros((129, 16), np.int64), np.zeros((129, 16), np.int64))
+    with pytest.raises(BackendError, match="same"):
+        check_batch(plan, np.zeros((2, 16), np.int64), np.zeros((2, 15), np.int64))
+    with pytest.raises(BackendError, match="empty"):
+        check_batch(plan, np.zeros((0, 16), np.int64), np.zeros((0, 16), np.int64))
+
+
+def test_shared_memory_block_is_the_largest_profile() -> None:
+    assert shared_memory_size([10, 4096, 300]) == 4096
+    with pytest.raises(BackendError):
+        shared_memory_size([])
+
+
+# ============================================================================ fake tensorrt + pycuda
+class FakeCuda(types.ModuleType):
+    """pycuda.driver, as far as the backend uses it; every call checks a context is current."""
+
+    def __init__(self, name: str = "NVIDIA L40S", cc: tuple[int, int] = (8, 9)) -> None:
+        super().__init__("pycuda.driver")
+        self.gpu_name, self.cc = name, cc
+        self.local = threading.local()
+        self.memory: dict[int, np.ndarray] = {}
+        self.next_ptr = 0x1000
+        self.detached = 0
+        self.pushes = 0
+        fake = self
+
+        class Context:
+            @staticmethod
+            def pop() -> None:
+                fake.stack().pop()
+
+        class PrimaryContext:
+            def push(self) -> None:
+                fake.pushes += 1
+                fake.stack().append(self)
+
+            def detach(self) -> None:
+                fake.detached += 1
+
+        class Device:
+            def __init__(self, i: int) -> None:
+                assert i == 0
+
+            def name(self) -> str:
+                return fake.gpu_name
+
+            def compute_capability(self) -> tuple[int, int]:
+                return fake.cc
+
+            def retain_primary_context(self) -> PrimaryContext:
+                return PrimaryContext()
+
+        class Alloc:
+            def __init__(self, nbytes: int) -> None:
+                fake.need_context()
+                self.ptr = fake.next_ptr
+                fake.next_ptr += max(nbytes, 1) + 256
+                fake.memory[self.ptr] = np.zeros(nbytes, np.uint8)
+
+            def __int__(self) -> int:
+                return self.ptr
+
+            def free(self) -> None:
+                fake.need_context()
+                del fake.memory[self.ptr]
+
+        class Stream:
+            def __init__(self) -> None:
+                fake.need_context()
+                self.handle = fake.next_ptr
+                fake.next_ptr += 16
+
+            def synchronize(self) -> None:
+                fake.need_context()
+
+        self.Context, self.Device, self.Stream, self.Alloc = Context, Device, Stream, Alloc
+
+    def stack(self) -> list[Any]:
+        if not hasattr(self.local, "stack"):
+            self.local.stack = []
+        return self.local.stack
+
+    def need_context(self) -> None:
+        assert self.stack(), "CUDA call on a thread with no current context"
+
+    def init(self) -> None:
+        pass
+
+    def pagelocked_empty(self, shape: Any, dtype: Any) -> np.ndarray:
+        self.need_context()
+        return np.empty(shape, dtype)
+
+    def mem_alloc(self, nbytes: int) -> Any:
+        return self.Alloc(nbytes)
+
+    def memcpy_htod_async(self, dest: Any, src: np.ndarray, stream: Any) -> None:
+        self.need_context()
+        assert src.flags.c_contiguous
+        self.memory[int(dest)][: src.nbytes] = src.reshape(-1).view(np.uint8)
+
+    def memcpy_dtoh_async(self, dest: np.ndarray, src: Any, stream: Any) -> None:
+        self.need_context()
+        assert dest.flags.c_contiguous
+        dest.reshape(-1).view(np.uint8)[:] = self.memory[int(src)][: dest.nbytes]
+
+
+class FakeDType:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class FakeEngine:
+    """A 'plan' whose output row is [sum(ids*mask), sum(mask), seq_len, profile, 0...]."""
+
+    def __init__(self, trt: FakeTrt, spec: dict[str, Any]) -> None:
+        self.trt, self.spec = trt, spec
+        self.names = ["input_ids", "attention_mask", "sentence_embedding"]
+        self.num_io_tensors = 3
+        self.num_optimization_profiles = len(spec["profiles"])
+        self.contexts: list[FakeExecContext] = []
+
+    def get_tensor_name(self, i: int) -> str:
+        return self.names[i]
+
+    def get_tensor_mode(self, name: str) -> str:
+        return "OUTPUT" if name == "sentence_embedding" else "INPUT"
+
+    def get_tensor_dtype(self, name: str) -> FakeDType:
+        return FakeDType("FLOAT" if name == "sentence_embedding" else self.spec["input_dtype"])
+
+    def get_tensor_shape(self, name: str) -> tuple[int, ...]:
+        return (-1, self.spec["dim"]) if name == "sentence_embedding" else (-1, -1)
+
+    def get_tensor_profile_shape(self, name: str, i: int) -> list[tuple[int, int]]:
+        L, opt, mx = self.spec["profiles"][i]
+        return [(1, L), (opt, L), (mx, L)]
+
+    def get_device_memory_size_for_profile_v2(self, i: int) -> int:
+        return 1000 * (i + 1)
+
+    def create_execution_context(self, strategy: str = "STATIC") -> FakeExecContext:
+        self.trt.cuda.need_context()
+        ctx = FakeExecContext(self, strategy)
+        self.contexts.append(ctx)
+        return ctx
+
+
+class FakeExecContext:
+    def __init__(self, engine: FakeEngine, strategy: str) -> None:
+        self.engine, self.strategy = engine, strategy
+        self.profile: int | None = None
+        self.addresses: dict[str, int] = {}
+        self.shapes: dict[str, tuple[int, int]] = {}
+        self.shape_calls = 0
+        self.device_memory: tuple[int, int] | None = None
+        self.thread = threading.get_ident()
+
+    def set_optimization_profile_async(self, i: int, stream: int) -> bool:
+        self.engine.trt.cuda.need_context()
+        self.profile = i
+        return True
+
+    def set_device_memory(self, ptr: int, size: int) -> None:
+        self.device_memory = (ptr, size)
+
+    def set_tensor_address(self, name: str, ptr: int) -> None:
+        assert ptr in self.engine.trt.cuda.memory
+        self.addresses[name] = ptr
+
+    def set_input_shape(self, name: str, shape: tuple[int, int]) -> bool:
+        self.shape_calls += 1
+        assert self.profile is not None
+        (mn, _, mx) = self.engine.get_tensor_profile_shape(name, self.profile)
+        if not (mn[0] <= shape[0] <= mx[0] and mn[1] <= shape[1] <= mx[1]):
+            return False
+        self.shapes[name] = tuple(shape)  # type: ignore[assignment]
+        return True
+
+    def execute_async_v3(self, stream: int) -> bool:
+        cuda = self.engine.trt.cuda
+        cuda.need_context()
+        assert threading.get_ident() == self.thread, "context run off its thread"
+        if self.strategy == "USER_MANAGED":
+            assert self.device_memory is not None, "user-managed context run without device memory"
+        b, L = self.shapes["input_ids"]
+        dt = np.dtype(np.int64 if self.engine.spec["input_dtype"] == "INT64" else np.int32)
+        ids = cuda.memory[self.addresses["input_ids"]][: b * L * dt.itemsize].view(dt).reshape(b, L)
+        mask = cuda.memory[self.addresses["attention_mask"]][: b * L * dt.itemsize].view(dt).reshape(b, L)
+        dim = self.engine.spec["dim"]
+        out = np.zeros((b, dim), np.float32)
+        out[:, 0] = (ids * mask).sum(1)
+        out[:, 1] = mask.sum(1)
+        out[:, 2] = L
+        out[:, 3] = self.profile
+        cuda.memory[self.addresses["sentence_embedding"]][: out.nbytes] = out.reshape(-1).view(np.uint8)
+        return True
+
+
+class FakeTrt(types.ModuleType):
+    def __init__(self, cuda: FakeCuda, version: str = "10.3.0") -> None:
+        super().__init__("tensorrt")
+        self.cuda = cuda
+        self.__version__ = version
+        self.TensorIOMode = types.SimpleNamespace(INPUT="INPUT", OUTPUT="OUTPUT")
+        self.ExecutionContextAllocationStrategy = types.SimpleNamespace(
+            STATIC="STATIC", ON_PROFILE_CHANGE="ON_PROFILE_CHANGE", USER_MANAGED="USER_MANAGED")
+        self.engines: list[FakeEngine] = []
+        self.built: list[dict[str, Any]] = []
+        trt = self
+
+        class Logger:
+            WARNING = 2
+
+            def __init__(self, level: int) -> None:
+                self.level = level
+
+        class Runtime:
+            def __init__(self, logger: Any) -> None:
+                pass
+
+            def deserialize_cuda_engine(self, data: bytes) -> FakeEngine:
+                trt.cuda.need_context()
+                engine = FakeEngine(trt, json.loads(data))
+                trt.engines.append(engine)
+                return engine
+
+        self.Logger, self.Runtime = Logger, Runtime
+        self._install_builder()
+
+    def _install_builder(self) -> None:
+        trt = self
+        self.MemoryPoolType = types.SimpleNamespace(WORKSPACE="WORKSPACE")
+        self.BuilderFlag = types.SimpleNamespace(FP16="FP16")
+
+        class Tensor:
+            def __init__(self, name: str, shape: tuple[int, ...]) -> None:
+                self.name, self.shape = name, shape
+
+        class Network:
+            def __init__(self) -> None:
+                self.inputs = [Tensor("input_ids", (-1, -1)), Tensor("attention_mask", (-1, -1))]
+                self.outputs = [Tensor("sentence_embedding", (-1, DIM))]
+                self.num_inputs, self.num_outputs = 2, 1
+
+            def get_input(self, i: int) -> Tensor:
+                return self.inputs[i]
+
+            def get_output(self, i: int) -> Tensor:
+                return self.outputs[i]
+
+        class OptProfile:
+            def __init__(self) -> None:
+                self.shapes: dict[str, tuple[Any, Any, Any]] = {}
+
+            def set_shape(self, name: str, mn: Any, opt: Any, mx: Any) -> None:
+                self.shapes[name] = (tuple(mn), tuple(opt), tuple(mx))
+
+        class Cache:
+            def __init__(self, data: bytes) -> None:
+                self.data = data
+
+            def serialize(self) -> bytes:
+                return self.data + b"+tuned"
+
+        class Config:
+            def __init__(self) -> None:
+                self.flags: set[str] = set()
+                self.pools: dict[str, int] = {}
+                self.profiles: list[OptProfile] = []
+                self.cache: Cache | None = None
+
+            def set_memory_pool_limit(self, pool: str, size: int) -> None:
+                self.pools[pool] = size
+
+            def set_flag(self, flag: str) -> None:
+                self.flags.add(flag)
+
+            def add_optimization_profile(self, p: OptProfile) -> int:
+                self.profiles.append(p)
+                return len(self.profiles) - 1
+
+            def create_timing_cache(self, data: bytes) -> Cache:
+                return Cache(data)
+
+            def set_timing_cache(self, cache: Cache, ignore_mismatch: bool) -> bool:
+                self.cache = cache
+                return True
+
+            def get_timing_cache(self) -> Cache:
+                assert self.cache is not None
+                return self.cache
+
+        class Builder:
+            def __init__(self, logger: Any) -> None:
+                pass
+
+            def create_network(self, flags: int) -> Network:
+                assert flags == 0
+                return Network()
+
+            def create_builder_config(self) -> Config:
+                return Config()
+
+            def create_optimization_profile(self) -> OptProfile:
+                return OptProfile()
+
+            def build_serialized_network(self, network: Network, config: Config) -> bytes:
+                trt.built.append({"config": config})
+                profiles = []
+                for p in config.profiles:
+                    (mn, opt, mx) = p.shapes["input_ids"]
+                    assert p.shapes["attention_mask"] == p.shapes["input_ids"]
+                    profiles.append([mx[1], opt[0], mx[0]])
+                return json.dumps({"profiles": profiles, "dim": DIM, "input_dtype": "INT64"}).encode()
+
+        class OnnxParser:
+            def __init__(self, network: Network, logger: Any) -> None:
+                self.num_errors = 0
+
+            def parse_from_file(self, path: str) -> bool:
+                return Path(path).is_file()
+
+        self.Builder, self.OnnxParser = Builder, OnnxParser
+
+
+@pytest.fixture()
+def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> FakeTrt:
+    cuda = FakeCuda()
+    trt = FakeTrt(cuda)
+    pycuda = types.ModuleType("pycuda")
+    pycuda.driver = cuda  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "pycuda", pycuda)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", cuda)
+    return trt
+
+
+def _tiny_onnx(path: Path) -> Path:
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["input_ids"], ["sentence_embedding"])], "g",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
+        [helper.make_tensor_value_info("sentence_embedding", TensorProto.INT64, ["b", "s"])])
+    model = helper.make_model(graph, producer_name="keyword-embedder", producer_version="0.1.0")
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.fixture()
+def built_plan(tmp_path: Path, fake_gpu: FakeTrt, gpu: Profile) -> tuple[Path, Path]:
+    onnx_path = _tiny_onnx(tmp_path / "model.onnx")
+    plan = tmp_path / "engines" / "minilm.plan"
+    build_engine(onnx_path, gpu, plan, timing_cache=tmp_path / "timing.cache", log=lambda _m: None)
+    return plan, onnx_path
+
+
+# ============================================================================ build_engine (fake TensorRT)
+def test_build_engine_adds_one_profile_per_bucket_and_writes_the_sidecar(
+        tmp_path: Path, built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
+    plan, onnx_path = built_plan
+    config = fake_gpu.built[0]["config"]
+    assert [p.shapes["input_ids"] for p in config.profiles] == [(s.min, s.opt, s.max) for s in profile_shapes(gpu)]
+    assert config.flags == {"FP16"} and config.pools["WORKSPACE"] == 4 * (1 << 30)
+    assert (tmp_path / "timing.cache").read_bytes() == b"+tuned"  # saved after the build
+    sc = read_sidecar(plan)
+    assert sc.gpu_name == "NVIDIA L40S" and sc.compute_capability == "8.9" and sc.tensorrt_version == "10.3.0"
+    assert sc.onnx_sha256 == sha256_file(onnx_path) and sc.fp16 is True
+    assert sc.profile_name == "gpu" and sc.profile_table == profile_table(gpu)
+    assert sc.exporter_version == "keyword-embedder/0.1.0"
+    assert sc.plan_sha256 == hashlib.sha256(plan.read_bytes()).hexdigest()
+    assert not list(plan.parent.glob("*.tmp"))
+
+
+def test_build_engine_refuses_unaligned_profile_before_touching_the_gpu(tmp_path: Path, fake_gpu: FakeTrt) -> None:
+    with pytest.raises(AlignmentError):
+        build_engine(_tiny_onnx(tmp_path / "m.onnx"), load_profile("cpu", PROFILES), tmp_path / "p.plan")
+    assert fake_gpu.built == [] and not (tmp_path / "p.plan").exists()
+
+
+def test_build_engine_on_tensorrt_11_without_fp16_flag_says_what_to_do(tmp_path: Path, fake_gpu: FakeTrt,
+                                                                      gpu: Profile) -> None:
+    fake_gpu.BuilderFlag = types.SimpleNamespace()  # TensorRT 11: weak-typing flags removed
+    fake_gpu.__version__ = "11.4.0"
+    onnx_path = _tiny_onnx(tmp_path / "m.onnx")
+    with pytest.raises(EngineBuildError, match=r"TensorRT 11\.4\.0 has no BuilderFlag\.FP16.*--no-fp16"):
+        build_engine(onnx_path, gpu, tmp_path / "p.plan", log=lambda _m: None)
+    assert fake_gpu.built == []
+    sc = build_engine(onnx_path, gpu, tmp_path / "p.plan", fp16=False, log=lambda _m: None)
+    assert sc.fp16 is False and fake_gpu.built[0]["config"].flags == set()
+
+
+# ============================================================================ backend (fake TensorRT + pycuda)
+def _run_in_thread(fn: Any) -> Any:
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test thread
+            box["error"] = exc
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join(30)
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+def test_backend_runs_each_bucket_on_its_own_context_and_thread(
+        built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
+    from worker.backends.tensorrt import TensorRTBackend
+
+    plan, onnx_path = built_plan
+    backend = TensorRTBackend(plan, gpu, onnx_path=onnx_path)
+    assert isinstance(backend, Backend) and backend.name == "tensorrt" and backend.dim == DIM
+    assert backend.preferred_pad == "bucket" and backend.max_contexts == 5
+    assert backend.requires_serial_dispatch is False
+    cuda = fake_gpu.cuda
+    assert cuda.stack() == []  # the constructor popped what it pushed
+
+    def dispatcher(i: int, length: int, batch: int) -> tuple[np.ndarray, int, int]:
+        ctx = backend.create_context(i)
+        assert isinstance(ctx, InferenceContext)
+        rng = np.random.default_rng(i)
+        ids = rng.integers(1, 30000, size=(batch, length), dtype=np.int64)
+        mask = np.ones_like(ids)
+        mask[0, length // 2:] = 0
+        out = ctx.run(ids, mask)
+        out2 = ctx.run(ids[:1], mask[:1])  # another batch size: shapes set again
+        out3 = ctx.run(ids[:1], mask[:1])  # same size: no set_input_shape
+        np.testing.assert_array_equal(out2, out3)
+        assert out.dtype == np.float32 and out.shape == (batch, DIM)
+        np.testing.assert_array_equal(out[:, 0], (ids * mask).sum(1))
+        np.testing.assert_array_equal(out[:, 1], mask.sum(1))
+        depth = len(cuda.stack())
+        ctx.close()
+        return out, depth, len(cuda.stack())
+
+    # One thread per bucket, as the bucketer's dispatchers; lengths below the bound get padded.
+    results = [_run_in_thread(lambda i=i, L=L, B=B: dispatcher(i, L, B))
+               for i, L, B in [(0, 5, 256), (1, 16, 3), (2, 20, 64), (3, 64, 1), (4, 200, 8)]]
+    for i, (out, depth_open, depth_closed) in enumerate(results):
+        assert out[0, 2] == gpu.buckets[i].max_len  # ran at the bucket's bound
+        assert out[0, 3] == i  # on profile i
+        assert (depth_open, depth_closed) == (1, 0)  # pushed while open, popped on close
+    engine = fake_gpu.engines[0]
+    assert [c.profile for c in engine.contexts] == [0, 1, 2, 3, 4]
+    assert {c.strategy for c in engine.contexts} == {"ON_PROFILE_CHANGE"}
+    # 2 inputs x distinct batch sizes in a row (bucket 3's batches are all of 1: set once).
+    assert [c.shape_calls for c in engine.contexts] == [4, 4, 4, 2, 4]
+    backend.close()
+    assert cuda.detached == 1 and cuda.memory == {}  # every buffer freed
+
+
+def test_context_refuses_batches_that_do_not_fit_and_foreign_threads(
+        built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
+    from worker.backends.tensorrt import TensorRTBackend
+
+    backend = TensorRTBackend(built_plan[0], gpu)
+    ctx = backend.create_context(1)  # bound 16, max batch 128
+    with pytest.raises(BackendError, match="bound 16"):
+        ctx.run(np.ones((2, 17), np.int64), np.ones((2, 17), np.int64))
+    with pytest.raises(BackendError, match="max batch 128"):
+        ctx.run(np.ones((129, 16), np.int64), np.ones((129, 16), np.int64))
+    with pytest.raises(BackendError, match="thread other than"):
+        _run_in_thread(lambda: ctx.run(np.ones((1, 16), np.int64), np.ones((1, 16), np.int64)))
+    with pytest.raises(BackendError, match="still open"):
+        backend.close()
+    with pytest.raises(BackendError, match="has 5 buckets"):
+        backend.create_context(5)
+    ctx.close()
+    with pytest.raises(BackendError, match="closed"):
+        ctx.run(np.ones((1, 16), np.int64), np.ones((1, 16), np.int64))
+    backend.close()
+    assert fake_gpu.cuda.stack() == []
+
+
+def test_shared_device_memory_gives_every_context_one_block(
+        built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
+    from worker.backends.tensorrt import TensorRTBackend
+
+    backend = TensorRTBackend(built_plan[0], gpu, share_device_memory=True)
+    assert backend.requires_serial_dispatch is True
+
+    def serial_dispatcher() -> None:  # one thread runs every context
+        ctxs = [backend.create_context(i) for i in range(5)]
+        for i, ctx in enumerate(ctxs):
+            L = gpu.buckets[i].max_len
+            assert ctx.run(np.ones((2, L), np.int64), np.ones((2, L), np.int64))[0, 3] == i
+        assert len(fake_gpu.cuda.stack()) == 1  # pushed once for the thread, not once per context
+        for ctx in ctxs:
+            ctx.close()
+        assert fake_gpu.cuda.stack() == []
+
+    _run_in_thread(serial_dispatcher)
+    contexts = fake_gpu.engines[0].contexts
+    # A second dispatcher thread would run concurrently on the same block: refused.
+    first = backend.create_context(0)
+    with pytest.raises(BackendError, match="ONE dispatcher thread"):
+        _run_in_thread(lambda: backend.create_context(1))
+    first.close()
+    assert {c.strategy for c in contexts} == {"USER_MANAGED"}
+    blocks = {c.device_memory for c in contexts}
+    assert len(blocks) == 1 and next(iter(blocks))[1] == 5000  # the largest of 1000..5000
+    backend.close()
+    assert fake_gpu.cuda.memory == {}
+
+
+def test_backend_refuses_a_foreign_or_stale_plan_before_deserialising(
+        built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile, tmp_path: Path) -> None:
+    from worker.backends.tensorrt import TensorRTBackend
+
+    plan, onnx_path = built_plan
+    fake_gpu.cuda.gpu_name = "NVIDIA H100 80GB HBM3"
+    with pytest.raises(PlanSidecarError, match="foreign: built on GPU 'NVIDIA L40S'"):
+        TensorRTBackend(plan, gpu)
+    fake_gpu.cuda.gpu_name = "NVIDIA L40S"
+    onnx_path.write_bytes(onnx_path.read_bytes() + b"\0")  # re-exported model: the plan is stale
+    with pytest.raises(PlanSidecarError, match="stale"):
+        TensorRTBackend(plan, gpu)
+    other = replace(gpu, buckets=gpu.buckets[:-1] + (Bucket(256, 16, 16),))
+    with pytest.raises(PlanSidecarError, match="profile mismatch"):
+        TensorRTBackend(plan, other, onnx_path=_tiny_onnx(tmp_path / "model.onnx"))
+    assert fake_gpu.engines == []  # nothing was deserialised
+
+
+# ============================================================================ backend selection
+def _spec(present: set[str]) -> Any:
+    return lambda name: object() if name in present else None
+
+
+def test_missing_gpu_packages_never_imports_them() -> None:
+    assert missing_gpu_packages(_spec(set())) == ["tensorrt", "pycuda"]
+    assert missing_gpu_packages(_spec({"tensorrt"})) == ["pycuda"]
+    assert missing_gpu_packages(_spec({"tensorrt", "pycuda"})) == []
+
+    def blocked(name: str) -> Any:
+        raise ImportError(f"blocked {name}")
+
+    assert missing_gpu_packages(blocked) == ["tensorrt", "pycuda"]
+
+
+def test_gpu_present_reads_device_nodes_and_cuda_visible_devices(tmp_path: Path) -> None:
+    (tmp_path / "nvidia0").touch()
+    pattern = str(tmp_path / "nvidia[0-9]*")
+    assert gpu_present({}, pattern) is True
+    assert gpu_present({"CUDA_VISIBLE_DEVICES": ""}, pattern) is False
+    assert gpu_present({"CUDA_VISIBLE_DEVICES": "-1"}, pattern) is False
+    assert gpu_present({"CUDA_VISIBLE_DEVICES": "0"}, pattern) is True
+    assert gpu_present({}, str(tmp_path / "none[0-9]*")) is False
+
+
+def test_auto_picks_tensorrt_only_with_extra_gpu_and_plan(tmp_path: Path) -> None:
+    plan = tmp_path / "p.plan"
+    plan.write_bytes(b"x")
+    everything = {"find_spec": _spec({"tensorrt", "pycuda"}), "has_gpu": lambda: True}
+    s = Settings(engine_path=str(plan))
+    assert choose_backend(s, **everything).backend == "tensorrt"
+    c = choose_backend(s, find_spec=_spec({"tensorrt"}), has_gpu=lambda: True)
+    assert c.backend == "onnxruntime" and "pycuda" in c.reason
+    assert choose_backend(s, find_spec=everything["find_spec"], has_gpu=lambda: False).backend == "onnxruntime"
+    assert choose_backend(Settings(), **everything).backend == "onnxruntime"  # no engine_path
+    c = choose_backend(Settings(engine_path=str(tmp_path / "missing.plan")), **everything)
+    assert c.backend == "onnxruntime" and "does not exist" in c.reason
+    assert choose_backend(Settings(backend="onnxruntime", engine_path=str(plan)), **everything).backend == "onnxruntime"
+
+
+def test_explicit_tensorrt_names_what_is_missing(tmp_path: Path) -> None:
+    plan = tmp_path / "p.plan"
+    plan.write_bytes(b"x")
+    s = Settings(backend="tensorrt", engine_path=str(plan))
+    with pytest.raises(BackendError) as exc:
+        choose_backend(s, find_spec=_spec({"tensorrt"}), has_gpu=lambda: True)
+    assert "missing: pycuda" in str(exc.value) and GPU_INSTALL_HINT in str(exc.value)
+    assert "tensorrt," not in str(exc.value)
+    with pytest.raises(BackendError, match="no NVIDIA GPU"):
+        choose_backend(s, find_spec=_spec({"tensorrt", "pycuda"}), has_gpu=lambda: False)
+    with pytest.raises(BackendError, match="--engine-path"):
+        choose_backend(Settings(backend="tensorrt"), find_spec=_spec({"tensorrt", "pycuda"}), has_gpu=lambda: True)
+    with pytest.raises(BackendError, match="does not exist"):
+        choose_backend(Settings(backend="tensorrt", engine_path=str(tmp_path / "nope")),
+                       find_spec=_spec({"tensorrt", "pycuda"}), has_gpu=lambda: True)
+
+
+def test_profile_auto_follows_the_backend() -> None:
+    assert resolve_profile_name(Settings(), "tensorrt") == "gpu"
+    assert resolve_profile_name(Settings(), "onnxruntime") == "cpu"
+    assert resolve_profile_name(Settings(profile="cpu-aligned"), "tensorrt") == "cpu-aligned"
+
+
+def test_load_backend_onnxruntime_with_profile_and_onnx_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[tuple[Any, dict[str, Any]]] = []
+    fake = types.ModuleType("worker.backends.onnxruntime")
+
+    class OnnxRuntimeBackend:
+        def __init__(self, onnx_path: Any, **kw: Any) -> None:
+            made.append((onnx_path, kw))
+
+    fake.OnnxRuntimeBackend = OnnxRuntimeBackend  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "worker.backends.onnxruntime", fake)
+    backend, profile = load_backend(Settings(onnx_path="/m/x.onnx", intra_op_threads=3),
+                                    find_spec=_spec(set()), has_gpu=lambda: False)
+    assert isinstance(backend, OnnxRuntimeBackend) and made == [("/m/x.onnx", {"intra_op_threads": 3})]
+    assert profile.name == "cpu" and profile.max_len == 256
+
+    export = types.ModuleType("engines.export_onnx")
+    export.ensure_onnx = lambda model_dir=None, **kw: f"/cache/{model_dir}.onnx"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "engines.export_onnx", export)
+    load_backend(Settings(), find_spec=_spec(set()), has_gpu=lambda: False)
+    assert made[-1][0] == "/cache/None.onnx"  # default: the cached export of the default model
+
+
+def test_load_backend_tensorrt_passes_plan_profile_and_onnx(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import worker.backends.tensorrt as trt_backend
+
+    plan = tmp_path / "p.plan"
+    plan.write_bytes(b"x")
+    made: list[tuple[Any, ...]] = []
+
+    class Fake:
+        def __init__(self, engine_path: Any, profile: Profile, **kw: Any) -> None:
+            made.append((engine_path, profile.name, kw))
+
+    monkeypatch.setattr(trt_backend, "TensorRTBackend", Fake)
+    backend, profile = load_backend(Settings(engine_path=str(plan), onnx_path="/m/x.onnx"),
+                                    find_spec=_spec({"tensorrt", "pycuda"}), has_gpu=lambda: True)
+    assert isinstance(backend, Fake) and profile.name == "gpu" and profile.bounds == (8, 16, 32, 64, 256)
+    assert made == [(str(plan), "gpu", {"onnx_path": "/m/x.onnx", "share_device_memory": False})]
+
+
+def test_load_backend_refuses_a_profile_short_of_the_model_max(tmp_path: Path) -> None:
+    short = tmp_path / "p.toml"
+    short.write_text('[profiles.cpu]\nbuckets = [{ max_len = 64, max_batch = 8 }]\n')
+    with pytest.raises(ProfileError, match="ends at 64 tokens but the model takes 256"):
+        load_backend(Settings(profiles_file=str(short)), find_spec=_spec(set()), has_gpu=lambda: False)
+
+
+# ============================================================================ CLI without tensorrt
+def test_build_engine_cli_without_tensorrt_exits_2(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from worker.cli import main
+
+    # None in sys.modules makes `import tensorrt` fail, even on a machine that has it.
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    onnx_path = _tiny_onnx(tmp_path / "m.onnx")
+    rc = main(["build-engine", "--onnx", str(onnx_path), "--output", str(tmp_path / "p.plan")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("keyword-embedder build-engine: ") and "tensorrt" in err and GPU_INSTALL_HINT in err
+    assert "Traceback" not in err and not (tmp_path / "p.plan").exists()
+    with pytest.raises(GpuExtraMissingError):
+        from engines.build_engine import import_gpu_extra
+
+        import_gpu_extra()
+
+
+def test_build_engine_cli_rejects_an_unaligned_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from worker.cli import main
+
+    rc = main(["build-engine", "--profile", "cpu", "--output", str(tmp_path / "p.plan")])
+    assert rc == 2 and "multiple of 8" in capsys.readouterr().err

@@ -1,0 +1,460 @@
+"""TensorRT backend: one multi-profile plan, one execution context per bucket on its own CUDA stream.
+
+Layout (engines/build_engine.py builds the plan): optimisation profile i is bucket i of the
+profile, with a fixed sequence length L_i (its bound) and batch 1..max_batch_i. Context i:
+- one `IExecutionContext`, `set_optimization_profile_async(i, stream)` once at creation;
+- its own pycuda `Stream`;
+- pinned host buffers (`pagelocked_empty`) and device buffers for [max_batch_i, L_i] inputs
+  and the [max_batch_i, dim] output, with their tensor addresses set once;
+- per batch: copy into the pinned buffers (padding to L_i), `set_input_shape` (only when the
+  batch size changed), async host->device copies, `execute_async_v3`, async device->host copy,
+  `stream.synchronize()`, and a numpy copy of the output.
+
+Padding: the bucketer should pad a batch to its bucket bound (`preferred_pad = "bucket"`). A
+batch that is shorter (L < L_i, e.g. with `pad_to = longest`) is padded up to L_i here with
+id 0 and mask 0: profile i only admits sequence length L_i, and masked positions change
+neither the attention of real tokens nor the masked mean pooling. L > L_i or more than
+max_batch_i rows is an error (BackendError): the batch belongs to another bucket.
+
+Threads and the CUDA context. TensorRT uses the CUDA runtime, which works in the device's
+*primary* context; pycuda uses the driver API, where a context is current per thread. The
+backend therefore retains the primary context once (so pycuda and TensorRT share it), and:
+- the backend's constructor and close() push/pop it around their own work;
+- `create_context(i)` must be called *from the dispatcher thread that will run context i*: it
+  pushes the primary context on that thread (once per thread, reference-counted) and keeps it
+  current; `TensorRTContext.close()` must be called from the same thread and pops it when that
+  thread's last context closes. `run()` from another thread raises BackendError.
+- close every context before `TensorRTBackend.close()`.
+
+share_device_memory=True: contexts are created with user-managed device memory
+(ExecutionContextAllocationStrategy.USER_MANAGED) and all point at one block sized for the
+largest profile. Two contexts running at once would overwrite each other's activations, so
+this is only valid when no two contexts ever run concurrently: `requires_serial_dispatch` is
+then True and the bucketer must run every context from ONE dispatcher thread. Without it, each
+context is created with ON_PROFILE_CHANGE and so holds activation memory for its own profile
+only (instead of STATIC's maximum over all profiles per context).
+
+Everything before `TensorRTBackend` is pure logic (buffer sizing, bucket -> profile mapping,
+shape checks, staging into host buffers) and is unit-tested without a GPU. tensorrt and pycuda
+are imported only inside `TensorRTBackend.__init__`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from worker.backends.base import BackendError, PadPolicy
+from worker.profiles import Profile
+
+INPUT_NAMES: tuple[str, ...] = ("input_ids", "attention_mask")
+PAD_ID = 0  # masked out, so its value never reaches a real token's output
+
+# TensorRT DataType names -> numpy dtypes (the I/O types this backend can stage).
+_TRT_TO_NUMPY: dict[str, np.dtype[Any]] = {
+    "INT64": np.dtype(np.int64),
+    "INT32": np.dtype(np.int32),
+    "FLOAT": np.dtype(np.float32),
+    "HALF": np.dtype(np.float16),
+    "INT8": np.dtype(np.int8),
+    "BOOL": np.dtype(np.bool_),
+}
+
+
+def numpy_dtype(trt_dtype: Any) -> np.dtype[Any]:
+    """numpy dtype of a tensorrt.DataType (by its enum name, so this needs no tensorrt import)."""
+    name = getattr(trt_dtype, "name", str(trt_dtype)).rsplit(".", 1)[-1]
+    try:
+        return _TRT_TO_NUMPY[name]
+    except KeyError:
+        raise BackendError(f"TensorRT tensor type {name} is not supported by this backend "
+                           f"(supported: {', '.join(_TRT_TO_NUMPY)})") from None
+
+
+# ---------------------------------------------------------------------------- pure logic
+@dataclass(frozen=True)
+class BufferPlan:
+    """Sizes of one context's buffers: inputs [max_batch, seq_len], output [max_batch, dim]."""
+
+    profile_index: int
+    max_batch: int
+    seq_len: int
+    input_dtypes: tuple[tuple[str, np.dtype[Any]], ...]
+    output_name: str
+    output_dtype: np.dtype[Any]
+    dim: int
+
+    @property
+    def input_shape(self) -> tuple[int, int]:
+        return (self.max_batch, self.seq_len)
+
+    @property
+    def output_shape(self) -> tuple[int, int]:
+        return (self.max_batch, self.dim)
+
+    def input_nbytes(self, name: str) -> int:
+        dtype = dict(self.input_dtypes)[name]
+        return self.max_batch * self.seq_len * dtype.itemsize
+
+    @property
+    def output_nbytes(self) -> int:
+        return self.max_batch * self.dim * self.output_dtype.itemsize
+
+    @property
+    def total_nbytes(self) -> int:
+        """Bytes of one copy of every buffer (pinned host and device each take this much)."""
+        return sum(self.input_nbytes(n) for n, _ in self.input_dtypes) + self.output_nbytes
+
+
+def buffer_plan(profile: Profile, index: int, *, input_dtypes: Mapping[str, Any], output_name: str,
+                output_dtype: Any, dim: int) -> BufferPlan:
+    """Buffer sizes for context `index`, from the bucket's bound and max batch and the engine's dtypes."""
+    b = profile.buckets[profile_index_for_bucket(profile, index)]
+    if dim < 1:
+        raise BackendError(f"embedding dimension must be positive, got {dim}")
+    missing = [n for n in INPUT_NAMES if n not in input_dtypes]
+    if missing:
+        raise BackendError(f"engine input(s) {missing} missing; the plan must take {list(INPUT_NAMES)}")
+    dtypes = tuple((n, np.dtype(input_dtypes[n])) for n in INPUT_NAMES)
+    for n, dt in dtypes:
+        if dt.kind not in "iu":
+            raise BackendError(f"engine input {n!r} has type {dt}; expected an integer tensor")
+    return BufferPlan(index, b.max_batch, b.max_len, dtypes, output_name, np.dtype(output_dtype), dim)
+
+
+def profile_index_for_bucket(profile: Profile, bucket_index: int) -> int:
+    """The optimisation profile that bucket `bucket_index` runs on: the same index.
+
+    build_engine adds the profiles in bucket order, and the sidecar check guarantees the plan
+    was built for exactly these buckets, so the mapping is the identity; this is the one place
+    that says so, and it rejects an index that names no bucket.
+    """
+    n = len(profile.buckets)
+    if not 0 <= bucket_index < n:
+        raise BackendError(f"context {bucket_index} requested, but profile {profile.name!r} has {n} buckets "
+                           f"(contexts 0..{n - 1})")
+    return bucket_index
+
+
+def check_engine_profiles(profile: Profile, shapes: Sequence[Mapping[str, Sequence[Sequence[int]]]]) -> None:
+    """Checks the plan's own profile shapes against the buckets (belt and braces after the sidecar).
+
+    `shapes[i][name]` is `engine.get_tensor_profile_shape(name, i)`: [min, opt, max].
+    """
+    if len(shapes) != len(profile.buckets):
+        raise BackendError(f"the plan has {len(shapes)} optimisation profiles, profile {profile.name!r} has "
+                           f"{len(profile.buckets)} buckets")
+    for i, (b, per_input) in enumerate(zip(profile.buckets, shapes)):
+        for name in INPUT_NAMES:
+            mn, _opt, mx = (tuple(int(d) for d in s) for s in per_input[name])
+            if mn[1] != b.max_len or mx[1] != b.max_len or mx[0] < b.max_batch or mn[0] > 1:
+                raise BackendError(
+                    f"plan profile {i} input {name!r} admits min {mn} .. max {mx}, but bucket {i} sends "
+                    f"[1..{b.max_batch}, {b.max_len}]; the plan was built for other buckets")
+
+
+def check_batch(plan: BufferPlan, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[int, int]:
+    """(batch, length) of a batch that fits context `plan`, or BackendError saying why not."""
+    if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
+        raise BackendError(f"input_ids {input_ids.shape} and attention_mask {attention_mask.shape} must be "
+                           "the same [batch, length] shape")
+    batch, length = input_ids.shape
+    if batch < 1 or length < 1:
+        raise BackendError(f"empty batch {input_ids.shape}")
+    if batch > plan.max_batch:
+        raise BackendError(f"batch of {batch} exceeds profile {plan.profile_index}'s max batch {plan.max_batch}")
+    if length > plan.seq_len:
+        raise BackendError(f"batch length {length} exceeds profile {plan.profile_index}'s bound {plan.seq_len}: "
+                           "it belongs to a later bucket")
+    return batch, length
+
+
+def stage_batch(plan: BufferPlan, host: Mapping[str, np.ndarray], input_ids: np.ndarray,
+                attention_mask: np.ndarray) -> int:
+    """Copies a batch into the [max_batch, seq_len] host buffers, padded to seq_len; returns the batch size.
+
+    Only the first `batch` rows are written (and later copied to the device): rows past the
+    batch are never read by TensorRT, since the input shape is set to (batch, seq_len).
+    """
+    batch, length = check_batch(plan, input_ids, attention_mask)
+    for name, src in (("input_ids", input_ids), ("attention_mask", attention_mask)):
+        dst = host[name]
+        if dst.shape != plan.input_shape:
+            raise BackendError(f"host buffer {name!r} is {dst.shape}, expected {plan.input_shape}")
+        # Assignment casts int64 -> the engine's int32 when TensorRT narrowed the input.
+        dst[:batch, :length] = src
+        if length < plan.seq_len:
+            dst[:batch, length:] = PAD_ID
+    return batch
+
+
+def shared_memory_size(per_profile: Sequence[int]) -> int:
+    """Bytes of the one device-memory block shared by all contexts: the largest profile's need."""
+    if not per_profile:
+        raise BackendError("the plan has no optimisation profiles")
+    return max(int(n) for n in per_profile)
+
+
+# ---------------------------------------------------------------------------- the backend
+class _ThreadCudaContext:
+    """Keeps the shared CUDA context pushed on each thread that holds a TensorRT context."""
+
+    def __init__(self, cuda_ctx: Any, cuda: Any) -> None:
+        self._ctx = cuda_ctx
+        self._cuda = cuda
+        self._local = threading.local()
+
+    def enter(self) -> None:
+        depth = getattr(self._local, "depth", 0)
+        if depth == 0:
+            self._ctx.push()
+        self._local.depth = depth + 1
+
+    def leave(self) -> None:
+        depth = getattr(self._local, "depth", 0)
+        if depth <= 0:
+            raise BackendError("CUDA context popped on a thread that never pushed it: a TensorRT context "
+                               "must be closed on the thread that created it")
+        self._local.depth = depth - 1
+        if depth == 1:
+            self._cuda.Context.pop()
+
+
+class TensorRTContext:
+    """One bucket's execution context; owned by exactly one dispatcher thread."""
+
+    def __init__(self, backend: TensorRTBackend, index: int) -> None:
+        self._backend = backend
+        self.index = index
+        self.plan = backend.buffer_plans[index]
+        self._owner = threading.get_ident()
+        self._closed = False
+        self._last_batch = -1
+        cuda, trt = backend._cuda, backend._trt
+        backend._thread_ctx.enter()
+        try:
+            engine = backend._engine
+            if backend.share_device_memory:
+                strategy = getattr(trt, "ExecutionContextAllocationStrategy", None)
+                if strategy is not None:
+                    self._context = engine.create_execution_context(strategy.USER_MANAGED)
+                else:  # TensorRT < 10.0 spelling
+                    self._context = engine.create_execution_context_without_device_memory()
+            else:
+                strategy = getattr(trt, "ExecutionContextAllocationStrategy", None)
+                # ON_PROFILE_CHANGE: memory for this context's own profile, not the max over all.
+                self._context = (engine.create_execution_context(strategy.ON_PROFILE_CHANGE)
+                                 if strategy is not None else engine.create_execution_context())
+            if self._context is None:
+                raise BackendError(f"TensorRT could not create execution context {index} (out of GPU memory?)")
+            self._stream = cuda.Stream()
+            if backend.share_device_memory:
+                ptr, size = int(backend._shared_memory), backend._shared_memory_size
+                # The setter's name moved between releases: set_device_memory(ptr, size) in 10.1+,
+                # set_device_memory_v2 in 11, only the `device_memory` property in 10.0.
+                setter = (getattr(self._context, "set_device_memory_v2", None)
+                          or getattr(self._context, "set_device_memory", None))
+                if setter is not None:
+                    setter(ptr, size)
+                else:
+                    self._context.device_memory = ptr
+            if not self._context.set_optimization_profile_async(index, self._stream.handle):
+                raise BackendError(f"TensorRT refused optimisation profile {index} for context {index}")
+            self._stream.synchronize()
+            p = self.plan
+            self._host = {n: cuda.pagelocked_empty(p.input_shape, dt) for n, dt in p.input_dtypes}
+            for buf in self._host.values():
+                buf.fill(PAD_ID)
+            self._host_out = cuda.pagelocked_empty(p.output_shape, p.output_dtype)
+            self._device = {n: cuda.mem_alloc(p.input_nbytes(n)) for n, _ in p.input_dtypes}
+            self._device_out = cuda.mem_alloc(p.output_nbytes)
+            for name, buf in self._device.items():
+                self._context.set_tensor_address(name, int(buf))
+            self._context.set_tensor_address(p.output_name, int(self._device_out))
+        except BaseException:
+            self._release()
+            raise
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        if self._closed:
+            raise BackendError(f"TensorRT context {self.index} is closed")
+        if threading.get_ident() != self._owner:
+            raise BackendError(f"TensorRT context {self.index} run from a thread other than the one that "
+                               "created it; its CUDA context is current only there")
+        cuda, p = self._backend._cuda, self.plan
+        batch = stage_batch(p, self._host, input_ids, attention_mask)
+        if batch != self._last_batch:
+            for name in INPUT_NAMES:
+                if not self._context.set_input_shape(name, (batch, p.seq_len)):
+                    raise BackendError(f"TensorRT rejected input shape {(batch, p.seq_len)} for {name!r} on "
+                                       f"profile {self.index}")
+            self._last_batch = batch
+        for name in INPUT_NAMES:
+            # Rows [:batch] of a C-ordered buffer are one contiguous, still page-locked block.
+            cuda.memcpy_htod_async(self._device[name], self._host[name][:batch], self._stream)
+        if not self._context.execute_async_v3(self._stream.handle):
+            raise BackendError(f"TensorRT execute_async_v3 failed on profile {self.index} for batch "
+                               f"{(batch, p.seq_len)}")
+        out = self._host_out[:batch]
+        cuda.memcpy_dtoh_async(out, self._device_out, self._stream)
+        self._stream.synchronize()
+        # A copy: the pinned buffer is overwritten by the next batch.
+        return np.array(out, dtype=np.float32, copy=True)
+
+    def _release(self) -> None:
+        # While the CUDA context is still pushed on this thread: the TensorRT context first (it
+        # may reference the buffers), then device and pinned memory, then the stream.
+        try:
+            self._context = None
+            for buf in [*getattr(self, "_device", {}).values(), getattr(self, "_device_out", None)]:
+                if buf is not None:
+                    buf.free()
+            for arr in [*(getattr(self, "_host", None) or {}).values(), getattr(self, "_host_out", None)]:
+                base = getattr(arr, "base", None)
+                if base is not None and hasattr(base, "free"):  # pycuda's page-locked allocation
+                    base.free()
+            self._device, self._device_out = {}, None
+            self._host, self._host_out = {}, None  # type: ignore[assignment]
+            self._stream = None
+        finally:
+            self._backend._thread_ctx.leave()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        if threading.get_ident() != self._owner:
+            raise BackendError(f"TensorRT context {self.index} must be closed on the thread that created it")
+        self._closed = True
+        with self._backend._contexts_lock:
+            self._backend._contexts.discard(self)
+        self._release()
+
+
+class TensorRTBackend:
+    name = "tensorrt"
+    preferred_pad: PadPolicy = "bucket"
+
+    def __init__(self, engine_path: str | Path, profile: Profile, *, onnx_path: str | Path | None = None,
+                 share_device_memory: bool = False, device: int = 0) -> None:
+        # Imported here: the module is importable (and its pure logic testable) without the gpu extra.
+        from engines.build_engine import (
+            gpu_identity,
+            import_gpu_extra,
+            profile_shapes,
+            read_sidecar,
+            sha256_file,
+            validate_sidecar,
+        )
+
+        self.engine_path = Path(engine_path)
+        self.profile = profile
+        self.max_contexts: int | None = len(profile.buckets)
+        self.share_device_memory = share_device_memory
+        # One block of activation memory for all contexts: they must never run at once.
+        self.requires_serial_dispatch = share_device_memory
+        profile_shapes(profile)  # alignment: a clear error instead of a plan that cannot match
+        sidecar = read_sidecar(self.engine_path)  # before the GPU import: a missing sidecar fails fast
+        self._trt, self._cuda = import_gpu_extra()
+        trt, cuda = self._trt, self._cuda
+        gpu_name, cc = gpu_identity(cuda, device)
+
+        onnx_hash = None
+        check_onnx = Path(onnx_path) if onnx_path else Path(sidecar.onnx_path)
+        if onnx_path or check_onnx.is_file():  # the recorded path may be another machine's
+            onnx_hash = sha256_file(check_onnx)
+        plan_bytes = self.engine_path.read_bytes()
+        validate_sidecar(sidecar, plan_path=self.engine_path, profile=profile, onnx_sha256=onnx_hash,
+                         tensorrt_version=str(trt.__version__), gpu_name=gpu_name, compute_capability=cc,
+                         plan_sha256=hashlib.sha256(plan_bytes).hexdigest())
+
+        self._cuda_ctx = cuda.Device(device).retain_primary_context()
+        self._thread_ctx = _ThreadCudaContext(self._cuda_ctx, cuda)
+        self._contexts: set[TensorRTContext] = set()
+        self._contexts_lock = threading.Lock()  # dispatcher threads create/close concurrently
+        self._shared_memory: Any = None
+        self._shared_memory_size = 0
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._thread_ctx.enter()
+        try:
+            self._runtime = trt.Runtime(self._logger)
+            self._engine = self._runtime.deserialize_cuda_engine(plan_bytes)
+            if self._engine is None:
+                raise BackendError(f"TensorRT could not deserialise {self.engine_path} (its log above says why)")
+            engine = self._engine
+            io = {engine.get_tensor_name(i): engine.get_tensor_mode(engine.get_tensor_name(i))
+                  for i in range(engine.num_io_tensors)}
+            inputs = {n: numpy_dtype(engine.get_tensor_dtype(n)) for n, m in io.items() if m == trt.TensorIOMode.INPUT}
+            outputs = [n for n, m in io.items() if m == trt.TensorIOMode.OUTPUT]
+            if sorted(inputs) != sorted(INPUT_NAMES) or len(outputs) != 1:
+                raise BackendError(f"plan {self.engine_path} has inputs {sorted(inputs)} and outputs {outputs}; "
+                                   f"expected inputs {list(INPUT_NAMES)} and one embedding output")
+            out_shape = tuple(engine.get_tensor_shape(outputs[0]))
+            if len(out_shape) != 2 or out_shape[-1] < 1:
+                raise BackendError(f"plan output {outputs[0]!r} has shape {out_shape}; expected [batch, dim]")
+            self.dim = int(out_shape[-1])
+            n_profiles = engine.num_optimization_profiles
+            check_engine_profiles(profile, [
+                {n: engine.get_tensor_profile_shape(n, i) for n in INPUT_NAMES} for i in range(n_profiles)])
+            out_dtype = numpy_dtype(engine.get_tensor_dtype(outputs[0]))
+            self.buffer_plans = [buffer_plan(profile, i, input_dtypes=inputs, output_name=outputs[0],
+                                             output_dtype=out_dtype, dim=self.dim) for i in range(n_profiles)]
+            if share_device_memory:
+                if hasattr(engine, "get_device_memory_size_for_profile_v2"):  # TensorRT >= 10.1
+                    sizes = [engine.get_device_memory_size_for_profile_v2(i) for i in range(n_profiles)]
+                else:
+                    sizes = [engine.device_memory_size]
+                self._shared_memory_size = shared_memory_size(sizes)
+                self._shared_memory = cuda.mem_alloc(max(1, self._shared_memory_size))
+        except BaseException:
+            self._engine = None
+            self._runtime = None
+            self._thread_ctx.leave()
+            self._cuda_ctx.detach()
+            raise
+        self._thread_ctx.leave()
+        self.gpu_name, self.compute_capability = gpu_name, cc
+
+    def create_context(self, index: int) -> TensorRTContext:
+        """Context for bucket `index` (= optimisation profile `index`). Call it on the thread that runs it."""
+        profile_index_for_bucket(self.profile, index)
+        if self._engine is None:
+            raise BackendError("the TensorRT backend is closed")
+        me = threading.get_ident()
+        with self._contexts_lock:
+            if self.share_device_memory:
+                # One activation block for all contexts: a second thread would run concurrently
+                # and overwrite another context's activations, so refuse it loudly.
+                owners = {c._owner for c in self._contexts}
+                if owners and owners != {me}:
+                    raise BackendError(
+                        "share_device_memory: every TensorRT context must be created and run on ONE "
+                        "dispatcher thread (requires_serial_dispatch); context "
+                        f"{index} was requested from a second thread")
+        ctx = TensorRTContext(self, index)
+        with self._contexts_lock:
+            self._contexts.add(ctx)
+        return ctx
+
+    def close(self) -> None:
+        """Frees the engine and the shared block; contexts must have been closed on their own threads."""
+        if self._engine is None:
+            return
+        if self._contexts:
+            raise BackendError(f"{len(self._contexts)} TensorRT context(s) still open; close each on its "
+                               "dispatcher thread before closing the backend")
+        self._thread_ctx.enter()
+        try:
+            if self._shared_memory is not None:
+                self._shared_memory.free()
+                self._shared_memory = None
+            self._engine = None
+            self._runtime = None
+        finally:
+            self._thread_ctx.leave()
+            self._cuda_ctx.detach()

@@ -1,0 +1,465 @@
+"""Length-bucketed dynamic batching: intake, flush rules, and dispatch to backend contexts.
+
+Threads and what each one owns:
+- callers of `submit` (the Kafka poll thread, the bench feeder): they only append to a
+  bucket queue under the lock and, when that changes what the former should do, notify it.
+- the former thread ("kwe-bucket-former"): the only thread that takes items *out* of the
+  bucket queues. It decides which bucket flushes next, pads the batch into the arrays the
+  backend takes (outside the lock), and puts it on the ready queue of the lane that serves
+  that bucket. Forming happens while the dispatchers are still running the previous batch,
+  so a dispatcher that finishes finds its next batch already padded (work-conserving).
+- the dispatcher threads ("kwe-dispatch-N"): each owns exactly one backend context for its
+  whole life (created, used and closed on that thread), pops formed batches from its lane's
+  ready queue, runs them, and calls on_complete / on_error.
+
+All shared state (bucket queues, ready queues, counters, flags) sits behind one lock with
+three conditions on it: the former waits on `_form_cv`, dispatchers on `_ready_cv`, and
+`stop()` on `_idle_cv`.
+
+Lanes: with a backend that hands out any number of contexts (`max_contexts is None`, ONNX
+Runtime), one lane holds every bucket and `dispatchers` threads share its ready queue. With a
+backend that binds context i to bucket profile i (`max_contexts` set, TensorRT), there is one
+lane, one context and one dispatcher per bucket, and bucket i's batches only ever run on
+context i, whose optimisation profile covers exactly that bucket's shapes.
+
+Flush rules, for the buckets of one lane whose ready queue has room:
+1. a bucket is *full* when it holds max_batch items or a batch of it would fill the
+   padded-token budget (bound x batch for pad_to="bucket", the current longest item x batch
+   for pad_to="longest"); it is *due* when its oldest item has waited max_queue_delay_ms.
+2. among full or due buckets, the one whose oldest item is oldest goes first ("oldest
+   deadline first"): a rare bucket is never passed over by a busy one once its item is older,
+   so every item leaves within its deadline plus the batches formed ahead of it.
+3. `eager=True` (the default, chosen by measurement, see benchmarks/results/bucketing.md):
+   when a dispatcher of the lane is idle and nothing is full or due, the bucket with the
+   oldest item is flushed at once instead of letting the engine idle until its deadline. Under
+   load the dispatchers are never idle, so batches still fill; with a light load it trades
+   larger batches for latency the engine had spare capacity for anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from worker.backends.base import Backend, InferenceContext, PadPolicy
+from worker.profiles import Profile
+
+log = logging.getLogger(__name__)
+
+OnComplete = Callable[[Sequence[int], np.ndarray, "BatchStats"], None]
+OnError = Callable[[Sequence[int], BaseException], None]
+
+
+class BucketerError(RuntimeError):
+    """The bucketer was used wrongly (submit after stop, start twice) or cannot start."""
+
+
+class BucketerStoppedError(BucketerError):
+    """submit() after stop() began: the item was not taken."""
+
+
+@dataclass(frozen=True)
+class BatchStats:
+    """Per-batch measurements for metrics (satisfies worker.metrics.BatchStatsLike)."""
+
+    bucket: int
+    bound: int
+    size: int
+    pad_len: int
+    real_tokens: int
+    padded_tokens: int
+    queue_wait_s: Sequence[float]  # per item: submit -> dispatch start
+    backend_s: float
+
+    @property
+    def padding_waste(self) -> float:
+        return 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+
+@dataclass(slots=True)
+class _Item:
+    seq: int
+    ids: np.ndarray
+    t_submit: float
+
+
+@dataclass(slots=True)
+class _Bucket:
+    index: int
+    bound: int
+    limit: int  # profile.batch_limit(index): max_batch cut by the token budget at the bound
+    max_batch: int
+    lane: int
+    items: deque[_Item] = field(default_factory=deque)
+    longest: int = 0  # longest item queued (an upper bound after pops until recomputed)
+
+
+@dataclass(slots=True)
+class _Batch:
+    bucket: int
+    items: list[_Item]
+    input_ids: np.ndarray
+    attention_mask: np.ndarray
+    real_tokens: int
+
+
+@dataclass(slots=True)
+class _Lane:
+    buckets: list[int]
+    threads: int  # dispatchers serving this lane
+    ready: deque[_Batch] = field(default_factory=deque)
+    forming: int = 0  # batches taken from buckets and being padded by the former
+    idle: int = 0  # dispatchers of this lane waiting for a batch
+    running: int = 0  # batches being run by its dispatchers
+
+    def has_room(self) -> bool:
+        # At most one formed batch waiting per dispatcher: enough that no dispatcher ever waits
+        # for padding, few enough that items stay in their buckets (and batches keep filling)
+        # while the engine is busy.
+        return len(self.ready) + self.forming < self.threads
+
+
+class Bucketer:
+    def __init__(self, profile: Profile, backend: Backend, on_complete: OnComplete, *, on_error: OnError,
+                 max_queue_delay_ms: float = 20.0, dispatchers: int = 1,
+                 pad_to: Literal["bucket", "longest", "auto"] | None = None,
+                 clock: Callable[[], float] = time.monotonic, eager: bool = True) -> None:
+        if max_queue_delay_ms < 0:
+            raise ValueError(f"max_queue_delay_ms must be >= 0, got {max_queue_delay_ms}")
+        if dispatchers < 1:
+            raise ValueError(f"dispatchers must be >= 1, got {dispatchers}")
+        # "auto" is what the worker's settings say for "no preference"; the same as None here.
+        policy: PadPolicy = (pad_to if pad_to in ("bucket", "longest")
+                             else profile.pad_to or backend.preferred_pad)  # type: ignore[assignment]
+        if pad_to not in (None, "auto", "bucket", "longest"):
+            raise ValueError(f"pad_to must be 'bucket', 'longest' or None, got {pad_to!r}")
+        self.profile = profile
+        self.pad_to: PadPolicy = policy
+        self._backend = backend
+        self._on_complete = on_complete
+        self._on_error = on_error
+        self._delay = max_queue_delay_ms / 1000.0
+        self._clock = clock
+        self._eager = eager
+
+        n_buckets = len(profile.buckets)
+        if backend.max_contexts is not None:
+            if backend.max_contexts < n_buckets:
+                raise BucketerError(f"backend {backend.name} has {backend.max_contexts} contexts but profile "
+                                    f"{profile.name!r} has {n_buckets} buckets; they must match one to one")
+            # Context i is bound to bucket profile i: one lane, context and thread per bucket.
+            self._lanes = [_Lane([i], 1) for i in range(n_buckets)]
+            self._contexts_ids = list(range(n_buckets))
+            lane_of = list(range(n_buckets))
+        else:
+            self._lanes = [_Lane(list(range(n_buckets)), dispatchers)]
+            self._contexts_ids = list(range(dispatchers))
+            lane_of = [0] * n_buckets
+        self._buckets = [_Bucket(i, b.max_len, profile.batch_limit(i), b.max_batch, lane_of[i])
+                         for i, b in enumerate(profile.buckets)]
+        self._budget = profile.token_budget
+
+        self._lock = threading.Lock()
+        self._form_cv = threading.Condition(self._lock)
+        self._ready_cv = threading.Condition(self._lock)
+        self._idle_cv = threading.Condition(self._lock)
+        self._queued = 0  # items in bucket queues
+        self._pending = 0  # submitted, not yet completed or errored
+        self._started = False
+        self._stopping = False  # no more submits
+        self._drain = True  # while stopping: flush everything regardless of deadlines
+        self._abort = False  # stop forming and dispatching; what is left is dropped
+        self._former_done = False
+        self._live_dispatchers = 0
+        self._threads: list[threading.Thread] = []
+        self._start_errors: list[BaseException] = []
+        self._contexts_ready = threading.Barrier(len(self._contexts_ids) + 1)
+
+    # ------------------------------------------------------------------ public API
+    def start(self) -> None:
+        with self._lock:
+            if self._started:
+                raise BucketerError("bucketer already started")
+            self._started = True
+        for lane_no, lane in enumerate(self._lanes):
+            for _ in range(lane.threads):
+                ctx_index = self._contexts_ids[len(self._threads)]
+                t = threading.Thread(target=self._dispatch_loop, args=(lane_no, ctx_index),
+                                     name=f"kwe-dispatch-{ctx_index}")
+                self._threads.append(t)
+        self._live_dispatchers = len(self._threads)
+        for t in self._threads:
+            t.start()
+        # Contexts are created on their own threads (a CUDA context must be current on the
+        # thread that uses it); wait for all of them so a failure surfaces here, not later.
+        self._contexts_ready.wait()
+        if self._start_errors:
+            with self._lock:
+                self._abort = self._stopping = True
+                self._ready_cv.notify_all()
+            for t in self._threads:
+                t.join()
+            raise BucketerError(f"cannot create backend contexts: {self._start_errors[0]!r}") \
+                from self._start_errors[0]
+        former = threading.Thread(target=self._form_loop, name="kwe-bucket-former")
+        self._threads.insert(0, former)
+        former.start()
+
+    def submit(self, seq: int, ids: np.ndarray) -> None:
+        """Queue one tokenized item; thread-safe. `ids` must already be cut at the model's max."""
+        n = len(ids)
+        if n > self.profile.max_len:
+            raise ValueError(f"item {seq} has {n} tokens, more than the profile's last bound "
+                             f"{self.profile.max_len}; truncate at the model's max first")
+        bucket = self._buckets[self.profile.bucket_for(n)]
+        with self._lock:
+            if self._stopping or not self._started:
+                raise BucketerStoppedError("bucketer is stopped" if self._stopping else "bucketer not started")
+            was_empty = not bucket.items
+            bucket.items.append(_Item(seq, ids, self._clock()))
+            if n > bucket.longest:
+                bucket.longest = n
+            self._queued += 1
+            self._pending += 1
+            # Wake the former only when its decision can change: a bucket just became full, or
+            # a first item gives it a new deadline to wait for (a later item's deadline is never
+            # earlier than its bucket head's), or an idle dispatcher could take it right now.
+            lane = self._lanes[bucket.lane]
+            if self._queued == 1 or (lane.has_room() and (
+                    self._is_full(bucket) or (was_empty and lane.idle > len(lane.ready) + lane.forming))):
+                self._form_cv.notify()
+
+    def pending(self) -> int:
+        """Items submitted and not yet completed or errored."""
+        with self._lock:
+            return self._pending
+
+    def queued(self) -> int:
+        """Items waiting in bucket queues (not yet formed into a batch)."""
+        with self._lock:
+            return self._queued
+
+    def wake(self) -> None:
+        """Re-read the clock now: for tests that drive an injected clock forward."""
+        with self._lock:
+            self._form_cv.notify_all()
+
+    def stop(self, *, drain: bool = True, timeout: float | None = None) -> list[int]:
+        """Stop taking items and join every thread; returns the seqs that were never run.
+
+        drain=True: everything queued is flushed (without waiting for deadlines) and run;
+        after `timeout` seconds the rest is dropped. drain=False: queued items are dropped at
+        once. Batches already running on the backend cannot be interrupted; they finish and are
+        delivered before stop() returns, so no callback ever runs after it.
+        """
+        with self._lock:
+            if not self._started:
+                self._stopping = True
+                return [it.seq for b in self._buckets for it in b.items]
+            self._stopping = True
+            self._drain = drain
+            if not drain:
+                self._abort = True
+            self._form_cv.notify_all()
+            self._ready_cv.notify_all()
+            if drain:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                while not self._finished_locked():
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        break
+                    self._idle_cv.wait(remaining)
+                if not self._finished_locked():
+                    self._abort = True
+                    self._form_cv.notify_all()
+                    self._ready_cv.notify_all()
+        for t in self._threads:
+            t.join()
+        with self._lock:
+            dropped = [it.seq for b in self._buckets for it in b.items]
+            dropped += [it.seq for lane in self._lanes for batch in lane.ready for it in batch.items]
+            for b in self._buckets:
+                b.items.clear()
+            for lane in self._lanes:
+                lane.ready.clear()
+            self._queued = 0
+            self._pending -= len(dropped)
+        return dropped
+
+    # ------------------------------------------------------------------ flush rules (lock held)
+    def _is_full(self, b: _Bucket) -> bool:
+        n = len(b.items)
+        if self.pad_to == "bucket":
+            return n >= b.limit  # max_batch cut by the budget at the bound
+        # pad_to="longest": the budget counts what the batch would really be padded to.
+        return n >= b.max_batch or n * b.longest >= self._budget
+
+    def _finished_locked(self) -> bool:
+        if self._live_dispatchers == 0:
+            return True  # nothing can run any more (only after a thread died on a bug)
+        return self._queued == 0 and all(not lane.ready and not lane.forming and not lane.running
+                                         for lane in self._lanes)
+
+    def _pick(self, now: float) -> tuple[_Bucket | None, float | None]:
+        """The bucket to flush next, or (None, seconds until the earliest deadline, or None)."""
+        best: _Bucket | None = None
+        wait: float | None = None
+        flush_all = self._stopping and self._drain
+        for lane in self._lanes:
+            if not lane.has_room():
+                continue  # a dispatcher taking a batch notifies the former
+            cand: _Bucket | None = None  # the full-or-due bucket with the oldest item
+            oldest: _Bucket | None = None
+            for i in lane.buckets:
+                b = self._buckets[i]
+                if not b.items:
+                    continue
+                head = b.items[0].t_submit
+                if oldest is None or head < oldest.items[0].t_submit:
+                    oldest = b
+                if flush_all or now - head >= self._delay or self._is_full(b):
+                    if cand is None or head < cand.items[0].t_submit:
+                        cand = b
+                else:
+                    left = head + self._delay - now
+                    wait = left if wait is None else min(wait, left)
+            # A dispatcher of this lane is waiting with nothing formed for it.
+            waiting = lane.idle > len(lane.ready) + lane.forming
+            choice: _Bucket | None = None
+            if cand is not None:
+                # A full batch is formed ahead, while the engine is busy (it cannot grow). A
+                # due partial batch is bound late, when a dispatcher is free to run it: it
+                # cannot run sooner anyway, and meanwhile more items join it. Nothing younger
+                # is formed ahead of it, which keeps the oldest-deadline-first order.
+                if flush_all or waiting or self._is_full(cand):
+                    choice = cand
+            elif self._eager and waiting:
+                choice = oldest
+            if choice is not None and (best is None or choice.items[0].t_submit < best.items[0].t_submit):
+                best = choice
+        return best, wait
+
+    def _take(self, b: _Bucket) -> list[_Item]:
+        """Pop the next batch of bucket b, oldest first, within max_batch and the token budget."""
+        taken: list[_Item] = []
+        if self.pad_to == "bucket":
+            for _ in range(min(b.limit, len(b.items))):
+                taken.append(b.items.popleft())
+        else:
+            longest = 0
+            while b.items and len(taken) < b.max_batch:
+                n = max(longest, len(b.items[0].ids))
+                if taken and n * (len(taken) + 1) > self._budget:
+                    break
+                longest = n
+                taken.append(b.items.popleft())
+        b.longest = max((len(it.ids) for it in b.items), default=0)
+        self._queued -= len(taken)
+        return taken
+
+    # ------------------------------------------------------------------ threads
+    def _form_loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while True:
+                        if self._abort or (self._stopping and self._queued == 0):
+                            return
+                        bucket, wait = self._pick(self._clock())
+                        if bucket is not None:
+                            break
+                        self._form_cv.wait(wait)
+                    lane = self._lanes[bucket.lane]
+                    items = self._take(bucket)
+                    lane.forming += 1
+                # Padding outside the lock: submitters and dispatchers are not held up by it.
+                batch = self._pad(bucket, items)
+                with self._lock:
+                    lane.forming -= 1
+                    lane.ready.append(batch)
+                    self._ready_cv.notify_all()
+        finally:
+            with self._lock:
+                self._former_done = True
+                self._ready_cv.notify_all()
+                self._idle_cv.notify_all()
+
+    def _pad(self, b: _Bucket, items: list[_Item]) -> _Batch:
+        lengths = [len(it.ids) for it in items]
+        pad_len = b.bound if self.pad_to == "bucket" else max(lengths)
+        input_ids = np.zeros((len(items), pad_len), dtype=np.int64)
+        for row, it in enumerate(items):
+            input_ids[row, :lengths[row]] = it.ids
+        # A row's mask is 1 over its tokens: compare column positions with each row's length.
+        mask = (np.arange(pad_len)[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
+        return _Batch(b.index, items, input_ids, mask, sum(lengths))
+
+    def _dispatch_loop(self, lane_no: int, ctx_index: int) -> None:
+        lane = self._lanes[lane_no]
+        try:
+            ctx: InferenceContext = self._backend.create_context(ctx_index)
+        except BaseException as exc:  # reported by start(), which then stops every thread
+            self._start_errors.append(exc)
+            self._contexts_ready.wait()
+            self._dispatcher_exit()
+            return
+        self._contexts_ready.wait()
+        try:
+            while True:
+                with self._lock:
+                    while not lane.ready:
+                        if self._abort or self._former_done:
+                            return
+                        lane.idle += 1
+                        # Due partial batches (and, eager, any partial batch) are formed for
+                        # an idle dispatcher: tell the former one is waiting.
+                        self._form_cv.notify()
+                        self._ready_cv.wait()
+                        lane.idle -= 1
+                    if self._abort:
+                        return
+                    batch = lane.ready.popleft()
+                    lane.running += 1
+                    self._form_cv.notify()  # room on the ready queue: form the next batch now
+                self._run(ctx, batch)
+                with self._lock:
+                    lane.running -= 1
+                    self._pending -= len(batch.items)
+                    self._idle_cv.notify_all()
+        finally:
+            ctx.close()
+            self._dispatcher_exit()
+
+    def _dispatcher_exit(self) -> None:
+        with self._lock:
+            self._live_dispatchers -= 1
+            self._idle_cv.notify_all()
+
+    def _run(self, ctx: InferenceContext, batch: _Batch) -> None:
+        seqs = [it.seq for it in batch.items]
+        start = self._clock()
+        try:
+            out = ctx.run(batch.input_ids, batch.attention_mask)
+        except Exception as exc:  # the batch fails, the bucketer keeps running
+            try:
+                self._on_error(seqs, exc)
+            except Exception:
+                log.exception("on_error callback raised; batch of %d items lost", len(seqs))
+            return
+        end = self._clock()
+        size, pad_len = batch.input_ids.shape
+        stats = BatchStats(bucket=batch.bucket, bound=self._buckets[batch.bucket].bound, size=size,
+                           pad_len=pad_len, real_tokens=batch.real_tokens, padded_tokens=size * pad_len,
+                           queue_wait_s=[start - it.t_submit for it in batch.items], backend_s=end - start)
+        try:
+            self._on_complete(seqs, out, stats)
+        except Exception:
+            # The caller's bug, not the backend's: keep the dispatcher alive for other batches.
+            log.exception("on_complete callback raised for a batch of %d items", len(seqs))

