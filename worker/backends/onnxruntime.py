@@ -6,6 +6,7 @@ and feeds the shared session; ONNX Runtime parallelises inside each run with its
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -43,7 +44,8 @@ class OnnxRuntimeBackend:
     max_contexts: int | None = None
 
     def __init__(self, onnx_path: str | Path, *, intra_op_threads: int = 0,
-                 graph_optimization: GraphOptimization = "all") -> None:
+                 graph_optimization: GraphOptimization = "all",
+                 providers: Sequence[str] = ("CPUExecutionProvider",)) -> None:
         import onnxruntime as ort
 
         self.path = Path(onnx_path).expanduser()
@@ -69,9 +71,12 @@ class OnnxRuntimeBackend:
         opts.graph_optimization_level = levels[graph_optimization]
         opts.log_severity_level = 3  # errors only: the fused graph's contrib ops log notices
         try:
-            self._session = ort.InferenceSession(str(self.path), opts, providers=["CPUExecutionProvider"])
+            # Other providers (CUDA) serve benchmarks on a GPU host without TensorRT; the worker
+            # itself runs ONNX Runtime on CPU and TensorRT on GPUs.
+            self._session = ort.InferenceSession(str(self.path), opts, providers=list(providers))
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph/InvalidProtobuf types
             raise BackendError(f"onnxruntime: cannot load {self.path}: {exc}") from None
+        self.providers = self._session.get_providers()
         self.intra_op_threads = intra_op_threads
         self.graph_optimization = graph_optimization
         inputs = {i.name: i for i in self._session.get_inputs()}

@@ -1,0 +1,129 @@
+"""What can run on a GPU host without TensorRT: the ONNX export under ONNX Runtime's CUDA provider.
+
+Run by benchmarks/gpu/device_run.sh on the lent GPU machine (no network, no TensorRT, no
+pycuda). It needs only onnxruntime(-gpu) and numpy from the host image; the tokenizer and
+tomli come in `.device/pylibs`, the model as `.device/minilm-f16store.onnx` (the plain export
+with weights *stored* as float16 and cast to float32 at load, to fit the 64 MiB carry limit;
+its cosine to the reference is >= 0.9999994 on every golden row, checked on CPU and again here).
+
+Stages, each written to $OUT as soon as it finishes:
+1. parity: every golden row alone on the CUDA provider vs the sentence-transformers reference;
+2. bench-gpu: the offline batching benchmark (worker.bench, the worker's own Bucketer) on the
+   CUDA provider with the `gpu` profile (8/16/32/64 aligned, batches 256/128/64/32), the `cpu`
+   profile beside it;
+3. bench-cpu16: the same benchmark on the host's CPU cores with the `cpu` profile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = Path(os.environ.get("OUT", "/tmp/out"))
+ONNX = ROOT / ".device" / "minilm-f16store.onnx"
+DATA = ROOT / "tests" / "data" / "queries" / "terabyte05-20k.tsv"
+
+
+def stage(name: str):  # noqa: ANN201
+    def wrap(fn):  # noqa: ANN001, ANN202
+        def run(*a):  # noqa: ANN002, ANN202
+            t0 = time.time()
+            print(f"== {name}", flush=True)
+            try:
+                result = fn(*a)
+            except Exception:  # noqa: BLE001 - one failed stage must not lose the others
+                result = {"error": traceback.format_exc()}
+                print(result["error"], flush=True)
+            result["stage_seconds"] = round(time.time() - t0, 1)
+            (OUT / f"{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+            return result
+        return run
+    return wrap
+
+
+def tokenizer():  # noqa: ANN201
+    from tokenizers import Tokenizer
+
+    from worker.tokenize import KeywordTokenizer
+
+    return KeywordTokenizer(Tokenizer.from_file(str(ROOT / ".device" / "tokenizer.json")), 256)
+
+
+def backend(providers: list[str], threads: int = 0):  # noqa: ANN201
+    from worker.backends.onnxruntime import OnnxRuntimeBackend
+
+    return OnnxRuntimeBackend(ONNX, intra_op_threads=threads, providers=providers)
+
+
+@stage("parity")
+def parity(providers: list[str]) -> dict:
+    from worker.tokenize import pad
+
+    tok = tokenizer()
+    rows = [json.loads(line) for line in (ROOT / "tests/data/golden/dev.jsonl").read_text().splitlines()]
+    ref = np.load(ROOT / "tests/data/golden/dev.npy")
+    be = backend(providers)
+    ctx = be.create_context(0)
+    enc = tok.encode([r["text"] for r in rows])
+    alone = np.concatenate([ctx.run(*pad([e], len(e.ids))) for e in enc])
+    padded = np.concatenate([ctx.run(*pad(enc[i:i + 8], 64)) for i in range(0, len(enc), 8)
+                             if max(len(e.ids) for e in enc[i:i + 8]) <= 64] or [alone[:0]])
+    cos = (alone * ref).sum(1) / np.linalg.norm(ref, axis=1)
+    return {"providers": be.providers, "rows": len(rows), "min_cosine": float(cos.min()),
+            "max_abs_diff": float(np.abs(alone - ref).max()),
+            "padded_to_64_rows": int(len(padded))}
+
+
+def bench(name: str, providers: list[str], profile: str, compare: str, *, limit: int, rounds: int,
+          latency_s: float, dispatchers: int = 1) -> dict:
+    from worker.bench import BenchConfig, read_queries, render_markdown, run_benchmark
+    from worker.profiles import load_profile
+
+    tok = tokenizer()
+    be = backend(providers)
+    rows = read_queries(DATA, limit)
+    encoded = tok.encode([t for _, t in rows])
+    cfg = BenchConfig(dataset=DATA.name, profile=load_profile(profile, model_max_len=256),
+                      compare_profile=load_profile(compare, model_max_len=256), rounds=rounds,
+                      latency=latency_s > 0, latency_seconds=latency_s, dispatchers=dispatchers,
+                      backend_desc={"name": "onnxruntime", "providers": be.providers, "onnx": ONNX.name})
+    report = run_benchmark(encoded, be, cfg, log=lambda s: print(s, flush=True))
+    cmd = f"benchmarks/gpu/device_run.sh ({name})"
+    (OUT / f"{name}.md").write_text(render_markdown(report, cmd))
+    return report
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    import onnxruntime as ort
+
+    avail = ort.get_available_providers()
+    env = {"python": sys.version, "onnxruntime": ort.__version__, "providers": avail, "cpu_count": os.cpu_count()}
+    print(env, flush=True)
+    (OUT / "env.json").write_text(json.dumps(env, indent=2) + "\n")
+    # DEVICE_SMOKE=1: a tiny local rehearsal of every stage on CPU before spending device time.
+    smoke = os.environ.get("DEVICE_SMOKE") == "1"
+    gpu = ["CUDAExecutionProvider", "CPUExecutionProvider"] if "CUDAExecutionProvider" in avail else None
+    if smoke:
+        gpu = ["CPUExecutionProvider"]
+    n_gpu, n_cpu, rounds = (300, 300, 1) if smoke else (20000, 10000, 3)
+    if gpu:
+        parity(gpu)
+        stage("bench-gpu")(lambda: bench("bench-gpu", gpu, "gpu", "cpu", limit=n_gpu, rounds=rounds,
+                                         latency_s=1 if smoke else 4))()
+        stage("bench-gpu-2disp")(lambda: bench("bench-gpu-2disp", gpu, "gpu", "cpu", limit=n_gpu, rounds=rounds,
+                                               latency_s=0, dispatchers=2))()
+    stage("bench-cpu16")(lambda: bench("bench-cpu16", ["CPUExecutionProvider"], "cpu", "cpu-aligned",
+                                       limit=n_cpu, rounds=rounds, latency_s=0))()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
