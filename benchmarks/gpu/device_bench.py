@@ -81,13 +81,39 @@ def parity(providers: list[str]) -> dict:
             "padded_to_64_rows": int(len(padded))}
 
 
+@stage("parity-torch")
+def torch_parity() -> dict:
+    from benchmarks.gpu.torch_backend import TorchBertBackend
+    from worker.tokenize import pad
+
+    tok = tokenizer()
+    rows = [json.loads(line) for line in (ROOT / "tests/data/golden/dev.jsonl").read_text().splitlines()]
+    ref = np.load(ROOT / "tests/data/golden/dev.npy")
+    be = TorchBertBackend(ONNX)
+    ctx = be.create_context(0)
+    enc = tok.encode([r["text"] for r in rows])
+    alone = np.concatenate([ctx.run(*pad([e], len(e.ids))) for e in enc])
+    cos = (alone * ref).sum(1) / np.linalg.norm(ref, axis=1)
+    short = [e for e in enc if len(e.ids) <= 64][:64]
+    in64 = ctx.run(*pad(short, 64))
+    alone64 = np.concatenate([ctx.run(*pad([e], len(e.ids))) for e in short])
+    return {"backend": be.providers, "rows": len(rows), "min_cosine": float(cos.min()),
+            "median_cosine": float(np.median(cos)), "max_abs_diff": float(np.abs(alone - ref).max()),
+            "padding_invariance_max_abs_diff_alone_vs_padded_to_64": float(np.abs(in64 - alone64).max())}
+
+
 def bench(name: str, providers: list[str], profile: str, compare: str, *, limit: int, rounds: int,
           latency_s: float, dispatchers: int = 1) -> dict:
     from worker.bench import BenchConfig, read_queries, render_markdown, run_benchmark
     from worker.profiles import load_profile
 
     tok = tokenizer()
-    be = backend(providers)
+    if providers == ["torch"]:
+        from benchmarks.gpu.torch_backend import TorchBertBackend
+
+        be = TorchBertBackend(ONNX, pin=os.environ.get("TORCH_PIN", "1") == "1")
+    else:
+        be = backend(providers)
     rows = read_queries(DATA, limit)
     encoded = tok.encode([t for _, t in rows])
     cfg = BenchConfig(dataset=DATA.name, profile=load_profile(profile, model_max_len=256),
@@ -114,6 +140,24 @@ def main() -> int:
     if smoke:
         gpu = ["CPUExecutionProvider"]
     n_gpu, n_cpu, rounds = (300, 300, 1) if smoke else (20000, 10000, 3)
+    only = set(filter(None, os.environ.get("DEVICE_STAGES", "").split(",")))
+    try:
+        import torch
+
+        has_torch_cuda = torch.cuda.is_available() and not smoke
+    except ImportError:
+        has_torch_cuda = False
+    if has_torch_cuda and (not only or "torch" in only):
+        torch_parity()
+        tag = "" if os.environ.get("TORCH_PIN", "1") == "1" else "-nopin"
+        stage(f"bench-torch-gpu{tag}")(lambda: bench(f"bench-torch-gpu{tag}", ["torch"], "gpu", "cpu", limit=20000,
+                                                     rounds=3, latency_s=4 if not tag else 0))()
+        if tag:
+            return 0
+        stage("bench-torch-gpu-2disp")(lambda: bench("bench-torch-gpu-2disp", ["torch"], "gpu", "cpu",
+                                                     limit=20000, rounds=3, latency_s=0, dispatchers=2))()
+    if only and "cpu16" not in only:
+        return 0
     if gpu:
         parity(gpu)
         stage("bench-gpu")(lambda: bench("bench-gpu", gpu, "gpu", "cpu", limit=n_gpu, rounds=rounds,
