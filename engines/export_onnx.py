@@ -447,9 +447,14 @@ def cached_path(model_dir: str | Path | None = None, *, optimize: bool = True,
     return root / f"{safe_name}-{variant}-{cache_key(info, optimize=optimize)[:20]}.onnx"
 
 
-def ensure_onnx(model_dir: str | Path | None = None, *, optimize: bool = True,
+def ensure_onnx(model_dir: str | Path | None = None, *, optimize: bool = False,
                 cache_dir: str | Path | None = None) -> Path:
-    """The cached ONNX export of the model folder, exported first if missing or stale."""
+    """The cached ONNX export of the model folder, exported first if missing or stale.
+
+    optimize=False (the default) is the plain graph that ONNX Runtime optimises at load and
+    TensorRT parses; the offline-fused variant measured slower on our CPUs
+    (benchmarks/results/ort_grid.md).
+    """
     path = cached_path(model_dir, optimize=optimize, cache_dir=cache_dir)
     if path.is_file():
         return path

@@ -293,6 +293,27 @@ def test_a_rare_bucket_is_not_starved_by_a_busy_one() -> None:
     assert b.stop() == []
 
 
+def test_next_full_batch_is_formed_while_the_engine_runs_the_current_one() -> None:
+    backend = FakeBackend(gate=True)
+    b, clock, backend, res = make(profile(), backend, delay_ms=1e6)
+    for seq in range(4):
+        b.submit(seq, ids(seq, 3))
+    backend.wait_calls(1)  # batch 1 is running (held at the gate)
+    for seq in range(4, 8):
+        b.submit(seq, ids(seq, 3))
+    # The second full batch leaves its bucket (formed and padded) before the engine is free...
+    assert settle(b, clock) == 0
+    for seq in range(8, 12):
+        b.submit(seq, ids(seq, 3))
+    # ...but only one batch per dispatcher is formed ahead: the third stays in its bucket.
+    assert settle(b, clock) == 4
+    for _ in range(3):
+        backend.gate.release()
+    res.wait_items(12)
+    assert [s for s, _, _ in res.batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert b.stop() == []
+
+
 def test_eager_idle_dispatcher_takes_a_partial_batch_at_once() -> None:
     b, clock, backend, res = make(profile(), delay_ms=1e6, eager=True)
     b.submit(0, ids(0, 3))

@@ -85,14 +85,18 @@ def test_profile_shapes_from_the_real_gpu_profile(gpu: Profile) -> None:
 
 
 def test_unaligned_bounds_are_refused_with_the_fix(gpu: Profile) -> None:
-    cpu = load_profile("cpu", PROFILES)
+    # A CPU-style profile (fine buckets, tuned for ONNX Runtime) cannot become TensorRT profiles.
+    fine = Profile("fine", tuple(Bucket(n, 128, 128) for n in (4, 5, 8, 10, 16, 24, 256)), 16384, "longest")
     with pytest.raises(AlignmentError) as exc:
-        profile_shapes(cpu)
+        profile_shapes(fine)
     msg = str(exc.value)
-    assert "'cpu'" in msg and "multiple of 8" in msg
-    assert "[4, 5, 6, 7, 10, 12]" in msg and "10 -> 16" in msg
-    assert "24" not in msg.split("not aligned:")[1].split("(round")[0]  # 24 and 48 are aligned
+    assert "'fine'" in msg and "multiple of 8" in msg
+    assert "[4, 5, 10]" in msg and "10 -> 16" in msg
+    assert "24" not in msg.split("not aligned:")[1].split("(round")[0]  # 8, 16 and 24 are aligned
     assert isinstance(exc.value, ProfileError)  # caught where profile errors are caught
+    # The shipped CPU default is refused the same way.
+    with pytest.raises(AlignmentError, match="'cpu'"):
+        profile_shapes(load_profile("cpu", PROFILES))
 
     odd = Profile("odd", (Bucket(8, 64, 64), Bucket(20, 32, 32), Bucket(256, 8, 8)), 4096, "bucket")
     with pytest.raises(AlignmentError, match=r"\[20\].*20 -> 24"):

@@ -206,20 +206,43 @@ def run_bucketed(encoded: Sequence[Encoded], profile: Profile, backend: Backend,
                        sum(s.backend_s for s in stats_list), formed=formed, stats=stats_list, embeddings=out)
 
 
-def replay_direct(encoded: Sequence[Encoded], formed: Sequence[tuple[list[int], int]], backend: Backend,
-                  context: InferenceContext | None = None) -> PolicyRun:
-    """Overhead guard: the same batches, pre-padded, run by direct backend calls back to back."""
+def replay_direct(encoded: Sequence[Encoded], formed: Sequence[tuple[list[int], int]], backend: Backend, *,
+                  threads: int = 1) -> PolicyRun:
+    """Overhead guard: the same batches, pre-padded, run by direct backend calls.
+
+    `threads` callers (one context each) take the batches in order from a shared index, the
+    same parallelism the bucketer's dispatchers have, without its queues, forming or padding.
+    """
     arrays = [pad([encoded[i] for i in seqs], pad_len) for seqs, pad_len in formed]
     n = sum(len(seqs) for seqs, _ in formed)
-    ctx = context or backend.create_context(0)
-    try:
-        start = time.perf_counter()
-        for ids, mask in arrays:
-            ctx.run(ids, mask)
-        seconds = time.perf_counter() - start
-    finally:
-        if context is None:
-            ctx.close()
+    contexts = [backend.create_context(i) for i in range(threads)]
+    next_index = iter(range(len(arrays)))
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+
+    def work(ctx: InferenceContext) -> None:
+        try:
+            while True:
+                with lock:
+                    i = next(next_index, None)
+                if i is None:
+                    return
+                ctx.run(*arrays[i])
+        except BaseException as exc:  # surfaced below, after the join
+            failures.append(exc)
+
+    workers = [threading.Thread(target=work, args=(ctx,), name=f"kwe-bench-direct-{k}")
+               for k, ctx in enumerate(contexts)]
+    start = time.perf_counter()
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    seconds = time.perf_counter() - start
+    for ctx in contexts:
+        ctx.close()
+    if failures:
+        raise BenchError(f"direct replay failed: {failures[0]!r}")
     real = sum(len(encoded[i].ids) for seqs, _ in formed for i in seqs)
     padded = sum(len(seqs) * pad_len for seqs, pad_len in formed)
     return PolicyRun("direct", n, seconds, real, padded, len(formed), seconds)
@@ -279,8 +302,14 @@ def run_open_loop(encoded: Sequence[Encoded], profile: Profile, backend: Backend
             if remaining[0] == 0:
                 finished.set()
 
+    failures: list[BaseException] = []
+
     def on_error(seqs: Sequence[int], exc: BaseException) -> None:
-        raise BenchError(f"latency run: a batch failed: {exc!r}")
+        with lock:
+            failures.append(exc)
+            remaining[0] -= len(seqs)
+            if remaining[0] == 0:
+                finished.set()
 
     bucketer = Bucketer(profile, backend, on_complete, on_error=on_error, max_queue_delay_ms=max_queue_delay_ms,
                         dispatchers=dispatchers, pad_to=pad_to, eager=eager)  # type: ignore[arg-type]
@@ -296,6 +325,8 @@ def run_open_loop(encoded: Sequence[Encoded], profile: Profile, backend: Backend
         finished.wait(max(30.0, seconds * 3))
     finally:
         dropped = bucketer.stop(drain=False)
+    if failures:
+        raise BenchError(f"latency run at {rate:.0f}/s: {len(failures)} batches failed (first: {failures[0]!r})")
     if dropped or not finished.is_set():
         raise BenchError(f"latency run at {rate:.0f}/s did not finish: {remaining[0]} items left "
                          "(the offered load is above what the backend sustains)")
@@ -336,9 +367,18 @@ class BenchConfig:
 
 
 def run_benchmark(encoded: Sequence[Encoded], backend: Backend, cfg: BenchConfig,
-                  log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """All policies, `cfg.rounds` rounds in alternating order; returns the JSON report."""
-    ctx = backend.create_context(0)
+                  log: Callable[[str], None] = lambda s: None, *,
+                  baseline_backend: Backend | None = None) -> dict[str, Any]:
+    """All policies, `cfg.rounds` rounds in alternating order; returns the JSON report.
+
+    `backend` runs the bucketed policies (with cfg.dispatchers threads) and the overhead
+    guard; `baseline_backend` (default: the same) runs monolithic and sorted from one thread.
+    They differ only when the bucketed setting is several single-threaded contexts, which
+    would leave a one-caller baseline on one core: the baselines then get a session that uses
+    every core in each call, their best configuration.
+    """
+    base = baseline_backend or backend
+    ctx = base.create_context(0)
     compare_name = f"bucketed[{cfg.compare_profile.name}]" if cfg.compare_profile else None
 
     def bucketed(profile: Profile, name: str) -> BucketedRun:
@@ -346,9 +386,9 @@ def run_benchmark(encoded: Sequence[Encoded], backend: Backend, cfg: BenchConfig
                             dispatchers=cfg.dispatchers, eager=cfg.eager, policy=name)
 
     policies: dict[str, Callable[[], PolicyRun]] = {
-        "monolithic": lambda: run_monolithic(encoded, backend, batch_size=cfg.batch_size, context=ctx),
+        "monolithic": lambda: run_monolithic(encoded, base, batch_size=cfg.batch_size, context=ctx),
         "bucketed": lambda: bucketed(cfg.profile, "bucketed"),
-        "sorted": lambda: run_sorted(encoded, backend, batch_size=cfg.batch_size, context=ctx),
+        "sorted": lambda: run_sorted(encoded, base, batch_size=cfg.batch_size, context=ctx),
     }
     if cfg.compare_profile is not None and compare_name is not None:
         cmp_profile = cfg.compare_profile
@@ -356,7 +396,7 @@ def run_benchmark(encoded: Sequence[Encoded], backend: Backend, cfg: BenchConfig
 
     # Warm-up (not reported): ORT allocates its arenas and the OS its pages on first use.
     warm = list(encoded[: min(len(encoded), 1024)])
-    run_monolithic(warm, backend, batch_size=cfg.batch_size, context=ctx)
+    run_monolithic(warm, base, batch_size=cfg.batch_size, context=ctx)
     run_bucketed(warm, cfg.profile, backend, window=cfg.window, dispatchers=cfg.dispatchers, eager=cfg.eager)
 
     names = list(policies)
@@ -379,7 +419,7 @@ def run_benchmark(encoded: Sequence[Encoded], backend: Backend, cfg: BenchConfig
                 assert isinstance(run, BucketedRun)
                 # Overhead guard, right after the run it replays: the same batches, pre-padded,
                 # by direct calls on one context.
-                direct = replay_direct(encoded, run.formed, backend, context=ctx)
+                direct = replay_direct(encoded, run.formed, backend, threads=cfg.dispatchers)
                 overhead.append({"bucketed_s": run.seconds, "direct_s": direct.seconds,
                                  "backend_busy_s": run.backend_s,
                                  "overhead": run.seconds / direct.seconds - 1.0})
@@ -413,7 +453,8 @@ def run_benchmark(encoded: Sequence[Encoded], backend: Backend, cfg: BenchConfig
                    "bucketed/sorted": ratio("bucketed", "sorted"),
                    "sorted/monolithic": ratio("sorted", "monolithic")},
         "overhead": {
-            "what": "bucketed wall time / direct backend calls on the same pre-padded batches - 1",
+            "what": "bucketed wall time / direct backend calls on the same pre-padded batches, "
+                    "from as many threads as dispatchers, - 1",
             **quartiles([o["overhead"] for o in overhead]),
             "rounds": overhead,
         },

@@ -27,8 +27,11 @@ Flush rules, for the buckets of one lane whose ready queue has room:
    padded-token budget (bound x batch for pad_to="bucket", the current longest item x batch
    for pad_to="longest"); it is *due* when its oldest item has waited max_queue_delay_ms.
 2. among full or due buckets, the one whose oldest item is oldest goes first ("oldest
-   deadline first"): a rare bucket is never passed over by a busy one once its item is older,
-   so every item leaves within its deadline plus the batches formed ahead of it.
+   deadline first"): a rare bucket is never passed over by a busy one once its item is older.
+   A full batch is formed ahead (one per dispatcher) while the engine is busy; a due partial
+   batch is bound late, when a dispatcher is free to run it, so items arriving meanwhile still
+   join it, and nothing younger is formed ahead of it. So every item leaves within its deadline
+   plus the batch running and at most one formed before it became due.
 3. `eager=True` (the default, chosen by measurement, see benchmarks/results/bucketing.md):
    when a dispatcher of the lane is idle and nothing is full or due, the bucket with the
    oldest item is flushed at once instead of letting the engine idle until its deadline. Under
@@ -214,6 +217,8 @@ class Bucketer:
 
     def submit(self, seq: int, ids: np.ndarray) -> None:
         """Queue one tokenized item; thread-safe. `ids` must already be cut at the model's max."""
+        if not isinstance(ids, np.ndarray) or ids.ndim != 1:
+            raise ValueError(f"item {seq}: ids must be a 1-D numpy array of token ids")
         n = len(ids)
         if n > self.profile.max_len:
             raise ValueError(f"item {seq} has {n} tokens, more than the profile's last bound "

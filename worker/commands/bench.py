@@ -31,7 +31,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dispatchers", type=int, default=1)
     parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                         help="An idle dispatcher takes a partial batch before its deadline (default on).")
-    parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: all cores).")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="ONNX Runtime intra-op threads of the bucketed contexts (0: all cores).")
+    parser.add_argument("--baseline-threads", type=int, default=0,
+                        help="Intra-op threads of monolithic and sorted, which call from one thread (0: all cores).")
     parser.add_argument("--onnx", type=Path, default=None, help="ONNX file (default: the cached plain export).")
     parser.add_argument("--fused", action="store_true", help="Use the offline-fused export.")
     parser.add_argument("--model-dir", type=Path, default=None)
@@ -73,6 +76,8 @@ def main(args: argparse.Namespace) -> int:
 
             onnx_path = ensure_onnx(model_dir, optimize=args.fused)
         backend = OnnxRuntimeBackend(onnx_path, intra_op_threads=args.threads)
+        baseline = (backend if args.baseline_threads == args.threads
+                    else OnnxRuntimeBackend(onnx_path, intra_op_threads=args.baseline_threads))
     except (BenchError, ProfileError, ModelError, BackendError) as exc:
         print(f"keyword-embedder bench: {exc}", file=sys.stderr)
         return 2
@@ -80,14 +85,16 @@ def main(args: argparse.Namespace) -> int:
         dataset=str(args.file), profile=profile, compare_profile=compare, rounds=args.rounds,
         batch_size=args.batch_size, window=args.window, max_queue_delay_ms=args.max_queue_delay_ms,
         dispatchers=args.dispatchers, eager=args.eager, latency=args.latency, latency_seconds=args.latency_seconds,
-        backend_desc={"name": backend.name, "onnx": Path(onnx_path).name, "intra_op_threads": args.threads})
+        backend_desc={"name": backend.name, "onnx": Path(onnx_path).name, "intra_op_threads": args.threads,
+                      "baseline_intra_op_threads": args.baseline_threads})
     try:
-        report = run_benchmark(encoded, backend, cfg, log=log)
+        report = run_benchmark(encoded, backend, cfg, log=log, baseline_backend=baseline)
     except BenchError as exc:
         print(f"keyword-embedder bench: {exc}", file=sys.stderr)
         return 1
     finally:
         backend.close()
+        baseline.close()
     command = "keyword-embedder bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
         if len(sys.argv) > 2 and sys.argv[1] == "bench" else f"keyword-embedder bench {args.file}"
     report["command"] = command
