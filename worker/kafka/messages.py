@@ -110,15 +110,19 @@ class OutputCodec:
         return [(H_MODEL, self.model.encode()), (H_ENCODING, self.encoding.encode()), (H_DIM, str(self.dim).encode())]
 
     def value(self, qid: str, vec: np.ndarray, tokens: int, truncated: bool) -> bytes:
+        # float-list: orjson writes the float32 array itself, each number in the shortest form
+        # that reads back as the same float32 (about half the bytes of float64 reprs, and faster).
+        embedding = (np.ascontiguousarray(vec, dtype=np.float32) if self.encoding == "float-list"
+                     else encode_embedding(vec, self.encoding))
         return orjson.dumps({
             "id": qid,
-            "embedding": encode_embedding(vec, self.encoding),
+            "embedding": embedding,
             "encoding": self.encoding,
             "dim": self.dim,
             "model": self.model,
             "tokens": tokens,
             "truncated": truncated,
-        })
+        }, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def _b64(data: bytes | None) -> str | None:
