@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.kafka_tools import WorkerProcess  # noqa: E402
 from worker.bucketing import Bucketer  # noqa: E402
-from worker.commands.produce import read_keywords  # noqa: E402
+from worker.keyword_files import read_keywords  # noqa: E402
 from worker.config import Settings  # noqa: E402
 from worker.kafka.admin import ensure_topics  # noqa: E402
 from worker.pipeline import CONSUME_BATCH  # noqa: E402

@@ -31,6 +31,7 @@ import numpy as np
 
 from worker.backends.base import Backend, InferenceContext
 from worker.bucketing import BatchStats, Bucketer
+from worker.keyword_files import KeywordFileError, read_keywords
 from worker.profiles import Profile
 from worker.tokenize import Encoded, pad
 
@@ -45,21 +46,10 @@ class BenchError(RuntimeError):
 # --------------------------------------------------------------------------- input
 def read_queries(path: str | Path, limit: int | None = None) -> list[tuple[str, str]]:
     """(id, text) rows of an `id<TAB>text` file, in file order; blank lines skipped."""
-    rows: list[tuple[str, str]] = []
     try:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                line = line.rstrip("\n")
-                if not line.strip():
-                    continue
-                qid, sep, text = line.partition("\t")
-                if not sep:
-                    raise BenchError(f"{path}:{lineno}: expected id<TAB>text")
-                rows.append((qid, text))
-                if limit is not None and len(rows) >= limit:
-                    break
-    except OSError as exc:
-        raise BenchError(f"{path}: {exc.strerror}") from None
+        rows = list(read_keywords(path, "tsv", limit=limit))
+    except KeywordFileError as exc:
+        raise BenchError(str(exc)) from None
     if not rows:
         raise BenchError(f"{path}: no queries")
     return rows

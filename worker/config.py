@@ -142,12 +142,19 @@ class Settings:
 
     def librdkafka_overrides(self) -> dict[str, str]:
         """The kafka_config items as a librdkafka dict; a key given twice keeps its last value."""
-        overrides: dict[str, str] = {}
-        for item in self.kafka_config:
-            key, value = item.split("=", 1)
-            # Surrounding blanks are never part of a librdkafka key or value ("acks = all").
-            overrides[key.strip()] = value.strip()
-        return overrides
+        return kafka_pairs(self.kafka_config)
+
+
+def kafka_pairs(items: Sequence[str]) -> dict[str, str]:
+    """`key=value` librdkafka settings as a dict (the last of a repeated key wins)."""
+    pairs: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SettingsError(f"--kafka-config {item!r}: expected key=value")
+        # Surrounding blanks are never part of a librdkafka key or value ("acks = all").
+        pairs[key.strip()] = value.strip()
+    return pairs
 
 
 def setting_fields() -> list[dataclasses.Field[Any]]:

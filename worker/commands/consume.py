@@ -18,6 +18,8 @@ from typing import Any
 import orjson
 from confluent_kafka import Consumer, KafkaError, Message
 
+from worker.config import SettingsError, kafka_pairs
+
 
 def record_of(msg: Message) -> dict[str, Any]:
     raw = msg.value()
@@ -58,12 +60,11 @@ def main(args: argparse.Namespace) -> int:
         "enable.auto.commit": bool(args.group),
         "enable.partition.eof": False,
     }
-    for item in args.kafka_config:
-        key, sep, value = item.partition("=")
-        if not sep:
-            print(f"keyword-embedder consume: --kafka-config {item!r}: expected key=value", file=sys.stderr)
-            return 2
-        config[key.strip()] = value.strip()
+    try:
+        config.update(kafka_pairs(args.kafka_config))
+    except SettingsError as exc:
+        print(f"keyword-embedder consume: {exc}", file=sys.stderr)
+        return 2
     consumer = Consumer(config)
     consumer.subscribe([args.topic])
     out = sys.stdout.buffer if str(args.output) == "-" else args.output.open("wb")

@@ -28,7 +28,7 @@ import orjson
 from confluent_kafka import Consumer, KafkaError, Message, Producer
 from tqdm import tqdm
 
-from worker.commands.produce import read_keywords
+from worker.keyword_files import read_keywords
 from worker.kafka.admin import ensure_topics
 from worker.kafka.messages import decode_embedding
 

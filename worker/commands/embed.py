@@ -5,47 +5,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
 
-
-class InputFileError(ValueError):
-    """A line of the input file cannot be read; the message names the file and line."""
-
-
-def read_texts(path: Path, fmt: str = "auto") -> Iterator[tuple[str, str]]:
-    """(id, text) pairs: JSONL {"id", "text"}, `id<TAB>text` TSV, or one text per line (id = line number)."""
-    if fmt == "auto":
-        fmt = "jsonl" if path.suffix in (".jsonl", ".ndjson") else "tsv-or-lines"
-    with path.open("r", encoding="utf-8", newline="\n") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.rstrip("\n").removesuffix("\r")
-            if not line.strip():
-                continue
-            if fmt == "jsonl":
-                try:
-                    obj = orjson.loads(line)
-                    yield str(obj["id"]), str(obj["text"])
-                except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise InputFileError(f"{path}:{lineno}: expected a JSON object with id and text ({exc})") from None
-            elif fmt == "lines":
-                yield str(lineno), line
-            else:  # tsv-or-lines / tsv: the id is everything before the first tab
-                qid, sep, text = line.partition("\t")
-                if sep:
-                    yield qid, text
-                elif fmt == "tsv":
-                    raise InputFileError(f"{path}:{lineno}: expected id<TAB>text")
-                else:
-                    yield str(lineno), line
+from worker.keyword_files import FORMATS, KeywordFileError, read_keywords
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("texts", nargs="*", metavar="TEXT", help="Texts to embed (ids 1..N).")
     parser.add_argument("--input", type=Path, help="id<TAB>text TSV, one text per line, or JSONL (.jsonl).")
-    parser.add_argument("--format", choices=("auto", "tsv", "lines", "jsonl"), default="auto")
+    parser.add_argument("--format", choices=FORMATS, default="auto")
     parser.add_argument("--output", type=Path, help="Write JSON lines here and print a summary instead.")
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--onnx", type=Path, default=None, help="ONNX file (default: the cached export).")
@@ -59,8 +29,8 @@ def main(args: argparse.Namespace) -> int:
     items = [(str(i), t) for i, t in enumerate(args.texts, 1)]
     if args.input is not None:
         try:
-            items.extend(read_texts(args.input, args.format))
-        except (OSError, UnicodeDecodeError, InputFileError) as exc:
+            items.extend(read_keywords(args.input, args.format))
+        except KeywordFileError as exc:
             print(f"keyword-embedder embed: {args.input}: {exc}", file=sys.stderr)
             return 2
     if not items:

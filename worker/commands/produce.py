@@ -5,45 +5,21 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
 from confluent_kafka import KafkaError, Message, Producer
 from tqdm import tqdm
 
-
-class InputFileError(ValueError):
-    """A line of the input file cannot be read; the message names the file and line."""
-
-
-def read_keywords(path: Path, fmt: str = "auto") -> Iterator[tuple[str, str]]:
-    """(id, text) pairs from `id<TAB>text` TSV or JSONL objects with "id" and "text"."""
-    if fmt == "auto":
-        fmt = "jsonl" if path.suffix in (".jsonl", ".json", ".ndjson") else "tsv"
-    with path.open("r", encoding="utf-8", newline="\n") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.rstrip("\n").rstrip("\r")
-            if not line.strip():
-                continue
-            if fmt == "tsv":
-                qid, sep, text = line.partition("\t")
-                if not sep:
-                    raise InputFileError(f"{path}:{lineno}: expected id<TAB>text")
-                yield qid, text
-            else:
-                try:
-                    obj = orjson.loads(line)
-                    yield str(obj["id"]), str(obj["text"])
-                except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-                    raise InputFileError(f"{path}:{lineno}: expected a JSON object with id and text ({exc})") from None
+from worker.config import SettingsError, kafka_pairs
+from worker.keyword_files import FORMATS, KeywordFileError, read_keywords
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap-servers", required=True)
     parser.add_argument("--topic", required=True)
     parser.add_argument("--input", required=True, type=Path, help="id<TAB>text TSV, or JSONL with id and text.")
-    parser.add_argument("--format", choices=("auto", "tsv", "jsonl"), default="auto")
+    parser.add_argument("--format", choices=FORMATS, default="auto")
     parser.add_argument("--value-format", choices=("json", "raw"), default="json",
                         help="json: {\"id\", \"text\"} values; raw: the text as the value, the ID as the key.")
     parser.add_argument("--limit", type=int, default=0, help="Publish at most N keywords (0: all).")
@@ -53,13 +29,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     config = {"bootstrap.servers": args.bootstrap_servers, "enable.idempotence": True, "acks": "all",
-              "linger.ms": 20, "compression.type": "lz4"}
-    for item in args.kafka_config:
-        key, sep, value = item.partition("=")
-        if not sep:
-            print(f"keyword-embedder produce: --kafka-config {item!r}: expected key=value", file=sys.stderr)
-            return 2
-        config[key.strip()] = value.strip()
+              "linger.ms": 20}
+    try:
+        config.update(kafka_pairs(args.kafka_config))
+    except SettingsError as exc:
+        print(f"keyword-embedder produce: {exc}", file=sys.stderr)
+        return 2
     producer = Producer(config)
     failures: list[str] = []
 
@@ -85,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
             producer.poll(0)
             sent += 1
             bar.update(1)
-    except (InputFileError, OSError) as exc:
+    except KeywordFileError as exc:
         print(f"keyword-embedder produce: {exc}", file=sys.stderr)
         return 2
     finally:

@@ -1,0 +1,50 @@
+"""`keyword-embedder produce` and `consume` against the real broker."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+
+from tests.kafka_tools import ROOT, load_queries
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "worker.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_produce_then_consume_round_trip(kafka_bootstrap: str, make_topic: Callable[..., str], tmp_path: Path) -> None:
+    topic = make_topic("cli", 3)
+    queries = load_queries(0, 500)
+    src = tmp_path / "q.tsv"
+    src.write_text("".join(f"{q}\t{t}\n" for q, t in queries), encoding="utf-8")
+    out = cli("produce", "--bootstrap-servers", kafka_bootstrap, "--topic", topic, "--input", str(src),
+              "--no-progress")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"produced 500 keywords to {topic}") and "keywords/s" in out.stdout
+
+    dst = tmp_path / "out.jsonl"
+    got = cli("consume", "--bootstrap-servers", kafka_bootstrap, "--topic", topic, "--output", str(dst),
+              "--max-messages", "500", "--idle-timeout", "30")
+    assert got.returncode == 0, got.stderr
+    records = [orjson.loads(line) for line in dst.read_bytes().splitlines()]
+    assert len(records) == 500
+    assert {(r["id"], r["text"]) for r in records} == set(queries)
+    assert all(r["_kafka"]["key"] == r["id"] and r["_kafka"]["offset"] >= 0 for r in records)
+
+
+def test_produce_reports_a_bad_file_and_bad_config(kafka_bootstrap: str, make_topic: Callable[..., str],
+                                                   tmp_path: Path) -> None:
+    topic = make_topic("cli", 1)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a"}\n', encoding="utf-8")
+    out = cli("produce", "--bootstrap-servers", kafka_bootstrap, "--topic", topic, "--input", str(bad),
+              "--no-progress")
+    assert out.returncode == 2 and "bad.jsonl:1" in out.stderr
+    out = cli("produce", "--bootstrap-servers", kafka_bootstrap, "--topic", topic, "--input", str(bad),
+              "--kafka-config", "acks")
+    assert out.returncode == 2 and "expected key=value" in out.stderr
