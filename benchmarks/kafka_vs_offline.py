@@ -125,7 +125,7 @@ def quartiles(xs: list[float]) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA if DEFAULT_DATA.exists() else FALLBACK_DATA)
-    ap.add_argument("-n", type=int, default=4000, help="keywords per round")
+    ap.add_argument("-n", type=int, default=0, help="keywords per round (0: the whole file)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--worker-arg", action="append", default=[],
@@ -135,7 +135,7 @@ def main() -> int:
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     if not bootstrap:
         raise SystemExit("set KAFKA_BOOTSTRAP_SERVERS (run through deploy/local/with-kafka.sh)")
-    rows = list(read_keywords(args.data))[: args.n]
+    rows = list(read_keywords(args.data, limit=args.n or None))
 
     from worker.app import build_pipeline  # noqa: F401  (same loaders as the worker)
     from worker.backends.select import load_backend
