@@ -67,6 +67,26 @@ class InFlight:
     msg: Message | None  # kept for dead-lettering after an inference error
 
 
+class _ThrottledErrors:
+    """Transient client errors (a broker down, a reconnect loop) come many times a second:
+    log each kind once per interval, with how many were suppressed since."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self._interval = interval_s
+        self._lock = threading.Lock()
+        self._last: dict[tuple[str, int], tuple[float, int]] = {}
+
+    def warn(self, event: str, err: KafkaError) -> None:
+        key, now = (event, err.code()), time.monotonic()
+        with self._lock:
+            last, suppressed = self._last.get(key, (float("-inf"), 0))
+            if now - last < self._interval:
+                self._last[key] = (last, suppressed + 1)
+                return
+            self._last[key] = (now, 0)
+        log.warning(event, error=str(err), suppressed_since_last=suppressed)
+
+
 class _Owned:
     """`(topic, partition) in owned`: whether the partition is in the current assignment."""
 
@@ -99,6 +119,7 @@ class Pipeline:
         self._assigned = False
         self._producer_ok = True
         self._backend_failures = 0
+        self._client_errors = _ThrottledErrors()
         self._last_commit = 0.0
         self.counts = {"consumed": 0, "produced": 0, "dead_lettered": 0, "dropped": 0}
         self._counts_lock = threading.Lock()
@@ -407,12 +428,14 @@ class Pipeline:
         log.info("partitions assigned", partitions=[f"{tp.topic}[{tp.partition}]" for tp in partitions])
         if self._metrics is not None:
             self._metrics.count_rebalance("assign")
-        if self._paused and partitions:
-            # A paused member takes new partitions paused too (resumed with the rest once the
-            # in-flight bound drains). Assigning here replaces the library's own assign, which
-            # must happen before the partitions can be paused.
+        if partitions:
+            # Assigning here replaces the library's own assign, so the pause state can be set
+            # right after it: a paused member takes new partitions paused (resumed with the rest
+            # once the in-flight bound drains); otherwise they are resumed explicitly, because
+            # librdkafka keeps a partition's pause flag across a lost/re-assigned cycle and a
+            # partition paused before a broker outage would otherwise never fetch again.
             consumer.incremental_assign(partitions)
-            consumer.pause(partitions)
+            (consumer.pause if self._paused else consumer.resume)(partitions)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         parts = [p for tp in partitions if (p := self._tracker.get(tp.topic, tp.partition)) is not None]
@@ -450,7 +473,7 @@ class Pipeline:
             self._fatal = WorkerError(f"fatal consumer error: {err}")
             self._stop.set()
         else:
-            log.warning("consumer error", error=str(err))
+            self._client_errors.warn("consumer error", err)
 
     def _on_producer_error(self, err: KafkaError) -> None:
         if err.fatal():
@@ -458,7 +481,7 @@ class Pipeline:
             self._fatal = WorkerError(f"fatal producer error: {err}")
             self._stop.set()
         else:
-            log.warning("producer error", error=str(err))
+            self._client_errors.warn("producer error", err)
 
     def _on_stats(self, raw: str) -> None:
         if self._metrics is None:

@@ -5,18 +5,23 @@
 #   deploy/local/kafka.sh start    start (or reuse) the broker; last line: KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:PORT
 #   deploy/local/kafka.sh stop     stop it and wait until its JVM is gone
 #   deploy/local/kafka.sh status   exit 0 and print the address when it runs, exit 1 otherwise
+#   deploy/local/kafka.sh restart [--hard]
+#                                  stop (SIGTERM, or SIGKILL with --hard) and start again on the same
+#                                  port with the same data: a broker restart as clients see it
 #   deploy/local/kafka.sh libs     print the classpath folder (resolving the jars first)
 #
 # Environment:
 #   KAFKA_PORT         listener port (default: a free one)
 #   KWE_KAFKA_HOME     state folder (default: ~/.cache/keyword-embedder/kafka); the jar cache under it
 #                      survives between runs, the broker's data is wiped at each fresh start
+#   KWE_KAFKA_RUN      the broker's own folder (config, data, logs, pid; default: $KWE_KAFKA_HOME/run),
+#                      so that a second broker can run beside the first with the same jar cache
 #   KAFKA_HEAP_OPTS    JVM heap (default: -Xms256m -Xmx768m)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 home="${KWE_KAFKA_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/keyword-embedder/kafka}"
-run="$home/run"
+run="${KWE_KAFKA_RUN:-$home/run}"
 pidfile="$run/broker.pid"
 portfile="$run/broker.port"
 
@@ -156,6 +161,12 @@ cmd_start() {
     kafka.tools.StorageTool format --standalone -t "$cluster" -c "$run/server.properties" >"$run/format.log" 2>&1 \
     || { cat "$run/format.log" >&2; die "formatting the KRaft storage failed"; }
   log "starting Apache Kafka $(ls "$libs" | sed -nE 's/^kafka_2\.13-(.*)\.jar$/\1/p') (KRaft) on 127.0.0.1:$port"
+  launch "$libs" "$port"
+}
+
+# Starts the JVM on the configured $run folder and waits for a metadata round trip.
+launch() {
+  local libs="$1" port="$2" pid
   # setsid: the broker outlives the shell that started it (tests, CI steps) until 'stop'.
   # shellcheck disable=SC2086
   setsid java ${KAFKA_HEAP_OPTS:--Xms256m -Xmx768m} -XX:+UseG1GC -Djava.awt.headless=true \
@@ -175,6 +186,19 @@ cmd_start() {
   done
   log "broker ready (pid $pid, logs in $run)"
   echo "KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:$port"
+}
+
+cmd_restart() {
+  local pid port signal=TERM
+  [[ "${1:-}" == "--hard" ]] && signal=KILL
+  pid="$(running_pid)" || die "no broker of ours is running (start it first)"
+  port="$(cat "$portfile")"
+  kill "-$signal" "$pid" 2>/dev/null || true
+  while kill -0 "$pid" 2>/dev/null; do sleep 0.2; done
+  rm -f "$pidfile"
+  log "broker stopped (SIG$signal, pid $pid); starting it again on port $port with its data"
+  while port_busy "$port"; do sleep 0.2; done
+  launch "$(resolve_libs)" "$port"
 }
 
 cmd_stop() {
@@ -207,6 +231,7 @@ case "${1:-}" in
   start) cmd_start ;;
   stop) cmd_stop ;;
   status) cmd_status ;;
+  restart) need_java; cmd_restart "${2:-}" ;;
   libs) need_java; resolve_libs ;;
-  *) echo "usage: $0 start|stop|status|libs" >&2; exit 2 ;;
+  *) echo "usage: $0 start|stop|status|restart [--hard]|libs" >&2; exit 2 ;;
 esac

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from worker.config import Settings
@@ -25,6 +26,9 @@ def consumer_config(settings: Settings, **callbacks: Any) -> dict[str, Any]:
     }
     if settings.metrics_port:
         config["statistics.interval.ms"] = 5000  # per-partition consumer lag for /metrics
+    # librdkafka's own log lines go through the stdlib logger into the structured log stream,
+    # instead of raw "%6|...|FAIL|..." lines on stderr.
+    config["logger"] = logging.getLogger("librdkafka")
     config.update(callbacks)
     config.update(settings.librdkafka_overrides())
     return config

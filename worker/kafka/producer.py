@@ -6,6 +6,7 @@ callback runs on it: that is where outputs are acknowledged and offsets marked d
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -34,6 +35,9 @@ def producer_config(settings: Settings, **callbacks: Any) -> dict[str, Any]:
         "message.timeout.ms": 120000,
         "client.id": f"keyword-embedder-{settings.group_id}",
     }
+    # librdkafka's own log lines go through the stdlib logger into the structured log stream,
+    # instead of raw "%6|...|FAIL|..." lines on stderr.
+    config["logger"] = logging.getLogger("librdkafka")
     config.update(callbacks)
     config.update(settings.librdkafka_overrides())
     return config
