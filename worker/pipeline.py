@@ -116,7 +116,6 @@ class Pipeline:
         self._abort = threading.Event()
         self._fatal: BaseException | None = None
         self._paused = False
-        self._assigned = False
         self._producer_ok = True
         self._backend_failures = 0
         self._client_errors = _ThrottledErrors()
@@ -136,11 +135,11 @@ class Pipeline:
         self._bucketer = factory(
             profile, backend, self._on_batch, on_error=self._on_batch_error,
             max_queue_delay_ms=settings.max_queue_delay_ms, dispatchers=settings.dispatchers,
-            pad_to=None if settings.pad_to == "auto" else settings.pad_to)
+            pad_to=settings.pad_to)
 
     # ------------------------------------------------------------------ state for probes
     def ready(self) -> tuple[bool, dict[str, bool]]:
-        checks = {"assigned": self._assigned, "backend_loaded": self._backend is not None,
+        checks = {"assigned": bool(self._tracker.partitions()), "backend_loaded": self._backend is not None,
                   "producer_healthy": self._producer_ok and self._fatal is None}
         return all(checks.values()), checks
 
@@ -186,16 +185,16 @@ class Pipeline:
         return 130 if self._abort.is_set() else 0
 
     def _poll_once(self) -> None:
-        self._apply_backpressure()
+        pending = self.uncommitted()
+        self._apply_backpressure(pending)
         room = CONSUME_BATCH if not self._paused else 1
-        room = max(1, min(room, self.settings.max_in_flight - self.uncommitted()))
+        room = max(1, min(room, self.settings.max_in_flight - pending))
         msgs = self._consumer.consume(num_messages=room, timeout=0.05)
         if msgs:
             self._handle(msgs)
         self._maybe_commit()
 
-    def _apply_backpressure(self) -> None:
-        pending = self.uncommitted()
+    def _apply_backpressure(self, pending: int) -> None:
         limit = self.settings.max_in_flight
         if not self._paused and pending >= limit:
             self._set_paused(True, pending)
@@ -219,7 +218,7 @@ class Pipeline:
     # ------------------------------------------------------------------ intake
     def _handle(self, msgs: Sequence[Message]) -> None:
         s = self.settings
-        good: list[tuple[int, Keyword, PartitionOffsets, Message]] = []
+        good: list[tuple[int, Keyword, PartitionOffsets, Message, int | None]] = []
         consumed = 0
         for msg in msgs:
             err = msg.error()
@@ -248,20 +247,17 @@ class Pipeline:
                     self._inflight[seq] = InFlight(part, offset, "", 0, False, ts if ts_type else None, None)
                 self._dead_letter(seq, msg, decoded)
             else:
-                with self._inflight_lock:
-                    self._inflight[seq] = InFlight(part, offset, decoded.id, 0, False, ts if ts_type else None, msg)
-                good.append((seq, decoded, part, msg))
+                good.append((seq, decoded, part, msg, ts if ts_type else None))
         self._count("consumed", consumed)
         if self._metrics is not None:
             self._metrics.count_consumed(consumed)
         if not good:
             return
-        encoded = self._tokenizer.encode([kw.text for _, kw, _, _ in good])
+        encoded = self._tokenizer.encode([kw.text for _, kw, _, _, _ in good])
         with self._inflight_lock:
-            for (seq, _, _, _), enc in zip(good, encoded):
-                rec = self._inflight[seq]
-                rec.tokens, rec.truncated = enc.length, enc.truncated
-        for (seq, _, _, _), enc in zip(good, encoded):
+            for (seq, kw, part, msg, ts), enc in zip(good, encoded):
+                self._inflight[seq] = InFlight(part, msg.offset(), kw.id, enc.length, enc.truncated, ts, msg)
+        for (seq, _, _, _, _), enc in zip(good, encoded):
             self._bucketer.submit(seq, enc.ids)
 
     def _dead_letter(self, seq: int, msg: Message, rejection: Rejection) -> None:
@@ -424,7 +420,6 @@ class Pipeline:
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         for tp in partitions:
             self._tracker.assign(tp.topic, tp.partition)
-        self._assigned = bool(partitions) or bool(self._tracker.partitions())
         log.info("partitions assigned", partitions=[f"{tp.topic}[{tp.partition}]" for tp in partitions])
         if self._metrics is not None:
             self._metrics.count_rebalance("assign")
@@ -450,7 +445,6 @@ class Pipeline:
             self._tracker.revoke(tp.topic, tp.partition)
             if self._metrics is not None:
                 self._metrics.forget_partition(tp.topic, tp.partition)
-        self._assigned = bool(self._tracker.partitions())
         log.info("partitions revoked", partitions=[f"{tp.topic}[{tp.partition}]" for tp in partitions],
                  dropped_unfinished=unfinished)
         if self._metrics is not None:
@@ -462,7 +456,6 @@ class Pipeline:
             self._tracker.revoke(tp.topic, tp.partition)
             if self._metrics is not None:
                 self._metrics.forget_partition(tp.topic, tp.partition)
-        self._assigned = bool(self._tracker.partitions())
         log.warning("partitions lost", partitions=[f"{tp.topic}[{tp.partition}]" for tp in partitions])
         if self._metrics is not None:
             self._metrics.count_rebalance("lost")

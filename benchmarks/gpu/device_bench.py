@@ -62,21 +62,27 @@ def backend(providers: list[str], threads: int = 0):  # noqa: ANN201
     return OnnxRuntimeBackend(ONNX, intra_op_threads=threads, providers=providers)
 
 
+def golden_alone(ctx) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:  # noqa: ANN001
+    """Every golden row embedded alone on ctx: (encoded, vectors, reference, cosines)."""
+    from worker.tokenize import pad
+
+    rows = [json.loads(line) for line in (ROOT / "tests/data/golden/dev.jsonl").read_text().splitlines()]
+    ref = np.load(ROOT / "tests/data/golden/dev.npy")
+    enc = tokenizer().encode([r["text"] for r in rows])
+    alone = np.concatenate([ctx.run(*pad([e], len(e.ids))) for e in enc])
+    return enc, alone, ref, (alone * ref).sum(1) / np.linalg.norm(ref, axis=1)
+
+
 @stage("parity")
 def parity(providers: list[str]) -> dict:
     from worker.tokenize import pad
 
-    tok = tokenizer()
-    rows = [json.loads(line) for line in (ROOT / "tests/data/golden/dev.jsonl").read_text().splitlines()]
-    ref = np.load(ROOT / "tests/data/golden/dev.npy")
     be = backend(providers)
     ctx = be.create_context(0)
-    enc = tok.encode([r["text"] for r in rows])
-    alone = np.concatenate([ctx.run(*pad([e], len(e.ids))) for e in enc])
+    enc, alone, ref, cos = golden_alone(ctx)
     padded = np.concatenate([ctx.run(*pad(enc[i:i + 8], 64)) for i in range(0, len(enc), 8)
                              if max(len(e.ids) for e in enc[i:i + 8]) <= 64] or [alone[:0]])
-    cos = (alone * ref).sum(1) / np.linalg.norm(ref, axis=1)
-    return {"providers": be.providers, "rows": len(rows), "min_cosine": float(cos.min()),
+    return {"providers": be.providers, "rows": len(enc), "min_cosine": float(cos.min()),
             "max_abs_diff": float(np.abs(alone - ref).max()),
             "padded_to_64_rows": int(len(padded))}
 
@@ -86,18 +92,13 @@ def torch_parity() -> dict:
     from benchmarks.gpu.torch_backend import TorchBertBackend
     from worker.tokenize import pad
 
-    tok = tokenizer()
-    rows = [json.loads(line) for line in (ROOT / "tests/data/golden/dev.jsonl").read_text().splitlines()]
-    ref = np.load(ROOT / "tests/data/golden/dev.npy")
     be = TorchBertBackend(ONNX)
     ctx = be.create_context(0)
-    enc = tok.encode([r["text"] for r in rows])
-    alone = np.concatenate([ctx.run(*pad([e], len(e.ids))) for e in enc])
-    cos = (alone * ref).sum(1) / np.linalg.norm(ref, axis=1)
+    enc, alone, ref, cos = golden_alone(ctx)
     short = [e for e in enc if len(e.ids) <= 64][:64]
     in64 = ctx.run(*pad(short, 64))
     alone64 = np.concatenate([ctx.run(*pad([e], len(e.ids))) for e in short])
-    return {"backend": be.providers, "rows": len(rows), "min_cosine": float(cos.min()),
+    return {"backend": be.providers, "rows": len(enc), "min_cosine": float(cos.min()),
             "median_cosine": float(np.median(cos)), "max_abs_diff": float(np.abs(alone - ref).max()),
             "padding_invariance_max_abs_diff_alone_vs_padded_to_64": float(np.abs(in64 - alone64).max())}
 
