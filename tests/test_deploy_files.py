@@ -115,7 +115,7 @@ def test_compose_workers_use_real_settings_and_one_group() -> None:
         assert any(str(p).endswith(f":{s.metrics_port}") for p in svc["ports"])
         assert svc["depends_on"]["topic-init"]["condition"] == "service_completed_successfully"
         # Docker's SIGKILL must come after the drain the SIGTERM started.
-        assert _duration_s(svc["stop_grace_period"]) > s.drain_timeout_s
+        assert _duration_s(svc["stop_grace_period"]) > s.shutdown_timeout_s
         # The build context is relative to the compose file; the Dockerfile to the context.
         context = (DEPLOY / svc["build"]["context"]).resolve()
         assert context == ROOT
@@ -192,7 +192,7 @@ def test_k8s_probes_hit_the_metrics_server() -> None:
 
 def test_k8s_grace_period_exceeds_the_drain_timeout() -> None:
     pod = _k8s()["Deployment"]["spec"]["template"]["spec"]
-    assert pod["terminationGracePeriodSeconds"] > _configmap_settings().drain_timeout_s
+    assert pod["terminationGracePeriodSeconds"] > _configmap_settings().shutdown_timeout_s
     assert "lifecycle" not in _worker_container()  # SIGTERM drains; no preStop hook
 
 

@@ -112,10 +112,10 @@ def test_precedence_default_file_env_flag(tmp_path: Path) -> None:
 
 def test_config_file_from_env_and_typed_values(tmp_path: Path) -> None:
     cfg = tmp_path / "kwe.toml"
-    cfg.write_text('max_queue_delay_ms = 5\ndrain_timeout_s = 12.5\nlog_level = "debug"\n', encoding="utf-8")
+    cfg.write_text('max_queue_delay_ms = 5\nshutdown_timeout_s = 12.5\nlog_level = "debug"\n', encoding="utf-8")
     s = load_settings(None, env={"KWE_CONFIG": str(cfg)})
     assert s.max_queue_delay_ms == 5.0 and isinstance(s.max_queue_delay_ms, float)
-    assert s.drain_timeout_s == 12.5
+    assert s.shutdown_timeout_s == 12.5
     assert s.log_level == "debug"
 
 
@@ -159,7 +159,7 @@ def test_port_above_range_fails() -> None:
 
 
 def test_non_finite_float_fails() -> None:
-    assert "'drain_timeout_s'" in _error(args=None, env={"KWE_DRAIN_TIMEOUT_S": "nan"})
+    assert "'shutdown_timeout_s'" in _error(args=None, env={"KWE_SHUTDOWN_TIMEOUT_S": "nan"})
 
 
 def test_unknown_config_file_key_is_named(tmp_path: Path) -> None:

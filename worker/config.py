@@ -76,10 +76,18 @@ class Settings:
                                        minimum=1)
     max_queue_delay_ms: float = _setting(20.0, "Longest a keyword waits in its bucket before a partial batch "
                                          "is flushed.", minimum=0.0)
-    drain_timeout_s: float = _setting(30.0, "On shutdown, how long in-flight work may take to finish.",
-                                      minimum=0.0)
+    max_in_flight_bytes: int = _setting(64 * 1024 * 1024, "Bytes of consumed-but-uncommitted input records "
+                                        "(key, value and headers); partitions pause at this bound too, so "
+                                        "memory stays bounded when records are large.", minimum=1)
+    shutdown_timeout_s: float = _setting(25.0, "One deadline for the whole shutdown after SIGTERM: drain "
+                                         "in-flight work, flush the producer, commit, leave the group. Keep it "
+                                         "below the grace period of the container runtime (Kubernetes: "
+                                         "terminationGracePeriodSeconds, 30 s by default).", minimum=0.0)
     revoke_timeout_s: float = _setting(10.0, "On partition revocation, how long in-flight work of the revoked "
                                        "partitions may take to finish before it is dropped.", minimum=0.0)
+    stall_timeout_s: float = _setting(300.0, "/healthz turns 503 when work is waiting to be committed and the "
+                                      "commit point has not moved for this long (a stalled partition or "
+                                      "thread); 0 disables the check.", minimum=0.0)
     # --- Model and backend ---------------------------------------------------------------
     backend: str = _setting("auto", "Inference backend: 'auto' picks TensorRT when the gpu extra and a GPU "
                             "are present, else ONNX Runtime.", choices=("auto", "onnxruntime", "tensorrt"))

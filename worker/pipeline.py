@@ -493,8 +493,8 @@ class Pipeline:
         if assignment:
             self._consumer.pause(assignment)
         start = time.monotonic()
-        log.info("draining", in_flight=self.in_flight(), timeout_s=s.drain_timeout_s)
-        while self.in_flight() and time.monotonic() - start < s.drain_timeout_s and not self._abort.is_set() \
+        log.info("draining", in_flight=self.in_flight(), timeout_s=s.shutdown_timeout_s)
+        while self.in_flight() and time.monotonic() - start < s.shutdown_timeout_s and not self._abort.is_set() \
                 and self._fatal is None:
             # Keep serving the group (heartbeats, commit callbacks) while paused; anything
             # still returned is neither tracked nor committed, so it is redelivered later.
