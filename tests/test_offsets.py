@@ -48,10 +48,27 @@ def test_uncommitted_counts_until_the_broker_confirms() -> None:
     for off in range(100, 106):
         p.done(off)
     assert p.uncommitted() == 10  # done but not yet committed: a crash now redelivers them
-    p.confirm_commit(106)
+    p.request_commit(103)
+    p.request_commit(106)
+    assert p.confirm_commit(106)
     assert p.committed == 106 and p.uncommitted() == 4
-    p.confirm_commit(103)  # a late, older commit confirmation never moves it back
+    assert not p.confirm_commit(103)  # a late, older commit confirmation never moves it back
     assert p.committed == 106
+
+
+def test_a_late_confirmation_of_an_earlier_assignment_is_ignored() -> None:
+    tracker = OffsetTracker()
+    old = tracker.assign("t", 0)
+    old.track(0)
+    old.done(0)
+    old.request_commit(1)
+    tracker.revoke("t", 0)
+    new = tracker.assign("t", 0)  # the partition came back; the old commit answer arrives now
+    new.track(5)
+    assert not new.confirm_commit(1)
+    assert new.committed is None and new.uncommitted() == 1
+    new.request_commit(5)
+    assert new.confirm_commit(5) and new.committed == 5
 
 
 def test_tracking_backwards_is_refused() -> None:

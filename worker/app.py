@@ -28,7 +28,7 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Pip
     backend, profile = load_backend(settings)
     log.info("backend loaded", backend=backend.name, model=info.name, dim=backend.dim, profile=profile.name,
              buckets=list(profile.bounds), max_len=tokenizer.max_len)
-    if metrics is not None:
-        metrics.set_backend_info(backend.name, info.name, profile.name)
+    metrics = metrics if metrics is not None else Metrics()
+    metrics.set_backend_info(backend.name, info.name, profile.name)
     return Pipeline(settings, tokenizer=tokenizer, backend=backend, profile=profile, model_name=info.name,
                     metrics=metrics)

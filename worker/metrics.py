@@ -232,6 +232,12 @@ class Metrics:
 # ({"assigned": True, "backend_loaded": False, ...}, what Pipeline.ready() returns) or a
 # plain reason string; either way /readyz shows it, so a failing probe says why.
 ReadyCheck = Callable[[], tuple[bool, Mapping[str, bool] | str]]
+# The liveness callable returns (alive, reason); /healthz answers 503 with the reason when not alive.
+LiveCheck = Callable[[], tuple[bool, str]]
+
+
+def _always_alive() -> tuple[bool, str]:
+    return True, "ok"
 
 
 def readiness_body(ready: bool, detail: Mapping[str, bool] | str) -> dict[str, object]:
@@ -254,9 +260,10 @@ class _Server(ThreadingHTTPServer):
     # Request threads must not keep the process alive if a scraper hangs mid-request.
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], metrics: Metrics, ready: ReadyCheck) -> None:
+    def __init__(self, address: tuple[str, int], metrics: Metrics, ready: ReadyCheck, live: LiveCheck) -> None:
         self.metrics = metrics
         self.ready = ready
+        self.live = live
         super().__init__(address, _Handler)
 
 
@@ -281,11 +288,19 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/metrics":
             self._send(HTTPStatus.OK, self.server.metrics.render(), CONTENT_TYPE_LATEST)
         elif path == "/healthz":
-            self._send(HTTPStatus.OK, b"ok\n", "text/plain; charset=utf-8")
+            self._healthz()
         elif path == "/readyz":
             self._readyz()
         else:
             self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain; charset=utf-8")
+
+    def _healthz(self) -> None:
+        try:
+            alive, reason = self.server.live()
+        except Exception as exc:  # a failing check is a failing worker, never a dropped connection
+            alive, reason = False, f"liveness check failed: {type(exc).__name__}: {exc}"
+        status = HTTPStatus.OK if alive else HTTPStatus.SERVICE_UNAVAILABLE
+        self._send(status, reason.encode() + b"\n", "text/plain; charset=utf-8")
 
     def _readyz(self) -> None:
         body: dict[str, object]
@@ -319,11 +334,13 @@ class MetricsServer:
     setting metrics_port=0 meaning "disabled" is the caller's decision, not this class's.
     """
 
-    def __init__(self, metrics: Metrics, host: str, port: int, ready: ReadyCheck) -> None:
+    def __init__(self, metrics: Metrics, host: str, port: int, ready: ReadyCheck,
+                 live: LiveCheck = _always_alive) -> None:
         self._metrics = metrics
         self._host = host
         self._requested_port = port
         self._ready = ready
+        self._live = live
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -337,7 +354,7 @@ class MetricsServer:
         if self._server is not None:
             raise RuntimeError("metrics server already started")
         # Binding here, not in a background thread, so a port in use fails start() loudly.
-        self._server = _Server((self._host, self._requested_port), self._metrics, self._ready)
+        self._server = _Server((self._host, self._requested_port), self._metrics, self._ready, self._live)
         # Not a daemon: the owner must call stop(), which keeps shutdown ordering explicit.
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="kwe-metrics-http")

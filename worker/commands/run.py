@@ -1,10 +1,17 @@
-"""`keyword-embedder run`: join the consumer group and embed until SIGTERM/SIGINT."""
+"""`keyword-embedder run`: join the consumer group and embed until SIGTERM/SIGINT.
+
+Signals are handled from the first line: a stop requested while the model and backend load
+ends start-up at once (exit 0); once the worker runs, the first signal drains and commits
+within shutdown_timeout_s, a second one aborts.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+from collections.abc import Callable
 from types import FrameType
 
 import structlog
@@ -17,7 +24,39 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_setting_flags(parser)
 
 
+class StopDuringStartup(BaseException):
+    """A stop signal arrived before the worker ran: unwind start-up and exit cleanly.
+
+    A BaseException so that no `except Exception` on the start-up path swallows it.
+    """
+
+
+class StopSignals:
+    """SIGTERM/SIGINT: during start-up they unwind it; once running they call `on_stop`."""
+
+    def __init__(self) -> None:
+        self.on_stop: Callable[[], None] | None = None
+        signal.signal(signal.SIGTERM, self._handle)
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        structlog.get_logger("worker.run").info("stop requested", signal=name)
+        if self.on_stop is None:
+            raise StopDuringStartup(name)
+        self.on_stop()
+
+
 def main(args: argparse.Namespace) -> int:
+    signals = StopSignals()
+    try:
+        return _main(args, signals)
+    except StopDuringStartup as stop:
+        print(f"keyword-embedder run: stopped by {stop} during start-up", file=sys.stderr)
+        return 0
+
+
+def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     try:
         settings = load_settings(args)
     except SettingsError as exc:
@@ -32,28 +71,31 @@ def main(args: argparse.Namespace) -> int:
     from worker.model import ModelError
     from worker.profiles import ProfileError
 
-    metrics = Metrics() if settings.metrics_port else None
+    metrics = Metrics()
     try:
         pipeline = build_pipeline(settings, metrics=metrics)
     except (ModelError, BackendError, ProfileError) as exc:
         log.error("cannot start the worker", error=str(exc))
         print(f"keyword-embedder run: {exc}", file=sys.stderr)
         return 2
-
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("stop requested", signal=signal.Signals(signum).name)
-        pipeline.request_stop()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signals.on_stop = pipeline.request_stop
 
     server = None
-    if metrics is not None:
-        server = MetricsServer(metrics, settings.metrics_host, settings.metrics_port, pipeline.ready)
+    if settings.metrics_port:
+        server = MetricsServer(metrics, settings.metrics_host, settings.metrics_port, pipeline.ready,
+                               pipeline.liveness)
         server.start()
         log.info("metrics served", url=f"http://{settings.metrics_host}:{server.port}/metrics")
     try:
-        return pipeline.run()
+        code = pipeline.run()
     finally:
         if server is not None:
             server.stop()
+    if code == 1 and pipeline.latch.error is not None:
+        print(f"keyword-embedder run: {pipeline.latch.error}", file=sys.stderr)
+    if not pipeline.left_group:
+        # librdkafka is still inside close(); interpreter teardown would wait on it again.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -1,14 +1,33 @@
-"""Consumer configuration: a group member that stores offsets only after the output is acknowledged."""
+"""The group member: owns the librdkafka Consumer (configuration, consume, pause, rebalances, close).
+
+Threads: everything here runs on the poll thread. librdkafka serves the rebalance, commit and
+error callbacks inside consume() and close(), so they run on the poll thread too, except
+`close`, which runs on a helper thread so that a leave that never completes (a coordinator
+in flux) cannot hold the process past its shutdown deadline.
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import structlog
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+
 from worker.config import Settings
+from worker.errors import WorkerError
+from worker.kafka.committer import Committer
+from worker.kafka.throttle import ThrottledLog
+from worker.latch import FatalLatch
+from worker.metrics import Metrics
+
+log = structlog.get_logger(__name__)
 
 
-def consumer_config(settings: Settings, **callbacks: Any) -> dict[str, Any]:
+def consumer_config(settings: Settings) -> dict[str, Any]:
     config: dict[str, Any] = {
         "bootstrap.servers": settings.bootstrap_servers,
         "group.id": settings.group_id,
@@ -22,6 +41,9 @@ def consumer_config(settings: Settings, **callbacks: Any) -> dict[str, Any]:
         "session.timeout.ms": 10000,
         "heartbeat.interval.ms": 1000,
         "max.poll.interval.ms": 300000,
+        # The prefetch queue holds whole records in memory before flow control sees them: keep
+        # it within the in-flight byte budget.
+        "queued.max.messages.kbytes": max(1024, min(65536, settings.max_in_flight_bytes // 1024 // 4)),
         "client.id": f"keyword-embedder-{settings.group_id}",
     }
     if settings.metrics_port:
@@ -29,6 +51,153 @@ def consumer_config(settings: Settings, **callbacks: Any) -> dict[str, Any]:
     # librdkafka's own log lines go through the stdlib logger into the structured log stream,
     # instead of raw "%6|...|FAIL|..." lines on stderr.
     config["logger"] = logging.getLogger("librdkafka")
-    config.update(callbacks)
     config.update(settings.librdkafka_overrides())
     return config
+
+
+def _names(partitions: Sequence[TopicPartition]) -> list[str]:
+    return [f"{tp.topic}[{tp.partition}]" for tp in partitions]
+
+
+class _Owned:
+    """`(topic, partition) in owned`: whether the partition is in the current assignment."""
+
+    def __init__(self, committer: Committer) -> None:
+        self._committer = committer
+
+    def __contains__(self, key: object) -> bool:
+        topic, partition = key  # type: ignore[misc]
+        return self._committer.tracker.get(topic, partition) is not None
+
+
+class GroupMember:
+    def __init__(self, config: dict[str, Any], committer: Committer, latch: FatalLatch, metrics: Metrics, *,
+                 revoke_wait_s: Callable[[], float], consumer_factory: Callable[[dict[str, Any]], Any] = Consumer
+                 ) -> None:
+        self._committer = committer
+        self._latch = latch
+        self._metrics = metrics
+        self._revoke_wait_s = revoke_wait_s
+        self._errors = ThrottledLog()
+        self._paused = False
+        self._consumer = consumer_factory({**config, "error_cb": self._on_error, "on_commit": committer.on_commit,
+                                           "stats_cb": self._on_stats})
+        committer.bind(self._consumer)
+
+    # ------------------------------------------------------------------ consuming
+    def subscribe(self, topic: str) -> None:
+        self._consumer.subscribe([topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                 on_lost=self._on_lost)
+
+    def consume(self, max_records: int, timeout_s: float) -> list[Message]:
+        """Records to process; error events are logged (throttled) and left out."""
+        out = []
+        for msg in self._consumer.consume(num_messages=max_records, timeout=timeout_s):
+            err = msg.error()
+            if err is None:
+                out.append(msg)
+            elif err.fatal():
+                self._latch.trip(WorkerError(f"fatal consumer error: {err.str()} ({err.name()})"))
+            elif err.code() != KafkaError._PARTITION_EOF:
+                self._errors.warn("consume error", err, topic=msg.topic())
+        return out
+
+    def serve(self, timeout_s: float) -> None:
+        """Serves the group (heartbeats, callbacks) without taking records (all paused)."""
+        self._consumer.consume(num_messages=1, timeout=timeout_s)
+
+    # ------------------------------------------------------------------ flow control
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def set_paused(self, paused: bool, *, reason: str = "flow control") -> None:
+        if paused == self._paused:
+            return
+        assignment = self._consumer.assignment()
+        if assignment:
+            (self._consumer.pause if paused else self._consumer.resume)(assignment)
+        self._paused = paused
+        log.info("partitions paused" if paused else "partitions resumed", partitions=len(assignment), reason=reason)
+        self._metrics.set_paused_partitions(len(assignment) if paused else 0)
+
+    # ------------------------------------------------------------------ rebalances
+    def _on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
+        self._committer.assign(partitions)
+        log.info("partitions assigned", partitions=_names(partitions))
+        self._metrics.count_rebalance("assign")
+        if partitions:
+            # Assigning here replaces the library's own assign, so the pause state can be set
+            # right after it: a paused member takes new partitions paused (resumed with the rest
+            # once the in-flight bounds drain); otherwise they are resumed explicitly, because
+            # librdkafka keeps a partition's pause flag across a lost/re-assigned cycle and a
+            # partition paused before a broker outage would otherwise never fetch again.
+            consumer.incremental_assign(partitions)
+            (consumer.pause if self._paused else consumer.resume)(partitions)
+
+    def _on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
+        parts = self._committer.owned(partitions)
+        wait_s = 0.0 if self._latch.is_set() else max(0.0, self._revoke_wait_s())
+        deadline = time.monotonic() + wait_s
+        while any(p.unfinished() for p in parts) and time.monotonic() < deadline and not self._latch.is_set():
+            time.sleep(0.01)
+        unfinished = sum(p.unfinished() for p in parts)
+        # Commit what is finished while this generation still owns the partitions; after a
+        # fatal error nothing more is committed (the failed record may sit below finished ones
+        # of another partition, but never below these: each partition commits only up to its
+        # own lowest unfinished offset).
+        committed = self._latch.is_set() or self._committer.commit_sync(parts, timeout_s=5.0)
+        self._committer.forget(partitions)
+        for tp in partitions:
+            self._metrics.forget_partition(tp.topic, tp.partition)
+        log.info("partitions revoked", partitions=_names(partitions), dropped_unfinished=unfinished,
+                 committed=committed)
+        self._metrics.count_rebalance("revoke")
+
+    def _on_lost(self, consumer: Any, partitions: list[TopicPartition]) -> None:
+        # Lost, not revoked: another member may already own them, so commit nothing.
+        self._committer.forget(partitions)
+        for tp in partitions:
+            self._metrics.forget_partition(tp.topic, tp.partition)
+        log.warning("partitions lost", partitions=_names(partitions))
+        self._metrics.count_rebalance("lost")
+
+    # ------------------------------------------------------------------ errors, stats
+    def _on_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            self._latch.trip(WorkerError(f"fatal consumer error: {err.str()} ({err.name()})"))
+        else:
+            self._errors.warn("consumer error", err)
+
+    def _on_stats(self, raw: str) -> None:
+        try:
+            # Only partitions still ours: a revoked partition's lag must not come back.
+            self._metrics.update_from_stats(raw, owned=_Owned(self._committer))
+        except ValueError as exc:
+            log.debug("bad librdkafka stats", error=str(exc))
+
+    # ------------------------------------------------------------------ leaving
+    def pause_all(self) -> None:
+        assignment = self._consumer.assignment()
+        if assignment:
+            self._consumer.pause(assignment)
+        self._paused = True
+
+    def close(self, timeout_s: float) -> bool:
+        """Leaves the group (revoking, and so committing, what is still assigned); False if it
+        did not finish within timeout_s (the caller then exits without waiting for it)."""
+        done = threading.Event()
+
+        def leave() -> None:
+            try:
+                self._consumer.close()
+            except Exception as exc:  # noqa: BLE001 - leaving is best effort; the commit came before
+                log.warning("consumer close failed", error=str(exc))
+            finally:
+                done.set()
+
+        threading.Thread(target=leave, name="kwe-consumer-close", daemon=True).start()
+        if not done.wait(max(0.0, timeout_s)):
+            log.warning("leaving the group did not finish in time; exiting without it", timeout_s=round(timeout_s, 3))
+            return False
+        return True

@@ -5,7 +5,9 @@ flush independently, deliveries ack independently). A partition may only commit 
 its lowest unfinished offset: committing further would lose the unfinished messages on
 a crash. Each assignment of a partition gets a fresh `PartitionOffsets` (a new epoch),
 so completions that arrive after a revoke land on the old object and are never
-committed on behalf of the next owner.
+committed on behalf of the next owner. Commit confirmations are tagged the same way: an
+offset is confirmed only on the object that asked for it (`request_commit`), so a late
+confirmation of an earlier assignment's commit never moves the new assignment's state.
 
 Thread-safety: `track` is called by the poll thread, `done` by the delivery thread and
 `committable` by the poll thread; one lock per partition keeps them consistent.
@@ -30,6 +32,7 @@ class PartitionOffsets:
     _next: int | None = None  # one past the highest offset tracked so far
     _first: int | None = None  # the first offset this owner consumed: where its group offset stood
     _committed: int | None = None  # the highest offset the broker confirmed as committed
+    _requested: set[int] = field(default_factory=set, repr=False)  # commits asked for, not yet confirmed
     revoked: bool = False
 
     def track(self, offset: int) -> None:
@@ -70,10 +73,20 @@ class PartitionOffsets:
         with self._lock:
             return self._committed
 
-    def confirm_commit(self, offset: int) -> None:
+    def request_commit(self, offset: int) -> None:
+        """This owner asked the broker to commit `offset`; only such offsets can be confirmed here."""
         with self._lock:
+            self._requested.add(offset)
+
+    def confirm_commit(self, offset: int) -> bool:
+        """The broker confirmed `offset`; False (ignored) when this owner never asked for it."""
+        with self._lock:
+            if offset not in self._requested:
+                return False
+            self._requested = {o for o in self._requested if o > offset}
             if self._committed is None or offset > self._committed:
                 self._committed = offset
+            return True
 
     def uncommitted(self) -> int:
         """Messages consumed but not yet confirmed committed: what a crash now would redeliver.

@@ -1,24 +1,49 @@
-"""Producer configuration and the delivery loop thread.
+"""The producer wrapper: owns the librdkafka Producer and the thread that serves its deliveries.
 
-The delivery loop is the only thread that calls `Producer.poll`, so every delivery
-callback runs on it: that is where outputs are acknowledged and offsets marked done.
+Threads:
+- callers of `produce` (the poll thread for dead letters, the output thread for embeddings):
+  produce() is thread-safe in librdkafka. A full local queue (BufferError) makes the caller
+  wait for room; the caller is never the delivery thread, so the wait cannot deadlock.
+- the delivery thread ("kwe-delivery"): the only caller of Producer.poll, so every delivery
+  callback runs there. It never produces: a callback only acknowledges (success) or reports
+  a fatal error (failure) to the latch.
+
+Errors: librdkafka's idempotent producer retries everything retriable by itself, in order and
+without duplicates, for up to message.timeout.ms (long enough to ride out a broker outage;
+memory stays bounded because the in-flight bounds cap what is outstanding). So an error
+that reaches a delivery callback is final (the topic is gone, not authorised, the record too
+large, or the outage outlasted the timeout): the worker stops on it, and the record's input
+offset is never committed. Producing a fresh copy instead would duplicate records, reorder a
+compacted key and retry errors that cannot succeed.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
-from confluent_kafka import Producer
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from worker.config import Settings
+from worker.errors import DeliveryError, ThreadDiedError
+from worker.kafka.throttle import ThrottledLog
+from worker.latch import FatalLatch, guarded
 
 log = structlog.get_logger(__name__)
 
+# An outage shorter than this is ridden out by librdkafka's own retries.
+MESSAGE_TIMEOUT_MS = 3_600_000
+# How long a caller sleeps between produce() attempts while the local queue is full.
+BUFFER_WAIT_S = 0.005
 
-def producer_config(settings: Settings, **callbacks: Any) -> dict[str, Any]:
+Headers = list[tuple[str, bytes | None]]
+
+
+def producer_config(settings: Settings) -> dict[str, Any]:
     config: dict[str, Any] = {
         "bootstrap.servers": settings.bootstrap_servers,
         # Idempotent + acks=all: a broker restart neither loses nor duplicates an acknowledged write.
@@ -29,40 +54,101 @@ def producer_config(settings: Settings, **callbacks: Any) -> dict[str, Any]:
         # the throughput of a 2-core worker (benchmarks/kafka_vs_offline.py). Where bandwidth
         # matters more, pass --kafka-config compression.type=lz4 (or zstd).
         "compression.type": "none",
-        # Room for every in-flight keyword plus dead letters: produce() must not hit BufferError
-        # in steady state, because the in-flight bound already limits what is outstanding.
+        # Room for every in-flight keyword plus dead letters: produce() should not meet a full
+        # queue in steady state, because the in-flight bound already limits what is outstanding.
         "queue.buffering.max.messages": max(100000, 4 * settings.max_in_flight),
-        "message.timeout.ms": 120000,
+        "message.timeout.ms": MESSAGE_TIMEOUT_MS,
         "client.id": f"keyword-embedder-{settings.group_id}",
     }
     # librdkafka's own log lines go through the stdlib logger into the structured log stream,
     # instead of raw "%6|...|FAIL|..." lines on stderr.
     config["logger"] = logging.getLogger("librdkafka")
-    config.update(callbacks)
     config.update(settings.librdkafka_overrides())
     return config
 
 
-class DeliveryLoop:
-    """Owns `producer.poll`: serves delivery callbacks until stopped."""
+def describe(err: KafkaError) -> str:
+    return f"{err.str()} ({err.name()})"
 
-    def __init__(self, producer: Producer, *, interval_s: float = 0.05) -> None:
-        self._producer = producer
-        self._interval = interval_s
+
+class OutputProducer:
+    def __init__(self, config: dict[str, Any], latch: FatalLatch, *,
+                 producer_factory: Callable[[dict[str, Any]], Any] = Producer, poll_interval_s: float = 0.05) -> None:
+        self._latch = latch
+        self._errors = ThrottledLog()
+        self._producer = producer_factory({**config, "error_cb": self._on_error})
+        self._interval = poll_interval_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kwe-delivery", daemon=False)
+        # Set when the worker aborts: callers waiting for queue room give up instead.
+        self._interrupt = threading.Event()
+        self._thread = threading.Thread(target=guarded(latch, "kwe-delivery", self._serve), name="kwe-delivery")
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
 
     def start(self) -> None:
         self._thread.start()
 
-    def _run(self) -> None:
+    def produce(self, topic: str, key: bytes | None, value: bytes, headers: Headers,
+                on_delivered: Callable[[], None]) -> bool:
+        """Queues one record; `on_delivered` runs on the delivery thread once the broker has it.
+
+        False when the record was not queued (the worker is stopping on an error, or aborting):
+        its input offset then stays unfinished and is never committed.
+        """
+        def delivered(err: KafkaError | None, msg: Message) -> None:
+            if err is not None:
+                self._latch.trip(DeliveryError(f"could not write to topic {topic!r}: {describe(err)}"))
+                return
+            try:
+                on_delivered()
+            except Exception as exc:  # noqa: BLE001 - a bug in accounting must stop the worker, visibly
+                self._latch.trip(ThreadDiedError(f"delivery accounting failed for topic {topic!r}: {exc!r}"))
+
+        while True:
+            try:
+                self._producer.produce(topic, key=key, value=value, headers=headers, on_delivery=delivered)
+                return True
+            except BufferError:
+                if self._interrupt.is_set() or self._latch.is_set():
+                    return False
+                self._interrupt.wait(BUFFER_WAIT_S)
+            except KafkaException as exc:
+                # Refused before queueing: too large for the producer's limit, unknown topic, ...
+                # None of these succeed on a retry.
+                self._latch.trip(DeliveryError(f"cannot write to topic {topic!r}: {describe(exc.args[0])}"))
+                return False
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             self._producer.poll(self._interval)
         # Serve what was acknowledged while stopping, so no callback is left unrun.
         self._producer.poll(0)
 
-    def stop(self, timeout: float | None = None) -> None:
+    def _on_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            self._latch.trip(DeliveryError(f"fatal producer error: {describe(err)}"))
+        else:
+            self._errors.warn("producer error", err)
+
+    def flush(self, timeout_s: float) -> int:
+        """Waits up to timeout_s for outstanding records; returns how many are still unacknowledged.
+
+        Waits on the queue length instead of calling Producer.flush, which would serve delivery
+        callbacks on this thread too; they belong to the delivery thread.
+        """
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while len(self._producer) and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.01)
+        return len(self._producer)
+
+    def interrupt(self) -> None:
+        self._interrupt.set()
+
+    def stop(self, timeout_s: float) -> None:
         self._stop.set()
-        self._thread.join(timeout)
         if self._thread.is_alive():
-            log.warning("delivery loop did not stop in time", timeout_s=timeout)
+            self._thread.join(max(0.0, timeout_s))
+        if self._thread.is_alive():
+            log.warning("delivery thread did not stop in time", timeout_s=timeout_s)

@@ -1,0 +1,41 @@
+"""Acknowledgement: what happens when the broker has a record's output (or its dead letter).
+
+Runs on the delivery thread. The record leaves the in-flight table and its input offset is
+marked done, which is what lets the committer move that partition's commit point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+from worker.inflight import InFlightTable
+from worker.metrics import Metrics
+
+Outcome = Literal["embedded", "dead_lettered"]
+
+
+class Acknowledger:
+    def __init__(self, inflight: InFlightTable, metrics: Metrics) -> None:
+        self._inflight = inflight
+        self._metrics = metrics
+
+    def embedded(self, seq: int) -> Callable[[], None]:
+        def ack() -> None:
+            rec = self._inflight.finish(seq)
+            if rec is None:
+                return
+            rec.part.done(rec.offset)
+            self._metrics.count_produced()
+            if rec.timestamp_ms is not None:
+                self._metrics.observe_end_to_end(rec.timestamp_ms)
+        return ack
+
+    def dead_lettered(self, seq: int, reason: str) -> Callable[[], None]:
+        def ack() -> None:
+            rec = self._inflight.finish(seq)
+            if rec is None:
+                return
+            rec.part.done(rec.offset)
+            self._metrics.count_dead_lettered(reason)
+        return ack

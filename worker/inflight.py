@@ -1,0 +1,87 @@
+"""The in-flight table: every consumed record from intake until its output is acknowledged.
+
+A record enters on the poll thread (intake), is read by the output thread when its batch
+finishes, and leaves on the delivery thread when the broker acknowledged its output or
+dead-letter record (or on the output thread when its partition was revoked meanwhile).
+One lock guards the table and its byte count; the per-partition offset state has its own.
+
+The byte count is what the record holds in memory (key, value and headers of the input
+message, kept for a possible dead letter), so flow control can bound memory, not only
+the number of records.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from confluent_kafka import Message
+
+from worker.kafka.offsets import PartitionOffsets
+
+
+@dataclass(slots=True)
+class InFlight:
+    part: PartitionOffsets
+    offset: int
+    qid: str
+    tokens: int
+    truncated: bool
+    timestamp_ms: int | None
+    nbytes: int
+    msg: Message | None  # kept until the output is produced, for a dead letter after an inference error
+
+
+class InFlightTable:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: dict[int, InFlight] = {}
+        self._bytes = 0
+
+    def add(self, seq: int, rec: InFlight) -> None:
+        with self._lock:
+            self._items[seq] = rec
+            self._bytes += rec.nbytes
+
+    def get(self, seq: int) -> InFlight | None:
+        with self._lock:
+            return self._items.get(seq)
+
+    def finish(self, seq: int) -> InFlight | None:
+        """Removes the record (acknowledged, or dropped after a revoke); None if it was gone."""
+        with self._lock:
+            rec = self._items.pop(seq, None)
+            if rec is not None:
+                self._bytes -= rec.nbytes
+            return rec
+
+    def take_live(self, seqs: Iterable[int]) -> tuple[list[tuple[int, InFlight]], int]:
+        """The records of a finished batch still worth producing, and how many were dropped.
+
+        A record whose partition was revoked meanwhile is dropped here: the new owner redoes
+        it, and producing it too would only make a duplicate.
+        """
+        live: list[tuple[int, InFlight]] = []
+        dropped = 0
+        with self._lock:
+            for seq in seqs:
+                rec = self._items.get(seq)
+                if rec is None:
+                    continue
+                if rec.part.revoked:
+                    del self._items[seq]
+                    self._bytes -= rec.nbytes
+                    dropped += 1
+                    continue
+                live.append((seq, rec))
+        return live, dropped
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+    @property
+    def bytes(self) -> int:
+        with self._lock:
+            return self._bytes

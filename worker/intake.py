@@ -1,0 +1,111 @@
+"""Intake: consumed records become in-flight records and bucketer submissions.
+
+Runs on the poll thread only. Each record is tracked by its partition's offsets first (so
+nothing can be committed past it), then validated: a rejected record goes to the dead-letter
+topic with its reason, a good one is tokenized and submitted. No record leaves intake without
+one of the two, and a tokenizer failure on one text dead-letters that text alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import structlog
+from confluent_kafka import Message
+
+from worker.config import Settings
+from worker.dead_letters import DeadLetters
+from worker.inflight import InFlight, InFlightTable
+from worker.kafka.messages import Keyword, Rejection, decode_input
+from worker.kafka.offsets import OffsetTracker, PartitionOffsets
+from worker.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
+Submit = Callable[[int, np.ndarray], None]
+
+
+def record_bytes(msg: Message) -> int:
+    """What the record holds in memory: key, value and headers."""
+    size = len(msg.key() or b"") + len(msg.value() or b"")
+    try:
+        headers = msg.headers() or []
+    except Exception:  # noqa: BLE001 - an undecodable header name; its bytes are unknown here
+        return size
+    return size + sum(len(name) + len(v or b"") for name, v in headers)
+
+
+class Intake:
+    def __init__(self, settings: Settings, tokenizer: Any, tracker: OffsetTracker, inflight: InFlightTable,
+                 submit: Submit, dead_letters: DeadLetters, metrics: Metrics) -> None:
+        self._settings = settings
+        self._tokenizer = tokenizer
+        self._tracker = tracker
+        self._inflight = inflight
+        self._submit = submit
+        self._dead_letters = dead_letters
+        self._metrics = metrics
+        self._seq = itertools.count()
+        self.consumed = 0
+
+    def handle(self, msgs: Sequence[Message]) -> None:
+        s = self._settings
+        good: list[tuple[int, Keyword, InFlight]] = []
+        consumed = 0
+        for msg in msgs:
+            part = self._tracker.get(msg.topic(), msg.partition())
+            if part is None:
+                continue  # delivered for a partition no longer ours (revoked between fetch and here)
+            rec = self._track(part, msg)
+            if rec is None:
+                continue
+            consumed += 1
+            seq = next(self._seq)
+            decoded = decode_input(msg.key(), msg.value(), fmt=s.input_format,  # type: ignore[arg-type]
+                                   max_bytes=s.max_message_bytes)
+            if isinstance(decoded, Rejection):
+                self._reject(seq, rec, decoded)
+            else:
+                good.append((seq, decoded, rec))
+        self.consumed += consumed
+        self._metrics.count_consumed(consumed)
+        if good:
+            self._embed(good)
+
+    def _track(self, part: PartitionOffsets, msg: Message) -> InFlight | None:
+        offset = msg.offset()
+        try:
+            part.track(offset)
+        except ValueError as exc:
+            # Re-fetched after an offset reset: already in flight or done here.
+            log.warning("skipping a re-fetched message", error=str(exc))
+            return None
+        ts_type, ts = msg.timestamp()
+        return InFlight(part, offset, "", 0, False, ts if ts_type else None, record_bytes(msg), msg)
+
+    def _reject(self, seq: int, rec: InFlight, rejection: Rejection) -> None:
+        self._inflight.add(seq, rec)
+        assert rec.msg is not None
+        self._dead_letters.send(seq, rec.msg, rejection)
+
+    def _embed(self, good: list[tuple[int, Keyword, InFlight]]) -> None:
+        texts = [kw.text for _, kw, _ in good]
+        try:
+            encoded: list[Any] = self._tokenizer.encode(texts)
+        except Exception:  # noqa: BLE001 - one bad text must not cost the batch: find it alone
+            encoded = []
+            for text in texts:
+                try:
+                    encoded.append(self._tokenizer.encode([text])[0])
+                except Exception as exc:  # noqa: BLE001
+                    encoded.append(exc)
+        for (seq, kw, rec), enc in zip(good, encoded):
+            if isinstance(enc, Exception):
+                self._reject(seq, rec, Rejection("tokenize_error", f"the tokenizer failed on this text: {enc!r}"))
+                continue
+            rec.qid, rec.tokens, rec.truncated = kw.id, enc.length, enc.truncated
+            self._inflight.add(seq, rec)
+            self._submit(seq, enc.ids)

@@ -1,0 +1,167 @@
+"""The committer: owns the offsets of the current assignment and every commit of them.
+
+Threads: the poll thread calls everything here, and librdkafka serves asynchronous commit
+results on it (inside consume). The delivery thread only marks offsets done, through each
+`PartitionOffsets`' own lock. A synchronous commit runs on a short-lived helper thread and
+is waited for with a timeout, so a coordinator that never answers (a rebalance in flux, a
+broker gone) cannot hold a revoke or a shutdown past its deadline.
+
+What is committed: per partition, the lowest unfinished offset (everything below it has its
+output acknowledged), and only while this assignment is the partition's owner. Each commit is
+tagged with the assignment it was made for, so a late answer never confirms a newer one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+from worker.kafka.offsets import OffsetTracker, PartitionOffsets
+from worker.kafka.throttle import ThrottledLog
+
+log = structlog.get_logger(__name__)
+
+
+class Committer:
+    def __init__(self, consumer: Any, *, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.tracker = OffsetTracker()
+        self._consumer = consumer
+        self._interval = interval_s
+        self._clock = clock
+        self._last_commit = float("-inf")
+        self._errors = ThrottledLog()
+        # When the commit point last moved, or nothing was waiting to be committed. Written on
+        # the poll thread only; the liveness probe reads it (a float read is atomic).
+        self._progress_at = clock()
+
+    def bind(self, consumer: Any) -> None:
+        """The consumer is built after the committer (its commit callback is ours)."""
+        self._consumer = consumer
+
+    # ------------------------------------------------------------------ state
+    def uncommitted(self) -> int:
+        pending = sum(p.uncommitted() for p in self.tracker.partitions())
+        if pending == 0:
+            self._progress_at = self._clock()
+        return pending
+
+    def stalled_for(self) -> float:
+        """Seconds the commit point has not moved while work waited to be committed."""
+        return max(0.0, self._clock() - self._progress_at)
+
+    # ------------------------------------------------------------------ commits
+    def _wanted(self, parts: Sequence[PartitionOffsets]) -> list[TopicPartition]:
+        """Offsets worth committing: finished work beyond what the broker already confirmed."""
+        offsets = []
+        for part in parts:
+            off = part.committable()
+            if off is not None and part.uncommitted() > 0 and (part.committed is None or off > part.committed):
+                offsets.append(TopicPartition(part.topic, part.partition, off))
+        return offsets
+
+    def _request(self, offsets: Sequence[TopicPartition]) -> None:
+        for tp in offsets:
+            part = self.tracker.get(tp.topic, tp.partition)
+            if part is not None:
+                part.request_commit(tp.offset)
+
+    def maybe_commit(self, *, force: bool = False) -> None:
+        """Asynchronous commit, at most once per interval; the answer comes to `on_commit`."""
+        now = self._clock()
+        if not force and now - self._last_commit < self._interval:
+            return
+        self._last_commit = now
+        offsets = self._wanted(self.tracker.partitions())
+        if not offsets:
+            return
+        self._request(offsets)
+        try:
+            self._consumer.commit(offsets=offsets, asynchronous=True)
+        except KafkaException as exc:
+            # No coordinator right now (broker restart, rebalance): the next round retries.
+            self._errors.warn("commit failed; will retry", exc.args[0])
+
+    def on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
+        """librdkafka's commit callback (poll thread)."""
+        if err is not None and err.code() != KafkaError._NO_OFFSET:
+            # ILLEGAL_GENERATION / REBALANCE_IN_PROGRESS during a rebalance: the next round
+            # commits with the new generation, if the partition is still ours.
+            self._errors.warn("commit failed; will retry", err)
+        self._confirm(partitions)
+
+    def _confirm(self, partitions: Sequence[TopicPartition]) -> bool:
+        """Applies confirmed offsets; True when every partition was confirmed."""
+        ok = True
+        for tp in partitions:
+            if tp.error is not None or tp.offset < 0:
+                ok = False
+                continue
+            part = self.tracker.get(tp.topic, tp.partition)
+            if part is not None and part.confirm_commit(tp.offset):
+                self._progress_at = self._clock()
+        return ok
+
+    def commit_sync(self, parts: Sequence[PartitionOffsets], timeout_s: float) -> bool:
+        """Commits the finished work of `parts` and waits for the answer, at most timeout_s.
+
+        True when there was nothing to commit or the broker confirmed all of it.
+        """
+        offsets = self._wanted(parts)
+        if not offsets:
+            return True
+        if timeout_s <= 0:
+            return False
+        self._request(offsets)
+        answer: list[Any] = []
+
+        def call() -> None:
+            try:
+                answer.append(self._consumer.commit(offsets=offsets, asynchronous=False))
+            except KafkaException as exc:
+                answer.append(exc)
+            except RuntimeError as exc:  # the consumer was closed meanwhile
+                answer.append(exc)
+
+        helper = threading.Thread(target=call, name="kwe-commit", daemon=True)
+        helper.start()
+        helper.join(timeout_s)
+        if not answer:
+            log.warning("synchronous commit got no answer in time", timeout_s=round(timeout_s, 3),
+                        partitions=len(offsets))
+            return False
+        result = answer[0]
+        if isinstance(result, Exception):
+            log.warning("synchronous commit failed", error=str(result))
+            return False
+        return self._confirm(result or []) and len(result or []) == len(offsets)
+
+    def commit_until(self, deadline: float, serve: Callable[[float], None]) -> bool:
+        """Commits all finished work, retrying until confirmed or `deadline` (a clock() time).
+
+        Between attempts `serve` polls the consumer, so a member that must rejoin (the commit
+        was refused with a stale generation during a rebalance) can do so and commit again.
+        """
+        while True:
+            left = deadline - self._clock()
+            if self.commit_sync(self.tracker.partitions(), max(0.0, min(left, 5.0))):
+                return True
+            if deadline - self._clock() <= 0.2:
+                return False
+            serve(0.1)
+
+    # ------------------------------------------------------------------ assignment bookkeeping
+    def assign(self, partitions: Sequence[TopicPartition]) -> None:
+        for tp in partitions:
+            self.tracker.assign(tp.topic, tp.partition)
+
+    def owned(self, partitions: Sequence[TopicPartition]) -> list[PartitionOffsets]:
+        return [p for tp in partitions if (p := self.tracker.get(tp.topic, tp.partition)) is not None]
+
+    def forget(self, partitions: Sequence[TopicPartition]) -> None:
+        for tp in partitions:
+            self.tracker.revoke(tp.topic, tp.partition)

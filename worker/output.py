@@ -1,0 +1,128 @@
+"""The output stage: finished batches become output records, failed items dead letters.
+
+Threads:
+- dispatcher threads call `on_batch` / `on_batch_error` and return at once: they only queue,
+  so the backend never waits for encoding or producing.
+- the output thread ("kwe-output") owns the queue's other end: it encodes embeddings and
+  hands records to the producer.
+The queue holds at most what flow control let in (max_in_flight keywords), so it needs no
+bound of its own.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+
+from worker.acks import Acknowledger
+from worker.backends.isolating import PartialBatchError
+from worker.bucketing import BatchStats
+from worker.dead_letters import DeadLetters
+from worker.errors import BackendBrokenError, WorkerError
+from worker.inflight import InFlightTable
+from worker.kafka.messages import OutputCodec, Rejection
+from worker.kafka.producer import OutputProducer
+from worker.latch import FatalLatch, guarded
+from worker.metrics import Metrics
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Finished:
+    seqs: Sequence[int]
+    rows: np.ndarray
+    stats: BatchStats | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    seqs: Sequence[int]
+    error: BaseException
+
+
+class OutputStage:
+    def __init__(self, topic: str, codec: OutputCodec, producer: OutputProducer, inflight: InFlightTable,
+                 acks: Acknowledger, dead_letters: DeadLetters, metrics: Metrics, latch: FatalLatch) -> None:
+        self._topic = topic
+        self._codec = codec
+        self._producer = producer
+        self._inflight = inflight
+        self._acks = acks
+        self._dead_letters = dead_letters
+        self._metrics = metrics
+        self._latch = latch
+        self._queue: queue.SimpleQueue[_Finished | _Failed | None] = queue.SimpleQueue()
+        self.dropped = 0  # finished after their partition was revoked (output thread only)
+        self._thread = threading.Thread(target=guarded(latch, "kwe-output", self._loop), name="kwe-output")
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float) -> None:
+        """Produces everything queued so far, then ends the thread (no batch may follow)."""
+        self._queue.put(None)
+        self._thread.join(max(0.0, timeout_s))
+        if self._thread.is_alive():
+            log.warning("output thread did not finish in time", timeout_s=round(timeout_s, 3))
+
+    # ------------------------------------------------------------------ dispatcher threads
+    def on_batch(self, seqs: Sequence[int], rows: np.ndarray, stats: BatchStats) -> None:
+        self._queue.put(_Finished(seqs, rows, stats))
+
+    def on_batch_error(self, seqs: Sequence[int], exc: BaseException) -> None:
+        if isinstance(exc, PartialBatchError):
+            failed = set(exc.failed)
+            good = [i for i in range(len(seqs)) if i not in failed]
+            if good:
+                self._queue.put(_Finished([seqs[i] for i in good], exc.rows[good], None))
+            self._queue.put(_Failed([seqs[i] for i in sorted(failed)], exc.cause))
+        elif isinstance(exc, WorkerError):
+            self._latch.trip(exc)
+        else:
+            # Not isolated (the backend was not wrapped): nothing tells poison from a broken
+            # backend, so stop rather than dead-letter good keywords.
+            self._latch.trip(BackendBrokenError(f"inference failed for a batch of {len(seqs)}: {exc!r}"))
+
+    # ------------------------------------------------------------------ output thread
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._latch.is_set():
+                continue  # stopping on an error: nothing more is produced, so nothing past it commits
+            if isinstance(item, _Finished):
+                self._emit(item)
+            else:
+                self._fail(item)
+
+    def _emit(self, item: _Finished) -> None:
+        if item.stats is not None:
+            self._metrics.observe_batch(item.stats)
+        live, dropped = self._inflight.take_live(item.seqs)
+        self.dropped += dropped
+        index = {seq: i for i, seq in enumerate(item.seqs)}
+        headers = self._codec.headers
+        for seq, rec in live:
+            rec.msg = None  # produced from here on: the input bytes are no longer needed
+            value = self._codec.value(rec.qid, item.rows[index[seq]], rec.tokens, rec.truncated)
+            if not self._producer.produce(self._topic, rec.qid.encode("utf-8"), value, headers,
+                                          self._acks.embedded(seq)):
+                return
+
+    def _fail(self, item: _Failed) -> None:
+        live, dropped = self._inflight.take_live(item.seqs)
+        self.dropped += dropped
+        for seq, rec in live:
+            log.warning("an item fails inference on its own; dead-lettering it", qid=rec.qid,
+                        error=repr(item.error))
+            if rec.msg is None or not self._dead_letters.send(
+                    seq, rec.msg, Rejection("inference_error", f"the backend failed on this item: {item.error!r}")):
+                return
