@@ -19,6 +19,9 @@ class Acknowledger:
     def __init__(self, inflight: InFlightTable, metrics: Metrics) -> None:
         self._inflight = inflight
         self._metrics = metrics
+        # Written by the delivery thread only; read for the final log line after it stopped.
+        self.embedded_count = 0
+        self.dead_lettered_count = 0
 
     def embedded(self, seq: int) -> Callable[[], None]:
         def ack() -> None:
@@ -26,6 +29,7 @@ class Acknowledger:
             if rec is None:
                 return
             rec.part.done(rec.offset)
+            self.embedded_count += 1
             self._metrics.count_produced()
             if rec.timestamp_ms is not None:
                 self._metrics.observe_end_to_end(rec.timestamp_ms)
@@ -37,5 +41,6 @@ class Acknowledger:
             if rec is None:
                 return
             rec.part.done(rec.offset)
+            self.dead_lettered_count += 1
             self._metrics.count_dead_lettered(reason)
         return ack

@@ -31,6 +31,7 @@ from worker.acks import Acknowledger
 from worker.backends.isolating import IsolatingBackend
 from worker.config import Settings
 from worker.dead_letters import DeadLetters
+from worker.errors import ThreadDiedError
 from worker.flow import FlowControl
 from worker.health import Liveness
 from worker.inflight import InFlightTable
@@ -69,9 +70,11 @@ class Pipeline:
         self.left_group = True
 
         self._inflight = InFlightTable()
-        self._flow = FlowControl(settings.max_in_flight, settings.max_in_flight_bytes)
+        # What is in flight must drain within a third of the shutdown deadline (see FlowControl).
+        self._flow = FlowControl(settings.max_in_flight, settings.max_in_flight_bytes,
+                                 drain_target_s=max(1.0, settings.shutdown_timeout_s / 3))
         self._producer = OutputProducer(producer_config(settings), self.latch, producer_factory=producer_factory)
-        acks = Acknowledger(self._inflight, self.metrics)
+        self._acks = acks = Acknowledger(self._inflight, self.metrics)
         dead_letters = DeadLetters(settings.dead_letter_topic, self._producer, acks)
         self._committer = Committer(None, interval_s=settings.commit_interval_ms / 1000.0)
         self._member = GroupMember(consumer_config(settings), self._committer, self.latch, self.metrics,
@@ -137,11 +140,14 @@ class Pipeline:
         try:
             while not self._stop.is_set() and not self.latch.is_set():
                 self._poll_once()
-            if self._deadline is None:  # stopping on a fatal error: the same deadline applies
-                self._deadline = time.monotonic() + s.shutdown_timeout_s
             if not self.latch.is_set() and not self._abort.is_set():
                 self._drain()
+        except Exception as exc:  # noqa: BLE001 - a bug on the poll thread stops the worker like any other
+            self.latch.trip(ThreadDiedError(f"the poll thread failed: {exc!r}"))
+            log.exception("poll thread failed")
         finally:
+            if self._deadline is None:  # stopping on a fatal error: the same deadline applies
+                self._deadline = time.monotonic() + s.shutdown_timeout_s
             self._shutdown()
         error = self.latch.error
         if error is not None:
@@ -151,6 +157,7 @@ class Pipeline:
 
     def _poll_once(self) -> None:
         pending = self._committer.uncommitted()
+        self._flow.observe(time.monotonic(), self._acks.embedded_count + self._acks.dead_lettered_count)
         self._member.set_paused(self._flow.update(pending, self._inflight.bytes))
         self.metrics.set_in_flight(pending)
         msgs = self._member.consume(self._flow.room(pending), 0.05)
@@ -185,6 +192,7 @@ class Pipeline:
             self._committer.commit_until(self._deadline - LEAVE_S if self._deadline else 0.0, self._member.serve)
         self.left_group = self._member.close(self._left())
         self._producer.stop(timeout_s=1.0)
-        log.info("worker stopped", consumed=self._intake.consumed, in_flight=self.in_flight(),
+        log.info("worker stopped", consumed=self._intake.consumed, produced=self._acks.embedded_count,
+                 dead_lettered=self._acks.dead_lettered_count, in_flight=self.in_flight(),
                  dropped_after_revoke=self._output.dropped, never_run=len(never_run or []),
                  left_group=self.left_group)

@@ -5,9 +5,10 @@
 #   deploy/local/kafka.sh start    start (or reuse) the broker; last line: KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:PORT
 #   deploy/local/kafka.sh stop     stop it and wait until its JVM is gone
 #   deploy/local/kafka.sh status   exit 0 and print the address when it runs, exit 1 otherwise
-#   deploy/local/kafka.sh restart [--hard]
+#   deploy/local/kafka.sh restart [--hard] [--down-for SECONDS]
 #                                  stop (SIGTERM, or SIGKILL with --hard) and start again on the same
-#                                  port with the same data: a broker restart as clients see it
+#                                  port with the same data: a broker restart as clients see it;
+#                                  --down-for keeps it down that long first (an outage)
 #   deploy/local/kafka.sh libs     print the classpath folder (resolving the jars first)
 #
 # Environment:
@@ -189,8 +190,15 @@ launch() {
 }
 
 cmd_restart() {
-  local pid port signal=TERM
-  [[ "${1:-}" == "--hard" ]] && signal=KILL
+  local pid port signal=TERM down=0
+  while (( $# )); do
+    case "$1" in
+      --hard) signal=KILL ;;
+      --down-for) down="${2:?--down-for needs seconds}"; shift ;;
+      *) die "restart: unknown option $1" ;;
+    esac
+    shift
+  done
   pid="$(running_pid)" || die "no broker of ours is running (start it first)"
   port="$(cat "$portfile")"
   kill "-$signal" "$pid" 2>/dev/null || true
@@ -198,6 +206,7 @@ cmd_restart() {
   rm -f "$pidfile"
   log "broker stopped (SIG$signal, pid $pid); starting it again on port $port with its data"
   while port_busy "$port"; do sleep 0.2; done
+  sleep "$down"
   launch "$(resolve_libs)" "$port"
 }
 
@@ -231,7 +240,7 @@ case "${1:-}" in
   start) cmd_start ;;
   stop) cmd_stop ;;
   status) cmd_status ;;
-  restart) need_java; cmd_restart "${2:-}" ;;
+  restart) need_java; shift; cmd_restart "$@" ;;
   libs) need_java; resolve_libs ;;
-  *) echo "usage: $0 start|stop|status|restart [--hard]|libs" >&2; exit 2 ;;
+  *) echo "usage: $0 start|stop|status|restart [--hard] [--down-for S]|libs" >&2; exit 2 ;;
 esac

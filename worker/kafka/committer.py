@@ -57,12 +57,8 @@ class Committer:
     # ------------------------------------------------------------------ commits
     def _wanted(self, parts: Sequence[PartitionOffsets]) -> list[TopicPartition]:
         """Offsets worth committing: finished work beyond what the broker already confirmed."""
-        offsets = []
-        for part in parts:
-            off = part.committable()
-            if off is not None and part.uncommitted() > 0 and (part.committed is None or off > part.committed):
-                offsets.append(TopicPartition(part.topic, part.partition, off))
-        return offsets
+        return [TopicPartition(part.topic, part.partition, off) for part in parts
+                if (off := part.to_commit()) is not None]
 
     def _request(self, offsets: Sequence[TopicPartition]) -> None:
         for tp in offsets:
@@ -106,10 +102,14 @@ class Committer:
                 self._progress_at = self._clock()
         return ok
 
-    def commit_sync(self, parts: Sequence[PartitionOffsets], timeout_s: float) -> bool:
+    def commit_sync(self, parts: Sequence[PartitionOffsets], timeout_s: float, *, in_callback: bool = False) -> bool:
         """Commits the finished work of `parts` and waits for the answer, at most timeout_s.
 
-        True when there was nothing to commit or the broker confirmed all of it.
+        True when there was nothing to commit or the broker confirmed all of it. Inside a
+        rebalance callback the commit runs on the calling thread: librdkafka answers a commit
+        made from another thread only after the callback returned (measured: a revoke's
+        commit then times out and the moved partitions' finished work is redone). The caller
+        of such a callback (consume, or close on its own thread) bounds it instead.
         """
         offsets = self._wanted(parts)
         if not offsets:
@@ -117,6 +117,13 @@ class Committer:
         if timeout_s <= 0:
             return False
         self._request(offsets)
+        if in_callback:
+            try:
+                result = self._consumer.commit(offsets=offsets, asynchronous=False)
+            except KafkaException as exc:
+                log.warning("synchronous commit failed", error=str(exc))
+                return False
+            return self._confirm(result or []) and len(result or []) == len(offsets)
         answer: list[Any] = []
 
         def call() -> None:

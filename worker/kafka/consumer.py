@@ -146,7 +146,7 @@ class GroupMember:
         # fatal error nothing more is committed (the failed record may sit below finished ones
         # of another partition, but never below these: each partition commits only up to its
         # own lowest unfinished offset).
-        committed = self._latch.is_set() or self._committer.commit_sync(parts, timeout_s=5.0)
+        committed = self._latch.is_set() or self._committer.commit_sync(parts, timeout_s=5.0, in_callback=True)
         self._committer.forget(partitions)
         for tp in partitions:
             self._metrics.forget_partition(tp.topic, tp.partition)

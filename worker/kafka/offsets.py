@@ -64,6 +64,13 @@ class PartitionOffsets:
                 return self._order[0][0]
             return self._next
 
+    def to_commit(self) -> int | None:
+        """The committable offset if committing it would move the group's position, else None."""
+        with self._lock:
+            off = self._order[0][0] if self._order else self._next
+            base = self._committed if self._committed is not None else self._first
+            return off if off is not None and base is not None and off > base else None
+
     def unfinished(self) -> int:
         with self._lock:
             return len(self._cells)

@@ -1,0 +1,358 @@
+"""The fault-tolerant core with fake clients: latch, producer wrapper, committer, flow control,
+failure isolation and liveness. Fakes behave like confluent-kafka's clients where it matters:
+callbacks run inside poll(), produce() raises BufferError on a full queue and KafkaException
+when librdkafka refuses a record outright."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+from worker.backends.isolating import IsolatingContext, PartialBatchError
+from worker.errors import BackendBrokenError, DeliveryError, ThreadDiedError, WorkerError
+from worker.flow import FlowControl
+from worker.health import Liveness
+from worker.kafka.committer import Committer
+from worker.kafka.producer import OutputProducer
+from worker.latch import FatalLatch, guarded
+
+
+# ---------------------------------------------------------------------------- latch
+def test_the_first_fatal_error_wins() -> None:
+    latch = FatalLatch()
+    assert latch.trip(WorkerError("first"))
+    assert not latch.trip(WorkerError("second"))
+    assert str(latch.error) == "first" and latch.is_set()
+
+
+def test_a_thread_that_dies_trips_the_latch() -> None:
+    latch = FatalLatch()
+
+    def body() -> None:
+        raise KeyError("bug")
+
+    t = threading.Thread(target=guarded(latch, "kwe-test", body))
+    t.start()
+    t.join()
+    assert isinstance(latch.error, ThreadDiedError) and "kwe-test" in str(latch.error)
+
+
+# ---------------------------------------------------------------------------- producer
+class FakeProducer:
+    """Queues records; poll() delivers them (or fails them with `fail_with`) on the calling thread."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.produced: list[tuple[str, bytes | None]] = []
+        self.pending: list[tuple[Any, Any]] = []
+        self.buffer_full = 0  # produce() raises BufferError this many times first
+        self.refuse: KafkaError | None = None
+        self.fail_with: KafkaError | None = None
+        self.poll_threads: set[str] = set()
+        self.lock = threading.Lock()
+
+    def produce(self, topic: str, key: bytes | None = None, value: bytes | None = None, headers: Any = None,
+                on_delivery: Any = None) -> None:
+        with self.lock:
+            if self.buffer_full:
+                self.buffer_full -= 1
+                raise BufferError("Local: Queue full")
+            if self.refuse is not None:
+                raise KafkaException(self.refuse)
+            self.produced.append((topic, key))
+            self.pending.append((on_delivery, topic))
+
+    def poll(self, timeout: float) -> int:
+        self.poll_threads.add(threading.current_thread().name)
+        with self.lock:
+            due, self.pending = self.pending, []
+        for cb, topic in due:
+            cb(self.fail_with, FakeMsg(topic))
+        if not due:
+            time.sleep(min(timeout, 0.005))
+        return len(due)
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+
+class FakeMsg:
+    def __init__(self, topic: str) -> None:
+        self._topic = topic
+
+    def topic(self) -> str:
+        return self._topic
+
+
+def _producer(latch: FatalLatch) -> tuple[OutputProducer, FakeProducer]:
+    made: list[FakeProducer] = []
+
+    def factory(config: dict[str, Any]) -> FakeProducer:
+        made.append(FakeProducer(config))
+        return made[0]
+
+    return OutputProducer({}, latch, producer_factory=factory, poll_interval_s=0.01), made[0]
+
+
+def test_deliveries_are_acknowledged_on_the_delivery_thread_only() -> None:
+    latch = FatalLatch()
+    wrapper, fake = _producer(latch)
+    acked: list[str] = []
+    wrapper.start()
+    for i in range(20):
+        assert wrapper.produce("out", b"k", b"v", [], lambda i=i: acked.append(threading.current_thread().name))
+    assert wrapper.flush(5.0) == 0
+    wrapper.stop(2.0)
+    assert len(acked) == 20 and set(acked) == {"kwe-delivery"} == fake.poll_threads
+    assert not latch.is_set()
+
+
+def test_a_full_queue_makes_the_caller_wait_not_fail() -> None:
+    latch = FatalLatch()
+    wrapper, fake = _producer(latch)
+    fake.buffer_full = 5
+    assert wrapper.produce("out", None, b"v", [], lambda: None)
+    assert fake.produced == [("out", None)] and not latch.is_set()
+
+
+def test_an_interrupt_ends_the_wait_for_room() -> None:
+    latch = FatalLatch()
+    wrapper, fake = _producer(latch)
+    fake.buffer_full = 10**9
+    threading.Timer(0.05, wrapper.interrupt).start()
+    assert not wrapper.produce("out", None, b"v", [], lambda: None)
+
+
+def test_a_refused_record_is_fatal_with_the_topic_and_the_reason() -> None:
+    latch = FatalLatch()
+    wrapper, fake = _producer(latch)
+    fake.refuse = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
+    assert not wrapper.produce("dlq", None, b"x" * 10, [], lambda: None)
+    assert isinstance(latch.error, DeliveryError)
+    assert "'dlq'" in str(latch.error) and "MSG_SIZE_TOO_LARGE" in str(latch.error)
+
+
+def test_a_failed_delivery_is_fatal_and_never_produced_again() -> None:
+    latch = FatalLatch()
+    wrapper, fake = _producer(latch)
+    fake.fail_with = KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)
+    acked: list[int] = []
+    wrapper.start()
+    assert wrapper.produce("out", b"k", b"v", [], lambda: acked.append(1))
+    assert latch.wait(5.0)
+    wrapper.stop(2.0)
+    assert acked == [] and len(fake.produced) == 1
+    assert "'out'" in str(latch.error) and "TOPIC_AUTHORIZATION_FAILED" in str(latch.error)
+
+
+def test_a_bug_in_acknowledging_stops_the_worker_instead_of_killing_the_delivery_thread() -> None:
+    latch = FatalLatch()
+    wrapper, fake = _producer(latch)
+    wrapper.start()
+
+    def broken() -> None:
+        raise ZeroDivisionError
+
+    wrapper.produce("out", None, b"v", [], broken)
+    assert latch.wait(5.0)
+    assert wrapper.thread.is_alive()  # still serving: the error went to the latch, not up the thread
+    wrapper.stop(2.0)
+    assert isinstance(latch.error, ThreadDiedError)
+
+
+# ---------------------------------------------------------------------------- committer
+class FakeConsumer:
+    def __init__(self) -> None:
+        self.commits: list[tuple[list[tuple[int, int]], bool]] = []
+        self.sync_errors: list[KafkaException] = []
+        self.hang = threading.Event()
+        self.hanging = False
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> list[TopicPartition] | None:
+        self.commits.append(([(tp.partition, tp.offset) for tp in offsets], asynchronous))
+        if asynchronous:
+            return None
+        if self.hanging:
+            self.hang.wait(10)
+        if self.sync_errors:
+            raise self.sync_errors.pop(0)
+        return [TopicPartition(tp.topic, tp.partition, tp.offset) for tp in offsets]
+
+
+def _committer() -> tuple[Committer, FakeConsumer]:
+    fake = FakeConsumer()
+    return Committer(fake, interval_s=0.0), fake
+
+
+def test_commits_stop_at_the_lowest_unfinished_offset_and_confirm_on_answer() -> None:
+    c, fake = _committer()
+    c.assign([TopicPartition("t", 0)])
+    part = c.tracker.get("t", 0)
+    assert part is not None
+    for off in range(10):
+        part.track(off)
+    for off in (0, 1, 2, 4, 5):
+        part.done(off)
+    c.maybe_commit()
+    assert fake.commits == [([(0, 3)], True)]
+    c.on_commit(None, [TopicPartition("t", 0, 3)])
+    assert part.committed == 3 and c.uncommitted() == 7
+
+
+def test_a_late_commit_answer_from_an_earlier_assignment_is_not_applied() -> None:
+    c, _ = _committer()
+    c.assign([TopicPartition("t", 0)])
+    old = c.tracker.get("t", 0)
+    assert old is not None
+    old.track(0)
+    old.done(0)
+    c.maybe_commit()  # asks for offset 1
+    c.forget([TopicPartition("t", 0)])
+    c.assign([TopicPartition("t", 0)])  # the partition comes back before the answer
+    new = c.tracker.get("t", 0)
+    assert new is not None and new is not old
+    new.track(0)  # the group offset went nowhere: it is read again
+    c.on_commit(None, [TopicPartition("t", 0, 1)])
+    assert new.committed is None and new.uncommitted() == 1
+
+
+def test_a_synchronous_commit_that_never_answers_is_bounded() -> None:
+    c, fake = _committer()
+    c.assign([TopicPartition("t", 0)])
+    part = c.tracker.get("t", 0)
+    assert part is not None
+    part.track(0)
+    part.done(0)
+    fake.hanging = True
+    start = time.monotonic()
+    assert not c.commit_sync(c.tracker.partitions(), timeout_s=0.3)
+    assert time.monotonic() - start < 2.0
+    fake.hang.set()
+
+
+def test_commit_until_retries_a_commit_refused_during_a_rebalance() -> None:
+    c, fake = _committer()
+    c.assign([TopicPartition("t", 0)])
+    part = c.tracker.get("t", 0)
+    assert part is not None
+    part.track(0)
+    part.done(0)
+    fake.sync_errors = [KafkaException(KafkaError(KafkaError.ILLEGAL_GENERATION)),
+                        KafkaException(KafkaError(KafkaError.REBALANCE_IN_PROGRESS))]
+    served: list[float] = []
+    assert c.commit_until(time.monotonic() + 5.0, served.append)
+    assert len(served) == 2 and part.committed == 1
+
+
+def test_the_stall_clock_runs_only_while_work_waits() -> None:
+    now = [0.0]
+    c = Committer(FakeConsumer(), interval_s=0.0, clock=lambda: now[0])
+    c.assign([TopicPartition("t", 0)])
+    now[0] = 50.0
+    assert c.uncommitted() == 0 and c.stalled_for() == 0.0  # idle: nothing waits
+    part = c.tracker.get("t", 0)
+    assert part is not None
+    part.track(0)
+    now[0] = 80.0
+    assert c.uncommitted() == 1 and c.stalled_for() == 30.0
+    part.done(0)
+    c.maybe_commit()
+    c.on_commit(None, [TopicPartition("t", 0, 1)])
+    assert c.stalled_for() == 0.0
+
+
+# ---------------------------------------------------------------------------- flow control
+def test_flow_control_pauses_on_bytes_as_well_as_records() -> None:
+    flow = FlowControl(max_records=100, max_bytes=1000)
+    assert not flow.update(10, 999)
+    assert flow.update(10, 1000)  # the byte bound alone pauses
+    assert flow.update(10, 800)  # hysteresis: not yet under 3/4
+    assert not flow.update(10, 750)
+    assert flow.update(100, 0)
+    assert flow.room(100) == 1 and not flow.update(75, 0) and flow.room(75) == 25
+
+
+def test_the_record_bound_follows_throughput_so_a_drain_fits_the_deadline() -> None:
+    flow = FlowControl(max_records=4096, max_bytes=10**9, drain_target_s=8.0, min_records=256)
+    assert flow.limit == 256  # nothing measured yet: start small
+    for t in range(12):
+        flow.observe(float(t), t * 100)  # 100 records/s: 8 s of work is 800
+    assert flow.limit == 800
+    assert flow.update(800, 0) and flow.room(800) == 1
+    for t in range(12, 30):
+        flow.observe(float(t), 1100 + (t - 12) * 2000)  # fast now: capped by the setting
+    assert flow.limit == 4096
+    for t in range(30, 50):
+        flow.observe(float(t), 40000)  # stalled: never below the floor
+    assert flow.limit == 256
+
+
+# ---------------------------------------------------------------------------- failure isolation
+class FlakyContext:
+    def __init__(self, *, fail_times: int = 0, poison: int | None = None, broken: bool = False) -> None:
+        self.fail_times = fail_times
+        self.poison = poison
+        self.broken = broken
+        self.calls = 0
+
+    def run(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        self.calls += 1
+        if self.broken or self.fail_times > 0:
+            self.fail_times -= 1
+            raise RuntimeError("device error")
+        if self.poison is not None and (ids[:, 0] == self.poison).any():
+            raise RuntimeError("poison")
+        return np.repeat(ids[:, :1].astype(np.float32), 4, axis=1)
+
+    def close(self) -> None:
+        pass
+
+
+def _batch(n: int) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.arange(1, n + 1, dtype=np.int64).reshape(n, 1)
+    return ids, np.ones_like(ids)
+
+
+def test_a_transient_failure_is_retried_once_and_loses_nothing() -> None:
+    ctx = IsolatingContext(FlakyContext(fail_times=1), 4, np.array([7]))
+    rows = ctx.run(*_batch(8))
+    assert rows[:, 0].tolist() == list(range(1, 9))
+
+
+def test_a_poison_item_is_isolated_and_the_rest_of_its_batch_embedded() -> None:
+    ctx = IsolatingContext(FlakyContext(poison=5), 4, np.array([7]))
+    with pytest.raises(PartialBatchError) as info:
+        ctx.run(*_batch(8))
+    assert info.value.failed == [4]
+    good = [i for i in range(8) if i != 4]
+    assert info.value.rows[good, 0].tolist() == [i + 1 for i in good]
+
+
+def test_a_broken_backend_is_fatal_not_dead_lettered() -> None:
+    ctx = IsolatingContext(FlakyContext(broken=True), 4, np.array([7]))
+    with pytest.raises(BackendBrokenError, match="known-good input"):
+        ctx.run(*_batch(4))
+
+
+# ---------------------------------------------------------------------------- liveness
+def test_liveness_fails_on_a_fatal_error_a_dead_thread_or_a_stall() -> None:
+    latch = FatalLatch()
+    stalled = [0.0]
+    done = threading.Thread(target=lambda: None, name="kwe-output")
+    live = Liveness(latch, [done], lambda: stalled[0], stall_timeout_s=30.0)
+    assert live() == (True, "ok")  # not started yet: not dead
+    stalled[0] = 31.0
+    ok, reason = live()
+    assert not ok and "stalled" in reason
+    stalled[0] = 0.0
+    done.start()
+    done.join()
+    ok, reason = live()
+    assert not ok and "kwe-output" in reason
+    latch.trip(WorkerError("boom"))
+    assert live() == (False, "fatal error: boom")

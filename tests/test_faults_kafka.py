@@ -1,0 +1,403 @@
+"""Faults against the real broker: each one ends in a dead letter, a bounded retry or a clear
+fatal exit that commits nothing past the failure, and the rest of the stream still arrives.
+
+Backend faults run the pipeline in-process (the only way to hand it a failing backend); the
+Kafka side is the real broker either way.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+from confluent_kafka.admin import AdminClient
+
+from tests.conftest import KAFKA_SH
+from tests.kafka_tools import (
+    TopicReader, WorkerProcess, committed_offsets, end_offsets, http_get, load_queries, produce, produce_queries,
+)
+from worker.config import Settings
+from worker.kafka.admin import ensure_topics
+from worker.metrics import MetricsServer
+from worker.pipeline import Pipeline
+
+pytestmark = pytest.mark.kafka
+
+
+@pytest.fixture(scope="module")
+def loaded() -> tuple[Any, Any, Any]:
+    """The real tokenizer, ONNX Runtime backend and profile, loaded once for the module."""
+    from worker.backends.select import load_backend
+    from worker.model import default_model_dir
+    from worker.tokenize import KeywordTokenizer
+
+    backend, profile = load_backend(Settings(intra_op_threads=1))
+    return KeywordTokenizer.from_model_dir(default_model_dir()), backend, profile
+
+
+class FaultyBackend:
+    """The real backend, its contexts failing on a schedule: `fail(call_no, ids)` says when."""
+
+    def __init__(self, backend: Any, fail: Callable[[int, np.ndarray], bool]) -> None:
+        self._backend = backend
+        self._fail = fail
+        self._calls = 0
+        self._lock = threading.Lock()
+        self.failures = 0
+        self.name, self.dim = backend.name, backend.dim
+        self.preferred_pad, self.max_contexts = backend.preferred_pad, backend.max_contexts
+
+    def create_context(self, index: int) -> Any:
+        inner, outer = self._backend.create_context(index), self
+
+        class Ctx:
+            def run(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+                with outer._lock:
+                    outer._calls += 1
+                    call = outer._calls
+                if outer._fail(call, ids):
+                    with outer._lock:
+                        outer.failures += 1
+                    raise RuntimeError(f"injected backend fault on call {call}")
+                return inner.run(ids, mask)
+
+            def close(self) -> None:
+                inner.close()
+
+        return Ctx()
+
+    def close(self) -> None:
+        pass
+
+
+class InProcessWorker:
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+        self.code: int | None = None
+        self._thread = threading.Thread(target=self._run, name="test-worker")
+
+    def _run(self) -> None:
+        self.code = self.pipeline.run()
+
+    def start(self) -> InProcessWorker:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        self.pipeline.request_stop()
+        return self.join(timeout)
+
+    def join(self, timeout: float) -> int | None:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the pipeline did not return"
+        return self.code
+
+
+def in_process(loaded: tuple[Any, Any, Any], bootstrap: str, names: tuple[str, str, str], group: str,
+               fail: Callable[[int, np.ndarray], bool], **settings: Any) -> tuple[InProcessWorker, FaultyBackend]:
+    tokenizer, backend, profile = loaded
+    faulty = FaultyBackend(backend, fail)
+    s = Settings(bootstrap_servers=bootstrap, input_topic=names[0], output_topic=names[1],
+                 dead_letter_topic=names[2], group_id=group, **settings)
+    return InProcessWorker(Pipeline(s, tokenizer=tokenizer, backend=faulty, profile=profile,
+                                    model_name="all-MiniLM-L6-v2")), faulty
+
+
+def topics(make_topic: Callable[..., str], partitions: int) -> tuple[str, str, str]:
+    return make_topic("kw", partitions), make_topic("emb", partitions), make_topic("dlq", 1)
+
+
+def read_all(bootstrap: str, topic: str, group: str, seconds: float) -> TopicReader:
+    reader = TopicReader(bootstrap, topic, group)
+    reader.poll(seconds)
+    reader.close()
+    return reader
+
+
+# ------------------------------------------------------------------------------------ backend
+def test_a_backend_failing_once_dead_letters_no_good_keyword(
+        kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, loaded: tuple[Any, Any, Any]) -> None:
+    names = topics(make_topic, 2)
+    queries = load_queries(0, 1500)
+    produce_queries(kafka_bootstrap, names[0], queries)
+    worker, faulty = in_process(loaded, kafka_bootstrap, names, group_id, lambda call, _ids: call in (3, 10, 11))
+    worker.start()
+    reader = TopicReader(kafka_bootstrap, names[1], group_id + "-r")
+    try:
+        reader.wait_for({q for q, _ in queries}, 180)
+    finally:
+        code = worker.stop()
+        reader.close()
+    assert code == 0 and faulty.failures == 3  # call 10 failed and its retry (11) too: then split
+    dlq = read_all(kafka_bootstrap, names[2], group_id + "-d", 3.0)
+    assert dlq.records == []
+    assert committed_offsets(kafka_bootstrap, group_id, names[0], 2) == end_offsets(kafka_bootstrap, names[0], 2)
+
+
+def test_a_poison_keyword_is_dead_lettered_alone(
+        kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, loaded: tuple[Any, Any, Any]) -> None:
+    names = topics(make_topic, 1)
+    tokenizer = loaded[0]
+    queries = load_queries(0, 600)
+    poison_ids = tokenizer.encode(["zebra poison xylophone"])[0].ids
+    records = [(q.encode(), orjson.dumps({"id": q, "text": t})) for q, t in queries]
+    records.insert(300, (b"poison", orjson.dumps({"id": "poison", "text": "zebra poison xylophone"})))
+    produce(kafka_bootstrap, names[0], records)
+
+    def is_poison(_call: int, ids: np.ndarray) -> bool:
+        n = len(poison_ids)
+        return bool((ids[:, :n] == poison_ids).all(axis=1).any()) if ids.shape[1] >= n else False
+
+    worker, _ = in_process(loaded, kafka_bootstrap, names, group_id, is_poison)
+    worker.start()
+    reader = TopicReader(kafka_bootstrap, names[1], group_id + "-r")
+    try:
+        reader.wait_for({q for q, _ in queries}, 180)
+        dlq = TopicReader(kafka_bootstrap, names[2], group_id + "-d")
+        deadline = time.monotonic() + 30
+        while not dlq.records and time.monotonic() < deadline:
+            dlq.poll(0.5)
+        dlq.close()
+    finally:
+        code = worker.stop()
+        reader.close()
+    assert code == 0
+    assert [(r.key, r.value["reason"]) for r in dlq.records] == [("poison", "inference_error")]
+    assert "poison" not in reader.ids()
+
+
+def test_a_backend_that_always_fails_stops_the_worker_and_commits_nothing(
+        kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, loaded: tuple[Any, Any, Any]) -> None:
+    names = topics(make_topic, 2)
+    produce_queries(kafka_bootstrap, names[0], load_queries(0, 500))
+    worker, _ = in_process(loaded, kafka_bootstrap, names, group_id, lambda _call, _ids: True)
+    start = time.monotonic()
+    code = worker.start().join(60)
+    assert code == 1 and time.monotonic() - start < 60
+    assert "known-good input" in str(worker.pipeline.latch.error)
+    assert all(off < 0 for off in committed_offsets(kafka_bootstrap, group_id, names[0], 2).values())
+    assert read_all(kafka_bootstrap, names[1], group_id + "-r", 2.0).records == []
+    assert read_all(kafka_bootstrap, names[2], group_id + "-d", 2.0).records == []
+
+
+# ------------------------------------------------------------------------------------ liveness
+def test_a_stalled_commit_point_and_a_dead_thread_turn_healthz_to_503(
+        kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, loaded: tuple[Any, Any, Any]) -> None:
+    names = topics(make_topic, 1)
+    produce_queries(kafka_bootstrap, names[0], load_queries(0, 50))
+    hang = threading.Event()
+    worker, _ = in_process(loaded, kafka_bootstrap, names, group_id,
+                           lambda _call, _ids: hang.wait(120) and False, stall_timeout_s=2.0)
+    p = worker.pipeline
+    with MetricsServer(p.metrics, "127.0.0.1", 0, p.ready, p.liveness) as server:
+        url = f"http://127.0.0.1:{server.port}/healthz"
+        assert http_get(url)[0] == 200
+        worker.start()
+        deadline = time.monotonic() + 30
+        while http_get(url)[0] == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        status, body = http_get(url)
+        assert status == 503 and b"stalled" in body
+        hang.set()  # the backend comes back: the commit point moves, the probe recovers
+        deadline = time.monotonic() + 30
+        while http_get(url)[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert http_get(url)[0] == 200
+        # A worker thread dies (a bug): the probe says so, and the worker stops with exit 1.
+        p._output._emit = None  # type: ignore[assignment]  # the next batch makes the thread raise
+        produce_queries(kafka_bootstrap, names[0], load_queries(50, 10))
+        deadline = time.monotonic() + 30
+        while http_get(url)[0] == 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        status, body = http_get(url)
+        assert status == 503 and b"kwe-output" in body
+        assert worker.join(60) == 1
+
+
+# ------------------------------------------------------------------------------------ topics
+def test_the_output_topic_deleted_mid_run_is_fatal_and_nothing_past_it_is_committed(
+        kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path) -> None:
+    names = topics(make_topic, 3)
+    queries = load_queries(0, 12000)
+    produce_queries(kafka_bootstrap, names[0], queries)
+    w = WorkerProcess(kafka_bootstrap, *names, group_id, tmp_path / "w.log",
+                      ("--max-in-flight", "600")).start()
+    before = TopicReader(kafka_bootstrap, names[1], group_id + "-r1")
+    try:
+        deadline = time.monotonic() + 180
+        while len(before.ids()) < 1000:
+            before.poll(0.2)
+            assert time.monotonic() < deadline, w.log()[-3000:]
+        before.close()
+        admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+        admin.delete_topics([names[1]], operation_timeout=30)[names[1]].result(30)
+        start = time.monotonic()
+        code = w.proc.wait(120)  # type: ignore[union-attr]
+        took = time.monotonic() - start
+    finally:
+        if w.proc and w.proc.poll() is None:
+            w.kill()
+    print(f"\noutput topic deleted: exit {code} after {took:.1f} s")
+    assert code == 1, w.log()[-3000:]
+    assert f"'{names[1]}'" in w.log()
+    # Nothing was committed past the failure: with the topic back, a new worker embeds every
+    # keyword that had not reached the output before it was deleted.
+    ensure_topics(kafka_bootstrap, {names[1]: 3})
+    w2 = WorkerProcess(kafka_bootstrap, *names, group_id, tmp_path / "w2.log").start()
+    after = TopicReader(kafka_bootstrap, names[1], group_id + "-r2")
+    try:
+        after.wait_for({q for q, _ in queries} - before.ids(), 300, alive=[w2])
+        assert w2.stop() == 0
+    finally:
+        if w2.proc and w2.proc.poll() is None:
+            w2.kill()
+        after.close()
+
+
+# ------------------------------------------------------------------------------------ broker outage
+@pytest.fixture()
+def own_broker(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    env = {**os.environ, "KWE_KAFKA_RUN": str(tmp_path / "broker")}
+    env.pop("KAFKA_PORT", None)
+    out = subprocess.run(["bash", str(KAFKA_SH), "start"], env=env, capture_output=True, text=True, check=True)
+    try:
+        yield out.stdout.strip().splitlines()[-1].split("=", 1)[1], env
+    finally:
+        subprocess.run(["bash", str(KAFKA_SH), "stop"], env=env, capture_output=True, check=False)
+
+
+@pytest.mark.slow
+def test_paused_partitions_resume_after_an_outage_longer_than_the_session_timeout(
+        own_broker: tuple[str, dict[str, str]], tmp_path: Path, group_id: str) -> None:
+    bootstrap, env = own_broker
+    inp, out, dlq = f"kw-{group_id}", f"emb-{group_id}", f"dlq-{group_id}"
+    ensure_topics(bootstrap, {inp: 3, out: 3, dlq: 1})
+    queries = load_queries(0, 5000)
+    produce_queries(bootstrap, inp, queries)
+    # A small in-flight bound keeps the worker paused most of the time, so the outage hits it paused.
+    w = WorkerProcess(bootstrap, inp, out, dlq, group_id, tmp_path / "w.log", ("--max-in-flight", "100")).start()
+    reader = TopicReader(bootstrap, out, group_id + "-r")
+    try:
+        deadline = time.monotonic() + 180
+        while len(reader.ids()) < 500:
+            reader.poll(0.2)
+            assert time.monotonic() < deadline, w.log()[-3000:]
+        assert w.events("partitions paused"), "the worker was never paused"
+        subprocess.run(["bash", str(KAFKA_SH), "restart", "--hard", "--down-for", "15"], env=env,
+                       capture_output=True, text=True, check=True)  # session.timeout.ms is 10 s
+        reader.wait_for({q for q, _ in queries}, 300, alive=[w])
+        assert w.stop() == 0, w.log()[-3000:]
+    finally:
+        if w.proc and w.proc.poll() is None:
+            w.kill()
+        reader.close()
+
+
+# ------------------------------------------------------------------------------------ scaling
+@pytest.mark.slow
+def test_a_scale_up_and_down_storm_loses_nothing_and_every_member_exits_cleanly(
+        kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path) -> None:
+    names = topics(make_topic, 6)
+    queries = load_queries(0, 15000)
+    shutdown_s = 20.0
+    extra = ("--shutdown-timeout-s", str(shutdown_s), "--intra-op-threads", "1")
+    n = [0]
+
+    def member() -> WorkerProcess:
+        n[0] += 1
+        return WorkerProcess(kafka_bootstrap, *names, group_id, tmp_path / f"w{n[0]}.log", extra).start()
+
+    def feed() -> None:  # a stream, not a backlog: 1,000 keywords every half second
+        for i in range(0, len(queries), 1000):
+            produce_queries(kafka_bootstrap, names[0], queries[i:i + 1000])
+            time.sleep(0.5)
+
+    feeder = threading.Thread(target=feed)
+    live = [member()]
+    live[0].wait_ready()
+    feeder.start()
+    stopped: list[tuple[WorkerProcess, int, float]] = []
+
+    def stop_one() -> None:
+        w = live.pop(0)
+        start = time.monotonic()
+        code = w.stop(timeout=shutdown_s + 15)
+        stopped.append((w, code, time.monotonic() - start))
+
+    reader = TopicReader(kafka_bootstrap, names[1], group_id + "-r")
+    try:
+        for target in (3, 2, 4, 1):  # as an autoscaler would: 1 -> 3 -> 2 -> 4 -> 1
+            while len(live) < target:
+                live.append(member())
+            stoppers = [threading.Thread(target=stop_one) for _ in range(len(live) - target)]
+            for t in stoppers:
+                t.start()
+            for t in stoppers:
+                t.join()
+            reader.poll(6.0)
+        feeder.join()
+        reader.wait_for({q for q, _ in queries}, 300, alive=live)
+        reader.settle(3.0)
+        for w in live:
+            start = time.monotonic()
+            stopped.append((w, w.stop(timeout=shutdown_s + 15), time.monotonic() - start))
+    finally:
+        for w in live:
+            if w.proc and w.proc.poll() is None:
+                w.kill()
+        reader.close()
+    counts = Counter(r.key for r in reader.records)
+    duplicates = sum(c - 1 for c in counts.values())
+    slowest = max(t for _, _, t in stopped)
+    print(f"\nscale storm: {len(counts)} IDs, {duplicates} duplicates ({100 * duplicates / len(queries):.2f}%), "
+          f"{len(stopped)} members stopped, slowest exit {slowest:.1f} s")
+    assert set(counts) == {q for q, _ in queries}
+    assert [code for _, code, _ in stopped] == [0] * len(stopped), [w.log()[-2000:] for w, c, _ in stopped if c]
+    assert slowest < shutdown_s + 5
+    assert duplicates < 0.01 * len(queries)
+
+
+# ------------------------------------------------------------------------------------ memory
+def _peak_rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.slow
+def test_large_records_stay_within_the_byte_budget(
+        kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path) -> None:
+    names = topics(make_topic, 2)
+    w = WorkerProcess(kafka_bootstrap, *names, group_id, tmp_path / "w.log",
+                      ("--max-in-flight-bytes", str(8 * 1024 * 1024), "--max-message-bytes", "600000")).start()
+    w.wait_ready()
+    assert w.proc is not None
+    baseline = _peak_rss_kib(w.proc.pid)
+    filler = "lorem ipsum " * (500_000 // 12)
+    records = ((f"big{i}".encode(), orjson.dumps({"id": f"big{i}", "text": f"{i} {filler}"})) for i in range(2000))
+    produce(kafka_bootstrap, names[0], records)
+    reader = TopicReader(kafka_bootstrap, names[1], group_id + "-r")
+    try:
+        reader.wait_for({f"big{i}" for i in range(2000)}, 600, alive=[w])
+        peak = _peak_rss_kib(w.proc.pid)
+        assert w.stop() == 0
+    finally:
+        if w.proc and w.proc.poll() is None:
+            w.kill()
+        reader.close()
+    grown_mib = (peak - baseline) / 1024
+    print(f"\n2,000 x 500 KB records: peak RSS {peak / 1024:.0f} MiB, {grown_mib:.0f} MiB above the ready worker "
+          f"(1,000 MB went through)")
+    # 8 MiB of in-flight records, the prefetch queue (2 MiB), the tokenizer's and librdkafka's
+    # buffers: far below the gigabyte that went through.
+    assert grown_mib < 250
