@@ -64,8 +64,15 @@ class Settings:
     output_encoding: str = _setting("float-list", "Embedding encoding in the output value: a JSON list of "
                                     "floats, or base64 little-endian float32/float16.",
                                     choices=("float-list", "base64-f32", "base64-f16"))
-    max_message_bytes: int = _setting(16384, "Input values larger than this go to the dead-letter topic.",
-                                      minimum=1)
+    max_message_bytes: int = _setting(16384, "Input records larger than this (key, value and headers "
+                                      "together) go to the dead-letter topic.", minimum=1)
+    dead_letter_max_bytes: int = _setting(262144, "Largest dead-letter record (key, value and headers "
+                                          "together). Above it the original key and value are cut to a "
+                                          "prefix and the original headers dropped, keeping their size and "
+                                          "SHA-256 and the source topic/partition/offset. Keep it below the "
+                                          "dead-letter topic's max.message.bytes and the producer's "
+                                          "message.max.bytes (both about 1 MB by default), or a large bad "
+                                          "record cannot be dead-lettered.", minimum=4096)
     # --- Flow control ------------------------------------------------------------------
     max_in_flight: int = _setting(4096, "Keywords consumed but not yet acknowledged by the broker; "
                                   "partitions pause at this bound. It also bounds the duplicates after a crash.",
