@@ -234,7 +234,8 @@ def test_read_headers_never_raises() -> None:
 def _check_dead_letter(rec: Any, *, max_bytes: int, key: bytes | None, value: bytes | None,
                        headers: InputHeaders) -> dict[str, Any]:
     assert rec.size <= max_bytes
-    assert rec.size == len(rec.key or b"") + len(rec.value) + sum(len(n.encode()) + len(v or b"") for n, v in rec.headers)
+    assert rec.size == len(rec.key or b"") + len(rec.value) + sum(len(n.encode()) + len(v or b"") + 10
+                                                                  for n, v in rec.headers)
     obj = orjson.loads(rec.value)
     schema("dead-letter").validate(obj)
     assert obj["source"] == {"topic": "keywords", "partition": 3, "offset": 1207, "timestamp_ms": 1764400000000}
@@ -274,6 +275,7 @@ SIZES = [
     (b"q", b"v" * 10, [("big", b"h" * 500_000), ("trace", b"t")]),  # one huge header: headers dropped
     (None, b"v" * 400_000, [("h", None)]),
     (b"q" * 150_000, None, []),                                   # a tombstone with a large key
+    (b"q", b"v", [(f"h-{i}", b"x" * 20) for i in range(5000)]),    # many small headers
 ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -49,6 +50,26 @@ def test_every_missing_topic_is_named_in_one_message(kafka_bootstrap: str) -> No
         check_topics(admin_config(s), s)
     assert info.value.problems == ("topic 'absent-a' does not exist", "topic 'absent-b' does not exist",
                                    "topic 'absent-c' does not exist")
+
+
+@pytest.mark.kafka
+def test_dead_letter_limit_above_the_topic_limit_is_named(kafka_bootstrap: str, make_topic: Callable[..., str]) -> None:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    dlq = f"dlq-small-{free_port()}"
+    admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
+    admin.create_topics([NewTopic(dlq, 1, 1, config={"max.message.bytes": "100000"})])[dlq].result(30)
+    try:
+        s = Settings(bootstrap_servers=kafka_bootstrap, input_topic=make_topic("in"), output_topic=make_topic("out"),
+                     dead_letter_topic=dlq)  # dead_letter_max_bytes: 262144 by default
+        with pytest.raises(PreflightError) as info:
+            check_topics(admin_config(s), s)
+        assert str(info.value) == (f"dead_letter_max_bytes=262144 does not fit topic '{dlq}' "
+                                   f"(max.message.bytes=100000); set it to at most {100000 - 512}")
+        small = dataclasses.replace(s, dead_letter_max_bytes=100000 - 512)
+        check_topics(admin_config(small), small)
+    finally:
+        admin.delete_topics([dlq])[dlq].result(30)
 
 
 def test_unreachable_cluster_fails_within_the_timeout() -> None:

@@ -229,6 +229,15 @@ def test_refusal_says_what_is_allowed() -> None:
     assert f"at least {MIN_MESSAGE_TIMEOUT_MS}" in msg
 
 
+def test_dead_letter_limit_must_fit_the_producer_request_limit() -> None:
+    msg = _error(args=_parse(["--kafka-config", "message.max.bytes=200000"]), env={})
+    assert "'dead_letter_max_bytes'" in msg and "message.max.bytes=200000" in msg and "at most 199488" in msg
+    s = load_settings(_parse(["--kafka-config", "message.max.bytes=200000", "--dead-letter-max-bytes", "199488"]),
+                      env={})
+    assert s.dead_letter_max_bytes == 199488
+    assert "'dead_letter_max_bytes'" in _error(args=_parse(["--dead-letter-max-bytes", "4095"]), env={})
+
+
 ALLOWED = [
     "security.protocol=SASL_SSL", "sasl.mechanisms=SCRAM-SHA-512", "ssl.ca.location=/ca.pem", "linger.ms=50",
     "compression.type=zstd", "fetch.min.bytes=1024", "fetch.wait.max.ms=100", "client.rack=zone-a",

@@ -55,6 +55,11 @@ RESERVED_KAFKA_KEYS: dict[str, str] = {
 # seconds; the worker would stop (or, before, re-produce) for an event that heals itself.
 MIN_MESSAGE_TIMEOUT_MS = 60_000
 
+# What a Kafka size limit (the producer's message.max.bytes, a topic's max.message.bytes) must
+# hold besides one record's key, value and headers: the record batch header (61 bytes) and the
+# record's varint lengths, rounded up.
+RECORD_FRAMING_BYTES = 512
+
 
 def _int_or_none(value: str) -> int | None:
     try:
@@ -255,6 +260,13 @@ class Settings:
             problem = kafka_override_error(key, value)
             if problem is not None:
                 raise SettingsError(f"setting 'kafka_config': {problem}")
+        # The producer refuses a record above its message.max.bytes (MSG_SIZE_TOO_LARGE), so
+        # a dead letter of the largest allowed size must fit, with room for the batch framing.
+        max_request = _int_or_none(self.librdkafka_overrides().get("message.max.bytes", "none"))
+        if max_request is not None and self.dead_letter_max_bytes + RECORD_FRAMING_BYTES > max_request:
+            raise SettingsError(f"setting 'dead_letter_max_bytes': {self.dead_letter_max_bytes} does not fit "
+                                f"kafka_config message.max.bytes={max_request}; set it to at most "
+                                f"{max_request - RECORD_FRAMING_BYTES}")
 
     def librdkafka_overrides(self) -> dict[str, str]:
         """The kafka_config items as a librdkafka dict; a key given twice keeps its last value."""

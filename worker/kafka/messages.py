@@ -298,12 +298,17 @@ class DeadLetter:
 
     @property
     def size(self) -> int:
-        """The bytes that count against dead_letter_max_bytes: key, value, header names and values."""
+        """The bytes that count against dead_letter_max_bytes: key, value, and each header's name,
+        value and two length fields (at most 5 bytes each as varints). The rest of the record's
+        framing is a fixed few dozen bytes (config.RECORD_FRAMING_BYTES covers it)."""
         return len(self.key or b"") + len(self.value) + _headers_size(self.headers)
 
 
+_HEADER_LENGTHS_BYTES = 10
+
+
 def _headers_size(headers: Headers) -> int:
-    return sum(len(n.encode("utf-8", "surrogatepass")) + len(v or b"") for n, v in headers)
+    return sum(len(n.encode("utf-8", "surrogatepass")) + len(v or b"") + _HEADER_LENGTHS_BYTES for n, v in headers)
 
 
 def _cut_entry(fld: str, data: bytes, kept: int, **extra: Any) -> dict[str, Any]:

@@ -4,6 +4,8 @@ Run once before the model loads, so a missing topic or permission stops the work
 seconds with a message naming the topic, instead of after a model load and a silent stall.
 The messages are stable ("topic 'X' does not exist", "not authorised to read topic 'X'",
 "not authorised to write topic 'X'", "cannot reach the Kafka cluster at B within N s").
+It also checks that a dead-letter record of dead_letter_max_bytes fits the dead-letter
+topic's max.message.bytes, where the broker lets the worker read that config.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from collections.abc import Collection, Mapping
 from typing import Any, Literal
 
 from confluent_kafka import KafkaError, KafkaException, TopicCollection
-from confluent_kafka.admin import AclOperation, AdminClient
+from confluent_kafka.admin import AclOperation, AdminClient, ConfigResource, ResourceType
 
-from worker.config import Settings
+from worker.config import RECORD_FRAMING_BYTES, Settings
 from worker.kafka.errors import PreflightError
 
 Access = Literal["read", "write"]
@@ -102,5 +104,22 @@ def check_topics(admin_config: Mapping[str, Any], settings: Settings, timeout_s:
                 problems.append(f"cannot describe topic '{topic}': {err.str()}")
             continue
         problems += missing_access(topic, access, description.authorized_operations)
+    if not problems:
+        problems += _dead_letter_size_problems(admin, settings, left())
     if problems:
         raise PreflightError(problems)
+
+
+def _dead_letter_size_problems(admin: AdminClient, settings: Settings, timeout_s: float) -> list[str]:
+    """A dead-letter record may be as large as dead_letter_max_bytes: the topic must take it."""
+    topic = settings.dead_letter_topic
+    resource = ConfigResource(ResourceType.TOPIC, topic)
+    try:
+        entries = admin.describe_configs([resource], request_timeout=timeout_s)[resource].result(timeout=timeout_s + 1)
+        limit = int(entries["max.message.bytes"].value)
+    except (KafkaException, concurrent.futures.TimeoutError, KeyError, TypeError, ValueError):
+        return []  # not allowed to read the topic's config (DESCRIBE_CONFIGS), or no answer: cannot tell
+    if settings.dead_letter_max_bytes + RECORD_FRAMING_BYTES > limit:
+        return [f"dead_letter_max_bytes={settings.dead_letter_max_bytes} does not fit topic '{topic}' "
+                f"(max.message.bytes={limit}); set it to at most {limit - RECORD_FRAMING_BYTES}"]
+    return []
