@@ -223,9 +223,11 @@ def end_offsets(bootstrap: str, topic: str, partitions: int) -> dict[int, int]:
         c.close()
 
 
-def produce_with_raw_headers(bootstrap: str, topic: str, key: bytes | None, value: bytes | None,
-                             headers: Sequence[tuple[bytes, bytes | None]], timeout_s: float = 30.0) -> None:
-    """Produces one record whose header names are arbitrary bytes (a non-UTF-8 name included).
+RawRecord = tuple[bytes | None, bytes | None, Sequence[tuple[bytes, bytes | None]]]  # key, value, headers
+
+
+def produce_with_raw_headers(bootstrap: str, topic: str, records: Sequence[RawRecord], timeout_s: float = 30.0) -> None:
+    """Produces records whose header names are arbitrary bytes (non-UTF-8 names included).
 
     Kafka allows any bytes as a header name, but neither confluent-kafka-python nor the Java
     client can write one that is not UTF-8: confluent-kafka turns a bytes name into its repr
@@ -276,20 +278,21 @@ def produce_with_raw_headers(bootstrap: str, topic: str, key: bytes | None, valu
     if not rk:
         raise RuntimeError(err.value.decode())
     try:
-        hdrs = lib.rd_kafka_headers_new(len(headers))
-        for name, hval in headers:
-            lib.rd_kafka_header_add(hdrs, name, len(name), hval, -1 if hval is None else len(hval))
-        vus = (_VU * 5)()
-        vus[0].vtype, vus[0].u.cstr = vt_topic, topic.encode()
-        vus[1].vtype, vus[1].u.mem = vt_value, _Mem(value, 0 if value is None else len(value))
-        vus[2].vtype, vus[2].u.mem = vt_key, _Mem(key, 0 if key is None else len(key))
-        vus[3].vtype, vus[3].u.i = vt_msgflags, msg_f_copy
-        vus[4].vtype, vus[4].u.ptr = vt_headers, hdrs  # owned by librdkafka from here on
-        error = lib.rd_kafka_produceva(rk, ctypes.cast(vus, vp), 5)
-        if error:
-            raise RuntimeError(f"produce failed: {lib.rd_kafka_error_string(error).decode()}")
+        for key, value, headers in records:
+            hdrs = lib.rd_kafka_headers_new(len(headers))
+            for name, hval in headers:
+                lib.rd_kafka_header_add(hdrs, name, len(name), hval, -1 if hval is None else len(hval))
+            vus = (_VU * 5)()
+            vus[0].vtype, vus[0].u.cstr = vt_topic, topic.encode()
+            vus[1].vtype, vus[1].u.mem = vt_value, _Mem(value, 0 if value is None else len(value))
+            vus[2].vtype, vus[2].u.mem = vt_key, _Mem(key, 0 if key is None else len(key))
+            vus[3].vtype, vus[3].u.i = vt_msgflags, msg_f_copy
+            vus[4].vtype, vus[4].u.ptr = vt_headers, hdrs  # owned by librdkafka from here on
+            error = lib.rd_kafka_produceva(rk, ctypes.cast(vus, vp), 5)
+            if error:
+                raise RuntimeError(f"produce failed: {lib.rd_kafka_error_string(error).decode()}")
         lib.rd_kafka_flush(rk, int(timeout_s * 1000))
         if lib.rd_kafka_outq_len(rk):
-            raise RuntimeError(f"record not delivered to {topic} within {timeout_s} s")
+            raise RuntimeError(f"records not delivered to {topic} within {timeout_s} s")
     finally:
         lib.rd_kafka_destroy(rk)

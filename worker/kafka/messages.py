@@ -9,7 +9,9 @@ not UTF-8, and `dead_letter_record` stays under its size limit whatever the inpu
 from __future__ import annotations
 
 import base64
+import gc
 import hashlib
+import operator
 import struct
 import unicodedata
 from collections.abc import Sequence
@@ -98,57 +100,82 @@ def read_headers(msg: _HasHeaders) -> InputHeaders:
     """The headers of a consumed message; never raises. Call it instead of `msg.headers()`.
 
     Kafka allows any bytes as a header name. confluent-kafka 2.x decodes every name as UTF-8
-    and, when one is not, `Message.headers()` raises SystemError (from a UnicodeDecodeError)
-    and leaves a half-built list cached on the message, whose broken entries crash the
-    interpreter when touched. This recovers what can be read safely: the good headers, the
-    values of the bad ones, and the bad names that the exception carries; then it replaces
-    the message's cached headers with the good ones, so a later `msg.headers()` is safe.
+    and, when one is not, `Message.headers()` raises SystemError (from a UnicodeDecodeError),
+    or, at a call site CPython has specialised, returns without raising and leaves the error
+    pending for a later, unrelated call to raise. Either way it caches a half-built list on the
+    message, in which the bad name is a NULL slot that crashes the interpreter when touched (a
+    second `headers()` call returns that list). This
+    recovers what can be read safely: the good headers, the values of the bad ones, and the bad
+    name when the exception carries it; then it replaces the message's cached headers with the
+    good ones, so a later `msg.headers()` is safe.
     """
+    error: Exception | None = None
     try:
-        got = msg.headers()
-        return InputHeaders.of(got)
-    except Exception as exc:  # noqa: BLE001 - any failure to read headers must not stop the worker
-        first_error = exc
-    names = _undecodable_names(first_error)
-    try:
-        cached = msg.headers()  # the list built before the failure, cached on the message
-    except Exception:  # noqa: BLE001
-        cached = None
-    good: Headers = []
-    bad: list[tuple[bytes | None, bytes | None]] = []
+        raw = _call_headers(msg)
+    except Exception as exc:  # noqa: BLE001 - a failure to read headers must not stop the worker
+        error = exc
+        try:
+            raw = _call_headers(msg)  # the list built before the failure, cached on the message
+        except Exception:  # noqa: BLE001
+            raw = None
+    if raw is None and error is None:
+        return InputHeaders()
+    if not isinstance(raw, list):
+        return _headers_dropped(msg, f"the headers could not be read and were dropped ({_why(error, raw)})")
+    pairs: list[tuple[str | bytes, bytes | None]] = []
+    unnamed: list[bytes | None] = []
     lost = 0
-    if isinstance(cached, list):
-        for entry in cached:
-            # A NULL slot cannot be read at all (CPython crashes on it), but repr() prints it
-            # as <NULL>, while a real name always prints quoted.
-            if not isinstance(entry, tuple) or len(entry) != 2:
-                lost += 1
-            elif repr(entry).startswith("(<NULL>,"):
-                value = entry[1]
-                bad.append((None, value if isinstance(value, bytes) else None))
-            else:
-                name, value = entry
-                if isinstance(name, str):
-                    good.append((name, value if isinstance(value, bytes) else None))
-                else:
-                    lost += 1
-    # The exception names the undecodable bytes only when exactly one name failed.
-    if len(names) == len(bad):
-        bad = [(n, v) for n, (_, v) in zip(names, bad, strict=True)]
+    for entry in raw:
+        if not isinstance(entry, tuple) or len(entry) != 2:
+            lost += 1
+        elif len(gc.get_referents(entry)) < 2:
+            # The NULL name slot: the GC's traversal skips it, where indexing would crash.
+            value = entry[1]
+            unnamed.append(value if isinstance(value, bytes) else None)
+        elif isinstance(entry[0], (str, bytes)) and isinstance(entry[1], (bytes, type(None))):
+            pairs.append(entry)
+        else:
+            lost += 1
+    sorted_ = InputHeaders.of(pairs)
+    if not unnamed and not lost and error is None:
+        return sorted_
+    names = _undecodable_names(error) if error is not None else []
+    # The exception carries the bytes of the failed name only when exactly one name failed.
+    named = list(zip(names, unnamed, strict=True)) if len(names) == len(unnamed) else [(None, v) for v in unnamed]
+    bad = sorted_.not_utf8 + named
+    note = (f"{len(bad)} header name(s) are not valid UTF-8; kept as bytes in headers_not_utf8"
+            + (f", {sum(n is None for n, _ in bad)} of them without the name (the client could not recover it)"
+               if any(n is None for n, _ in bad) else "")
+            + (f"; {lost} header(s) could not be read and were dropped" if lost else "")
+            + f" ({_why(error, raw)})")
+    _replace_cached(msg, sorted_.headers)
+    return InputHeaders(sorted_.headers, bad, note)
+
+
+# `msg.headers()` written as a plain call would, once CPython (3.11+) has specialised that call
+# site, return the broken list *without* raising and leave the decode error pending, to surface
+# later from some unrelated call. Calling through the C API (methodcaller) keeps CPython's check
+# that a C function which returned a value did not also set an error, so it raises every time.
+_call_headers = operator.methodcaller("headers")
+
+
+def _why(error: BaseException | None, raw: object) -> str:
+    if error is None:
+        return f"the client returned {type(raw).__name__} entries it could not decode"
+    cause = error.__cause__ or error
+    return f"{type(cause).__name__}: {cause}"
+
+
+def _headers_dropped(msg: _HasHeaders, note: str) -> InputHeaders:
+    _replace_cached(msg, [])
+    return InputHeaders([], [], note)
+
+
+def _replace_cached(msg: _HasHeaders, headers: Headers) -> None:
     try:
-        msg.set_headers(good)
+        msg.set_headers(headers)
     except Exception:  # noqa: BLE001 - a message type without set_headers has nothing cached to fix
         pass
-    cause = first_error.__cause__ or first_error
-    why = f"{type(cause).__name__}: {cause}"
-    if not isinstance(cached, list):
-        return InputHeaders([], [], f"the headers could not be read and were dropped ({why})")
-    unnamed = sum(1 for n, _ in bad if n is None)
-    note = (f"{len(bad)} header name(s) are not valid UTF-8; kept as bytes in headers_not_utf8"
-            + (f", {unnamed} of them without the name (the client could not recover it)" if unnamed else "")
-            + (f"; {lost} header(s) could not be read and were dropped" if lost else "")
-            + f" ({why})")
-    return InputHeaders(good, bad, note)
 
 
 def _undecodable_names(exc: BaseException) -> list[bytes]:
