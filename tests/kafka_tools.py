@@ -221,3 +221,78 @@ def end_offsets(bootstrap: str, topic: str, partitions: int) -> dict[int, int]:
         return {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions)}
     finally:
         c.close()
+
+
+RawRecord = tuple[bytes | None, bytes | None, Sequence[tuple[bytes, bytes | None]]]  # key, value, headers
+
+
+def produce_with_raw_headers(bootstrap: str, topic: str, records: Sequence[RawRecord], timeout_s: float = 30.0) -> None:
+    """Produces records whose header names are arbitrary bytes (non-UTF-8 names included).
+
+    Kafka allows any bytes as a header name, but neither confluent-kafka-python nor the Java
+    client can write one that is not UTF-8: confluent-kafka turns a bytes name into its repr
+    (b'\\xff' is written as the text "b'\\xff'") and a str with a lone surrogate crashes the
+    process in librdkafka; Java encodes a String. librdkafka itself takes a name with a length,
+    so this calls it directly (ctypes on the copy bundled in the confluent-kafka wheel).
+    """
+    import ctypes
+    import glob
+
+    import confluent_kafka
+
+    libs = glob.glob(str(Path(confluent_kafka.__file__).parents[1] / "confluent_kafka.libs" / "librdkafka*.so*"))
+    lib = ctypes.CDLL(libs[0] if libs else "librdkafka.so.1")
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    lib.rd_kafka_conf_new.restype = vp
+    lib.rd_kafka_conf_set.argtypes = [vp, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, sz]
+    lib.rd_kafka_new.restype = vp
+    lib.rd_kafka_new.argtypes = [ctypes.c_int, vp, ctypes.c_char_p, sz]
+    lib.rd_kafka_headers_new.restype = vp
+    lib.rd_kafka_headers_new.argtypes = [sz]
+    lib.rd_kafka_header_add.argtypes = [vp, ctypes.c_char_p, ctypes.c_ssize_t, ctypes.c_char_p, ctypes.c_ssize_t]
+    lib.rd_kafka_produceva.restype = vp
+    lib.rd_kafka_produceva.argtypes = [vp, vp, sz]
+    lib.rd_kafka_error_string.restype = ctypes.c_char_p
+    lib.rd_kafka_error_string.argtypes = [vp]
+    lib.rd_kafka_flush.argtypes = [vp, ctypes.c_int]
+    lib.rd_kafka_outq_len.argtypes = [vp]
+    lib.rd_kafka_destroy.argtypes = [vp]
+
+    class _Mem(ctypes.Structure):
+        _fields_ = [("ptr", ctypes.c_char_p), ("size", sz)]
+
+    class _U(ctypes.Union):
+        _fields_ = [("cstr", ctypes.c_char_p), ("mem", _Mem), ("ptr", vp), ("i", ctypes.c_int),
+                    ("_pad", ctypes.c_char * 64)]
+
+    class _VU(ctypes.Structure):  # rd_kafka_vu_t
+        _fields_ = [("vtype", ctypes.c_int), ("u", _U)]
+
+    vt_topic, vt_value, vt_key, vt_msgflags, vt_headers, msg_f_copy = 1, 4, 5, 7, 10, 0x2
+    err = ctypes.create_string_buffer(512)
+    conf = lib.rd_kafka_conf_new()
+    for k, v in (("bootstrap.servers", bootstrap), ("enable.idempotence", "true")):
+        if lib.rd_kafka_conf_set(conf, k.encode(), v.encode(), err, 512) != 0:
+            raise RuntimeError(err.value.decode())
+    rk = lib.rd_kafka_new(0, conf, err, 512)  # RD_KAFKA_PRODUCER; takes over conf
+    if not rk:
+        raise RuntimeError(err.value.decode())
+    try:
+        for key, value, headers in records:
+            hdrs = lib.rd_kafka_headers_new(len(headers))
+            for name, hval in headers:
+                lib.rd_kafka_header_add(hdrs, name, len(name), hval, -1 if hval is None else len(hval))
+            vus = (_VU * 5)()
+            vus[0].vtype, vus[0].u.cstr = vt_topic, topic.encode()
+            vus[1].vtype, vus[1].u.mem = vt_value, _Mem(value, 0 if value is None else len(value))
+            vus[2].vtype, vus[2].u.mem = vt_key, _Mem(key, 0 if key is None else len(key))
+            vus[3].vtype, vus[3].u.i = vt_msgflags, msg_f_copy
+            vus[4].vtype, vus[4].u.ptr = vt_headers, hdrs  # owned by librdkafka from here on
+            error = lib.rd_kafka_produceva(rk, ctypes.cast(vus, vp), 5)
+            if error:
+                raise RuntimeError(f"produce failed: {lib.rd_kafka_error_string(error).decode()}")
+        lib.rd_kafka_flush(rk, int(timeout_s * 1000))
+        if lib.rd_kafka_outq_len(rk):
+            raise RuntimeError(f"records not delivered to {topic} within {timeout_s} s")
+    finally:
+        lib.rd_kafka_destroy(rk)

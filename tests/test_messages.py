@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
 import pytest
 from jsonschema import Draft202012Validator
 
+from worker.config import Settings
 from worker.kafka.messages import (
-    H_REASON, H_SRC_OFFSET, Keyword, OutputCodec, Rejection, dead_letter, decode_embedding, decode_input,
+    H_REASON, H_SRC_OFFSET, InputHeaders, Keyword, OutputCodec, Rejection, dead_letter, dead_letter_record,
+    decode_embedding, decode_input, is_blank, read_headers,
 )
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "schemas"
@@ -88,6 +93,40 @@ def test_size_limit_is_inclusive() -> None:
     assert decode_input(None, value, fmt="json", max_bytes=len(value) - 1).reason == "oversized"  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize(("key", "headers_bytes", "largest"), [(b"k" * 20000, 0, "key"), (b"k", 30000, "headers")])
+def test_size_check_counts_key_and_headers(key: bytes, headers_bytes: int, largest: str) -> None:
+    value = b'{"id": "q", "text": "shoes"}'
+    assert isinstance(decode_input(None, value, fmt="json", max_bytes=16384), Keyword)  # the value alone fits
+    got = decode_input(key, value, fmt="json", max_bytes=16384, headers_bytes=headers_bytes)
+    assert isinstance(got, Rejection) and got.reason == "oversized"
+    total = len(key) + len(value) + headers_bytes
+    assert f"record is {total} bytes" in got.detail and f"largest: {largest}" in got.detail
+    # Exactly at the limit still passes: the bound is on key + value + headers.
+    assert isinstance(decode_input(key, value, fmt="json", max_bytes=total, headers_bytes=headers_bytes), Keyword)
+
+
+INVISIBLE = ["\u200b\u200b", "\x00\x01", "\u200d\ufeff", "\u2028\u2029", " \u00a0\u3000\t", "\u00ad",
+             "\ufe0f", "\u3164", "\u202e\u2066\u2069", "\U000e0001\U000e0041", "\x7f\x85", ""]
+
+
+@pytest.mark.parametrize("text", INVISIBLE)
+def test_invisible_only_text_is_empty_text(text: str) -> None:
+    assert is_blank(text)
+    got = decode_input(b"q", orjson.dumps({"id": "q", "text": text}), fmt="json", max_bytes=1000)
+    assert isinstance(got, Rejection) and got.reason == "empty_text"
+    assert decode_input(b"q", text.encode(), fmt="raw", max_bytes=1000).reason == "empty_text"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("text", [
+    "a\u200b", "\u200bshoes\u200b", "🙂", "東京", "\u0600", "\u06dd", "\ue000", "\u0301", "0", "\u200d🙂",
+])
+def test_visible_text_is_content(text: str) -> None:
+    # Letters, digits, emoji, visible format signs (Arabic number sign, end of ayah), private-use
+    # glyphs and combining marks show as something, so they are not empty.
+    assert not is_blank(text)
+    assert decode_input(b"q", orjson.dumps({"id": "q", "text": text}), fmt="json", max_bytes=1000) == Keyword("q", text)
+
+
 @pytest.mark.parametrize(("encoding", "tol"), [("float-list", 1e-7), ("base64-f32", 0.0), ("base64-f16", 1e-3)])
 def test_output_round_trip(encoding: str, tol: float) -> None:
     rng = np.random.default_rng(0)
@@ -131,3 +170,168 @@ def test_dead_letter_of_a_tombstone() -> None:
     obj = orjson.loads(value)
     schema("dead-letter").validate(obj)
     assert obj["value_b64"] is None and obj["key_b64"] is None
+
+
+def test_input_headers_sort_names_that_are_not_utf8() -> None:
+    got = InputHeaders.of([("trace", b"t"), (b"bin", None), (b"\xff\xfe", b"v"), ("caf\udcff", b"w")])
+    assert got.headers == [("trace", b"t"), ("bin", None)]
+    assert got.not_utf8 == [(b"\xff\xfe", b"v"), (b"caf\xed\xb3\xbf", b"w")]
+    assert got.size == (5 + 1) + (3 + 0) + (2 + 1) + (6 + 1)  # names and values, null counting 0
+    assert InputHeaders.of(None) == InputHeaders()
+
+
+class _FakeMessage:
+    def __init__(self, headers: Any) -> None:
+        self._headers = headers
+
+    def headers(self) -> Any:
+        return self._headers
+
+    def set_headers(self, headers: Any) -> None:
+        self._headers = headers
+
+
+class _RaisingMessage(_FakeMessage):
+    """headers() fails once the way confluent-kafka does, then returns what it cached."""
+
+    def __init__(self, cached: Any, bad_name: bytes) -> None:
+        super().__init__(cached)
+        self.bad_name = bad_name
+        self.calls = 0
+
+    def headers(self) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            try:
+                self.bad_name.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise SystemError("<method 'headers'> returned a result with an exception set") from exc
+        return self._headers
+
+
+def test_read_headers_of_plain_messages() -> None:
+    assert read_headers(_FakeMessage(None)) == InputHeaders()
+    got = read_headers(_FakeMessage([("a", b"1"), ("b", None)]))
+    assert got.headers == [("a", b"1"), ("b", None)] and got.note is None and got.size == 3
+
+
+def test_read_headers_never_raises() -> None:
+    # The real client's failure (a NULL name slot) is exercised in test_messages_kafka.py; here,
+    # any exception, and a second call that fails too, end in a note instead of an exception.
+    msg = _RaisingMessage(None, b"\xff")
+    got = read_headers(msg)
+    assert got.headers == [] and got.note and "UnicodeDecodeError" in got.note and "dropped" in got.note
+    assert msg.headers() == []  # replaced, so a later call is safe
+
+    class Broken(_FakeMessage):
+        def headers(self) -> Any:
+            raise RuntimeError("boom")
+
+    got = read_headers(Broken(None))
+    assert got.headers == [] and got.note and "boom" in got.note
+
+
+def _check_dead_letter(rec: Any, *, max_bytes: int, key: bytes | None, value: bytes | None,
+                       headers: InputHeaders) -> dict[str, Any]:
+    assert rec.size <= max_bytes
+    assert rec.size == len(rec.key or b"") + len(rec.value) + sum(len(n.encode()) + len(v or b"") + 10
+                                                                  for n, v in rec.headers)
+    obj = orjson.loads(rec.value)
+    schema("dead-letter").validate(obj)
+    assert obj["source"] == {"topic": "keywords", "partition": 3, "offset": 1207, "timestamp_ms": 1764400000000}
+    h = dict(rec.headers)
+    assert h[H_REASON] == b"oversized" and h[H_SRC_OFFSET] == b"1207"
+    cut = {c["field"]: c for c in obj["cut"]}
+    for name, original in (("key", key), ("value", value)):
+        got = obj[f"{name}_b64"]
+        if original is None:
+            assert got is None and name not in cut
+        elif name in cut:
+            assert cut[name]["size"] == len(original)
+            assert cut[name]["sha256"] == hashlib.sha256(original).hexdigest()
+            assert base64.b64decode(got) == original[:cut[name]["kept"]]
+        else:
+            assert base64.b64decode(got) == original
+    assert rec.key == (key if "key" not in cut else None)
+    if "headers" in cut:
+        assert obj["headers"] == [] and obj["headers_not_utf8"] == []
+        assert cut["headers"]["count"] == len(headers.headers) + len(headers.not_utf8)
+        canon = b"".join(struct.pack(">I", len(n)) + n + (struct.pack(">i", -1) if v is None else
+                                                          struct.pack(">i", len(v)) + v)
+                         for n, v in [(n.encode(), v) for n, v in headers.headers] + list(headers.not_utf8))
+        assert cut["headers"]["sha256"] == hashlib.sha256(canon).hexdigest()
+        assert cut["headers"]["size"] == len(canon)
+        assert set(h) == {"kwe-dlq-reason", "kwe-source-topic", "kwe-source-partition", "kwe-source-offset"}
+    else:
+        assert [(n, base64.b64decode(v) if v else v) for n, v in obj["headers"]] == headers.headers
+        assert rec.headers[:len(headers.headers)] == headers.headers
+    return obj
+
+
+SIZES = [
+    (b"q-1", b"x" * 900_000, []),                                  # a 900 KB keyword
+    (b"k" * 700_000, b'{"id": "q", "text": "shoes"}', []),        # a 700 KB key
+    (b"k" * 300_000, b"v" * 300_000, [("trace", b"abc")]),         # both large, a small header kept
+    (b"q", b"v" * 10, [("big", b"h" * 500_000), ("trace", b"t")]),  # one huge header: headers dropped
+    (None, b"v" * 400_000, [("h", None)]),
+    (b"q" * 150_000, None, []),                                   # a tombstone with a large key
+    (b"q", b"v", [(f"h-{i}", b"x" * 20) for i in range(5000)]),    # many small headers
+]
+
+
+@pytest.mark.parametrize("max_bytes", [4096, 65536, Settings().dead_letter_max_bytes])
+@pytest.mark.parametrize(("key", "value", "headers"), SIZES)
+def test_dead_letter_stays_within_its_limit(max_bytes: int, key: bytes | None, value: bytes | None,
+                                            headers: list[tuple[str, bytes | None]]) -> None:
+    hdrs = InputHeaders.of(headers)
+    rec = dead_letter_record(Rejection("oversized", "too big"), topic="keywords", partition=3, offset=1207,
+                             timestamp_ms=1764400000000, key=key, value=value, headers=hdrs, max_bytes=max_bytes)
+    obj = _check_dead_letter(rec, max_bytes=max_bytes, key=key, value=value, headers=hdrs)
+    assert obj["cut"]  # every case here is too large for every limit
+    if key is not None and len(key) > 100 or value is not None and len(value) > 100:
+        # The limit is used, not wasted: the prefixes kept fill most of it.
+        assert rec.size > max_bytes * 0.6
+    else:
+        # Headers are kept or dropped as a whole (their digest covers them all).
+        assert [c["field"] for c in obj["cut"]] == ["headers"]
+
+
+def test_dead_letter_cut_keeps_what_fits_whole() -> None:
+    key, value = b"q-77", b"x" * 900_000
+    hdrs = InputHeaders.of([("trace", b"abc")])
+    rec = dead_letter_record(Rejection("oversized", "too big"), topic="keywords", partition=3, offset=1207,
+                             timestamp_ms=1764400000000, key=key, value=value, headers=hdrs, max_bytes=65536)
+    obj = _check_dead_letter(rec, max_bytes=65536, key=key, value=value, headers=hdrs)
+    # The small key and header are kept whole (the key still keys the record); the value is a prefix.
+    assert [c["field"] for c in obj["cut"]] == ["value"] and rec.key == key
+    assert dict(rec.headers)["trace"] == b"abc"
+
+
+def test_dead_letter_under_the_limit_is_whole() -> None:
+    hdrs = InputHeaders.of([("trace", b"abc"), (b"\xff", b"v")])
+    rec = dead_letter_record(Rejection("oversized", "too big"), topic="keywords", partition=3, offset=1207,
+                             timestamp_ms=1764400000000, key=b"q", value=b"v" * 3000, headers=hdrs, max_bytes=65536)
+    obj = _check_dead_letter(rec, max_bytes=65536, key=b"q", value=b"v" * 3000, headers=hdrs)
+    assert obj["cut"] == [] and obj["headers_not_utf8"] == [[base64.b64encode(b"\xff").decode(), "dg=="]]
+    # A name that is not UTF-8 is in the value only: confluent-kafka cannot write it as a header.
+    assert [n for n, _ in rec.headers] == ["trace", "kwe-dlq-reason", "kwe-source-topic", "kwe-source-partition",
+                                           "kwe-source-offset"]
+
+
+def test_dead_letter_detail_is_bounded_and_encodable() -> None:
+    rec = dead_letter_record(Rejection("inference_error", "\x00\udcff" * 100_000), topic="keywords", partition=0,
+                             offset=1, timestamp_ms=None, key=None, value=b"v", headers=None, max_bytes=4096)
+    assert rec.size <= 4096
+    obj = orjson.loads(rec.value)
+    schema("dead-letter").validate(obj)
+    assert obj["detail"].endswith("...")
+
+
+def test_dead_letter_example_in_the_schema_is_what_the_code_writes() -> None:
+    examples = schema("dead-letter").schema["examples"]
+    cut = next(ex for ex in examples if ex["cut"])
+    key, value = b"q-9", ('{"id": "q-9", "text": "' + "running shoes " * 60 + '"}').encode()
+    rec = dead_letter_record(Rejection("oversized", cut["detail"]), topic="keywords", partition=3, offset=1207,
+                             timestamp_ms=1764400000000, key=key, value=value,
+                             headers=InputHeaders.of([("trace-id", b"abc123"), (b"\xffsrc", b"x")]), max_bytes=1024)
+    assert orjson.loads(rec.value) == cut

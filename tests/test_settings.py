@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 
 from worker.config import (
+    KAFKA_VALUE_RULES,
+    MIN_MESSAGE_TIMEOUT_MS,
+    RESERVED_KAFKA_KEYS,
     Settings,
     SettingsError,
     add_setting_flags,
@@ -196,6 +199,92 @@ def test_reserved_kafka_keys_are_refused() -> None:
     msg = _error(args=_parse(["--kafka-config", "enable.auto.commit=true"]), env={})
     assert "'kafka_config'" in msg and "enable.auto.commit" in msg
     assert "group_id" in _error(args=None, env={"KWE_KAFKA_CONFIG": "group.id=other"})
+
+
+REFUSED = [
+    "enable.idempotence=false", "enable.idempotence=0", "acks=1", "acks=0", "request.required.acks=1",
+    "enable.auto.commit=true", "auto.commit.enable=true", "enable.auto.offset.store=true",
+    "partition.assignment.strategy=range", "partition.assignment.strategy=roundrobin",
+    "partition.assignment.strategy=cooperative-sticky,range", "isolation.level=read_uncommitted",
+    "isolation.level=read_committed", "max.in.flight.requests.per.connection=6", "max.in.flight=1000000",
+    "message.timeout.ms=5000", "delivery.timeout.ms=59999", "message.timeout.ms=soon", "transactional.id=kwe-1",
+    "group.protocol=consumer", "group.remote.assignor=uniform", "retries=3", "message.send.max.retries=0",
+    "queuing.strategy=lifo", "metadata.broker.list=other:9092", "offset.store.method=file", "on_commit=x",
+]
+
+
+@pytest.mark.parametrize("item", REFUSED)
+def test_guarantee_breaking_overrides_are_refused_naming_the_key(item: str) -> None:
+    key = item.split("=", 1)[0]
+    for msg in (_error(args=_parse(["--kafka-config", item]), env={}),
+                _error(args=None, env={"KWE_KAFKA_CONFIG": f"security.protocol=SSL,{item}"})):
+        assert msg.startswith("setting 'kafka_config'"), msg
+        assert repr(key) in msg or f"{key}=" in msg, msg
+
+
+def test_refusal_says_what_is_allowed() -> None:
+    msg = _error(args=_parse(["--kafka-config", "acks=1"]), env={})
+    assert "acks='1' is refused: it must be all (or -1)" in msg
+    msg = _error(args=_parse(["--kafka-config", "message.timeout.ms=1000"]), env={})
+    assert f"at least {MIN_MESSAGE_TIMEOUT_MS}" in msg
+
+
+def test_dead_letter_limit_must_fit_the_producer_request_limit() -> None:
+    msg = _error(args=_parse(["--kafka-config", "message.max.bytes=200000"]), env={})
+    assert "'dead_letter_max_bytes'" in msg and "message.max.bytes=200000" in msg and "at most 199488" in msg
+    s = load_settings(_parse(["--kafka-config", "message.max.bytes=200000", "--dead-letter-max-bytes", "199488"]),
+                      env={})
+    assert s.dead_letter_max_bytes == 199488
+    assert "'dead_letter_max_bytes'" in _error(args=_parse(["--dead-letter-max-bytes", "4095"]), env={})
+
+
+ALLOWED = [
+    "security.protocol=SASL_SSL", "sasl.mechanisms=SCRAM-SHA-512", "ssl.ca.location=/ca.pem", "linger.ms=50",
+    "compression.type=zstd", "fetch.min.bytes=1024", "fetch.wait.max.ms=100", "client.rack=zone-a",
+    "enable.idempotence=true", "enable.idempotence=True", "acks=all", "acks=-1", "request.required.acks=all",
+    "partition.assignment.strategy=cooperative-sticky", "max.in.flight.requests.per.connection=5",
+    "max.in.flight=1", "message.timeout.ms=3600000", "message.timeout.ms=0", "delivery.timeout.ms=60000",
+    "enable.gapless.guarantee=true", "enable.gapless.guarantee=false", "group.instance.id=pod-1",
+    "queuing.strategy=fifo", "session.timeout.ms=30000", "statistics.interval.ms=1000", "auto.offset.reset=latest",
+]
+
+
+def test_tuning_and_security_overrides_are_allowed_and_librdkafka_takes_them() -> None:
+    from confluent_kafka import Consumer, Producer
+
+    for item in ALLOWED:
+        s = load_settings(_parse(["--kafka-config", item]), env={})
+        assert s.kafka_config == (item,)
+    # Every allowed value is one librdkafka accepts in the worker's own clients (security
+    # settings aside: SASL_SSL needs credentials to construct).
+    tuning = tuple(i for i in ALLOWED if not i.startswith(("security.", "sasl.", "ssl.", "group.instance.id")))
+    for item in tuning:
+        s = Settings(kafka_config=(item,))
+        Producer(producer_config(s)).flush(0)
+        Consumer(consumer_config(s)).close()
+
+
+def test_every_refused_key_is_a_librdkafka_key() -> None:
+    # A typo in the tables would refuse nothing: librdkafka must know each key (it raises on unknown ones).
+    from confluent_kafka import Consumer, KafkaException, Producer
+
+    samples = {"enable.auto.commit": "false", "auto.commit.enable": "false", "enable.auto.offset.store": "false",
+               "isolation.level": "read_committed", "transactional.id": "t", "group.protocol": "classic",
+               "group.remote.assignor": "uniform", "retries": "5", "message.send.max.retries": "5",
+               "offset.store.method": "broker", "metadata.broker.list": "127.0.0.1:1", "group.id": "g",
+               "bootstrap.servers": "127.0.0.1:1"}
+    callbacks = {"error_cb", "stats_cb", "throttle_cb", "on_delivery", "on_commit", "logger"}
+    for key in set(RESERVED_KAFKA_KEYS) - callbacks:
+        cls = Producer if key in ("transactional.id", "retries", "message.send.max.retries") else Consumer
+        try:
+            cls({"group.id": "g", key: samples[key]})
+        except KafkaException as exc:
+            raise AssertionError(f"librdkafka refuses {key}: {exc}") from None
+    for key in KAFKA_VALUE_RULES:
+        cls = Consumer if key == "partition.assignment.strategy" else Producer
+        value = {"partition.assignment.strategy": "cooperative-sticky", "queuing.strategy": "fifo",
+                 "enable.idempotence": "true"}.get(key, "all" if "acks" in key else "5" if "flight" in key else "60000")
+        cls({"group.id": "g", key: value})
 
 
 def test_settings_built_in_code_are_type_checked() -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pytest
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka import Consumer
 
 from tests.kafka_tools import (
     TopicReader, WorkerProcess, committed_offsets, end_offsets, http_get, load_queries, produce, produce_queries,
@@ -52,22 +52,29 @@ def workers(n: int, bootstrap: str, names: tuple[str, str, str], group: str, tmp
 
 def test_readyz_waits_for_assignment_and_metrics_count_the_work(
         kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path, onnx_ready: None) -> None:
-    out, dlq = make_topic("emb", 1), make_topic("dlq", 1)
-    inp = f"kw-late-{group_id}"  # created only after the worker has started
-    # The passthrough setting makes the worker notice the new topic within a second.
-    w = WorkerProcess(kafka_bootstrap, inp, out, dlq, group_id, tmp_path / "w.log",
-                      ("--kafka-config", "topic.metadata.refresh.interval.ms=1000")).start()
+    inp, out, dlq = make_topic("kw", 1), make_topic("emb", 1), make_topic("dlq", 1)
+    # Another member of the group holds the only input partition until it leaves (the topics
+    # must exist before the worker starts: it checks them at startup).
+    holder = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group_id, "enable.auto.commit": False,
+                       "partition.assignment.strategy": "cooperative-sticky"})
+    holder.subscribe([inp])
+    deadline = time.monotonic() + 30
+    while not holder.assignment():
+        assert time.monotonic() < deadline, "the holder got no partition"
+        holder.poll(0.2)
+    w = WorkerProcess(kafka_bootstrap, inp, out, dlq, group_id, tmp_path / "w.log").start()
     try:
         deadline = time.monotonic() + 90
         while w.probe("/healthz") != 200:
             assert w.proc is not None and w.proc.poll() is None, w.log()
             assert time.monotonic() < deadline, w.log()
-            time.sleep(0.1)
+            holder.poll(0.1)
+        for _ in range(10):  # the worker joined the group and got nothing: still not ready
+            holder.poll(0.1)
         status, body = http_get(w.url + "/readyz")
         assert status == 503, body
         assert b"assigned" in body
-        admin = AdminClient({"bootstrap.servers": kafka_bootstrap})
-        admin.create_topics([NewTopic(inp, num_partitions=2, replication_factor=1)])[inp].result(30)
+        holder.close()
         w.wait_ready(60)
 
         queries = load_queries(0, 300)
@@ -89,6 +96,10 @@ def test_readyz_waits_for_assignment_and_metrics_count_the_work(
     finally:
         if w.proc and w.proc.poll() is None:
             w.kill()
+        try:
+            holder.close()
+        except RuntimeError:  # already closed
+            pass
 
 
 def test_one_worker_embeds_20k_queries_exactly_as_the_embedder(

@@ -15,7 +15,7 @@ import functools
 import math
 import os
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_origin, get_type_hints
@@ -23,13 +23,117 @@ from typing import Any, get_origin, get_type_hints
 ENV_PREFIX = "KWE_"
 
 # librdkafka keys that --kafka-config may not set: each either has a setting of its own (one
-# source of truth, no silent "which one won?") or is what at-least-once delivery rests on.
+# source of truth, no silent "which one won?"), is set by the worker itself, or is what
+# at-least-once delivery rests on. Aliases are listed too (librdkafka reads both spellings).
+_AUTO_COMMIT = "the worker commits offsets itself, only after the output is acknowledged"
+_CALLBACK = "the worker sets this callback itself"
 RESERVED_KAFKA_KEYS: dict[str, str] = {
     "bootstrap.servers": "use the bootstrap_servers setting",
+    "metadata.broker.list": "use the bootstrap_servers setting",
     "group.id": "use the group_id setting",
-    "enable.auto.commit": "the worker commits offsets itself, only after the output is acknowledged",
+    "enable.auto.commit": _AUTO_COMMIT,
+    "auto.commit.enable": _AUTO_COMMIT,
     "enable.auto.offset.store": "the worker stores offsets itself, only after the output is acknowledged",
+    "offset.store.method": "offsets are committed to the consumer group on the broker",
+    "isolation.level": "the worker sets it: it reads committed input only (read_committed), and manages it "
+                       "for exactly-once",
+    "transactional.id": "the worker decides whether it writes in transactions; a transactional producer "
+                        "used outside them fails every write",
+    "group.protocol": "the worker's rebalance handling is built for the classic protocol with "
+                      "cooperative-sticky assignment, not KIP-848's consumer protocol",
+    "group.remote.assignor": "it only applies to group.protocol=consumer, which the worker does not use",
+    "retries": "librdkafka retries until message.timeout.ms; a retry limit turns a broker restart into a "
+               "failed write (raise or lower message.timeout.ms instead)",
+    "message.send.max.retries": "librdkafka retries until message.timeout.ms; a retry limit turns a broker "
+                                "restart into a failed write (raise or lower message.timeout.ms instead)",
+    **{key: _CALLBACK for key in ("error_cb", "stats_cb", "throttle_cb", "on_delivery", "on_commit", "logger")},
 }
+
+# A write may fail for good only after message.timeout.ms. Below a minute, a routine broker
+# failover fails writes: KRaft notices a dead broker after broker.session.timeout.ms (9 s),
+# then elects leaders and spreads metadata, and a rolling restart moves leaders for tens of
+# seconds; the worker would stop (or, before, re-produce) for an event that heals itself.
+MIN_MESSAGE_TIMEOUT_MS = 60_000
+
+# What a Kafka size limit (the producer's message.max.bytes, a topic's max.message.bytes) must
+# hold besides one record's key, value and headers: the record batch header (61 bytes) and the
+# record's varint lengths, rounded up.
+RECORD_FRAMING_BYTES = 512
+
+
+def _int_or_none(value: str) -> int | None:
+    try:
+        return int(value.strip())
+    except ValueError:
+        return None
+
+
+def _true(value: str) -> bool:
+    return value.strip().lower() in ("true", "t", "1")  # librdkafka's spellings of a true boolean
+
+
+def _acks_all(value: str) -> bool:
+    return value.strip().lower() in ("all", "-1")
+
+
+def _in_flight_ok(value: str) -> bool:
+    n = _int_or_none(value)
+    return n is not None and 1 <= n <= 5
+
+
+def _message_timeout_ok(value: str) -> bool:
+    n = _int_or_none(value)
+    return n is not None and (n == 0 or n >= MIN_MESSAGE_TIMEOUT_MS)
+
+
+def _cooperative(value: str) -> bool:
+    return [part.strip() for part in value.split(",")] == ["cooperative-sticky"]
+
+
+@dataclass(frozen=True)
+class KafkaValueRule:
+    """The values a librdkafka key may take in kafka_config, in words, and why."""
+
+    check: Callable[[str], bool]
+    allowed: str
+    why: str
+
+
+_ACKS = KafkaValueRule(_acks_all, "all (or -1)", "with fewer acknowledgements a written embedding can be lost "
+                       "when a leader fails, after its input offset was committed")
+_IN_FLIGHT = KafkaValueRule(_in_flight_ok, "1 to 5", "the idempotent producer keeps order and avoids duplicates "
+                            "only up to 5 requests in flight per connection")
+_TIMEOUT = KafkaValueRule(_message_timeout_ok, f"at least {MIN_MESSAGE_TIMEOUT_MS} (or 0, no limit)",
+                          "a shorter timeout fails writes during a routine broker failover")
+
+# librdkafka keys that --kafka-config may set only to the values that keep the guarantees.
+# enable.gapless.guarantee is allowed either way: commit-after-write does not rest on the
+# order of output writes (each one is acknowledged on its own), and true only makes more
+# errors fatal, which the worker stops on.
+KAFKA_VALUE_RULES: dict[str, KafkaValueRule] = {
+    "enable.idempotence": KafkaValueRule(_true, "true", "without it a retried write after a broker error can "
+                                         "duplicate or reorder output records"),
+    "acks": _ACKS,
+    "request.required.acks": _ACKS,
+    "partition.assignment.strategy": KafkaValueRule(
+        _cooperative, "cooperative-sticky", "an eager strategy (range, roundrobin) revokes every partition of "
+        "every member at each rebalance, so in-flight work is dropped and redone"),
+    "max.in.flight.requests.per.connection": _IN_FLIGHT,
+    "max.in.flight": _IN_FLIGHT,
+    "message.timeout.ms": _TIMEOUT,
+    "delivery.timeout.ms": _TIMEOUT,
+    "queuing.strategy": KafkaValueRule(lambda v: v.strip().lower() == "fifo", "fifo", "lifo reorders output records"),
+}
+
+
+def kafka_override_error(key: str, value: str) -> str | None:
+    """Why `key=value` may not be passed to librdkafka, or None when it may."""
+    if key in RESERVED_KAFKA_KEYS:
+        return f"{key!r} cannot be overridden ({RESERVED_KAFKA_KEYS[key]})"
+    rule = KAFKA_VALUE_RULES.get(key)
+    if rule is not None and not rule.check(value):
+        return f"{key}={value.strip()!r} is refused: it must be {rule.allowed} ({rule.why})"
+    return None
 
 
 class SettingsError(ValueError):
@@ -56,16 +160,24 @@ class Settings:
         None, "Extra librdkafka settings as key=value (TLS, SASL, ...), applied to consumer and producer; "
         "repeat the flag; in the environment and in a config-file string, comma-separate them (a piece "
         "without '=' continues the previous value, as in debug=cgrp,fetch). The config file also takes a "
-        "list or a table. bootstrap.servers, group.id, enable.auto.commit and enable.auto.offset.store are "
-        "refused: they have settings of their own or would break commit-after-write.", default_factory=tuple)
+        "list or a table. Keys with a setting of their own, keys the worker sets itself and values that "
+        "would break its delivery guarantees are refused at start (listed below the table).",
+        default_factory=tuple)
     # --- Messages ----------------------------------------------------------------------
     input_format: str = _setting("json", "Input value format: 'json' ({\"id\", \"text\"}) or 'raw' "
                                  "(UTF-8 text, query ID in the message key).", choices=("json", "raw"))
     output_encoding: str = _setting("float-list", "Embedding encoding in the output value: a JSON list of "
                                     "floats, or base64 little-endian float32/float16.",
                                     choices=("float-list", "base64-f32", "base64-f16"))
-    max_message_bytes: int = _setting(16384, "Input values larger than this go to the dead-letter topic.",
-                                      minimum=1)
+    max_message_bytes: int = _setting(16384, "Input records larger than this (key, value and headers "
+                                      "together) go to the dead-letter topic.", minimum=1)
+    dead_letter_max_bytes: int = _setting(262144, "Largest dead-letter record (key, value and headers "
+                                          "together). Above it the original key and value are cut to a "
+                                          "prefix and the original headers dropped, keeping their size and "
+                                          "SHA-256 and the source topic/partition/offset. Keep it below the "
+                                          "dead-letter topic's max.message.bytes and the producer's "
+                                          "message.max.bytes (both about 1 MB by default), or a large bad "
+                                          "record cannot be dead-lettered.", minimum=4096)
     # --- Flow control ------------------------------------------------------------------
     max_in_flight: int = _setting(4096, "Keywords consumed but not yet acknowledged by the broker; "
                                   "partitions pause at this bound. It also bounds the duplicates after a crash.",
@@ -141,12 +253,20 @@ class Settings:
             if maximum is not None and value > maximum:
                 raise SettingsError(f"setting {f.name!r}: {value!r} is above the maximum {maximum}")
         for item in self.kafka_config:
-            key = item.split("=", 1)[0].strip()
+            key, _, value = item.partition("=")
+            key = key.strip()
             if "=" not in item or not key:
                 raise SettingsError(f"setting 'kafka_config': {item!r} is not key=value")
-            if key in RESERVED_KAFKA_KEYS:
-                raise SettingsError(f"setting 'kafka_config': {key!r} cannot be overridden "
-                                    f"({RESERVED_KAFKA_KEYS[key]})")
+            problem = kafka_override_error(key, value)
+            if problem is not None:
+                raise SettingsError(f"setting 'kafka_config': {problem}")
+        # The producer refuses a record above its message.max.bytes (MSG_SIZE_TOO_LARGE), so
+        # a dead letter of the largest allowed size must fit, with room for the batch framing.
+        max_request = _int_or_none(self.librdkafka_overrides().get("message.max.bytes", "none"))
+        if max_request is not None and self.dead_letter_max_bytes + RECORD_FRAMING_BYTES > max_request:
+            raise SettingsError(f"setting 'dead_letter_max_bytes': {self.dead_letter_max_bytes} does not fit "
+                                f"kafka_config message.max.bytes={max_request}; set it to at most "
+                                f"{max_request - RECORD_FRAMING_BYTES}")
 
     def librdkafka_overrides(self) -> dict[str, str]:
         """The kafka_config items as a librdkafka dict; a key given twice keeps its last value."""
@@ -304,8 +424,24 @@ REFERENCE_HEADER = (
 
 
 def reference_markdown() -> str:
-    """The whole of docs/settings.md: header and table."""
-    return REFERENCE_HEADER + reference_table()
+    """The whole of docs/settings.md: header, table, and the refused librdkafka overrides."""
+    return REFERENCE_HEADER + reference_table() + "\n" + refused_kafka_table()
+
+
+def refused_kafka_table() -> str:
+    """The librdkafka keys and values kafka_config refuses, and why."""
+    lines = [
+        "## librdkafka settings that `kafka_config` refuses\n",
+        "Every other librdkafka setting passes through to the consumer and the producer (security.protocol, "
+        "sasl.\\*, ssl.\\*, linger.ms, compression.type, fetch.\\*, client.rack, ...).\n",
+        "| key | allowed | why |",
+        "|---|---|---|",
+    ]
+    for key, reason in RESERVED_KAFKA_KEYS.items():
+        lines.append(f"| `{key}` | never | {_cell(reason)} |")
+    for key, rule in KAFKA_VALUE_RULES.items():
+        lines.append(f"| `{key}` | {_cell(rule.allowed)} | {_cell(rule.why)} |")
+    return "\n".join(lines) + "\n"
 
 
 def reference_table() -> str:

@@ -65,6 +65,18 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     configure_logging(settings.log_format, settings.log_level)  # type: ignore[arg-type]
     log = structlog.get_logger("worker.run")
 
+    # Before the model loads: a missing topic or permission stops the worker within seconds.
+    from worker.kafka.admin import admin_config
+    from worker.kafka.errors import PreflightError
+    from worker.kafka.preflight import check_topics
+
+    try:
+        check_topics(admin_config(settings), settings)
+    except PreflightError as exc:
+        log.error("cannot start the worker", error=str(exc))
+        print(f"keyword-embedder run: {exc}", file=sys.stderr)
+        return 2
+
     from worker.app import build_pipeline
     from worker.backends.base import BackendError
     from worker.metrics import Metrics, MetricsServer
