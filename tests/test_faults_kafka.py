@@ -24,6 +24,7 @@ from confluent_kafka.admin import AdminClient
 from tests.conftest import KAFKA_SH
 from tests.kafka_tools import (
     TopicReader, WorkerProcess, committed_offsets, end_offsets, http_get, load_queries, produce, produce_queries,
+    produce_with_raw_headers,
 )
 from worker.config import Settings
 from worker.kafka.admin import ensure_topics
@@ -379,14 +380,16 @@ def test_large_records_stay_within_the_byte_budget(
         kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path) -> None:
     names = topics(make_topic, 2)
     w = WorkerProcess(kafka_bootstrap, *names, group_id, tmp_path / "w.log",
-                      ("--max-in-flight-bytes", str(8 * 1024 * 1024), "--max-message-bytes", "600000")).start()
+                      ("--max-in-flight-bytes", str(8 * 1024 * 1024))).start()
     w.wait_ready()
     assert w.proc is not None
     baseline = _peak_rss_kib(w.proc.pid)
     filler = "lorem ipsum " * (500_000 // 12)
+    # Each is above max_message_bytes: dead-lettered, its bytes held until the dead letter is
+    # acknowledged, so the byte budget is what bounds memory.
     records = ((f"big{i}".encode(), orjson.dumps({"id": f"big{i}", "text": f"{i} {filler}"})) for i in range(2000))
     produce(kafka_bootstrap, names[0], records)
-    reader = TopicReader(kafka_bootstrap, names[1], group_id + "-r")
+    reader = TopicReader(kafka_bootstrap, names[2], group_id + "-r")
     try:
         reader.wait_for({f"big{i}" for i in range(2000)}, 600, alive=[w])
         peak = _peak_rss_kib(w.proc.pid)
@@ -395,9 +398,54 @@ def test_large_records_stay_within_the_byte_budget(
         if w.proc and w.proc.poll() is None:
             w.kill()
         reader.close()
+    assert {r.value["reason"] for r in reader.records} == {"oversized"}
     grown_mib = (peak - baseline) / 1024
     print(f"\n2,000 x 500 KB records: peak RSS {peak / 1024:.0f} MiB, {grown_mib:.0f} MiB above the ready worker "
           f"(1,000 MB went through)")
-    # 8 MiB of in-flight records, the prefetch queue (2 MiB), the tokenizer's and librdkafka's
-    # buffers: far below the gigabyte that went through.
+    # 8 MiB of in-flight records, the prefetch queue (2 MiB), fetch buffers and the dead
+    # letters being built: far below the gigabyte that went through.
     assert grown_mib < 250
+
+
+# ------------------------------------------------------------------------------------ hostile input
+def test_a_group_of_three_survives_hostile_records_and_keeps_consuming(
+        kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path) -> None:
+    names = topics(make_topic, 6)
+    queries = load_queries(0, 3000)
+    ws = [WorkerProcess(kafka_bootstrap, *names, group_id, tmp_path / f"w{i}.log",
+                        ("--intra-op-threads", "1")).start() for i in range(3)]
+    for w in ws:
+        w.wait_ready()
+    hostile = [
+        (b"huge-text", orjson.dumps({"id": "huge-text", "text": "x" * 900_000}), []),  # under the broker's 1 MB
+        (b"k" * 700_000, orjson.dumps({"id": "huge-key", "text": "normal words"}), []),
+        (b"bad-header", orjson.dumps({"id": "bad-header", "text": "fine text"}), [(b"\xff\xfe", b"v")]),
+        (b"zero-width", orjson.dumps({"id": "zero-width", "text": "\u200b\u200d\ufeff"}), []),
+    ]
+    produce_queries(kafka_bootstrap, names[0], queries[:1500])
+    produce_with_raw_headers(kafka_bootstrap, names[0], hostile)
+    produce_queries(kafka_bootstrap, names[0], queries[1500:])
+    out = TopicReader(kafka_bootstrap, names[1], group_id + "-r")
+    dlq = TopicReader(kafka_bootstrap, names[2], group_id + "-d")
+    try:
+        out.wait_for({q for q, _ in queries} | {"bad-header"}, 300, alive=ws)
+        deadline = time.monotonic() + 60
+        while len(dlq.records) < 3 and time.monotonic() < deadline:
+            dlq.poll(0.5)
+        # Still alive and consuming afterwards.
+        more = load_queries(3000, 300)
+        produce_queries(kafka_bootstrap, names[0], more)
+        out.wait_for({q for q, _ in more}, 120, alive=ws)
+        codes = [w.stop() for w in ws]
+    finally:
+        for w in ws:
+            if w.proc and w.proc.poll() is None:
+                w.kill()
+        out.close()
+        dlq.close()
+    assert codes == [0, 0, 0]
+    reasons = sorted((r.value["source"]["offset"] >= 0, r.value["reason"]) for r in dlq.records)
+    assert [r for _, r in reasons] == ["empty_text", "oversized", "oversized"]
+    assert all(len(orjson.dumps(r.value)) <= 262144 for r in dlq.records)
+    bad = [r for r in out.records if r.key == "bad-header"]
+    assert bad, "the record with a non-UTF-8 header name was not embedded"

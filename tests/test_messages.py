@@ -16,7 +16,7 @@ from jsonschema import Draft202012Validator
 
 from worker.config import Settings
 from worker.kafka.messages import (
-    H_REASON, H_SRC_OFFSET, InputHeaders, Keyword, OutputCodec, Rejection, dead_letter, dead_letter_record,
+    H_REASON, H_SRC_OFFSET, InputHeaders, Keyword, OutputCodec, Rejection, dead_letter_record,
     decode_embedding, decode_input, is_blank, read_headers,
 )
 
@@ -152,10 +152,10 @@ def test_base64_is_little_endian_float32_from_the_schema_alone() -> None:
 
 
 def test_dead_letter_keeps_original_bytes_and_source() -> None:
-    value, headers = dead_letter(Rejection("malformed_json", "bad"), topic="keywords", partition=3, offset=1207,
-                                 timestamp_ms=1764400000000, key=b"q-9", value=b"{oops",
-                                 headers=[("trace", b"abc")])
-    obj = orjson.loads(value)
+    rec = dead_letter_record(Rejection("malformed_json", "bad"), topic="keywords", partition=3, offset=1207,
+                             timestamp_ms=1764400000000, key=b"q-9", value=b"{oops", headers=[("trace", b"abc")],
+                             max_bytes=262144)
+    obj, headers = orjson.loads(rec.value), rec.headers
     schema("dead-letter").validate(obj)
     assert base64.b64decode(obj["value_b64"]) == b"{oops"
     assert base64.b64decode(obj["key_b64"]) == b"q-9"
@@ -165,9 +165,9 @@ def test_dead_letter_keeps_original_bytes_and_source() -> None:
 
 
 def test_dead_letter_of_a_tombstone() -> None:
-    value, _ = dead_letter(Rejection("null_value", "none"), topic="t", partition=0, offset=0, timestamp_ms=None,
-                           key=None, value=None, headers=None)
-    obj = orjson.loads(value)
+    rec = dead_letter_record(Rejection("null_value", "none"), topic="t", partition=0, offset=0, timestamp_ms=None,
+                             key=None, value=None, headers=None, max_bytes=262144)
+    obj = orjson.loads(rec.value)
     schema("dead-letter").validate(obj)
     assert obj["value_b64"] is None and obj["key_b64"] is None
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from confluent_kafka import Message
 
+from worker.kafka.messages import InputHeaders
 from worker.kafka.offsets import PartitionOffsets
 
 
@@ -30,7 +31,10 @@ class InFlight:
     truncated: bool
     timestamp_ms: int | None
     nbytes: int
-    msg: Message | None  # kept until the output is produced, for a dead letter after an inference error
+    # The input, kept until the output is produced, for a dead letter after an inference error;
+    # headers read once and safely (a header name need not be UTF-8).
+    msg: Message | None
+    headers: InputHeaders
 
 
 class InFlightTable:

@@ -19,23 +19,13 @@ from confluent_kafka import Message
 from worker.config import Settings
 from worker.dead_letters import DeadLetters
 from worker.inflight import InFlight, InFlightTable
-from worker.kafka.messages import Keyword, Rejection, decode_input
+from worker.kafka.messages import Keyword, Rejection, decode_input, read_headers
 from worker.kafka.offsets import OffsetTracker, PartitionOffsets
 from worker.metrics import Metrics
 
 log = structlog.get_logger(__name__)
 
 Submit = Callable[[int, np.ndarray], None]
-
-
-def record_bytes(msg: Message) -> int:
-    """What the record holds in memory: key, value and headers."""
-    size = len(msg.key() or b"") + len(msg.value() or b"")
-    try:
-        headers = msg.headers() or []
-    except Exception:  # noqa: BLE001 - an undecodable header name; its bytes are unknown here
-        return size
-    return size + sum(len(name) + len(v or b"") for name, v in headers)
 
 
 class Intake:
@@ -65,7 +55,7 @@ class Intake:
             consumed += 1
             seq = next(self._seq)
             decoded = decode_input(msg.key(), msg.value(), fmt=s.input_format,  # type: ignore[arg-type]
-                                   max_bytes=s.max_message_bytes)
+                                   max_bytes=s.max_message_bytes, headers_bytes=rec.headers.size)
             if isinstance(decoded, Rejection):
                 self._reject(seq, rec, decoded)
             else:
@@ -84,12 +74,14 @@ class Intake:
             log.warning("skipping a re-fetched message", error=str(exc))
             return None
         ts_type, ts = msg.timestamp()
-        return InFlight(part, offset, "", 0, False, ts if ts_type else None, record_bytes(msg), msg)
+        headers = read_headers(msg)  # never msg.headers(): a header name need not be UTF-8
+        nbytes = len(msg.key() or b"") + len(msg.value() or b"") + headers.size
+        return InFlight(part, offset, "", 0, False, ts if ts_type else None, nbytes, msg, headers)
 
     def _reject(self, seq: int, rec: InFlight, rejection: Rejection) -> None:
         self._inflight.add(seq, rec)
         assert rec.msg is not None
-        self._dead_letters.send(seq, rec.msg, rejection)
+        self._dead_letters.send(seq, rec.msg, rec.headers, rejection)
 
     def _embed(self, good: list[tuple[int, Keyword, InFlight]]) -> None:
         texts = [kw.text for _, kw, _ in good]
@@ -105,6 +97,10 @@ class Intake:
         for (seq, kw, rec), enc in zip(good, encoded):
             if isinstance(enc, Exception):
                 self._reject(seq, rec, Rejection("tokenize_error", f"the tokenizer failed on this text: {enc!r}"))
+                continue
+            if enc.length <= self._tokenizer.special_tokens:
+                # Visible to is_blank but nothing to the model (e.g. only combining marks).
+                self._reject(seq, rec, Rejection("empty_text", "'text' has no tokens once normalised"))
                 continue
             rec.qid, rec.tokens, rec.truncated = kw.id, enc.length, enc.truncated
             self._inflight.add(seq, rec)

@@ -124,5 +124,5 @@ class OutputStage:
             log.warning("an item fails inference on its own; dead-lettering it", qid=rec.qid,
                         error=repr(item.error))
             if rec.msg is None or not self._dead_letters.send(
-                    seq, rec.msg, Rejection("inference_error", f"the backend failed on this item: {item.error!r}")):
+                    seq, rec.msg, rec.headers, Rejection("inference_error", f"the backend failed on this item: {item.error!r}")):
                 return

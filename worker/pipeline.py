@@ -75,7 +75,7 @@ class Pipeline:
                                  drain_target_s=max(1.0, settings.shutdown_timeout_s / 3))
         self._producer = OutputProducer(producer_config(settings), self.latch, producer_factory=producer_factory)
         self._acks = acks = Acknowledger(self._inflight, self.metrics)
-        dead_letters = DeadLetters(settings.dead_letter_topic, self._producer, acks)
+        dead_letters = DeadLetters(settings.dead_letter_topic, settings.dead_letter_max_bytes, self._producer, acks)
         self._committer = Committer(None, interval_s=settings.commit_interval_ms / 1000.0)
         self._member = GroupMember(consumer_config(settings), self._committer, self.latch, self.metrics,
                                    revoke_wait_s=self._revoke_wait_s, consumer_factory=consumer_factory)

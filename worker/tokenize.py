@@ -66,6 +66,11 @@ class KeywordTokenizer:
     def max_len(self) -> int:
         return self._max_len
 
+    @property
+    def special_tokens(self) -> int:
+        """Tokens every encoding has ([CLS], [SEP]): an encoding of no more has no text."""
+        return int(self._n_special)
+
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
         out = []
         for enc in self._tokenizer.encode_batch(list(texts), add_special_tokens=True):

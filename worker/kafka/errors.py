@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from worker.errors import WorkerError
 
-class KafkaSetupError(Exception):
+
+class KafkaSetupError(WorkerError):
     """The cluster is not set up for this worker (a topic or a permission is missing, or the
     cluster cannot be reached); retrying does not help, so the worker stops with this message."""
 

@@ -453,12 +453,3 @@ def dead_letter_record(rejection: Rejection, *, topic: str, partition: int, offs
 
 def _b64_len(n: int) -> int:
     return 4 * ((n + 2) // 3)
-
-
-def dead_letter(rejection: Rejection, *, topic: str, partition: int, offset: int, timestamp_ms: int | None,
-                key: bytes | None, value: bytes | None, headers: Headers | None,
-                max_bytes: int = 262144) -> tuple[bytes, Headers]:
-    """Transitional: (value, headers) of `dead_letter_record`, for the pipeline until it calls that."""
-    rec = dead_letter_record(rejection, topic=topic, partition=partition, offset=offset, timestamp_ms=timestamp_ms,
-                             key=key, value=value, headers=headers, max_bytes=max_bytes)
-    return rec.value, rec.headers
