@@ -37,6 +37,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 
 from worker.config import Settings
 from worker.kafka.consumer import consumer_config
+from worker.kafka.errors import FailurePolicy
 from worker.kafka.messages import Keyword, OutputCodec, Rejection, dead_letter, decode_input
 from worker.kafka.offsets import OffsetTracker, PartitionOffsets
 from worker.kafka.producer import DeliveryLoop, producer_config
@@ -119,6 +120,8 @@ class Pipeline:
         self._producer_ok = True
         self._backend_failures = 0
         self._client_errors = _ThrottledErrors()
+        # Auth/TLS/ACL errors that librdkafka would retry forever stop the worker (worker/kafka/errors.py).
+        self._failures = FailurePolicy()
         self._last_commit = 0.0
         self.counts = {"consumed": 0, "produced": 0, "dead_lettered": 0, "dropped": 0}
         self._counts_lock = threading.Lock()
@@ -223,8 +226,12 @@ class Pipeline:
         for msg in msgs:
             err = msg.error()
             if err is not None:
+                reason = self._failures.decide(err, topic=msg.topic(), op="read", group=s.group_id)
+                if reason is not None:
+                    self._fail(reason)
+                    return
                 if err.code() != KafkaError._PARTITION_EOF:
-                    log.warning("consume error", error=str(err))
+                    self._client_errors.warn("consume error", err)
                 continue
             part = self._tracker.get(msg.topic(), msg.partition())
             if part is None:
@@ -345,6 +352,11 @@ class Pipeline:
     def _delivered(self, seq: int, err: KafkaError | None, msg: Message, attempt: int) -> None:
         """Delivery thread: the broker acknowledged (or finally refused) one record."""
         if err is not None:
+            reason = self._failures.decide(err, topic=msg.topic(), op="write")
+            if reason is not None:
+                self._producer_ok = False
+                self._fail(reason)
+                return
             if attempt < MAX_REPRODUCE and not err.fatal():
                 log.warning("delivery failed; producing again", error=str(err), topic=msg.topic(), attempt=attempt + 1)
                 self._produce(msg.topic(), msg.key(), msg.value(), msg.headers(), seq, attempt + 1)
@@ -353,6 +365,7 @@ class Pipeline:
             self._fatal = WorkerError(f"could not deliver to {msg.topic()}: {err}")
             self._stop.set()
             return
+        self._failures.connected()
         with self._inflight_lock:
             rec = self._inflight.pop(seq, None)
         if rec is None:
@@ -418,6 +431,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------ rebalances
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._failures.connected()
         for tp in partitions:
             self._tracker.assign(tp.topic, tp.partition)
         log.info("partitions assigned", partitions=[f"{tp.topic}[{tp.partition}]" for tp in partitions])
@@ -461,15 +475,28 @@ class Pipeline:
             self._metrics.count_rebalance("lost")
 
     # ------------------------------------------------------------------ errors, stats
+    def _fail(self, reason: str) -> None:
+        """Stop the worker without draining; the first reason is the one reported."""
+        if self._fatal is None:
+            self._fatal = WorkerError(reason)
+        self._stop.set()
+
     def _on_consumer_error(self, err: KafkaError) -> None:
-        if err.fatal():
+        reason = self._failures.decide(err, group=self.settings.group_id)
+        if reason is not None:
+            self._fail(reason)
+        elif err.fatal():
             self._fatal = WorkerError(f"fatal consumer error: {err}")
             self._stop.set()
         else:
             self._client_errors.warn("consumer error", err)
 
     def _on_producer_error(self, err: KafkaError) -> None:
-        if err.fatal():
+        reason = self._failures.decide(err, op="write")
+        if reason is not None:
+            self._producer_ok = False
+            self._fail(reason)
+        elif err.fatal():
             self._producer_ok = False
             self._fatal = WorkerError(f"fatal producer error: {err}")
             self._stop.set()

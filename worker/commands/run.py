@@ -23,7 +23,15 @@ def main(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"keyword-embedder run: {exc}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_format, settings.log_level)  # type: ignore[arg-type]
+    from worker.kafka.client_config import client_config, secret_values
+
+    try:
+        # Read the config and password files now: a bad one stops the worker before the model loads.
+        client_config(settings)
+    except SettingsError as exc:
+        print(f"keyword-embedder run: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, settings.log_level, secrets=secret_values(settings))  # type: ignore[arg-type]
     log = structlog.get_logger("worker.run")
 
     from worker.app import build_pipeline

@@ -10,7 +10,10 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 def ensure_topics(bootstrap_servers: str, topics: Mapping[str, int], *, extra_config: Mapping[str, str] | None = None,
                   timeout_s: float = 30.0) -> list[str]:
-    """Creates each topic with its partition count unless it exists; returns the ones created."""
+    """Creates each topic with its partition count unless it exists; returns the ones created.
+
+    `extra_config`: the security keys (worker.kafka.client_config.client_config) for a secured cluster.
+    """
     admin = AdminClient({"bootstrap.servers": bootstrap_servers, **(extra_config or {})})
     existing = set(admin.list_topics(timeout=timeout_s).topics)
     wanted = [NewTopic(name, num_partitions=n, replication_factor=1) for name, n in topics.items()

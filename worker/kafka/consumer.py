@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from worker.config import Settings
+from worker.kafka.client_config import client_config
 
 
 def consumer_config(settings: Settings, **callbacks: Any) -> dict[str, Any]:
@@ -30,5 +31,6 @@ def consumer_config(settings: Settings, **callbacks: Any) -> dict[str, Any]:
     # instead of raw "%6|...|FAIL|..." lines on stderr.
     config["logger"] = logging.getLogger("librdkafka")
     config.update(callbacks)
-    config.update(settings.librdkafka_overrides())
+    # Security and --kafka-config / --kafka-config-file keys, merged in one place.
+    config.update(client_config(settings))
     return config

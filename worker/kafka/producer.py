@@ -14,6 +14,7 @@ import structlog
 from confluent_kafka import Producer
 
 from worker.config import Settings
+from worker.kafka.client_config import client_config
 
 log = structlog.get_logger(__name__)
 
@@ -39,7 +40,8 @@ def producer_config(settings: Settings, **callbacks: Any) -> dict[str, Any]:
     # instead of raw "%6|...|FAIL|..." lines on stderr.
     config["logger"] = logging.getLogger("librdkafka")
     config.update(callbacks)
-    config.update(settings.librdkafka_overrides())
+    # Security and --kafka-config / --kafka-config-file keys, merged in one place.
+    config.update(client_config(settings))
     return config
 
 
