@@ -348,6 +348,14 @@ class Pipeline:
             except BufferError:
                 # The local queue is full: the delivery thread drains it; wait for room.
                 time.sleep(0.005)
+            except KafkaException as exc:
+                # librdkafka refuses at once a topic its metadata already says is not ours to write.
+                reason = self._failures.decide(exc.args[0], topic=topic, op="write")
+                if reason is None:
+                    raise
+                self._producer_ok = False
+                self._fail(reason)
+                return
 
     def _delivered(self, seq: int, err: KafkaError | None, msg: Message, attempt: int) -> None:
         """Delivery thread: the broker acknowledged (or finally refused) one record."""
@@ -383,7 +391,9 @@ class Pipeline:
         offsets = []
         for part in parts:
             off = part.committable()
-            if off is not None:
+            # Nothing finished yet: committing would only restate where the group stood, and a
+            # worker stopped by a fatal error must leave the group's offsets as they were.
+            if off is not None and not (part.committed is None and off == part.first):
                 offsets.append(TopicPartition(part.topic, part.partition, off))
         return offsets
 

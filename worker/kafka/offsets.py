@@ -66,6 +66,12 @@ class PartitionOffsets:
             return len(self._cells)
 
     @property
+    def first(self) -> int | None:
+        """The first offset this owner consumed (where the group offset stood), or None."""
+        with self._lock:
+            return self._first
+
+    @property
     def committed(self) -> int | None:
         with self._lock:
             return self._committed
