@@ -195,7 +195,7 @@ def test_misconfiguration_stops_the_worker_fast_with_one_clear_message(
         worker.kill()
         raise AssertionError(f"the worker did not stop:\n{worker.log()[-3000:]}") from None
     elapsed = time.monotonic() - start
-    print(f"\n{case}: exit {rc} after {elapsed:.1f} s")
+    print(f"\n{case}: exit {rc} after {elapsed:.1f} s, {len(worker.log().splitlines())} log lines")
     log = worker.log()
     assert rc == 1, log[-3000:]
     assert elapsed < EXIT_BOUND_S, log[-3000:]
@@ -263,3 +263,24 @@ def test_reader_cannot_write_the_input_topic(kafka_secure: SecureCluster, secure
     assert f"not authorised to write topic '{inp}'" in got.stderr
     assert time.monotonic() - start < EXIT_BOUND_S
     assert_no_secret(got.stderr, kafka_secure, "produce's output")
+
+
+def test_the_secured_broker_listens_on_loopback_only_and_refuses_plaintext(kafka_secure: SecureCluster) -> None:
+    from worker.kafka.client_config import read_properties
+
+    server = read_properties(kafka_secure.config_dir.parent / "server.properties")
+    listeners = dict(item.split("://") for item in server["listeners"].split(","))
+    assert set(listeners) == {"SASL_SSL", "CONTROLLER"}
+    assert all(addr.startswith("127.0.0.1:") for addr in listeners.values())
+    assert server["listener.security.protocol.map"] == "CONTROLLER:SSL,SASL_SSL:SASL_SSL"
+    assert server["listener.name.controller.ssl.client.auth"] == "required"
+    # Behaviour, not just configuration: a client without TLS and SASL gets no metadata.
+    admin = AdminClient({"bootstrap.servers": kafka_secure.bootstrap})
+    with pytest.raises(Exception):  # noqa: B017 - librdkafka's timeout or transport error, either refuses
+        admin.list_topics(timeout=5)
+    # With TLS but no credentials the broker refuses too.
+    ca_only = {"bootstrap.servers": kafka_secure.bootstrap, "security.protocol": "SSL",
+               "ssl.ca.location": str(kafka_secure.config_dir / "ca.pem")}
+    with pytest.raises(Exception):  # noqa: B017
+        AdminClient(ca_only).list_topics(timeout=5)
+    assert AdminClient(kafka_secure.config("admin")).list_topics(timeout=10).topics is not None
