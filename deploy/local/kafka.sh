@@ -15,7 +15,7 @@
 #   controller listener, the StandardAuthorizer with the README's ACLs; all on 127.0.0.1. Its start
 #   prints KAFKA_SECURE_CONFIG_DIR=DIR (ca.pem and one librdkafka properties file per user: admin,
 #   worker, producer, reader, intruder) and then KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:PORT as the last
-#   line. Passwords are random per fresh start. Needs openssl and keytool (JDK/JRE) as well.
+#   line. Passwords are random per fresh start. Needs openssl as well (the CA and certificate).
 #
 # Environment:
 #   KAFKA_PORT         listener port (default: a free one)

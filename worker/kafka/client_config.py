@@ -96,7 +96,8 @@ def client_config(settings: Settings) -> dict[str, str]:
     normalised = {_ALIASES.get(k, k): (k, v) for k, v in raw.items()}
     for key, value in typed.items():
         if key in normalised and normalised[key][1] != value:
-            name = next((n for n, k in TYPED_KEYS.items() if k == key), "sasl_password_file")
+            name = ("sasl_password_file" if key == "sasl.password" and settings.sasl_password_file
+                    else next(n for n, k in TYPED_KEYS.items() if k == key))
             raise SettingsError(f"setting {name!r} and kafka_config/kafka_config_file both set {normalised[key][0]!r} "
                                 "to different values: keep one")
     merged = {k: v for k, v in raw.items() if _ALIASES.get(k, k) not in typed}
