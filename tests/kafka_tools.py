@@ -10,13 +10,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 ROOT = Path(__file__).resolve().parents[1]
 QUERIES = Path(__file__).resolve().parent / "data" / "queries" / "terabyte05-20k.tsv"
@@ -128,8 +128,9 @@ class WorkerProcess:
         return out
 
 
-def produce(bootstrap: str, topic: str, records: Iterable[tuple[bytes | None, bytes | None]]) -> int:
-    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20, "enable.idempotence": True})
+def produce(bootstrap: str, topic: str, records: Iterable[tuple[bytes | None, bytes | None]],
+            config: Mapping[str, str] | None = None) -> int:
+    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20, "enable.idempotence": True, **(config or {})})
     n = 0
     for key, value in records:
         while True:
@@ -143,9 +144,10 @@ def produce(bootstrap: str, topic: str, records: Iterable[tuple[bytes | None, by
     return n
 
 
-def produce_queries(bootstrap: str, topic: str, queries: Sequence[tuple[str, str]]) -> int:
+def produce_queries(bootstrap: str, topic: str, queries: Sequence[tuple[str, str]],
+                    config: Mapping[str, str] | None = None) -> int:
     return produce(bootstrap, topic,
-                   ((qid.encode(), orjson.dumps({"id": qid, "text": text})) for qid, text in queries))
+                   ((qid.encode(), orjson.dumps({"id": qid, "text": text})) for qid, text in queries), config)
 
 
 @dataclass
@@ -206,11 +208,21 @@ class TopicReader:
         self._c.close()
 
 
-def committed_offsets(bootstrap: str, group: str, topic: str, partitions: int) -> dict[int, int]:
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+def committed_offsets(bootstrap: str, group: str, topic: str, partitions: int,
+                      config: Mapping[str, str] | None = None) -> dict[int, int]:
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False, **(config or {})})
     try:
-        tps = c.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=10)
-        return {tp.partition: tp.offset for tp in tps}
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                tps = c.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=10)
+                return {tp.partition: tp.offset for tp in tps}
+            except KafkaException as exc:
+                # A group coordinator still loading (a fresh broker) answers NOT_COORDINATOR for a while.
+                if not exc.args[0].retriable() and exc.args[0].code() != KafkaError.NOT_COORDINATOR \
+                        or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
     finally:
         c.close()
 

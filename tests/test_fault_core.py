@@ -140,14 +140,26 @@ def test_a_refused_record_is_fatal_with_the_topic_and_the_reason() -> None:
 def test_a_failed_delivery_is_fatal_and_never_produced_again() -> None:
     latch = FatalLatch()
     wrapper, fake = _producer(latch)
-    fake.fail_with = KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)
+    fake.fail_with = KafkaError(KafkaError._MSG_TIMED_OUT)  # the outage outlasted message.timeout.ms
     acked: list[int] = []
     wrapper.start()
     assert wrapper.produce("out", b"k", b"v", [], lambda: acked.append(1))
     assert latch.wait(5.0)
     wrapper.stop(2.0)
     assert acked == [] and len(fake.produced) == 1
-    assert "'out'" in str(latch.error) and "TOPIC_AUTHORIZATION_FAILED" in str(latch.error)
+    assert isinstance(latch.error, DeliveryError)
+    assert "'out'" in str(latch.error) and "_MSG_TIMED_OUT" in str(latch.error)
+
+
+def test_a_missing_write_acl_says_so() -> None:
+    latch = FatalLatch()
+    wrapper, fake = _producer(latch)
+    fake.fail_with = KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED)
+    wrapper.start()
+    wrapper.produce("out", b"k", b"v", [], lambda: None)
+    assert latch.wait(5.0)
+    wrapper.stop(2.0)
+    assert str(latch.error).startswith("not authorised to write topic 'out'")
 
 
 def test_a_bug_in_acknowledging_stops_the_worker_instead_of_killing_the_delivery_thread() -> None:

@@ -14,7 +14,7 @@ from confluent_kafka.admin import AclOperation
 
 from tests.kafka_tools import ROOT, free_port
 from worker.config import Settings
-from worker.kafka.admin import admin_config
+from worker.kafka.client_config import admin_config
 from worker.kafka.errors import KafkaSetupError, PreflightError
 from worker.kafka.preflight import check_topics, missing_access, required_access
 

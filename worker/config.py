@@ -18,7 +18,9 @@ import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_origin, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+from worker.redact import MASK, is_secret_key
 
 ENV_PREFIX = "KWE_"
 
@@ -136,13 +138,24 @@ def kafka_override_error(key: str, value: str) -> str | None:
     return None
 
 
+# librdkafka's values; "" leaves the key unset (librdkafka's default, or what the config file says).
+SecurityProtocol = Literal["", "PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
+SaslMechanism = Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI"]
+
+# The settings every Kafka client of every command (run, produce, consume, demo) takes;
+# worker/kafka/client_config.py turns them into librdkafka keys.
+CLIENT_SETTINGS = ("kafka_config", "kafka_config_file", "security_protocol", "sasl_mechanism", "sasl_username",
+                   "sasl_password", "sasl_password_file", "ssl_ca_location")
+
+
 class SettingsError(ValueError):
     """A setting has an invalid value; the message names the setting and its source."""
 
 
 def _setting(default: Any, help: str, *, choices: Sequence[str] | None = None, minimum: float | None = None,
-             maximum: float | None = None, default_factory: Any = None) -> Any:
-    meta = {"help": help, "choices": tuple(choices) if choices else None, "minimum": minimum, "maximum": maximum}
+             maximum: float | None = None, default_factory: Any = None, secret: bool = False) -> Any:
+    meta = {"help": help, "choices": tuple(choices) if choices else None, "minimum": minimum, "maximum": maximum,
+            "secret": secret}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -163,6 +176,21 @@ class Settings:
         "list or a table. Keys with a setting of their own, keys the worker sets itself and values that "
         "would break its delivery guarantees are refused at start (listed below the table).",
         default_factory=tuple)
+    kafka_config_file: str = _setting(
+        "", "A librdkafka properties file (key=value lines, '#' comments), e.g. a client.properties from "
+        "your Kafka provider; --kafka-config items override its keys. The same keys are refused as for "
+        "kafka_config.")
+    security_protocol: SecurityProtocol = _setting(
+        "", "librdkafka security.protocol; empty: not set here (librdkafka's PLAINTEXT, or the config file's).")
+    sasl_mechanism: SaslMechanism = _setting("", "librdkafka sasl.mechanism; empty: not set here.")
+    sasl_username: str = _setting("", "librdkafka sasl.username.")
+    sasl_password: str = _setting("", "librdkafka sasl.password. Prefer sasl_password_file (a mounted Kubernetes "
+                                  "secret): a value here is visible in the process environment. Never printed.",
+                                  secret=True)
+    sasl_password_file: str = _setting("", "File whose content (trailing newline stripped) is the SASL password; "
+                                       "read at start.")
+    ssl_ca_location: str = _setting("", "librdkafka ssl.ca.location: PEM file of the CA that signed the brokers' "
+                                    "certificates; empty: the system's CAs.")
     # --- Messages ----------------------------------------------------------------------
     input_format: str = _setting("json", "Input value format: 'json' ({\"id\", \"text\"}) or 'raw' "
                                  "(UTF-8 text, query ID in the message key).", choices=("json", "raw"))
@@ -243,7 +271,7 @@ class Settings:
                 raise SettingsError(f"setting {f.name!r}: {value!r} is not a {kind.__name__}")
             if kind is float and not math.isfinite(value):
                 raise SettingsError(f"setting {f.name!r}: {value!r} is not a finite number")
-            choices = f.metadata.get("choices")
+            choices = _choices(f)
             if choices and value not in choices:
                 raise SettingsError(f"setting {f.name!r}: {value!r} is not one of {', '.join(choices)}")
             minimum = f.metadata.get("minimum")
@@ -256,7 +284,8 @@ class Settings:
             key, _, value = item.partition("=")
             key = key.strip()
             if "=" not in item or not key:
-                raise SettingsError(f"setting 'kafka_config': {item!r} is not key=value")
+                # Only the key is shown: a malformed item may still hold a secret value.
+                raise SettingsError(f"setting 'kafka_config': {key or item[:1]!r}...: expected key=value")
             problem = kafka_override_error(key, value)
             if problem is not None:
                 raise SettingsError(f"setting 'kafka_config': {problem}")
@@ -267,19 +296,41 @@ class Settings:
             raise SettingsError(f"setting 'dead_letter_max_bytes': {self.dead_letter_max_bytes} does not fit "
                                 f"kafka_config message.max.bytes={max_request}; set it to at most "
                                 f"{max_request - RECORD_FRAMING_BYTES}")
+        if self.sasl_password and self.sasl_password_file:
+            raise SettingsError("settings 'sasl_password' and 'sasl_password_file' are both set: keep one")
+
+    def __repr__(self) -> str:
+        # Settings end up in logs and tracebacks: the repr never shows a secret.
+        shown = ", ".join(f"{k}={v!r}" for k, v in self.redacted().items())
+        return f"Settings({shown})"
+
+    def redacted(self) -> dict[str, Any]:
+        """Every setting by name, secrets masked (secret settings, and secret kafka_config values)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("secret") and value:
+                value = MASK
+            elif f.name == "kafka_config":
+                value = tuple(f"{k}={MASK}" if is_secret_key(k) and v else item
+                              for item in value for k, _, v in [item.partition("=")])
+            out[f.name] = value
+        return out
 
     def librdkafka_overrides(self) -> dict[str, str]:
         """The kafka_config items as a librdkafka dict; a key given twice keeps its last value."""
         return kafka_pairs(self.kafka_config)
 
 
-def kafka_pairs(items: Sequence[str]) -> dict[str, str]:
+def kafka_pairs(items: Sequence[str], *, source: str = "--kafka-config") -> dict[str, str]:
     """`key=value` librdkafka settings as a dict (the last of a repeated key wins)."""
     pairs: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise SettingsError(f"--kafka-config {item!r}: expected key=value")
+            # Only the first word: "sasl.password hunter2" must not print the password.
+            shown = (item.split() or [""])[0]
+            raise SettingsError(f"{source} {shown!r}: expected key=value")
         # Surrounding blanks are never part of a librdkafka key or value ("acks = all").
         pairs[key.strip()] = value.strip()
     return pairs
@@ -297,7 +348,17 @@ def _type_hints() -> dict[str, Any]:
 
 def _field_type(f: dataclasses.Field[Any]) -> type:
     hint = _type_hints()[f.name]
+    if get_origin(hint) is Literal:
+        return type(get_args(hint)[0])
     return tuple if get_origin(hint) is tuple else hint
+
+
+def _choices(f: dataclasses.Field[Any]) -> tuple[str, ...] | None:
+    """A setting's allowed values: a Literal type's, or the choices given to _setting."""
+    hint = _type_hints()[f.name]
+    if get_origin(hint) is Literal:
+        return tuple(get_args(hint))
+    return f.metadata.get("choices")
 
 
 def flag_name(name: str) -> str:
@@ -363,10 +424,12 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
 FLAG_ALIASES: dict[str, tuple[str, ...]] = {"group_id": ("--group",)}
 
 
-def add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per setting; unset flags stay None so lower layers show through."""
+def add_setting_flags(parser: argparse.ArgumentParser, only: Sequence[str] | None = None) -> None:
+    """One flag per setting (or per setting named in `only`); unset flags stay None so lower layers show through."""
     parser.add_argument("--config", metavar="FILE", help="TOML config file; keys are the setting names.")
     for f in setting_fields():
+        if only is not None and f.name not in only:
+            continue
         kind = _field_type(f)
         help_text = f"{f.metadata['help']} [env {env_name(f.name)}]"
         if kind is tuple:
@@ -455,8 +518,9 @@ def reference_table() -> str:
         default = getattr(defaults, f.name)
         shown = "(none)" if default in ("", ()) else f"`{_cell(str(default))}`"
         desc = f.metadata["help"]
-        if f.metadata.get("choices"):
-            desc += " One of: " + ", ".join(f"`{c}`" for c in f.metadata["choices"]) + "."
+        choices = [c for c in _choices(f) or () if c != ""]
+        if choices:
+            desc += " One of: " + ", ".join(f"`{c}`" for c in choices) + "."
         if f.metadata.get("minimum") is not None or f.metadata.get("maximum") is not None:
             low, high = f.metadata.get("minimum"), f.metadata.get("maximum")
             desc += (f" Range: {low} to {high}." if low is not None and high is not None

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterable
 from typing import Any, Literal, TextIO
 
 import structlog
 from structlog.typing import Processor
+
+from worker.redact import RedactSecrets
 
 LogFormat = Literal["auto", "json", "console"]
 
@@ -32,8 +35,14 @@ def _is_tty(stream: TextIO) -> bool:
         return False
 
 
-def configure_logging(fmt: LogFormat = "auto", level: str = "info", stream: TextIO | None = None) -> None:
-    """Sets up structlog and the root logger to write to `stream` (default: sys.stderr at call time)."""
+def configure_logging(fmt: LogFormat = "auto", level: str = "info", stream: TextIO | None = None,
+                      secrets: Iterable[str] = ()) -> None:
+    """Sets up structlog and the root logger to write to `stream` (default: sys.stderr at call time).
+
+    Every line passes a redactor last: values of secret-looking keys (sasl.password=..., a
+    `sasl_password` key) and the given secret values are masked, in the worker's own events, in
+    librdkafka's log lines and in rendered tracebacks.
+    """
     stream = sys.stderr if stream is None else stream
     if fmt not in ("auto", "json", "console"):
         raise ValueError(f"log format {fmt!r} is not one of auto, json, console")
@@ -55,12 +64,13 @@ def configure_logging(fmt: LogFormat = "auto", level: str = "info", stream: Text
         structlog.processors.StackInfoRenderer(),
     ]
     renderer: list[Processor]
+    redact = RedactSecrets(secrets)
     if console:
-        renderer = [structlog.dev.ConsoleRenderer(colors=_is_tty(stream))]
+        renderer = [structlog.processors.format_exc_info, redact, structlog.dev.ConsoleRenderer(colors=_is_tty(stream))]
     else:
         # Tracebacks become one string field: a multi-line traceback outside the JSON would
-        # break line-oriented log shipping.
-        renderer = [structlog.processors.format_exc_info, structlog.processors.JSONRenderer(default=str)]
+        # break line-oriented log shipping. They are formatted before the redactor sees them.
+        renderer = [structlog.processors.format_exc_info, redact, structlog.processors.JSONRenderer(default=str)]
 
     formatter = structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=shared,

@@ -38,6 +38,7 @@ from worker.inflight import InFlightTable
 from worker.intake import Intake
 from worker.kafka.committer import Committer
 from worker.kafka.consumer import GroupMember, consumer_config
+from worker.kafka.errors import FailurePolicy
 from worker.kafka.messages import OutputCodec
 from worker.kafka.producer import OutputProducer, producer_config
 from worker.latch import FatalLatch
@@ -73,12 +74,15 @@ class Pipeline:
         # What is in flight must drain within a third of the shutdown deadline (see FlowControl).
         self._flow = FlowControl(settings.max_in_flight, settings.max_in_flight_bytes,
                                  drain_target_s=max(1.0, settings.shutdown_timeout_s / 3))
-        self._producer = OutputProducer(producer_config(settings), self.latch, producer_factory=producer_factory)
+        failures = FailurePolicy()
+        self._producer = OutputProducer(producer_config(settings), self.latch, failures=failures,
+                                        producer_factory=producer_factory)
         self._acks = acks = Acknowledger(self._inflight, self.metrics)
         dead_letters = DeadLetters(settings.dead_letter_topic, settings.dead_letter_max_bytes, self._producer, acks)
         self._committer = Committer(None, interval_s=settings.commit_interval_ms / 1000.0)
         self._member = GroupMember(consumer_config(settings), self._committer, self.latch, self.metrics,
-                                   revoke_wait_s=self._revoke_wait_s, consumer_factory=consumer_factory)
+                                   revoke_wait_s=self._revoke_wait_s, group=settings.group_id, failures=failures,
+                                   consumer_factory=consumer_factory)
         codec = OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding)  # type: ignore[arg-type]
         self._output = OutputStage(settings.output_topic, codec, self._producer, self._inflight, acks, dead_letters,
                                    self.metrics, self.latch)

@@ -11,18 +11,37 @@
 #                                  --down-for keeps it down that long first (an outage)
 #   deploy/local/kafka.sh libs     print the classpath folder (resolving the jars first)
 #
+#   --secure (with start, stop, status, restart): a second, secured broker of its own: one SASL_SSL
+#   listener (SCRAM-SHA-512 users made at format time, a local CA and broker certificate), an mTLS
+#   controller listener, the StandardAuthorizer with the README's ACLs; all on 127.0.0.1. Its start
+#   prints KAFKA_SECURE_CONFIG_DIR=DIR (ca.pem and one librdkafka properties file per user: admin,
+#   worker, producer, reader, intruder) and then KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:PORT as the last
+#   line. Passwords are random per fresh start. Needs openssl as well (the CA and certificate).
+#
 # Environment:
 #   KAFKA_PORT         listener port (default: a free one)
 #   KWE_KAFKA_HOME     state folder (default: ~/.cache/keyword-embedder/kafka); the jar cache under it
 #                      survives between runs, the broker's data is wiped at each fresh start
 #   KWE_KAFKA_RUN      the broker's own folder (config, data, logs, pid; default: $KWE_KAFKA_HOME/run),
 #                      so that a second broker can run beside the first with the same jar cache
+#   KWE_KAFKA_SECURE_RUN  the secured broker's folder (default: "$KWE_KAFKA_RUN-secure", i.e. beside the
+#                      plain one); its client files are in $KWE_KAFKA_SECURE_RUN/client
+#   KAFKA_SECURE_PORT  the secured broker's SASL_SSL port (default: a free one)
 #   KAFKA_HEAP_OPTS    JVM heap (default: -Xms256m -Xmx768m)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 home="${KWE_KAFKA_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/keyword-embedder/kafka}"
 run="${KWE_KAFKA_RUN:-$home/run}"
+secure=0
+args=()
+for a in "$@"; do
+  if [[ "$a" == "--secure" ]]; then secure=1; else args+=("$a"); fi
+done
+set -- "${args[@]+"${args[@]}"}"
+if (( secure )); then
+  run="${KWE_KAFKA_SECURE_RUN:-$run-secure}"
+fi
 pidfile="$run/broker.pid"
 portfile="$run/broker.port"
 
@@ -80,13 +99,16 @@ running_pid() {
 # A real metadata round trip (ApiVersions + Metadata through the admin client), not just an open port.
 metadata_ok() {
   local port="$1" libs; libs="$(libs_dir)"
-  timeout 30 java -Xmx128m -cp "$libs/*" -Dlog4j2.configurationFile="$run/log4j2-tools.properties" \
-    org.apache.kafka.tools.TopicCommand --bootstrap-server "127.0.0.1:$port" --list >/dev/null 2>&1
+  local auth=()
+  (( secure )) && auth=(--command-config "$run/admin-java.properties")
+  timeout 30 java -Xmx128m -XX:TieredStopAtLevel=1 -cp "$libs/*" -Dlog4j2.configurationFile="$run/log4j2-tools.properties" \
+    org.apache.kafka.tools.TopicCommand --bootstrap-server "127.0.0.1:$port" "${auth[@]}" --list >/dev/null 2>&1
 }
 
 write_configs() {
   local port="$1" cport="$2"
   mkdir -p "$run/data"
+  if (( secure )); then write_secure_server_config "$port" "$cport"; else
   cat >"$run/server.properties" <<PROPS
 process.roles=broker,controller
 node.id=1
@@ -110,6 +132,7 @@ auto.create.topics.enable=false
 log.retention.hours=24
 log.segment.bytes=67108864
 PROPS
+  fi
   cat >"$run/log4j2.properties" <<'L4J'
 status = warn
 appender.file.type = File
@@ -136,7 +159,186 @@ rootLogger.appenderRef.err.ref = err
 L4J
 }
 
+
+# ---------------------------------------------------------------------------------- secured broker
+# The users of the README's ACLs; 'intruder' is not a user: its file has worker's name and a wrong password.
+users=(admin worker producer reader)
+
+need_openssl() {
+  command -v openssl >/dev/null 2>&1 || die "--secure needs 'openssl' on PATH (Debian: apt-get install openssl)"
+}
+
+# A CA and a broker certificate for 127.0.0.1/localhost signed by it, in $run/tls; ca.pem also goes to
+# the client folder. The broker's key sits in a PKCS12 keystore; the CA is a PEM truststore.
+make_certs() {
+  local tls="$run/tls" client="$run/client"
+  mkdir -p "$tls" "$client"
+  ( cd "$tls"
+    openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 30 -subj "/CN=keyword-embedder local CA" \
+      -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"
+    openssl req -newkey rsa:2048 -nodes -keyout broker.key -out broker.csr -subj "/CN=kwe-broker"
+    printf 'subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth,clientAuth\n' >broker.ext
+    openssl x509 -req -in broker.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out broker.pem -days 30 -extfile broker.ext
+    openssl pkcs12 -export -in broker.pem -inkey broker.key -certfile ca.pem -name broker -out broker.p12 \
+      -passout "pass:$(cat "$run/secrets/keystore")"
+  ) >"$run/tls.log" 2>&1 || { cat "$run/tls.log" >&2; die "making the CA and broker certificate with openssl failed"; }
+  cp "$tls/ca.pem" "$client/ca.pem"
+}
+
+make_passwords() {
+  mkdir -p "$run/secrets"; chmod 700 "$run/secrets"
+  local u
+  for u in "${users[@]}" keystore intruder; do openssl rand -hex 16 >"$run/secrets/$u"; done
+}
+
+# One librdkafka properties file per user (what --kafka-config-file reads), plus the admin's
+# Java client config for the Kafka tools.
+write_client_files() {
+  local client="$run/client" u name pw
+  mkdir -p "$client"; chmod 700 "$client"
+  for u in "${users[@]}" intruder; do
+    name="$u"; pw="$(cat "$run/secrets/$u")"
+    [[ "$u" == intruder ]] && name=worker   # a real user name with a password that is not its own
+    ( umask 077
+      cat >"$client/$u.properties" <<PROPS
+# $u on the local secured broker (deploy/local/kafka.sh start --secure); librdkafka properties
+security.protocol=SASL_SSL
+sasl.mechanism=SCRAM-SHA-512
+sasl.username=$name
+sasl.password=$pw
+ssl.ca.location=$client/ca.pem
+PROPS
+    )
+  done
+  ( umask 077
+    cat >"$run/admin-java.properties" <<PROPS
+security.protocol=SASL_SSL
+sasl.mechanism=SCRAM-SHA-512
+sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required username="admin" password="$(cat "$run/secrets/admin")";
+ssl.truststore.type=PEM
+ssl.truststore.location=$client/ca.pem
+PROPS
+  )
+}
+
+write_secure_server_config() {
+  local port="$1" cport="$2"
+  ( umask 077
+    cat >"$run/server.properties" <<PROPS
+process.roles=broker,controller
+node.id=1
+controller.quorum.bootstrap.servers=127.0.0.1:$cport
+# Clients: SASL_SSL only. Controller: TLS with client certificates (SCRAM cannot guard the
+# controller, whose metadata log holds the SCRAM credentials); only the broker's cert is signed.
+listeners=SASL_SSL://127.0.0.1:$port,CONTROLLER://127.0.0.1:$cport
+advertised.listeners=SASL_SSL://127.0.0.1:$port
+controller.listener.names=CONTROLLER
+listener.security.protocol.map=CONTROLLER:SSL,SASL_SSL:SASL_SSL
+inter.broker.listener.name=SASL_SSL
+sasl.enabled.mechanisms=SCRAM-SHA-512
+sasl.mechanism.inter.broker.protocol=SCRAM-SHA-512
+listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required username="admin" password="$(cat "$run/secrets/admin")";
+listener.name.controller.ssl.client.auth=required
+ssl.keystore.type=PKCS12
+ssl.keystore.location=$run/tls/broker.p12
+ssl.keystore.password=$(cat "$run/secrets/keystore")
+ssl.truststore.type=PEM
+ssl.truststore.location=$run/tls/ca.pem
+authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
+allow.everyone.if.no.acl.found=false
+# admin by SCRAM; the broker itself by its certificate on the controller listener.
+super.users=User:admin;User:CN=kwe-broker
+log.dirs=$run/data
+num.partitions=1
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=8
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+auto.create.topics.enable=false
+log.retention.hours=24
+log.segment.bytes=67108864
+PROPS
+  )
+}
+
+# The README's ACLs. Each base name is granted as a LITERAL pattern (the defaults themselves) and as
+# a PREFIXED pattern with a dot ('keywords.' ...), so that tests and side deployments can use
+# 'keywords.<anything>' with the same rights, while 'keywords' never covers 'keywords-dlq'.
+# AclCommand takes one principal and one pattern type per call: the calls run side by side.
+create_acls() {
+  local port="$1" libs="$2" pids=() i=0 failed=0
+  acl() {
+    local out="$run/acl-$i.log"; i=$((i + 1))
+    java -Xmx128m -XX:TieredStopAtLevel=1 -cp "$libs/*" -Dlog4j2.configurationFile="$run/log4j2-tools.properties" \
+      org.apache.kafka.tools.AclCommand --bootstrap-server "127.0.0.1:$port" \
+      --command-config "$run/admin-java.properties" --add --force "$@" >"$out" 2>&1 &
+    pids+=($!)
+  }
+  acl --allow-principal User:worker --operation Read --operation Describe \
+      --topic keywords --group keyword-embedder --resource-pattern-type literal
+  acl --allow-principal User:worker --operation Read --operation Describe \
+      --topic keywords. --group keyword-embedder. --resource-pattern-type prefixed
+  acl --allow-principal User:worker --operation Write --operation Describe \
+      --topic embeddings --topic keywords-dlq --resource-pattern-type literal
+  acl --allow-principal User:worker --operation Write --operation Describe \
+      --topic embeddings. --topic keywords-dlq. --transactional-id keyword-embedder --resource-pattern-type prefixed
+  acl --allow-principal User:producer --operation Write --operation Describe --topic keywords --resource-pattern-type literal
+  acl --allow-principal User:producer --operation Write --operation Describe --topic keywords. --resource-pattern-type prefixed
+  acl --allow-principal User:reader --operation Read --operation Describe \
+      --topic embeddings --topic keywords-dlq --resource-pattern-type literal
+  acl --allow-principal User:reader --operation Read --operation Describe \
+      --topic embeddings. --topic keywords-dlq. --group keyword-embedder-reader --resource-pattern-type prefixed
+  local pid
+  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+  if (( failed )); then
+    cat "$run"/acl-*.log >&2
+    die "creating the ACLs failed (above)"
+  fi
+}
+
+cmd_start_secure() {
+  need_java; need_openssl
+  local pid port
+  if pid="$(running_pid)"; then
+    port="$(cat "$portfile")"
+    if metadata_ok "$port"; then
+      log "reusing the secured broker already running (pid $pid)"
+      echo "KAFKA_SECURE_CONFIG_DIR=$run/client"
+      echo "KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:$port"
+      return 0
+    fi
+    log "secured broker pid $pid does not answer; restarting it"
+    cmd_stop
+  fi
+  local libs cport cluster scram=() u
+  libs="$(resolve_libs)"
+  port="${KAFKA_SECURE_PORT:-$(free_port)}"
+  port_busy "$port" && die "port $port on 127.0.0.1 is already in use"
+  cport="$(free_port)"
+  [[ "$cport" == "$port" ]] && cport="$(free_port)"
+  rm -rf "$run"; mkdir -p "$run"; chmod 700 "$run"
+  make_passwords
+  make_certs
+  write_client_files
+  write_configs "$port" "$cport"
+  for u in "${users[@]}"; do scram+=(--add-scram "SCRAM-SHA-512=[name=$u,password=$(cat "$run/secrets/$u")]"); done
+  cluster="$(java -cp "$libs/*" -Dlog4j2.configurationFile="$run/log4j2-tools.properties" kafka.tools.StorageTool random-uuid)"
+  java -cp "$libs/*" -Dlog4j2.configurationFile="$run/log4j2-tools.properties" \
+    kafka.tools.StorageTool format --standalone -t "$cluster" -c "$run/server.properties" "${scram[@]}" \
+    >"$run/format.log" 2>&1 || { cat "$run/format.log" >&2; die "formatting the KRaft storage failed"; }
+  log "starting the secured Apache Kafka broker (SASL_SSL, SCRAM-SHA-512, ACLs) on 127.0.0.1:$port"
+  launch "$libs" "$port"
+  create_acls "$port" "$libs"
+  log "ACLs created; client files in $run/client"
+  echo "KAFKA_SECURE_CONFIG_DIR=$run/client"
+  echo "KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:$port"
+}
+
 cmd_start() {
+  (( secure )) && { cmd_start_secure; return; }
   need_java
   local pid port
   if pid="$(running_pid)"; then
@@ -163,6 +365,7 @@ cmd_start() {
     || { cat "$run/format.log" >&2; die "formatting the KRaft storage failed"; }
   log "starting Apache Kafka $(ls "$libs" | sed -nE 's/^kafka_2\.13-(.*)\.jar$/\1/p') (KRaft) on 127.0.0.1:$port"
   launch "$libs" "$port"
+  echo "KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:$port"
 }
 
 # Starts the JVM on the configured $run folder and waits for a metadata round trip.
@@ -186,7 +389,6 @@ launch() {
     sleep 0.5
   done
   log "broker ready (pid $pid, logs in $run)"
-  echo "KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:$port"
 }
 
 cmd_restart() {
@@ -208,6 +410,8 @@ cmd_restart() {
   while port_busy "$port"; do sleep 0.2; done
   sleep "$down"
   launch "$(resolve_libs)" "$port"
+  (( secure )) && echo "KAFKA_SECURE_CONFIG_DIR=$run/client"
+  echo "KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:$port"
 }
 
 cmd_stop() {
@@ -230,6 +434,7 @@ cmd_stop() {
 cmd_status() {
   local pid
   if pid="$(running_pid)"; then
+    (( secure )) && echo "running: pid $pid, KAFKA_SECURE_CONFIG_DIR=$run/client"
     echo "running: pid $pid, KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:$(cat "$portfile")"
   else
     echo "not running"; return 1
@@ -242,5 +447,5 @@ case "${1:-}" in
   status) cmd_status ;;
   restart) need_java; shift; cmd_restart "$@" ;;
   libs) need_java; resolve_libs ;;
-  *) echo "usage: $0 start|stop|status|restart [--hard] [--down-for S]|libs" >&2; exit 2 ;;
+  *) echo "usage: $0 start|stop|status|restart [--hard] [--down-for S]|libs [--secure]" >&2; exit 2 ;;
 esac

@@ -18,7 +18,9 @@ from typing import Any
 import orjson
 from confluent_kafka import Consumer, KafkaError, Message
 
-from worker.config import SettingsError, kafka_pairs
+from worker.config import SettingsError, load_settings
+from worker.kafka.client_config import add_client_flags, client_config
+from worker.kafka.errors import fatal_reason
 
 
 def record_of(msg: Message) -> dict[str, Any]:
@@ -49,7 +51,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-messages", type=int, default=0, help="Stop after N records (0: no limit).")
     parser.add_argument("--idle-timeout", type=float, default=10.0,
                         help="Stop when no record arrived for this many seconds (0: never).")
-    parser.add_argument("--kafka-config", action="append", default=[], metavar="KEY=VALUE")
+    add_client_flags(parser)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -61,24 +63,33 @@ def main(args: argparse.Namespace) -> int:
         "enable.partition.eof": False,
     }
     try:
-        config.update(kafka_pairs(args.kafka_config))
+        config.update(client_config(load_settings(args)))
     except SettingsError as exc:
         print(f"keyword-embedder consume: {exc}", file=sys.stderr)
         return 2
-    consumer = Consumer(config)
+    fatal: list[str] = []
+
+    def on_error(err: KafkaError, topic: str | None = None) -> None:
+        # Wrong credentials, an untrusted certificate, a missing ACL: stop instead of retrying.
+        reason = fatal_reason(err, topic=topic or args.topic, op="read", group=config["group.id"])
+        if reason is not None and not fatal:
+            fatal.append(reason)
+
+    consumer = Consumer({**config, "error_cb": on_error})
     consumer.subscribe([args.topic])
     out = sys.stdout.buffer if str(args.output) == "-" else args.output.open("wb")
     count = 0
     start = last = time.monotonic()
     try:
-        while not args.max_messages or count < args.max_messages:
+        while (not args.max_messages or count < args.max_messages) and not fatal:
             want = min(500, args.max_messages - count) if args.max_messages else 500
             msgs = consumer.consume(num_messages=want, timeout=0.2)
             now = time.monotonic()
             for msg in msgs:
                 err = msg.error()
                 if err is not None:
-                    if err.code() != KafkaError._PARTITION_EOF:
+                    on_error(err, msg.topic())
+                    if err.code() != KafkaError._PARTITION_EOF and not fatal:
                         print(f"keyword-embedder consume: {err}", file=sys.stderr)
                     continue
                 out.write(orjson.dumps(record_of(msg)) + b"\n")
@@ -93,5 +104,8 @@ def main(args: argparse.Namespace) -> int:
         if out is not sys.stdout.buffer:
             out.close()
     elapsed = time.monotonic() - start
+    if fatal:
+        print(f"keyword-embedder consume: {fatal[0]}", file=sys.stderr)
+        return 1
     print(f"consumed {count} records from {args.topic} in {elapsed:.2f} s", file=sys.stderr)
     return 0

@@ -28,6 +28,8 @@ import orjson
 from confluent_kafka import Consumer, KafkaError, Message, Producer
 from tqdm import tqdm
 
+from worker.config import SettingsError, load_settings
+from worker.kafka.client_config import add_client_flags, client_config, client_env
 from worker.keyword_files import read_keywords
 from worker.kafka.admin import ensure_topics
 from worker.kafka.messages import decode_embedding
@@ -54,6 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--partitions", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=300.0, help="Give up waiting for output after this.")
     parser.add_argument("--keep-topics", action="store_true", help="Do not delete the demo topics at the end.")
+    add_client_flags(parser)
 
 
 def _free_port() -> int:
@@ -85,13 +88,20 @@ def _metric_sums(text: str, name: str) -> dict[str, float]:
 
 def main(args: argparse.Namespace) -> int:
     bootstrap = args.bootstrap_servers
+    try:
+        settings = load_settings(args)
+        security = client_config(settings)
+    except SettingsError as exc:
+        print(f"keyword-embedder demo: {exc}", file=sys.stderr)
+        return 2
     keywords = list(read_keywords(args.input))
     if args.limit:
         keywords = keywords[: args.limit]
     texts = dict(keywords)
     run = f"demo-{time.strftime('%H%M%S')}-{uuid.uuid4().hex[:4]}"
     topic_in, topic_out, topic_dlq = f"{run}-keywords", f"{run}-embeddings", f"{run}-keywords-dlq"
-    ensure_topics(bootstrap, {topic_in: args.partitions, topic_out: args.partitions, topic_dlq: 1})
+    ensure_topics(bootstrap, {topic_in: args.partitions, topic_out: args.partitions, topic_dlq: 1},
+                  extra_config=security)
     print(f"demo: broker {bootstrap}; topics {topic_in} ({args.partitions} partitions), {topic_out}, {topic_dlq}")
 
     logdir = Path(tempfile.mkdtemp(prefix="keyword-embedder-demo-"))
@@ -104,11 +114,13 @@ def main(args: argparse.Namespace) -> int:
                "--output-topic", topic_out, "--dead-letter-topic", topic_dlq, "--group-id", run,
                "--metrics-port", str(port), "--metrics-host", "127.0.0.1", "--intra-op-threads", str(threads),
                "--log-format", "json"]
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), port))
+        # The workers get the client settings through the environment: a password in argv is public.
+        env = {**os.environ, **client_env(settings)}
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), port))
     print(f"demo: started {args.workers} workers in group {run} ({threads} inference thread(s) each); "
           f"logs in {logdir}")
     try:
-        return _run(args, bootstrap, keywords, texts, topic_in, topic_out, topic_dlq, procs, logdir)
+        return _run(args, bootstrap, security, keywords, texts, topic_in, topic_out, topic_dlq, procs, logdir)
     finally:
         for proc, _ in procs:
             if proc.poll() is None:
@@ -121,10 +133,11 @@ def main(args: argparse.Namespace) -> int:
         if not args.keep_topics:
             from confluent_kafka.admin import AdminClient
 
-            AdminClient({"bootstrap.servers": bootstrap}).delete_topics([topic_in, topic_out, topic_dlq])
+            AdminClient({"bootstrap.servers": bootstrap, **security}).delete_topics([topic_in, topic_out, topic_dlq])
 
 
-def _run(args: argparse.Namespace, bootstrap: str, keywords: list[tuple[str, str]], texts: dict[str, str],
+def _run(args: argparse.Namespace, bootstrap: str, security: dict[str, str], keywords: list[tuple[str, str]],
+         texts: dict[str, str],
          topic_in: str, topic_out: str, topic_dlq: str, procs: list[tuple[subprocess.Popen[bytes], int]],
          logdir: Path) -> int:
     deadline = time.monotonic() + 120
@@ -145,7 +158,7 @@ def _run(args: argparse.Namespace, bootstrap: str, keywords: list[tuple[str, str
         if err is None and msg.key() is not None:
             sent_ms[msg.key().decode()] = msg.timestamp()[1]
 
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 10, "enable.idempotence": True})
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 10, "enable.idempotence": True, **security})
     start = time.time()
     for qid, text in tqdm(keywords, desc="publish", unit=" kw", file=sys.stderr, mininterval=0.3):
         while True:
@@ -161,7 +174,7 @@ def _run(args: argparse.Namespace, bootstrap: str, keywords: list[tuple[str, str
     producer.flush(60)
 
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{topic_out}-reader",
-                         "auto.offset.reset": "earliest", "enable.auto.commit": False})
+                         "auto.offset.reset": "earliest", "enable.auto.commit": False, **security})
     consumer.subscribe([topic_out, topic_dlq])
     vectors: dict[str, np.ndarray] = {}
     out_ms: dict[str, int] = {}

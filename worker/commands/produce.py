@@ -11,7 +11,9 @@ import orjson
 from confluent_kafka import KafkaError, Message, Producer
 from tqdm import tqdm
 
-from worker.config import SettingsError, kafka_pairs
+from worker.config import SettingsError, load_settings
+from worker.kafka.client_config import add_client_flags, client_config
+from worker.kafka.errors import fatal_reason
 from worker.keyword_files import FORMATS, KeywordFileError, read_keywords
 
 
@@ -23,24 +25,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--value-format", choices=("json", "raw"), default="json",
                         help="json: {\"id\", \"text\"} values; raw: the text as the value, the ID as the key.")
     parser.add_argument("--limit", type=int, default=0, help="Publish at most N keywords (0: all).")
-    parser.add_argument("--kafka-config", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--no-progress", action="store_true")
+    add_client_flags(parser)
 
 
 def main(args: argparse.Namespace) -> int:
     config = {"bootstrap.servers": args.bootstrap_servers, "enable.idempotence": True, "acks": "all",
               "linger.ms": 20}
     try:
-        config.update(kafka_pairs(args.kafka_config))
+        config.update(client_config(load_settings(args)))
     except SettingsError as exc:
         print(f"keyword-embedder produce: {exc}", file=sys.stderr)
         return 2
-    producer = Producer(config)
     failures: list[str] = []
+    fatal: list[str] = []
+
+    def on_error(err: KafkaError) -> None:
+        # Wrong credentials, an untrusted certificate, a missing ACL: stop instead of retrying.
+        reason = fatal_reason(err, topic=args.topic, op="write")
+        if reason is not None and not fatal:
+            fatal.append(reason)
 
     def on_delivery(err: KafkaError | None, msg: Message) -> None:
         if err is not None:
             failures.append(f"{msg.key()!r}: {err}")
+            on_error(err)
+
+    producer = Producer({**config, "error_cb": on_error})
 
     sent = 0
     start = time.perf_counter()
@@ -51,25 +62,39 @@ def main(args: argparse.Namespace) -> int:
             if args.limit and sent >= args.limit:
                 break
             value = text.encode("utf-8") if args.value_format == "raw" else orjson.dumps({"id": qid, "text": text})
-            while True:
+            while not fatal:
                 try:
                     producer.produce(args.topic, key=qid.encode("utf-8"), value=value, on_delivery=on_delivery)
                     break
                 except BufferError:
                     producer.poll(0.05)
             producer.poll(0)
+            if fatal:
+                break
             sent += 1
             bar.update(1)
     except KeywordFileError as exc:
         print(f"keyword-embedder produce: {exc}", file=sys.stderr)
         return 2
     finally:
-        remaining = producer.flush(60)
+        remaining = _flush(producer, fatal)
         bar.close()
     elapsed = time.perf_counter() - start
+    if fatal:
+        print(f"keyword-embedder produce: {fatal[0]}", file=sys.stderr)
+        return 1
     if remaining or failures:
         print(f"keyword-embedder produce: {len(failures) + remaining} of {sent} keywords not delivered"
               + (f"; first error: {failures[0]}" if failures else ""), file=sys.stderr)
         return 1
     print(f"produced {sent} keywords to {args.topic} in {elapsed:.2f} s ({sent / max(elapsed, 1e-9):,.0f} keywords/s)")
     return 0
+
+
+def _flush(producer: Producer, fatal: list[str], timeout_s: float = 60.0) -> int:
+    """Waits for outstanding deliveries, giving up at once when a fatal error came."""
+    deadline = time.monotonic() + timeout_s
+    remaining = len(producer)
+    while remaining and not fatal and time.monotonic() < deadline:
+        remaining = producer.flush(0.2)
+    return remaining

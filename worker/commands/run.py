@@ -62,11 +62,19 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     except SettingsError as exc:
         print(f"keyword-embedder run: {exc}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_format, settings.log_level)  # type: ignore[arg-type]
+    from worker.kafka.client_config import client_config, secret_values
+
+    try:
+        # Read the config and password files now: a bad one stops the worker before the model loads.
+        client_config(settings)
+    except SettingsError as exc:
+        print(f"keyword-embedder run: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_format, settings.log_level, secrets=secret_values(settings))  # type: ignore[arg-type]
     log = structlog.get_logger("worker.run")
 
     # Before the model loads: a missing topic or permission stops the worker within seconds.
-    from worker.kafka.admin import admin_config
+    from worker.kafka.client_config import admin_config
     from worker.kafka.errors import PreflightError
     from worker.kafka.preflight import check_topics
 

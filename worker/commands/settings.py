@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ def main(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"keyword-embedder: {exc}", file=sys.stderr)
         return 2
-    for key, value in dataclasses.asdict(settings).items():
+    # Secrets (sasl_password, secret kafka_config values) are masked; the password file is not read.
+    for key, value in settings.redacted().items():
         print(f"{key} = {value!r}")
     return 0

@@ -1,21 +1,19 @@
-"""Admin client: its config for the worker, and topic creation for the demo and tests (a real deployment
-creates its topics with its own tooling)."""
+"""Topic creation for the demo and tests (a real deployment creates its topics with its own tooling)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
-from typing import Any
 
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from worker.config import Settings
-
 
 def ensure_topics(bootstrap_servers: str, topics: Mapping[str, int], *, extra_config: Mapping[str, str] | None = None,
                   timeout_s: float = 30.0) -> list[str]:
-    """Creates each topic with its partition count unless it exists; returns the ones created."""
+    """Creates each topic with its partition count unless it exists; returns the ones created.
+
+    `extra_config`: the security keys (worker.kafka.client_config.client_config) for a secured cluster.
+    """
     admin = AdminClient({"bootstrap.servers": bootstrap_servers, **(extra_config or {})})
     existing = set(admin.list_topics(timeout=timeout_s).topics)
     wanted = [NewTopic(name, num_partitions=n, replication_factor=1) for name, n in topics.items()
@@ -31,15 +29,3 @@ def ensure_topics(bootstrap_servers: str, topics: Mapping[str, int], *, extra_co
             if exc.args[0].name() != "TOPIC_ALREADY_EXISTS":
                 raise
     return created
-
-
-def admin_config(settings: Settings) -> dict[str, Any]:
-    """AdminClient config for the worker's own cluster: the same address and security overrides as its clients."""
-    config: dict[str, Any] = {
-        "bootstrap.servers": settings.bootstrap_servers,
-        "client.id": f"keyword-embedder-{settings.group_id}",
-        # librdkafka's own log lines go through the stdlib logger into the structured log stream.
-        "logger": logging.getLogger("librdkafka"),
-    }
-    config.update(settings.librdkafka_overrides())
-    return config

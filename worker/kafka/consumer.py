@@ -18,8 +18,10 @@ import structlog
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from worker.config import Settings
+from worker.kafka.client_config import client_config
 from worker.errors import WorkerError
 from worker.kafka.committer import Committer
+from worker.kafka.errors import FailurePolicy, KafkaSetupError
 from worker.kafka.throttle import ThrottledLog
 from worker.latch import FatalLatch
 from worker.metrics import Metrics
@@ -51,7 +53,8 @@ def consumer_config(settings: Settings) -> dict[str, Any]:
     # librdkafka's own log lines go through the stdlib logger into the structured log stream,
     # instead of raw "%6|...|FAIL|..." lines on stderr.
     config["logger"] = logging.getLogger("librdkafka")
-    config.update(settings.librdkafka_overrides())
+    # Security and --kafka-config / --kafka-config-file keys, merged in one place.
+    config.update(client_config(settings))
     return config
 
 
@@ -72,9 +75,12 @@ class _Owned:
 
 class GroupMember:
     def __init__(self, config: dict[str, Any], committer: Committer, latch: FatalLatch, metrics: Metrics, *,
-                 revoke_wait_s: Callable[[], float], consumer_factory: Callable[[dict[str, Any]], Any] = Consumer
-                 ) -> None:
+                 revoke_wait_s: Callable[[], float], group: str = "", failures: FailurePolicy | None = None,
+                 consumer_factory: Callable[[dict[str, Any]], Any] = Consumer) -> None:
         self._committer = committer
+        self._group = group
+        # Authentication, TLS and ACL errors: which stop the worker, with which message.
+        self._failures = failures if failures is not None else FailurePolicy()
         self._latch = latch
         self._metrics = metrics
         self._revoke_wait_s = revoke_wait_s
@@ -96,6 +102,8 @@ class GroupMember:
             err = msg.error()
             if err is None:
                 out.append(msg)
+            elif (reason := self._failures.decide(err, topic=msg.topic(), op="read", group=self._group)) is not None:
+                self._latch.trip(KafkaSetupError(reason))
             elif err.fatal():
                 self._latch.trip(WorkerError(f"fatal consumer error: {err.str()} ({err.name()})"))
             elif err.code() != KafkaError._PARTITION_EOF:
@@ -123,6 +131,7 @@ class GroupMember:
 
     # ------------------------------------------------------------------ rebalances
     def _on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
+        self._failures.connected()
         self._committer.assign(partitions)
         log.info("partitions assigned", partitions=_names(partitions))
         self._metrics.count_rebalance("assign")
@@ -164,7 +173,10 @@ class GroupMember:
 
     # ------------------------------------------------------------------ errors, stats
     def _on_error(self, err: KafkaError) -> None:
-        if err.fatal():
+        reason = self._failures.decide(err, group=self._group)
+        if reason is not None:
+            self._latch.trip(KafkaSetupError(reason))
+        elif err.fatal():
             self._latch.trip(WorkerError(f"fatal consumer error: {err.str()} ({err.name()})"))
         else:
             self._errors.warn("consumer error", err)

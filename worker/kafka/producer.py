@@ -29,6 +29,8 @@ import structlog
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from worker.config import Settings
+from worker.kafka.client_config import client_config
+from worker.kafka.errors import FailurePolicy, KafkaSetupError
 from worker.errors import DeliveryError, ThreadDiedError
 from worker.kafka.throttle import ThrottledLog
 from worker.latch import FatalLatch, guarded
@@ -63,7 +65,8 @@ def producer_config(settings: Settings) -> dict[str, Any]:
     # librdkafka's own log lines go through the stdlib logger into the structured log stream,
     # instead of raw "%6|...|FAIL|..." lines on stderr.
     config["logger"] = logging.getLogger("librdkafka")
-    config.update(settings.librdkafka_overrides())
+    # Security and --kafka-config / --kafka-config-file keys, merged in one place.
+    config.update(client_config(settings))
     return config
 
 
@@ -72,9 +75,11 @@ def describe(err: KafkaError) -> str:
 
 
 class OutputProducer:
-    def __init__(self, config: dict[str, Any], latch: FatalLatch, *,
+    def __init__(self, config: dict[str, Any], latch: FatalLatch, *, failures: FailurePolicy | None = None,
                  producer_factory: Callable[[dict[str, Any]], Any] = Producer, poll_interval_s: float = 0.05) -> None:
         self._latch = latch
+        # Authentication, TLS and ACL errors: which stop the worker, with which message.
+        self._failures = failures if failures is not None else FailurePolicy()
         self._errors = ThrottledLog()
         self._producer = producer_factory({**config, "error_cb": self._on_error})
         self._interval = poll_interval_s
@@ -99,8 +104,9 @@ class OutputProducer:
         """
         def delivered(err: KafkaError | None, msg: Message) -> None:
             if err is not None:
-                self._latch.trip(DeliveryError(f"could not write to topic {topic!r}: {describe(err)}"))
+                self._refused(topic, err, "could not write to topic")
                 return
+            self._failures.connected()
             try:
                 on_delivered()
             except Exception as exc:  # noqa: BLE001 - a bug in accounting must stop the worker, visibly
@@ -115,10 +121,17 @@ class OutputProducer:
                     return False
                 self._interrupt.wait(BUFFER_WAIT_S)
             except KafkaException as exc:
-                # Refused before queueing: too large for the producer's limit, unknown topic, ...
-                # None of these succeed on a retry.
-                self._latch.trip(DeliveryError(f"cannot write to topic {topic!r}: {describe(exc.args[0])}"))
+                # Refused before queueing: too large for the producer's limit, unknown topic, not
+                # authorised (known from metadata), ... None of these succeed on a retry.
+                self._refused(topic, exc.args[0], "cannot write to topic")
                 return False
+
+    def _refused(self, topic: str, err: KafkaError, what: str) -> None:
+        reason = self._failures.decide(err, topic=topic, op="write")
+        if reason is not None:
+            self._latch.trip(KafkaSetupError(reason))
+        else:
+            self._latch.trip(DeliveryError(f"{what} {topic!r}: {describe(err)}"))
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -127,7 +140,10 @@ class OutputProducer:
         self._producer.poll(0)
 
     def _on_error(self, err: KafkaError) -> None:
-        if err.fatal():
+        reason = self._failures.decide(err, op="write")
+        if reason is not None:
+            self._latch.trip(KafkaSetupError(reason))
+        elif err.fatal():
             self._latch.trip(DeliveryError(f"fatal producer error: {describe(err)}"))
         else:
             self._errors.warn("producer error", err)
