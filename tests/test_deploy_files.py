@@ -370,7 +370,10 @@ def test_commands_and_flags_used_in_deploy_files_exist() -> None:
     parser = argparse.ArgumentParser()
     build_engine.configure(parser)
     args = parser.parse_args(["--profile", "gpu", "--output", "/engines/x.plan", "--onnx", "/opt/m.onnx"])
-    assert args.onnx == "/opt/m.onnx"
+    assert args.onnx == "/opt/m.onnx" and args.check is False
+    check_line = next(line.strip() for line in entry.splitlines() if line.strip().startswith("run_child keyword-embedder"))
+    assert re.findall(r"(--[a-z-]+)", check_line) == ["--profile", "--output", "--check"]
+    assert parser.parse_args(["--output", "/engines/x.plan", "--check"]).check is True
     assert 'onnx_args=(--onnx "$KWE_ONNX_PATH")' in entry
 
 

@@ -1,7 +1,8 @@
 """deploy/docker/gpu-entrypoint.sh, run for real with a stand-in `keyword-embedder` on PATH.
 
 The stand-in records how it was called and either builds a "plan" at once, fails, or hangs in
-the build the way a long TensorRT build does. What is checked is the entry point's own job:
+the build the way a long TensorRT build does; asked to `--check` a kept plan, it answers that the
+plan fits, does not fit, or cannot be checked. What is checked is the entry point's own job:
 build only when asked to, never leave a half-written plan, pass SIGTERM on to a running build
 and exit at once, bound the build by ENGINE_BUILD_TIMEOUT_S, and exec the worker (same PID, so
 the worker gets the container's signals directly).
@@ -26,6 +27,13 @@ cmd="$1"; shift
 echo "$cmd $$ $*" >> "$FAKE_DIR/calls"
 case "$cmd" in
   build-engine)
+    if [[ " $* " == *" --check "* ]]; then
+      case "${FAKE_CHECK:-fits}" in
+        fits) exit 0 ;;
+        stale) echo "plan refused: foreign: built on GPU 'A', this GPU is 'B'" >&2; exit 1 ;;
+        error) exit 2 ;;
+      esac
+    fi
     out=""
     while [[ $# -gt 0 ]]; do [[ "$1" == --output ]] && out="$2"; shift; done
     echo partial > "$out"; echo '{}' > "$out.json"
@@ -92,12 +100,34 @@ def test_builds_a_missing_plan_then_execs_the_worker_in_its_own_process(env: dic
     assert _engine_dir(env) == ["model.plan", "model.plan.json"]
 
 
-def test_a_present_plan_is_used_without_building(env: dict[str, str]) -> None:
-    Path(env["KWE_ENGINE_PATH"]).write_text("mounted\n")
-    rc, err, _ = _run(env)
+def test_a_present_plan_that_fits_is_used_without_building(env: dict[str, str]) -> None:
+    Path(env["KWE_ENGINE_PATH"]).write_text("kept\n")
+    rc, err, _ = _run(env, FAKE_CHECK="fits")
     assert rc == 0, err
-    assert [c[0] for c in _calls(env)] == ["run"]
-    assert Path(env["KWE_ENGINE_PATH"]).read_text() == "mounted\n"
+    check, run = _calls(env)
+    assert check[0] == "build-engine" and check[-1] == "--check"
+    assert check[check.index("--output") + 1] == env["KWE_ENGINE_PATH"]
+    assert check[check.index("--onnx") + 1] == env["KWE_ONNX_PATH"]
+    assert run[0] == "run"
+    assert Path(env["KWE_ENGINE_PATH"]).read_text() == "kept\n"
+
+
+def test_a_present_plan_that_does_not_fit_is_rebuilt(env: dict[str, str]) -> None:
+    Path(env["KWE_ENGINE_PATH"]).write_text("from another GPU\n")
+    rc, err, _ = _run(env, FAKE_CHECK="stale")
+    assert rc == 0, err
+    assert "does not fit (see above): rebuilding it" in err and "foreign: built on GPU" in err
+    check, build, run = _calls(env)
+    assert check[-1] == "--check" and "--check" not in build and run[0] == "run"
+    assert Path(env["KWE_ENGINE_PATH"]).read_text() == "plan\n"
+
+
+def test_a_plan_that_cannot_be_checked_stops_the_start(env: dict[str, str]) -> None:
+    Path(env["KWE_ENGINE_PATH"]).write_text("kept\n")
+    rc, err, _ = _run(env, FAKE_CHECK="error")
+    assert rc == 2 and "could not check the plan" in err
+    assert len(_calls(env)) == 1  # the check only: no build, no worker
+    assert Path(env["KWE_ENGINE_PATH"]).read_text() == "kept\n"
 
 
 def test_always_rebuilds_and_only_does_not_start_the_worker(env: dict[str, str]) -> None:
@@ -119,6 +149,12 @@ def test_never_refuses_to_build_and_says_where_the_plan_comes_from(env: dict[str
     assert rc == 3
     assert "no TensorRT plan at" in err and "init container" in err
     assert _calls(env) == []
+    # With a plan, `never` neither checks nor builds: the worker checks the plan at load itself.
+    Path(env["KWE_ENGINE_PATH"]).write_text("built by the init container\n")
+    rc, err, pid = _run(env, ENGINE_BUILD="never", FAKE_CHECK="stale")
+    assert rc == 0, err
+    (run,) = _calls(env)
+    assert run[0] == "run" and int(run[1]) == pid
 
 
 def test_a_failed_build_leaves_nothing_and_passes_its_status_on(env: dict[str, str]) -> None:

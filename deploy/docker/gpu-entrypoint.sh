@@ -7,13 +7,15 @@
 #   KWE_PROFILE             bucket profile of the plan (default gpu; 'auto' means gpu here)
 #   KWE_ONNX_PATH           the ONNX export to build from (the image sets its build-time export)
 #   ENGINE_BUILD            when to build the plan:
-#                             if-missing  (default) build when no plan is there, then run the worker
-#                             always      build even when a plan is there (after a TensorRT or GPU
-#                                         change), then run the worker
-#                             never       never build; exit 3 with a message when no plan is there
-#                                         (Kubernetes' worker container: the init container built it)
-#                             only        build when no plan is there, then exit 0 without running
-#                                         the worker (Kubernetes' init container)
+#                             if-missing  (default) build when no plan is there or the one there
+#                                         does not fit (`build-engine --check`: other GPU, TensorRT,
+#                                         ONNX file or buckets), then run the worker
+#                             always      build even when a fitting plan is there, then run the worker
+#                             never       never build or check; exit 3 with a message when no plan is
+#                                         there (Kubernetes' worker container: the init container
+#                                         built it, and the worker checks it at load anyway)
+#                             only        as if-missing, then exit 0 without running the worker
+#                                         (Kubernetes' init container)
 #   REBUILD_ENGINE=1        same as ENGINE_BUILD=always (kept for existing setups)
 #   ENGINE_BUILD_TIMEOUT_S  the longest a build may take before it is stopped and the container
 #                           exits 124 (default 1800); deploy/k8s/overlays/gpu checks the rollout
@@ -26,8 +28,8 @@
 # itself is exec'd: it replaces this shell (same PID, PID 1 in a container) and gets the signal
 # directly, which starts its drain.
 #
-# A present plan is used as is: the worker checks its sidecar (GPU, TensorRT version, ONNX
-# hash, buckets) at load and exits naming the rebuild command when it does not fit.
+# A kept plan (a volume that outlives the container) is checked before it is used, so a GPU,
+# driver-stack or image change rebuilds it instead of leaving a worker that refuses to start.
 set -euo pipefail
 
 child=""
@@ -56,31 +58,40 @@ if ! [[ "$budget" =~ ^[1-9][0-9]*$ ]]; then
   say "ENGINE_BUILD_TIMEOUT_S=$budget is not a positive whole number of seconds"; exit 2
 fi
 
-build_plan() {
-  say "building the TensorRT plan $engine (profile $profile, at most ${budget}s); this takes minutes"
-  mkdir -p "$(dirname "$engine")"
-  # Build beside the target and rename: a container killed mid-build must not leave a
-  # truncated plan that the next start would take for a good one.
-  tmp="$engine.tmp.$$"
-  local rc=0
-  local onnx_args=()
-  [[ -n "${KWE_ONNX_PATH:-}" ]] && onnx_args=(--onnx "$KWE_ONNX_PATH")
-  # shellcheck disable=SC2086  # BUILD_ENGINE_ARGS is word-split on purpose
-  timeout --kill-after=30 "$budget" \
-    keyword-embedder build-engine --profile "$profile" --output "$tmp" "${onnx_args[@]}" ${BUILD_ENGINE_ARGS:-} &
+onnx_args=()
+[[ -n "${KWE_ONNX_PATH:-}" ]] && onnx_args=(--onnx "$KWE_ONNX_PATH")
+
+# Runs "$@" as a child the TERM/INT trap can stop, and sets rc to its exit status. A trapped
+# signal interrupts `wait` (status > 128); wait again until the child has really exited.
+run_child() {
+  "$@" &
   child=$!
-  # A trapped signal interrupts `wait` (status > 128); wait again until the child has exited.
   while :; do
     rc=0
     wait "$child" || rc=$?
     if [[ -z "$stop_signal" ]] || ! kill -0 "$child" 2>/dev/null; then break; fi
   done
   child=""
+}
+
+exit_on_signal() {
+  say "stopped by SIG$stop_signal $1"
+  [[ "$stop_signal" == "INT" ]] && exit 130
+  exit 143
+}
+
+build_plan() {
+  say "building the TensorRT plan $engine (profile $profile, at most ${budget}s); this takes minutes"
+  mkdir -p "$(dirname "$engine")"
+  # Build beside the target and rename: a container killed mid-build must not leave a
+  # truncated plan that the next start would take for a good one.
+  tmp="$engine.tmp.$$"
+  # shellcheck disable=SC2086  # BUILD_ENGINE_ARGS is word-split on purpose
+  run_child timeout --kill-after=30 "$budget" \
+    keyword-embedder build-engine --profile "$profile" --output "$tmp" "${onnx_args[@]}" ${BUILD_ENGINE_ARGS:-}
   if [[ -n "$stop_signal" ]]; then
     rm -f "$tmp" "$tmp.json"
-    say "stopped by SIG$stop_signal during the plan build; nothing was written to $engine"
-    [[ "$stop_signal" == "INT" ]] && exit 130
-    exit 143
+    exit_on_signal "during the plan build; nothing was written to $engine"
   fi
   if (( rc != 0 )); then
     rm -f "$tmp" "$tmp.json"
@@ -96,23 +107,36 @@ build_plan() {
   say "plan written to $engine"
 }
 
-if [[ "$mode" == "always" || ( "$mode" != "never" && ! -s "$engine" ) ]]; then
-  build_plan
-elif [[ ! -s "$engine" ]]; then
-  say "no TensorRT plan at $engine and ENGINE_BUILD=never: it is built by the init container" \
-      "(deploy/k8s/overlays/gpu) or by 'keyword-embedder build-engine --output $engine' on this GPU"
-  exit 3
-else
+# 0: the plan at $engine fits this GPU, TensorRT, ONNX file and profile; 1: it must be rebuilt.
+plan_fits() {
+  run_child keyword-embedder build-engine --profile "$profile" --output "$engine" "${onnx_args[@]}" --check
+  [[ -n "$stop_signal" ]] && exit_on_signal "while checking the plan"
+  case "$rc" in
+    0) return 0 ;;
+    1) say "the plan at $engine does not fit (see above): rebuilding it"; return 1 ;;
+    *) say "could not check the plan at $engine (exit $rc)"; exit "$rc" ;;
+  esac
+}
+
+if [[ "$mode" == "never" ]]; then
+  if [[ ! -s "$engine" ]]; then
+    say "no TensorRT plan at $engine and ENGINE_BUILD=never: it is built by the init container" \
+        "(deploy/k8s/overlays/gpu) or by 'keyword-embedder build-engine --output $engine' on this GPU"
+    exit 3
+  fi
   say "using the plan at $engine"
+elif [[ "$mode" == "always" || ! -s "$engine" ]]; then
+  build_plan
+elif plan_fits; then
+  say "using the plan at $engine"
+else
+  build_plan
 fi
 
 if [[ "$mode" == "only" ]]; then
   exit 0
 fi
 # A signal that arrived after the build finished but before the exec must not be lost.
-if [[ -n "$stop_signal" ]]; then
-  say "stopped by SIG$stop_signal before the worker started"
-  exit 143
-fi
+[[ -n "$stop_signal" ]] && exit_on_signal "before the worker started"
 # exec: the worker replaces this shell and gets SIGTERM directly, which starts its drain.
 exec keyword-embedder run --backend tensorrt --engine-path "$engine" --profile "$profile" "$@"
