@@ -26,10 +26,13 @@ constraints:
 
 # kustomize, for tests/test_deploy_files.py's renders of deploy/k8s (from the Go module proxy;
 # compiled once into .tools/bin, about two minutes the first time).
+# A folder per version, so that changing KUSTOMIZE_VERSION installs the new one.
 KUSTOMIZE_VERSION := v5.5.0
-tools: .tools/bin/kustomize
-.tools/bin/kustomize:
-	GOBIN=$(CURDIR)/.tools/bin go install sigs.k8s.io/kustomize/kustomize/v5@$(KUSTOMIZE_VERSION)
+KUSTOMIZE_DIR := .tools/kustomize-$(KUSTOMIZE_VERSION)
+tools: $(KUSTOMIZE_DIR)/kustomize
+	@mkdir -p .tools/bin && ln -sfn ../kustomize-$(KUSTOMIZE_VERSION)/kustomize .tools/bin/kustomize
+$(KUSTOMIZE_DIR)/kustomize:
+	GOBIN=$(CURDIR)/$(KUSTOMIZE_DIR) go install sigs.k8s.io/kustomize/kustomize/v5@$(KUSTOMIZE_VERSION)
 
 demo: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash deploy/local/demo.sh
