@@ -2,10 +2,11 @@
 # GPU container entry point: make sure a TensorRT plan for this GPU exists, then run the worker
 # on it. Arguments are passed on to `keyword-embedder run`.
 #
-# Environment (besides the worker's own KWE_* settings; these are not settings, so no KWE_ prefix):
+# Worker settings it reads (docs/settings.md):
 #   KWE_ENGINE_PATH         where the plan is read from or built to (default /engines/model.plan)
 #   KWE_PROFILE             bucket profile of the plan (default gpu; 'auto' means gpu here)
 #   KWE_ONNX_PATH           the ONNX export to build from (the image sets its build-time export)
+# Its own variables (not worker settings, hence no KWE_ prefix):
 #   ENGINE_BUILD            when to build the plan:
 #                             if-missing  (default) build when no plan is there or the one there
 #                                         does not fit (`build-engine --check`: other GPU, TensorRT,
