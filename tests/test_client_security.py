@@ -215,9 +215,12 @@ def test_policy_stops_at_once_before_connecting_and_after_a_grace_later() -> Non
 def test_kubernetes_overlay_and_compose_overlay_mount_the_password_as_a_file() -> None:
     import yaml
 
-    overlay = ROOT / "deploy" / "k8s" / "secured"
+    overlay = ROOT / "deploy" / "k8s" / "components" / "secured"
     kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text(encoding="utf-8"))
-    assert kustomization["resources"] == ["../"]
+    assert kustomization["kind"] == "Component"
+    gpu = yaml.safe_load((ROOT / "deploy/k8s/overlays/gpu/kustomization.yaml").read_text(encoding="utf-8"))
+    assert "../../components/secured" in (ROOT / "deploy/k8s/overlays/gpu/kustomization.yaml").read_text()
+    assert gpu["kind"] == "Kustomization"
     patch = yaml.safe_load((overlay / kustomization["patches"][0]["path"]).read_text(encoding="utf-8"))
     pod = patch["spec"]["template"]["spec"]
     [container] = pod["containers"]
@@ -235,7 +238,7 @@ def test_kubernetes_overlay_and_compose_overlay_mount_the_password_as_a_file() -
     assert files <= set(secret["stringData"])
 
     compose = yaml.safe_load((ROOT / "deploy" / "docker-compose.secured.yml").read_text(encoding="utf-8"))
-    for name in ("worker-1", "worker-2"):
+    for name in ("worker",):
         svc = compose["services"][name]
         env = {k: ("x:9093" if "${" in str(v) else str(v)) for k, v in svc["environment"].items()}
         s = load_settings(None, env=env)

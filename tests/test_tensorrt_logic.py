@@ -917,6 +917,33 @@ def test_build_engine_cli_without_tensorrt_exits_2(monkeypatch: pytest.MonkeyPat
         import_gpu_extra()
 
 
+def test_build_engine_cli_check_says_whether_a_kept_plan_fits(
+        built_plan: tuple[Path, Path], fake_gpu: FakeTrt, capsys: pytest.CaptureFixture[str]) -> None:
+    """`build-engine --check`: 0 when the plan fits, 1 (with the reason) when it must be rebuilt."""
+    from worker.cli import main
+
+    plan, onnx_path = built_plan
+    check = ["build-engine", "--profile", "gpu", "--onnx", str(onnx_path), "--output", str(plan), "--check"]
+    built = len(fake_gpu.built)
+    assert main(check) == 0
+    assert "fits this GPU" in capsys.readouterr().err
+    # Another GPU model (the plan was built on an L40S).
+    fake_gpu.cuda.gpu_name = "NVIDIA H200"
+    assert main(check) == 1
+    err = capsys.readouterr().err
+    assert "foreign: built on GPU 'NVIDIA L40S', this GPU is 'NVIDIA H200'" in err and "Traceback" not in err
+    fake_gpu.cuda.gpu_name = "NVIDIA L40S"
+    # Another ONNX file.
+    onnx_path.write_bytes(onnx_path.read_bytes() + b"\0")
+    assert main(check) == 1
+    assert "stale: built from an ONNX file" in capsys.readouterr().err
+    # No plan at all.
+    missing = [*check[:-2], str(plan.parent / "none.plan"), "--check"]
+    assert main(missing) == 1
+    assert "not found" in capsys.readouterr().err
+    assert len(fake_gpu.built) == built, "--check never builds"
+
+
 def test_build_engine_cli_rejects_an_unaligned_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from worker.cli import main
 

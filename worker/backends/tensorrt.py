@@ -41,7 +41,6 @@ are imported only inside `TensorRTBackend.__init__`.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -343,14 +342,7 @@ class TensorRTBackend:
     def __init__(self, engine_path: str | Path, profile: Profile, *, onnx_path: str | Path | None = None,
                  share_device_memory: bool = False, device: int = 0) -> None:
         # Imported here: the module is importable (and its pure logic testable) without the gpu extra.
-        from engines.build_engine import (
-            gpu_identity,
-            import_gpu_extra,
-            profile_shapes,
-            read_sidecar,
-            sha256_file,
-            validate_sidecar,
-        )
+        from engines.build_engine import check_plan, import_gpu_extra, profile_shapes, read_sidecar
 
         self.engine_path = Path(engine_path)
         self.profile = profile
@@ -359,19 +351,12 @@ class TensorRTBackend:
         # One block of activation memory for all contexts: they must never run at once.
         self.requires_serial_dispatch = share_device_memory
         profile_shapes(profile)  # alignment: a clear error instead of a plan that cannot match
-        sidecar = read_sidecar(self.engine_path)  # before the GPU import: a missing sidecar fails fast
+        read_sidecar(self.engine_path)  # before the GPU import: a missing or broken sidecar fails fast
         self._trt, self._cuda = import_gpu_extra()
         trt, cuda = self._trt, self._cuda
-        gpu_name, cc = gpu_identity(cuda, device)
-
-        onnx_hash = None
-        check_onnx = Path(onnx_path) if onnx_path else Path(sidecar.onnx_path)
-        if onnx_path or check_onnx.is_file():  # the recorded path may be another machine's
-            onnx_hash = sha256_file(check_onnx)
         plan_bytes = self.engine_path.read_bytes()
-        validate_sidecar(sidecar, plan_path=self.engine_path, profile=profile, onnx_sha256=onnx_hash,
-                         tensorrt_version=str(trt.__version__), gpu_name=gpu_name, compute_capability=cc,
-                         plan_sha256=hashlib.sha256(plan_bytes).hexdigest())
+        _, gpu_name, cc = check_plan(self.engine_path, profile, cuda=cuda, tensorrt_version=str(trt.__version__),
+                                     onnx_path=onnx_path, device=device, plan_bytes=plan_bytes)
 
         self._cuda_ctx = cuda.Device(device).retain_primary_context()
         self._thread_ctx = _ThreadCudaContext(self._cuda_ctx, cuda)

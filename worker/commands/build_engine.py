@@ -36,6 +36,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="TensorRT builder workspace limit in GiB (default: 4)")
     parser.add_argument("--timing-cache", metavar="FILE", default="",
                         help="timing cache to load (if it exists) and save; speeds up rebuilds on this GPU")
+    parser.add_argument("--check", action="store_true",
+                        help="build nothing: exit 0 if the plan at --output fits this GPU, TensorRT version, "
+                             "ONNX file and profile, 1 (saying why) if it does not or is missing")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -43,7 +46,9 @@ def main(args: argparse.Namespace) -> int:
         AlignmentError,
         EngineBuildError,
         GpuExtraMissingError,
+        PlanSidecarError,
         build_engine,
+        check_plan,
         import_gpu_extra,
         profile_shapes,
     )
@@ -64,9 +69,20 @@ def main(args: argparse.Namespace) -> int:
         return fail(exc)
     # Before any export: without TensorRT nothing below can succeed, so say so at once.
     try:
-        import_gpu_extra()
+        trt, cuda = import_gpu_extra()
     except GpuExtraMissingError as exc:
         return fail(exc)
+
+    if args.check:
+        # The same check the TensorRT backend makes at load; exit 1 (not 2) means "rebuild it".
+        try:
+            check_plan(args.output, profile, cuda=cuda, tensorrt_version=str(trt.__version__),
+                       onnx_path=args.onnx or None)
+        except PlanSidecarError as exc:
+            print(f"{PROG}: {exc}", file=sys.stderr)
+            return 1
+        print(f"{PROG}: {args.output} fits this GPU, TensorRT version, ONNX file and profile", file=sys.stderr)
+        return 0
 
     onnx_path = args.onnx
     if not onnx_path:
