@@ -19,7 +19,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicCollection
 from confluent_kafka.admin import AclOperation, AdminClient, ConfigResource, ResourceType
 
 from worker.config import RECORD_FRAMING_BYTES, Settings
-from worker.kafka.errors import PreflightError
+from worker.kafka.errors import PreflightError, fatal_reason
 
 Access = Literal["read", "write"]
 _NEEDS: dict[Access, AclOperation] = {"read": AclOperation.READ, "write": AclOperation.WRITE}
@@ -77,8 +77,14 @@ def check_topics(admin_config: Mapping[str, Any], settings: Settings, timeout_s:
         admin = AdminClient(config)
     except (KafkaException, ValueError, TypeError) as exc:
         raise PreflightError([f"invalid Kafka client configuration: {exc}"]) from None
+    cluster = admin.describe_cluster(request_timeout=left())
+    while not cluster.done() and time.monotonic() < deadline:
+        admin.poll(0.1)  # serves error_cb: a wrong password or an untrusted certificate ends the wait at once
+        reason = fatal_reason(last_error[0]) if last_error else None
+        if reason is not None:
+            raise PreflightError([reason])
     try:
-        admin.describe_cluster(request_timeout=left()).result(timeout=left() + 1)
+        cluster.result(timeout=left() + 1)
     except (KafkaException, concurrent.futures.TimeoutError):
         raise unreachable() from None
 
