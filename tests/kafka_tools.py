@@ -58,6 +58,7 @@ class WorkerProcess:
     extra: Sequence[str] = ()
     metrics_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    root: Path = ROOT  # the checkout whose worker runs (`python -m` imports from the working directory)
 
     def start(self) -> WorkerProcess:
         cmd = [sys.executable, "-m", "worker.cli", "run", "--bootstrap-servers", self.bootstrap,
@@ -67,7 +68,7 @@ class WorkerProcess:
                "--log-format", "json", *self.extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KWE_")}
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, env=env)
         log.close()
         return self
 
