@@ -368,3 +368,76 @@ def test_liveness_fails_on_a_fatal_error_a_dead_thread_or_a_stall() -> None:
     assert not ok and "kwe-output" in reason
     latch.trip(WorkerError("boom"))
     assert live() == (False, "fatal error: boom")
+
+
+# ---------------------------------------------------------------------------- rebalances
+class FakeGroupConsumer(FakeConsumer):
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.config = config
+        self.assigned: list[TopicPartition] = []
+        self.paused: list[TopicPartition] = []
+
+    def incremental_assign(self, partitions: list[TopicPartition]) -> None:
+        self.assigned += partitions
+
+    def pause(self, partitions: list[TopicPartition]) -> None:
+        self.paused += partitions
+
+    def resume(self, partitions: list[TopicPartition]) -> None:
+        self.paused = [p for p in self.paused if p not in partitions]
+
+    def assignment(self) -> list[TopicPartition]:
+        return list(self.assigned)
+
+
+def _member(wait_s: float) -> tuple[Any, Committer, FakeGroupConsumer, FatalLatch]:
+    from worker.kafka.consumer import GroupMember
+    from worker.metrics import Metrics
+
+    latch = FatalLatch()
+    committer = Committer(None, interval_s=0.0)
+    made: list[FakeGroupConsumer] = []
+    member = GroupMember({}, committer, latch, Metrics(), revoke_wait_s=lambda: wait_s,
+                         consumer_factory=lambda cfg: made.append(FakeGroupConsumer(cfg)) or made[0])
+    return member, committer, made[0], latch
+
+
+def test_a_revoke_waits_for_work_in_flight_then_commits_it_before_the_partition_goes() -> None:
+    member, committer, fake, _ = _member(wait_s=5.0)
+    tps = [TopicPartition("t", 0)]
+    member._on_assign(fake, tps)
+    part = committer.tracker.get("t", 0)
+    assert part is not None and fake.paused == []  # assigned and explicitly resumed
+    for off in range(4):
+        part.track(off)
+    part.done(0)
+    threading.Timer(0.2, lambda: [part.done(o) for o in (1, 2, 3)]).start()  # the delivery thread finishes
+    start = time.monotonic()
+    member._on_revoke(fake, tps)
+    assert 0.15 < time.monotonic() - start < 4.0
+    assert fake.commits[-1] == ([(0, 4)], False)  # synchronous, everything finished
+    assert committer.tracker.get("t", 0) is None and part.revoked
+
+
+def test_a_revoke_after_a_fatal_error_neither_waits_nor_commits() -> None:
+    member, committer, fake, latch = _member(wait_s=30.0)
+    tps = [TopicPartition("t", 0)]
+    member._on_assign(fake, tps)
+    part = committer.tracker.get("t", 0)
+    assert part is not None
+    part.track(0)
+    part.track(1)
+    part.done(0)
+    latch.trip(WorkerError("delivery failed"))
+    start = time.monotonic()
+    member._on_revoke(fake, tps)
+    assert time.monotonic() - start < 1.0 and fake.commits == []
+
+
+def test_a_member_paused_by_flow_control_takes_new_partitions_paused() -> None:
+    member, _, fake, _ = _member(wait_s=0.0)
+    member._on_assign(fake, [TopicPartition("t", 0)])
+    member.set_paused(True)
+    member._on_assign(fake, [TopicPartition("t", 1)])
+    assert {tp.partition for tp in fake.paused} == {0, 1}
