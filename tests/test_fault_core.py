@@ -299,8 +299,11 @@ def test_the_record_bound_follows_throughput_so_a_drain_fits_the_deadline() -> N
     for t in range(12, 30):
         flow.observe(float(t), 1100 + (t - 12) * 2000)  # fast now: capped by the setting
     assert flow.limit == 4096
-    for t in range(30, 50):
-        flow.observe(float(t), 40000)  # stalled: never below the floor
+    for t in range(30, 35):
+        flow.observe(float(t), 40000, busy=False)  # idle: says nothing about capacity
+    assert flow.limit == 4096
+    for t in range(35, 55):
+        flow.observe(float(t), 40000)  # work waits and nothing finishes: never below the floor
     assert flow.limit == 256
 
 

@@ -38,8 +38,16 @@ class FlowControl:
         self.min_records = min(self.min_records, self.max_records)
         self.limit = self.min_records if self.drain_target_s != float("inf") else self.max_records
 
-    def observe(self, now: float, finished_total: int) -> None:
-        """Records finished so far (a running count): updates the measured rate and the bound."""
+    def observe(self, now: float, finished_total: int, *, busy: bool = True) -> None:
+        """Records finished so far (a running count): updates the measured rate and the bound.
+
+        Only busy time measures capacity: an idle stretch (nothing waiting) clears the window and
+        keeps the bound, so a burst after a quiet minute starts at the bound it had, not at one
+        computed from a trickle.
+        """
+        if not busy:
+            self._samples.clear()
+            return
         self._samples.append((now, finished_total))
         while len(self._samples) > 2 and now - self._samples[0][0] > RATE_WINDOW_S:
             self._samples.popleft()

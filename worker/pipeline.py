@@ -161,7 +161,8 @@ class Pipeline:
 
     def _poll_once(self) -> None:
         pending = self._committer.uncommitted()
-        self._flow.observe(time.monotonic(), self._acks.embedded_count + self._acks.dead_lettered_count)
+        self._flow.observe(time.monotonic(), self._acks.embedded_count + self._acks.dead_lettered_count,
+                           busy=pending > 0)
         self._member.set_paused(self._flow.update(pending, self._inflight.bytes))
         self.metrics.set_in_flight(pending)
         msgs = self._member.consume(self._flow.room(pending), 0.05)
