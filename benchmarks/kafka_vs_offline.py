@@ -144,7 +144,7 @@ def main() -> int:
 
     from worker.backends.select import load_backend
     from worker.tokenize import KeywordTokenizer
-    from worker.model import default_model_dir
+    from kwe_core.model import default_model_dir
 
     settings = Settings()
     tokenizer = KeywordTokenizer.from_model_dir(default_model_dir())

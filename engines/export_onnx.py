@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from worker.model import ModelError, ModelInfo, default_model_dir
+from kwe_core.model import ModelError, ModelInfo, default_model_dir
 
 # Bump whenever the emitted graph changes: it is part of the cache key.
 EXPORTER_VERSION = "1"

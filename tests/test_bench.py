@@ -10,7 +10,7 @@ import pytest
 
 from worker import cli
 from worker.bench import quartiles, read_queries, run_bucketed, run_monolithic, run_sorted
-from worker.profiles import load_profile
+from kwe_core.profiles import load_profile
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "terabyte05-300.tsv"
 
@@ -19,7 +19,7 @@ SAMPLE = Path(__file__).resolve().parent / "data" / "terabyte05-300.tsv"
 def ort_parts():  # noqa: ANN201
     from engines.export_onnx import ensure_onnx
     from worker.backends.onnxruntime import OnnxRuntimeBackend
-    from worker.model import default_model_dir
+    from kwe_core.model import default_model_dir
     from worker.tokenize import KeywordTokenizer
 
     tokenizer = KeywordTokenizer.from_model_dir(default_model_dir())

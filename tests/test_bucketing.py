@@ -19,7 +19,7 @@ import pytest
 
 from worker.bucketing import BatchStats, Bucketer, BucketerError, BucketerStoppedError
 from worker.metrics import Metrics
-from worker.profiles import Bucket, Profile
+from kwe_core.profiles import Bucket, Profile
 
 WAIT = 10.0  # seconds; only a guard against hangs
 

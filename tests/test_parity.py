@@ -10,10 +10,11 @@ import orjson
 import pytest
 
 from engines.export_onnx import ensure_onnx
-from worker.backends.base import Backend, BackendError, InferenceContext
+from kwe_core.errors import BackendError
+from worker.backends.base import Backend, InferenceContext
 from worker.backends.onnxruntime import OnnxRuntimeBackend
 from worker.embedder import Embedder
-from worker.model import default_model_dir
+from kwe_core.model import default_model_dir
 from worker.tokenize import KeywordTokenizer
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden"

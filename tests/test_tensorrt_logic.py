@@ -37,7 +37,8 @@ from engines.build_engine import (
     validate_sidecar,
     write_sidecar,
 )
-from worker.backends.base import Backend, BackendError, InferenceContext
+from kwe_core.errors import BackendError
+from worker.backends.base import Backend, InferenceContext
 from worker.backends.select import (
     GPU_INSTALL_HINT,
     choose_backend,
@@ -57,10 +58,10 @@ from worker.backends.tensorrt import (
     stage_batch,
 )
 from worker.config import Settings
-from worker.profiles import Bucket, Profile, ProfileError, load_profile
+from kwe_core.profiles import Bucket, Profile, ProfileError, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = ROOT / "engines" / "profiles.toml"
+PROFILES = ROOT / "kwe_core" / "profiles.toml"
 DIM = 384
 
 

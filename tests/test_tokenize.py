@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from worker.model import ModelError, default_model_dir
+from kwe_core.model import ModelError, default_model_dir
 from worker.tokenize import Encoded, KeywordTokenizer, pad
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden"

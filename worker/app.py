@@ -8,7 +8,7 @@ import structlog
 
 from worker.config import Settings
 from worker.metrics import Metrics
-from worker.model import ModelInfo, default_model_dir
+from kwe_core.model import ModelInfo, default_model_dir
 from worker.pipeline import Pipeline
 from worker.tokenize import KeywordTokenizer
 

@@ -32,7 +32,7 @@ import numpy as np
 from worker.backends.base import Backend, InferenceContext
 from worker.bucketing import BatchStats, Bucketer
 from worker.keyword_files import KeywordFileError, read_keywords
-from worker.profiles import Profile
+from kwe_core.profiles import Profile
 from worker.tokenize import Encoded, pad
 
 DEFAULT_WINDOW = 4096  # Settings.max_in_flight's default: what the Kafka worker keeps in flight

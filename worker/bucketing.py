@@ -51,8 +51,9 @@ from typing import Literal
 
 import numpy as np
 
-from worker.backends.base import Backend, InferenceContext, PadPolicy
-from worker.profiles import Profile
+from kwe_core.profiles import PadPolicy
+from worker.backends.base import Backend, InferenceContext
+from kwe_core.profiles import Profile
 
 log = logging.getLogger(__name__)
 

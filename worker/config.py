@@ -96,7 +96,7 @@ class Settings:
     onnx_path: str = _setting("", "ONNX export to run; empty: export the model once into the user cache.")
     engine_path: str = _setting("", "TensorRT plan (keyword-embedder build-engine); needed by the tensorrt "
                                 "backend.")
-    profiles_file: str = _setting("", "Bucket profiles TOML; empty: engines/profiles.toml shipped with the "
+    profiles_file: str = _setting("", "Bucket profiles TOML; empty: kwe_core/profiles.toml shipped with the "
                                   "package.")
     profile: str = _setting("auto", "Named profile in the profiles file; 'auto': 'gpu' for TensorRT, 'cpu' "
                             "for ONNX Runtime.")

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from worker.backends.onnxruntime import OnnxRuntimeBackend
-from worker.model import ModelInfo, default_model_dir
+from kwe_core.model import ModelInfo, default_model_dir
 from worker.tokenize import Encoded, KeywordTokenizer
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from worker.model import ModelError, ModelInfo
+from kwe_core.model import ModelError, ModelInfo
 
 
 @dataclass(frozen=True)

@@ -106,7 +106,7 @@ def torch_parity() -> dict:
 def bench(name: str, providers: list[str], profile: str, compare: str, *, limit: int, rounds: int,
           latency_s: float, dispatchers: int = 1) -> dict:
     from worker.bench import BenchConfig, read_queries, render_markdown, run_benchmark
-    from worker.profiles import load_profile
+    from kwe_core.profiles import load_profile
 
     tok = tokenizer()
     if providers == ["torch"]:

@@ -8,15 +8,15 @@ context needs no locking of its own.
 
 from __future__ import annotations
 
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-PadPolicy = Literal["bucket", "longest"]
+# Defined in the lowest layer because the engine build raises it too; every backend raises it.
+from kwe_core.errors import BackendError
+from kwe_core.profiles import PadPolicy
 
-
-class BackendError(RuntimeError):
-    """The backend cannot be loaded or cannot run a batch; the message says which and why."""
+__all__ = ["Backend", "BackendError", "InferenceContext"]
 
 
 @runtime_checkable

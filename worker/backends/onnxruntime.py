@@ -13,7 +13,8 @@ from typing import Literal
 
 import numpy as np
 
-from worker.backends.base import BackendError, PadPolicy
+from kwe_core.errors import BackendError
+from kwe_core.profiles import PadPolicy
 
 GraphOptimization = Literal["disable", "basic", "extended", "all"]
 

@@ -24,9 +24,10 @@ from typing import Any
 
 import structlog
 
-from worker.backends.base import Backend, BackendError
+from kwe_core.errors import BackendError
+from worker.backends.base import Backend
 from worker.config import Settings
-from worker.profiles import Profile, load_profile
+from kwe_core.profiles import Profile, load_profile
 
 log = structlog.get_logger(__name__)
 
@@ -109,7 +110,7 @@ def resolve_profile_name(settings: Settings, backend: str) -> str:
 
 
 def _model_max_len(settings: Settings) -> int:
-    from worker.model import ModelInfo, default_model_dir
+    from kwe_core.model import ModelInfo, default_model_dir
 
     model_dir = settings.model_dir or default_model_dir()
     return ModelInfo.from_dir(model_dir).max_seq_length

@@ -50,8 +50,9 @@ from typing import Any
 
 import numpy as np
 
-from worker.backends.base import BackendError, PadPolicy
-from worker.profiles import Profile
+from kwe_core.errors import BackendError
+from kwe_core.profiles import PadPolicy
+from kwe_core.profiles import Profile
 
 INPUT_NAMES: tuple[str, ...] = ("input_ids", "attention_mask")
 PAD_ID = 0  # masked out, so its value never reaches a real token's output

@@ -18,7 +18,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="cpu", help="Bucket profile of the bucketed policy (default cpu).")
     parser.add_argument("--compare-profile", default="cpu-aligned",
                         help="A second bucketed profile reported beside it; '' for none (default cpu-aligned).")
-    parser.add_argument("--profiles-file", type=Path, default=None, help="Profiles TOML (default: engines/).")
+    parser.add_argument("--profiles-file", type=Path, default=None, help="Profiles TOML (default: kwe_core/profiles.toml).")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="Write the JSON report here.")
     parser.add_argument("--markdown", type=Path, default=None, metavar="OUT", help="Write a Markdown table here.")
     parser.add_argument("--latency", action=argparse.BooleanOptionalAction, default=True,
@@ -42,10 +42,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from worker.backends.base import BackendError
+    from kwe_core.errors import BackendError
     from worker.bench import BenchConfig, BenchError, read_queries, render_markdown, run_benchmark
-    from worker.model import ModelError
-    from worker.profiles import ProfileError, load_profile
+    from kwe_core.model import ModelError
+    from kwe_core.profiles import ProfileError, load_profile
     from worker.tokenize import KeywordTokenizer
 
     def log(msg: str) -> None:
@@ -59,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
             return 2
     try:
         from worker.backends.onnxruntime import OnnxRuntimeBackend
-        from worker.model import default_model_dir
+        from kwe_core.model import default_model_dir
 
         model_dir = args.model_dir or default_model_dir()
         tokenizer = KeywordTokenizer.from_model_dir(model_dir)

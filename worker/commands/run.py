@@ -27,10 +27,10 @@ def main(args: argparse.Namespace) -> int:
     log = structlog.get_logger("worker.run")
 
     from worker.app import build_pipeline
-    from worker.backends.base import BackendError
+    from kwe_core.errors import BackendError
     from worker.metrics import Metrics, MetricsServer
-    from worker.model import ModelError
-    from worker.profiles import ProfileError
+    from kwe_core.model import ModelError
+    from kwe_core.profiles import ProfileError
 
     metrics = Metrics() if settings.metrics_port else None
     try:
