@@ -224,7 +224,7 @@ def _pool_and_normalise(g: _Graph, info: ModelInfo, hidden_states: str, attentio
     return g.op("Div", [pooled, norm], output=OUTPUT_NAME)
 
 
-def build_model(model_dir: str | Path | None = None) -> onnx.ModelProto:
+def build_model(model_dir: str | Path | ModelInfo | None = None) -> onnx.ModelProto:
     """The unfused ONNX graph of the model folder, with metadata_props (in memory, not cached)."""
     info = _model_info(model_dir)
     if info.model_type not in ("bert",):
@@ -258,7 +258,9 @@ def build_model(model_dir: str | Path | None = None) -> onnx.ModelProto:
 # ---------------------------------------------------------------- metadata, hashing, cache
 
 
-def _model_info(model_dir: str | Path | None) -> ModelInfo:
+def _model_info(model_dir: str | Path | ModelInfo | None) -> ModelInfo:
+    if isinstance(model_dir, ModelInfo):
+        return model_dir  # already read: a start reads the model folder once
     try:
         return ModelInfo.from_dir(default_model_dir() if model_dir is None else model_dir)
     except ModelError as exc:
@@ -417,10 +419,10 @@ def _check_fused(plain: onnx.ModelProto, fused: onnx.ModelProto, info: ModelInfo
 # ---------------------------------------------------------------- public API
 
 
-def export_onnx(model_dir: str | Path | None, output: str | Path, *, optimize: bool = True) -> Path:
+def export_onnx(model_dir: str | Path | ModelInfo | None, output: str | Path, *, optimize: bool = True) -> Path:
     """Export the model folder to `output` (atomically) and return the path."""
     info = _model_info(model_dir)
-    model = build_model(info.model_dir)
+    model = build_model(info)
     if optimize:
         fused = _fuse(model, info)
         _check_fused(model, fused, info)
@@ -437,7 +439,7 @@ def export_onnx(model_dir: str | Path | None, output: str | Path, *, optimize: b
     return output
 
 
-def cached_path(model_dir: str | Path | None = None, *, optimize: bool = True,
+def cached_path(model_dir: str | Path | ModelInfo | None = None, *, optimize: bool = True,
                 cache_dir: str | Path | None = None) -> Path:
     """Where ensure_onnx keeps (or would keep) the export of this model folder."""
     info = _model_info(model_dir)
@@ -447,7 +449,7 @@ def cached_path(model_dir: str | Path | None = None, *, optimize: bool = True,
     return root / f"{safe_name}-{variant}-{cache_key(info, optimize=optimize)[:20]}.onnx"
 
 
-def ensure_onnx(model_dir: str | Path | None = None, *, optimize: bool = False,
+def ensure_onnx(model_dir: str | Path | ModelInfo | None = None, *, optimize: bool = False,
                 cache_dir: str | Path | None = None) -> Path:
     """The cached ONNX export of the model folder, exported first if missing or stale.
 
@@ -464,5 +466,5 @@ def ensure_onnx(model_dir: str | Path | None = None, *, optimize: bool = False,
         raise ExportError(f"{path.parent}: cannot create the ONNX cache dir ({exc.strerror or exc})") from None
     with _locked(path.parent / f".{path.name}.lock"):
         if not path.is_file():  # another process may have finished it while we waited
-            export_onnx(model_dir, path, optimize=optimize)
+            export_onnx(_model_info(model_dir), path, optimize=optimize)
     return path

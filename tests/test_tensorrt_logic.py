@@ -677,7 +677,7 @@ def test_backend_runs_each_bucket_on_its_own_context_and_thread(
     plan, onnx_path = built_plan
     backend = TensorRTBackend(plan, gpu, onnx_path=onnx_path)
     assert isinstance(backend, Backend) and backend.name == "tensorrt" and backend.dim == DIM
-    assert backend.preferred_pad == "bucket" and backend.max_contexts == 5
+    assert backend.max_contexts == 5
     assert backend.requires_serial_dispatch is False
     cuda = fake_gpu.cuda
     assert cuda.stack() == []  # the constructor popped what it pushed
@@ -852,26 +852,60 @@ def test_profile_auto_follows_the_backend() -> None:
     assert resolve_profile_name(Settings(profile="cpu-aligned"), "tensorrt") == "cpu-aligned"
 
 
-def test_load_backend_onnxruntime_with_profile_and_onnx_path(monkeypatch: pytest.MonkeyPatch) -> None:
+class _FakeOrt:
+    """Stands in for OnnxRuntimeBackend: records how the factory built it."""
+
     made: list[tuple[Any, dict[str, Any]]] = []
+    name, dim = "onnxruntime", DIM
+
+    def __init__(self, onnx_path: Any, **kw: Any) -> None:
+        self.path = onnx_path
+        self.closed = False
+        _FakeOrt.made.append((onnx_path, kw))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _fake_ort(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, dict[str, Any]]]:
     fake = types.ModuleType("worker.backends.onnxruntime")
-
-    class OnnxRuntimeBackend:
-        def __init__(self, onnx_path: Any, **kw: Any) -> None:
-            made.append((onnx_path, kw))
-
-    fake.OnnxRuntimeBackend = OnnxRuntimeBackend  # type: ignore[attr-defined]
+    fake.OnnxRuntimeBackend = _FakeOrt  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "worker.backends.onnxruntime", fake)
-    backend, profile = load_backend(Settings(onnx_path="/m/x.onnx", intra_op_threads=3),
-                                    find_spec=_spec(set()), has_gpu=lambda: False)
-    assert isinstance(backend, OnnxRuntimeBackend) and made == [("/m/x.onnx", {"intra_op_threads": 3})]
-    assert profile.name == "cpu" and profile.max_len == 256
+    monkeypatch.setattr(_FakeOrt, "made", [])
+    return _FakeOrt.made
+
+
+def test_load_backend_onnxruntime_with_profile_and_onnx_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    made = _fake_ort(monkeypatch)
+    loaded = load_backend(Settings(onnx_path="/m/x.onnx", intra_op_threads=3),
+                          find_spec=_spec(set()), has_gpu=lambda: False)
+    assert isinstance(loaded.backend, _FakeOrt) and made == [("/m/x.onnx", {"intra_op_threads": 3})]
+    assert loaded.profile.name == "cpu" and loaded.profile.max_len == 256
+    # Every "auto" is resolved where the settings are read: nothing after this sees the word.
+    assert (loaded.settings.backend, loaded.settings.profile, loaded.settings.pad_to) == ("onnxruntime", "cpu",
+                                                                                          "longest")
+    assert loaded.model.dim == DIM
 
     export = types.ModuleType("engines.export_onnx")
-    export.ensure_onnx = lambda model_dir=None, **kw: f"/cache/{model_dir}.onnx"  # type: ignore[attr-defined]
+    export.ensure_onnx = lambda model, **kw: f"/cache/{model.name}.onnx"  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "engines.export_onnx", export)
     load_backend(Settings(), find_spec=_spec(set()), has_gpu=lambda: False)
-    assert made[-1][0] == "/cache/None.onnx"  # default: the cached export of the default model
+    # default: the cached export of the model already read (not the folder read again)
+    assert made[-1][0] == "/cache/all-MiniLM-L6-v2.onnx"
+    # An explicit pad_to wins over the profile's.
+    assert load_backend(Settings(onnx_path="/m/x.onnx", pad_to="bucket"), find_spec=_spec(set()),
+                        has_gpu=lambda: False).settings.pad_to == "bucket"
+
+
+def test_the_factory_refuses_a_backend_of_another_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.backends.select import model_info, open_backend
+
+    _fake_ort(monkeypatch)
+    monkeypatch.setattr(_FakeOrt, "dim", 768)
+    with pytest.raises(BackendError, match="768-d vectors but .*config.json says hidden_size 384"):
+        open_backend("onnxruntime", model_info(Settings()), onnx_path="/m/bert-base.onnx")
+    with pytest.raises(BackendError, match="needs a plan"):
+        open_backend("tensorrt", model_info(Settings()))
 
 
 def test_load_backend_tensorrt_passes_plan_profile_and_onnx(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -882,14 +916,18 @@ def test_load_backend_tensorrt_passes_plan_profile_and_onnx(monkeypatch: pytest.
     made: list[tuple[Any, ...]] = []
 
     class Fake:
+        name, dim = "tensorrt", DIM
+
         def __init__(self, engine_path: Any, profile: Profile, **kw: Any) -> None:
             made.append((engine_path, profile.name, kw))
 
     monkeypatch.setattr(trt_backend, "TensorRTBackend", Fake)
-    backend, profile = load_backend(Settings(engine_path=str(plan), onnx_path="/m/x.onnx"),
-                                    find_spec=_spec({"tensorrt", "pycuda"}), has_gpu=lambda: True)
-    assert isinstance(backend, Fake) and profile.name == "gpu" and profile.bounds == (8, 16, 32, 64, 256)
+    loaded = load_backend(Settings(engine_path=str(plan), onnx_path="/m/x.onnx"),
+                          find_spec=_spec({"tensorrt", "pycuda"}), has_gpu=lambda: True)
+    assert isinstance(loaded.backend, Fake) and loaded.profile.name == "gpu"
+    assert loaded.profile.bounds == (8, 16, 32, 64, 256)
     assert made == [(str(plan), "gpu", {"onnx_path": "/m/x.onnx", "share_device_memory": False})]
+    assert (loaded.settings.backend, loaded.settings.profile, loaded.settings.pad_to) == ("tensorrt", "gpu", "bucket")
 
 
 def test_load_backend_refuses_a_profile_short_of_the_model_max(tmp_path: Path) -> None:

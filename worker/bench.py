@@ -32,8 +32,9 @@ import numpy as np
 from worker.backends.base import Backend, InferenceContext
 from worker.bucketing import BatchStats, Bucketer
 from worker.keyword_files import KeywordFileError, read_keywords
-from kwe_core.profiles import Profile
-from worker.tokenize import Encoded, pad
+from kwe_core.profiles import PadPolicy, Profile
+from worker.padding import pad_batch
+from worker.tokenize import Encoded
 
 DEFAULT_WINDOW = 4096  # Settings.max_in_flight's default: what the Kafka worker keeps in flight
 DEFAULT_BATCH = 256
@@ -100,7 +101,7 @@ def _run_batches(ctx: InferenceContext, encoded: Sequence[Encoded], order: Seque
     for lo in range(0, len(order), batch_size):
         batch = [encoded[i] for i in order[lo:lo + batch_size]]
         pad_len = max(len(e.ids) for e in batch)
-        ids, mask = pad(batch, pad_len)
+        ids, mask = pad_batch([e.ids for e in batch], pad_len)
         t0 = time.perf_counter()
         ctx.run(ids, mask)
         backend_s += time.perf_counter() - t0
@@ -140,7 +141,7 @@ def run_sorted(encoded: Sequence[Encoded], backend: Backend, *, batch_size: int 
 
 
 def run_bucketed(encoded: Sequence[Encoded], profile: Profile, backend: Backend, *, window: int = DEFAULT_WINDOW,
-                 max_queue_delay_ms: float = 20.0, dispatchers: int = 1, pad_to: str | None = None,
+                 max_queue_delay_ms: float = 20.0, dispatchers: int = 1, pad_to: PadPolicy | None = None,
                  eager: bool = True, keep_embeddings: bool = False, policy: str = "bucketed") -> BucketedRun:
     """The worker's Bucketer fed in input order through a bounded in-flight window.
 
@@ -175,7 +176,7 @@ def run_bucketed(encoded: Sequence[Encoded], profile: Profile, backend: Backend,
             room.release()
 
     bucketer = Bucketer(profile, backend, on_complete, on_error=on_error, max_queue_delay_ms=max_queue_delay_ms,
-                        dispatchers=dispatchers, pad_to=pad_to, eager=eager)  # type: ignore[arg-type]
+                        dispatchers=dispatchers, pad_to=pad_to, eager=eager)
     bucketer.start()
     start = time.perf_counter()
     try:
@@ -203,7 +204,7 @@ def replay_direct(encoded: Sequence[Encoded], formed: Sequence[tuple[list[int], 
     `threads` callers (one context each) take the batches in order from a shared index, the
     same parallelism the bucketer's dispatchers have, without its queues, forming or padding.
     """
-    arrays = [pad([encoded[i] for i in seqs], pad_len) for seqs, pad_len in formed]
+    arrays = [pad_batch([encoded[i].ids for i in seqs], pad_len) for seqs, pad_len in formed]
     n = sum(len(seqs) for seqs, _ in formed)
     contexts = [backend.create_context(i) for i in range(threads)]
     next_index = iter(range(len(arrays)))
@@ -255,7 +256,7 @@ class LatencyLevel:
 
 def run_open_loop(encoded: Sequence[Encoded], profile: Profile, backend: Backend, *, rate: float,
                   seconds: float, max_queue_delay_ms: float = 20.0, dispatchers: int = 1,
-                  pad_to: str | None = None, eager: bool = True, seed: int = 0, load: float = 0.0,
+                  pad_to: PadPolicy | None = None, eager: bool = True, seed: int = 0, load: float = 0.0,
                   warmup_fraction: float = 0.1) -> LatencyLevel:
     """Open-loop Poisson arrivals at `rate`/s for `seconds`; latency from arrival to embedding.
 
@@ -302,7 +303,7 @@ def run_open_loop(encoded: Sequence[Encoded], profile: Profile, backend: Backend
                 finished.set()
 
     bucketer = Bucketer(profile, backend, on_complete, on_error=on_error, max_queue_delay_ms=max_queue_delay_ms,
-                        dispatchers=dispatchers, pad_to=pad_to, eager=eager)  # type: ignore[arg-type]
+                        dispatchers=dispatchers, pad_to=pad_to, eager=eager)
     bucketer.start()
     start = time.perf_counter()
     try:

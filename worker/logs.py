@@ -17,8 +17,10 @@ import structlog
 from structlog.typing import Processor
 
 LogFormat = Literal["auto", "json", "console"]
+LogLevel = Literal["debug", "info", "warning", "error"]
 
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+_LEVELS: dict[str, int] = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+                           "error": logging.ERROR}
 # Marks the handler this module installs, so a second call replaces it instead of doubling
 # every line.
 _HANDLER_MARK = "_kwe_handler"
@@ -32,7 +34,7 @@ def _is_tty(stream: TextIO) -> bool:
         return False
 
 
-def configure_logging(fmt: LogFormat = "auto", level: str = "info", stream: TextIO | None = None) -> None:
+def configure_logging(fmt: LogFormat = "auto", level: LogLevel = "info", stream: TextIO | None = None) -> None:
     """Sets up structlog and the root logger to write to `stream` (default: sys.stderr at call time)."""
     stream = sys.stderr if stream is None else stream
     if fmt not in ("auto", "json", "console"):

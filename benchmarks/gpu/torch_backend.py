@@ -54,7 +54,6 @@ class TorchContext:
 
 class TorchBertBackend:
     name = "torch-cuda"
-    preferred_pad = "bucket"
     max_contexts = None
 
     def __init__(self, onnx_path: Path, *, layers: int = 6, heads: int = 12, dtype: torch.dtype = torch.float16,

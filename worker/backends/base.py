@@ -8,15 +8,17 @@ context needs no locking of its own.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
 # Defined in the lowest layer because the engine build raises it too; every backend raises it.
 from kwe_core.errors import BackendError
-from kwe_core.profiles import PadPolicy
 
-__all__ = ["Backend", "BackendError", "InferenceContext"]
+__all__ = ["Backend", "BackendError", "BackendName", "InferenceContext"]
+
+# The backends the worker can run on; the settings add "auto" (worker.config.BackendSetting).
+BackendName = Literal["onnxruntime", "tensorrt"]
 
 
 @runtime_checkable
@@ -35,10 +37,6 @@ class InferenceContext(Protocol):
 class Backend(Protocol):
     name: str
     dim: int
-    # What a batch should be padded to when the caller has the choice: TensorRT wants the
-    # bucket's aligned bound (one optimised shape per profile), ONNX Runtime on CPU gains
-    # from padding only to the longest item.
-    preferred_pad: PadPolicy
     # How many contexts create_context() may be asked for; None: any number.
     max_contexts: int | None
 

@@ -14,7 +14,6 @@ from typing import Literal
 import numpy as np
 
 from kwe_core.errors import BackendError
-from kwe_core.profiles import PadPolicy
 
 GraphOptimization = Literal["disable", "basic", "extended", "all"]
 
@@ -40,8 +39,6 @@ class OnnxRuntimeContext:
 
 class OnnxRuntimeBackend:
     name = "onnxruntime"
-    # On CPU every padded position costs compute; nothing gains from a fixed shape.
-    preferred_pad: PadPolicy = "longest"
     max_contexts: int | None = None
 
     def __init__(self, onnx_path: str | Path, *, intra_op_threads: int = 0,

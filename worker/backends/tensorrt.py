@@ -10,7 +10,7 @@ profile, with a fixed sequence length L_i (its bound) and batch 1..max_batch_i. 
   batch size changed), async host->device copies, `execute_async_v3`, async device->host copy,
   `stream.synchronize()`, and a numpy copy of the output.
 
-Padding: the bucketer should pad a batch to its bucket bound (`preferred_pad = "bucket"`). A
+Padding: the bucketer should pad a batch to its bucket bound (the `gpu` profile's pad_to). A
 batch that is shorter (L < L_i, e.g. with `pad_to = longest`) is padded up to L_i here with
 id 0 and mask 0: profile i only admits sequence length L_i, and masked positions change
 neither the attention of real tokens nor the masked mean pooling. L > L_i or more than
@@ -51,7 +51,6 @@ from typing import Any
 import numpy as np
 
 from kwe_core.errors import BackendError
-from kwe_core.profiles import PadPolicy
 from kwe_core.profiles import Profile
 
 INPUT_NAMES: tuple[str, ...] = ("input_ids", "attention_mask")
@@ -339,7 +338,6 @@ class TensorRTContext:
 
 class TensorRTBackend:
     name = "tensorrt"
-    preferred_pad: PadPolicy = "bucket"
 
     def __init__(self, engine_path: str | Path, profile: Profile, *, onnx_path: str | Path | None = None,
                  share_device_memory: bool = False, device: int = 0) -> None:

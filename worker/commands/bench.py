@@ -44,7 +44,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from kwe_core.errors import BackendError
     from worker.bench import BenchConfig, BenchError, read_queries, render_markdown, run_benchmark
-    from kwe_core.model import ModelError
+    from kwe_core.model import ModelError, ModelInfo, default_model_dir
     from kwe_core.profiles import ProfileError, load_profile
     from worker.tokenize import KeywordTokenizer
 
@@ -58,11 +58,10 @@ def main(args: argparse.Namespace) -> int:
             print(f"keyword-embedder bench: {flag} must be >= 1, got {value}", file=sys.stderr)
             return 2
     try:
-        from worker.backends.onnxruntime import OnnxRuntimeBackend
-        from kwe_core.model import default_model_dir
+        from worker.backends.select import open_backend
 
-        model_dir = args.model_dir or default_model_dir()
-        tokenizer = KeywordTokenizer.from_model_dir(model_dir)
+        info = ModelInfo.from_dir(args.model_dir or default_model_dir())
+        tokenizer = KeywordTokenizer.from_model(info)
         profile = load_profile(args.profile, args.profiles_file, model_max_len=tokenizer.max_len)
         compare = (load_profile(args.compare_profile, args.profiles_file, model_max_len=tokenizer.max_len)
                    if args.compare_profile else None)
@@ -70,14 +69,12 @@ def main(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         encoded = tokenizer.encode([text for _, text in rows])
         log(f"tokenized {len(encoded)} queries in {time.perf_counter() - t0:.2f} s (excluded from all timings)")
-        onnx_path = args.onnx
-        if onnx_path is None:
-            from engines.export_onnx import ensure_onnx
-
-            onnx_path = ensure_onnx(model_dir, optimize=args.fused)
-        backend = OnnxRuntimeBackend(onnx_path, intra_op_threads=args.threads)
+        backend = open_backend("onnxruntime", info, onnx_path=args.onnx, intra_op_threads=args.threads,
+                               fused=args.fused)
+        onnx_path = backend.path
         baseline = (backend if args.baseline_threads == args.threads
-                    else OnnxRuntimeBackend(onnx_path, intra_op_threads=args.baseline_threads))
+                    else open_backend("onnxruntime", info, onnx_path=onnx_path,
+                                      intra_op_threads=args.baseline_threads))
     except (BenchError, ProfileError, ModelError, BackendError) as exc:
         print(f"keyword-embedder bench: {exc}", file=sys.stderr)
         return 2

@@ -23,22 +23,24 @@ def main(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"keyword-embedder run: {exc}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_format, settings.log_level)  # type: ignore[arg-type]
+    configure_logging(settings.log_format, settings.log_level)
     log = structlog.get_logger("worker.run")
 
-    from worker.app import build_pipeline
     from kwe_core.errors import BackendError
-    from worker.metrics import Metrics, MetricsServer
     from kwe_core.model import ModelError
     from kwe_core.profiles import ProfileError
+    from worker.app import build_pipeline
+    from worker.metrics import Metrics, MetricsServer
 
     metrics = Metrics() if settings.metrics_port else None
     try:
-        pipeline = build_pipeline(settings, metrics=metrics)
+        assembled = build_pipeline(settings, metrics=metrics)
     except (ModelError, BackendError, ProfileError) as exc:
         log.error("cannot start the worker", error=str(exc))
         print(f"keyword-embedder run: {exc}", file=sys.stderr)
         return 2
+
+    pipeline = assembled.pipeline
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info("stop requested", signal=signal.Signals(signum).name)
@@ -57,3 +59,4 @@ def main(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.stop()
+        assembled.close()
