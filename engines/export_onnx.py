@@ -205,6 +205,12 @@ def _encoder_layer(g: _Graph, w: _Weights, info: ModelInfo, x: str, mask_bias: s
                        h, info.layer_norm_eps)
 
 
+# Node-name prefixes of the float layers of the pooling and normalisation below (not the
+# integer mask's Unsqueeze/Cast): an FP16 TensorRT build keeps these in FP32
+# (engines.build_engine.keep_pooling_in_fp32), so keep them in step with the names below.
+FP32_NODE_PREFIXES: tuple[str, ...] = ("masked_states", "pool_sum", "pool_count", "pooled", "norm_", OUTPUT_NAME)
+
+
 def _pool_and_normalise(g: _Graph, info: ModelInfo, hidden_states: str, attention_mask: str) -> str:
     if info.pooling_mode == "mean":
         m = g.op("Cast", [g.op("Unsqueeze", [attention_mask, g.const("axis2", _i64(2))], "pool_mask_u")],

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 import threading
+import time
 import types
 from dataclasses import replace
 from pathlib import Path
@@ -278,8 +280,11 @@ class FakeCuda(types.ModuleType):
     def __init__(self, name: str = "NVIDIA L40S", cc: tuple[int, int] = (8, 9)) -> None:
         super().__init__("pycuda.driver")
         self.gpu_name, self.cc = name, cc
+        # Further devices of a multi-GPU host: index -> (name, compute capability).
+        self.other_devices: dict[int, tuple[str, tuple[int, int]]] = {}
         self.local = threading.local()
         self.memory: dict[int, np.ndarray] = {}
+        self.host_live: set[int] = set()  # ids of page-locked allocations not yet freed
         self.next_ptr = 0x1000
         self.detached = 0
         self.pushes = 0
@@ -291,6 +296,9 @@ class FakeCuda(types.ModuleType):
                 fake.stack().pop()
 
         class PrimaryContext:
+            def __init__(self, device: int = 0) -> None:
+                self.device = device
+
             def push(self) -> None:
                 fake.pushes += 1
                 fake.stack().append(self)
@@ -300,16 +308,29 @@ class FakeCuda(types.ModuleType):
 
         class Device:
             def __init__(self, i: int) -> None:
-                assert i == 0
+                assert i == 0 or i in fake.other_devices, f"no CUDA device {i}"
+                self.i = i
 
             def name(self) -> str:
-                return fake.gpu_name
+                return fake.other_devices[self.i][0] if self.i else fake.gpu_name
 
             def compute_capability(self) -> tuple[int, int]:
-                return fake.cc
+                return fake.other_devices[self.i][1] if self.i else fake.cc
 
             def retain_primary_context(self) -> PrimaryContext:
-                return PrimaryContext()
+                return PrimaryContext(self.i)
+
+        class HostAllocation:
+            """pycuda's page-locked block: the .base of the array pagelocked_empty returns."""
+
+            def __init__(self, shape: Any, dtype: Any) -> None:
+                self._mem = np.empty(shape, dtype)
+                self.__array_interface__ = self._mem.__array_interface__
+                fake.host_live.add(id(self))
+
+            def free(self) -> None:
+                fake.need_context()
+                fake.host_live.discard(id(self))
 
         class Alloc:
             def __init__(self, nbytes: int) -> None:
@@ -335,6 +356,7 @@ class FakeCuda(types.ModuleType):
                 fake.need_context()
 
         self.Context, self.Device, self.Stream, self.Alloc = Context, Device, Stream, Alloc
+        self.HostAllocation = HostAllocation
 
     def stack(self) -> list[Any]:
         if not hasattr(self.local, "stack"):
@@ -344,12 +366,18 @@ class FakeCuda(types.ModuleType):
     def need_context(self) -> None:
         assert self.stack(), "CUDA call on a thread with no current context"
 
+    def current_device(self) -> int:
+        self.need_context()
+        return int(self.stack()[-1].device)
+
     def init(self) -> None:
         pass
 
     def pagelocked_empty(self, shape: Any, dtype: Any) -> np.ndarray:
         self.need_context()
-        return np.empty(shape, dtype)
+        arr = np.asarray(self.HostAllocation(shape, dtype))
+        assert arr.base is not None and hasattr(arr.base, "free")
+        return arr
 
     def mem_alloc(self, nbytes: int) -> Any:
         return self.Alloc(nbytes)
@@ -379,6 +407,8 @@ class FakeEngine:
         self.num_io_tensors = 3
         self.num_optimization_profiles = len(spec["profiles"])
         self.contexts: list[FakeExecContext] = []
+        self.creating = 0
+        self.concurrent_creates = 0
 
     def get_tensor_name(self, i: int) -> str:
         return self.names[i]
@@ -401,6 +431,14 @@ class FakeEngine:
 
     def create_execution_context(self, strategy: str = "STATIC") -> FakeExecContext:
         self.trt.cuda.need_context()
+        with self.trt.lock:
+            self.creating += 1
+            overlap = self.creating > 1
+        time.sleep(0.005)  # long enough for a second dispatcher thread to arrive meanwhile
+        with self.trt.lock:
+            self.creating -= 1
+        if overlap:
+            self.concurrent_creates += 1
         ctx = FakeExecContext(self, strategy)
         self.contexts.append(ctx)
         return ctx
@@ -417,16 +455,23 @@ class FakeExecContext:
         self.thread = threading.get_ident()
 
     def set_optimization_profile_async(self, i: int, stream: int) -> bool:
+        # The real binding raises RuntimeError where the C++ call returns false, else True.
         self.engine.trt.cuda.need_context()
+        if not 0 <= i < self.engine.num_optimization_profiles or i in self.engine.trt.refuse_profiles:
+            raise RuntimeError("Error in set optimization profile async.")
         self.profile = i
         return True
 
     def set_device_memory(self, ptr: int, size: int) -> None:
         self.device_memory = (ptr, size)
 
-    def set_tensor_address(self, name: str, ptr: int) -> None:
+    def set_tensor_address(self, name: str, ptr: int) -> bool:
+        # Like setTensorAddress: false for a name the engine has no I/O tensor for.
         assert ptr in self.engine.trt.cuda.memory
+        if name not in self.engine.names or name in self.engine.trt.refuse_addresses:
+            return False
         self.addresses[name] = ptr
+        return True
 
     def set_input_shape(self, name: str, shape: tuple[int, int]) -> bool:
         self.shape_calls += 1
@@ -462,6 +507,10 @@ class FakeTrt(types.ModuleType):
         super().__init__("tensorrt")
         self.cuda = cuda
         self.__version__ = version
+        self.lock = threading.Lock()
+        self.refuse_profiles: set[int] = set()
+        self.refuse_addresses: set[str] = set()
+        self.float32 = "FLOAT"
         self.TensorIOMode = types.SimpleNamespace(INPUT="INPUT", OUTPUT="OUTPUT")
         self.ExecutionContextAllocationStrategy = types.SimpleNamespace(
             STATIC="STATIC", ON_PROFILE_CHANGE="ON_PROFILE_CHANGE", USER_MANAGED="USER_MANAGED")
@@ -491,17 +540,36 @@ class FakeTrt(types.ModuleType):
     def _install_builder(self) -> None:
         trt = self
         self.MemoryPoolType = types.SimpleNamespace(WORKSPACE="WORKSPACE")
-        self.BuilderFlag = types.SimpleNamespace(FP16="FP16")
+        self.BuilderFlag = types.SimpleNamespace(FP16="FP16", OBEY_PRECISION_CONSTRAINTS="OBEY_PRECISION_CONSTRAINTS")
 
         class Tensor:
             def __init__(self, name: str, shape: tuple[int, ...]) -> None:
                 self.name, self.shape = name, shape
 
+        class Layer:
+            def __init__(self, name: str) -> None:
+                self.name, self.precision, self.num_outputs = name, "DEFAULT", 1
+                self.output_types: dict[int, str] = {}
+
+            def set_output_type(self, i: int, dtype: str) -> None:
+                self.output_types[i] = dtype
+
         class Network:
+            # Layer names as the ONNX parser gives them: the export's node names.
+            LAYERS = ("embeddings_1_node", "layer0_attn_5_node", "pool_mask_u_88_node", "pool_mask_89_node",
+                      "masked_states_90_node", "pool_sum_91_node",
+                      "pool_count_92_node", "pool_count_c_93_node", "pooled_94_node", "norm_95_node",
+                      "norm_c_96_node", "sentence_embedding_node")
+
             def __init__(self) -> None:
                 self.inputs = [Tensor("input_ids", (-1, -1)), Tensor("attention_mask", (-1, -1))]
                 self.outputs = [Tensor("sentence_embedding", (-1, DIM))]
                 self.num_inputs, self.num_outputs = 2, 1
+                self.layers = [Layer(n) for n in self.LAYERS]
+                self.num_layers = len(self.layers)
+
+            def get_layer(self, i: int) -> Layer:
+                return self.layers[i]
 
             def get_input(self, i: int) -> Tensor:
                 return self.inputs[i]
@@ -540,10 +608,12 @@ class FakeTrt(types.ModuleType):
                 self.profiles.append(p)
                 return len(self.profiles) - 1
 
-            def create_timing_cache(self, data: bytes) -> Cache:
-                return Cache(data)
+            def create_timing_cache(self, data: bytes) -> Cache | None:
+                return None if data.startswith(b"corrupt") else Cache(data)  # like createTimingCache
 
             def set_timing_cache(self, cache: Cache, ignore_mismatch: bool) -> bool:
+                if cache is None:  # pybind refuses None for the reference parameter
+                    raise TypeError("set_timing_cache(): incompatible function arguments")
                 self.cache = cache
                 return True
 
@@ -566,7 +636,7 @@ class FakeTrt(types.ModuleType):
                 return OptProfile()
 
             def build_serialized_network(self, network: Network, config: Config) -> bytes:
-                trt.built.append({"config": config})
+                trt.built.append({"config": config, "network": network, "device": trt.cuda.current_device()})
                 profiles = []
                 for p in config.profiles:
                     (mn, opt, mx) = p.shapes["input_ids"]
@@ -623,7 +693,7 @@ def test_build_engine_adds_one_profile_per_bucket_and_writes_the_sidecar(
     plan, onnx_path = built_plan
     config = fake_gpu.built[0]["config"]
     assert [p.shapes["input_ids"] for p in config.profiles] == [(s.min, s.opt, s.max) for s in profile_shapes(gpu)]
-    assert config.flags == {"FP16"} and config.pools["WORKSPACE"] == 4 * (1 << 30)
+    assert config.flags == {"FP16", "OBEY_PRECISION_CONSTRAINTS"} and config.pools["WORKSPACE"] == 4 * (1 << 30)
     assert (tmp_path / "timing.cache").read_bytes() == b"+tuned"  # saved after the build
     sc = read_sidecar(plan)
     assert sc.gpu_name == "NVIDIA L40S" and sc.compute_capability == "8.9" and sc.tensorrt_version == "10.3.0"
@@ -713,7 +783,9 @@ def test_backend_runs_each_bucket_on_its_own_context_and_thread(
     # 2 inputs x distinct batch sizes in a row (bucket 3's batches are all of 1: set once).
     assert [c.shape_calls for c in engine.contexts] == [4, 4, 4, 2, 4]
     backend.close()
-    assert cuda.detached == 1 and cuda.memory == {}  # every buffer freed
+    # The build's and the backend's primary-context references both released; every device
+    # buffer and every page-locked host block (the arrays' .base) freed.
+    assert cuda.detached == 2 and cuda.memory == {} and cuda.host_live == set()
 
 
 def test_context_refuses_batches_that_do_not_fit_and_foreign_threads(
@@ -786,6 +858,127 @@ def test_backend_refuses_a_foreign_or_stale_plan_before_deserialising(
     with pytest.raises(PlanSidecarError, match="profile mismatch"):
         TensorRTBackend(plan, other, onnx_path=_tiny_onnx(tmp_path / "model.onnx"))
     assert fake_gpu.engines == []  # nothing was deserialised
+
+
+# ============================================================================ the defects of the desk check
+def test_bucketer_runs_a_shared_memory_backend_from_one_dispatcher(
+        built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """Defect 1: with one shared activation block the bucketer must create and run every context on one thread."""
+    from worker.backends.tensorrt import TensorRTBackend
+    from worker.bucketing import Bucketer
+
+    backend = TensorRTBackend(built_plan[0], gpu, share_device_memory=True)
+    done: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+    bucketer = Bucketer(gpu, backend, lambda seqs, out, _s: done.update(zip(seqs, out)),
+                        on_error=lambda _seqs, exc: errors.append(exc), max_queue_delay_ms=1.0)
+    bucketer.start()  # raised "ONE dispatcher thread" before: one thread per context
+    lengths = [5, 12, 30, 60, 200, 7, 16]
+    for seq, n in enumerate(lengths):
+        bucketer.submit(seq, np.arange(1, n + 1, dtype=np.int64))
+    assert bucketer.stop(drain=True, timeout=10) == []
+    assert not errors and sorted(done) == list(range(len(lengths)))
+    for seq, n in enumerate(lengths):
+        assert done[seq][3] == gpu.bucket_for(n)  # ran on its bucket's profile
+    contexts = fake_gpu.engines[0].contexts
+    assert len(contexts) == 5 and len({c.thread for c in contexts}) == 1
+    backend.close()
+    assert fake_gpu.cuda.memory == {} and fake_gpu.cuda.host_live == set()
+
+
+def test_a_refused_optimisation_profile_is_a_backend_error(
+        built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """Defect 2: the binding raises RuntimeError (it never returns False); the user gets a BackendError."""
+    from worker.backends.tensorrt import TensorRTBackend
+
+    backend = TensorRTBackend(built_plan[0], gpu)
+    fake_gpu.refuse_profiles.add(2)
+    with pytest.raises(BackendError, match="refused optimisation profile 2.*Error in set optimization profile"):
+        backend.create_context(2)
+    assert fake_gpu.cuda.stack() == [] and fake_gpu.cuda.host_live == set()
+    backend.close()
+    assert fake_gpu.cuda.memory == {}
+
+
+def test_a_refused_tensor_address_fails_at_context_creation(
+        built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """Defect 3: set_tensor_address's False names the tensor instead of a bare execute failure later."""
+    from worker.backends.tensorrt import TensorRTBackend
+
+    backend = TensorRTBackend(built_plan[0], gpu)
+    fake_gpu.refuse_addresses.add("attention_mask")
+    with pytest.raises(BackendError, match=r"set_tensor_address\('attention_mask'\) refused"):
+        backend.create_context(0)
+    assert fake_gpu.cuda.stack() == [] and fake_gpu.cuda.host_live == set()
+    backend.close()
+    assert fake_gpu.cuda.memory == {}
+
+
+def test_dispatchers_create_their_contexts_one_at_a_time(
+        built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """Defect 5: concurrent create_execution_context on one engine is not documented as safe."""
+    from worker.backends.tensorrt import TensorRTBackend
+
+    backend = TensorRTBackend(built_plan[0], gpu)
+    go = threading.Barrier(5)
+
+    def dispatcher(i: int) -> None:
+        go.wait()  # all five at once, as the bucketer's dispatchers start
+        backend.create_context(i).close()
+
+    threads = [threading.Thread(target=dispatcher, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    engine = fake_gpu.engines[0]
+    assert len(engine.contexts) == 5 and engine.concurrent_creates == 0
+    backend.close()
+
+
+def test_a_corrupt_timing_cache_is_replaced_not_a_type_error(
+        tmp_path: Path, fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """Defect 6a: create_timing_cache returns None for a corrupt file; set_timing_cache(None) raises TypeError."""
+    cache = tmp_path / "timing.cache"
+    cache.write_bytes(b"corrupt\x00\x01")
+    said: list[str] = []
+    build_engine(_tiny_onnx(tmp_path / "m.onnx"), gpu, tmp_path / "p.plan", timing_cache=cache, log=said.append)
+    assert any("unreadable" in m for m in said)
+    assert cache.read_bytes() == b"+tuned"  # a fresh cache, saved after the build
+
+
+def test_the_plan_is_built_on_the_device_its_sidecar_names(tmp_path: Path, fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """Defect 6b: on a multi-GPU host TensorRT builds on the current context's device: make it `device`'s."""
+    fake_gpu.cuda.other_devices[1] = ("NVIDIA H100 80GB HBM3", (9, 0))
+    sc = build_engine(_tiny_onnx(tmp_path / "m.onnx"), gpu, tmp_path / "p.plan", device=1, log=lambda _m: None)
+    assert fake_gpu.built[0]["device"] == 1
+    assert (sc.gpu_name, sc.compute_capability) == ("NVIDIA H100 80GB HBM3", "9.0")
+    assert fake_gpu.cuda.stack() == []  # popped after the build
+
+
+def test_fp16_keeps_pooling_and_normalisation_in_fp32(built_plan: tuple[Path, Path], fake_gpu: FakeTrt) -> None:
+    """Defect 7: the floors 1e-9 and 1e-12 are 0 in half precision; those layers are pinned to FP32."""
+    from engines.export_onnx import FP32_NODE_PREFIXES, build_model
+
+    built = fake_gpu.built[0]
+    assert "OBEY_PRECISION_CONSTRAINTS" in built["config"].flags
+    fp32 = {layer.name for layer in built["network"].layers if layer.precision == "FLOAT"}
+    assert fp32 == {"masked_states_90_node", "pool_sum_91_node", "pool_count_92_node", "pool_count_c_93_node",
+                    "pooled_94_node", "norm_95_node", "norm_c_96_node", "sentence_embedding_node"}
+    assert all(layer.output_types == {0: "FLOAT"} for layer in built["network"].layers if layer.name in fp32)
+    assert read_sidecar(built_plan[0]).extra["fp32_layers"] == 8
+    # The names come from the real exporter: exactly its float pooling/normalisation nodes match.
+    names = [n.name for n in build_model().graph.node]
+    matched = [n for n in names if n.startswith(FP32_NODE_PREFIXES)]
+    assert [re.sub(r"(_\d+)?_node$", "", n) for n in matched] == [
+        "masked_states", "pool_sum", "pool_count", "pool_count_c", "pooled", "norm", "norm_c", "sentence_embedding"]
+
+
+def test_an_fp32_build_sets_no_precision_constraints(tmp_path: Path, fake_gpu: FakeTrt, gpu: Profile) -> None:
+    build_engine(_tiny_onnx(tmp_path / "m.onnx"), gpu, tmp_path / "p.plan", fp16=False, log=lambda _m: None)
+    built = fake_gpu.built[0]
+    assert built["config"].flags == set()
+    assert {layer.precision for layer in built["network"].layers} == {"DEFAULT"}
 
 
 # ============================================================================ backend selection

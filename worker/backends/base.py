@@ -37,7 +37,9 @@ class InferenceContext(Protocol):
 class Backend(Protocol):
     name: str
     dim: int
-    # How many contexts create_context() may be asked for; None: any number.
+    # How many contexts create_context() may be asked for; None: any number. A backend may also
+    # set `requires_serial_dispatch = True` (TensorRT sharing one block of activation memory):
+    # no two of its contexts may run at once, so the bucketer runs them all from one thread.
     max_contexts: int | None
 
     def create_context(self, index: int) -> InferenceContext:
