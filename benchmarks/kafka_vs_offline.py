@@ -45,7 +45,7 @@ FALLBACK_DATA = ROOT / "tests" / "data" / "queries" / "terabyte05-20k.tsv"
 def offline_round(texts: list[str], settings: Settings, tokenizer, backend, profile) -> float:  # noqa: ANN001
     """Seconds to embed texts with the worker's bucketer, fed through the in-flight window.
 
-    Not worker.bench.run_bucketed: that one takes pre-tokenized items and keeps tokenization out
+    Not worker.benchmark.policies.run_bucketed: that one takes pre-tokenized items and keeps tokenization out
     of its timing, while the worker tokenizes each consumed chunk as it goes, overlapped with
     inference; the offline side of this comparison has to pay for the same work the same way.
     """

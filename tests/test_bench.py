@@ -8,9 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from worker import cli
-from worker.bench import quartiles, read_queries, run_bucketed, run_monolithic, run_sorted
 from kwe_core.profiles import load_profile
+from worker import cli
+from worker.benchmark.inputs import read_queries
+from worker.benchmark.policies import BucketerOptions, run_bucketed, run_monolithic, run_sorted
+from worker.benchmark.report import quartiles
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "terabyte05-300.tsv"
 
@@ -81,8 +83,9 @@ def test_run_bucketed_returns_each_embedding_in_its_row(ort_parts) -> None:  # n
     tokenizer, backend, encoded = ort_parts
     profile = load_profile("cpu", model_max_len=tokenizer.max_len)
     # A small window forces many partial batches and out-of-order completion.
-    run = run_bucketed(encoded, profile, backend, window=37, dispatchers=2, keep_embeddings=True)
-    assert run.n == len(encoded) and sorted(i for seqs, _ in run.formed for i in seqs) == list(range(len(encoded)))
+    run = run_bucketed(encoded, profile, backend, window=37, options=BucketerOptions(dispatchers=2),
+                       keep_embeddings=True)
+    assert run.n == len(encoded) and sorted(i for b in run.formed for i in b.seqs) == list(range(len(encoded)))
     assert run.real_tokens == sum(len(e.ids) for e in encoded)
     ctx = backend.create_context(0)
     for i in (0, 7, 123, 299):
@@ -95,8 +98,9 @@ def test_run_bucketed_returns_each_embedding_in_its_row(ort_parts) -> None:  # n
 def test_monolithic_and_sorted_count_tokens(ort_parts) -> None:  # noqa: ANN001
     _, backend, encoded = ort_parts
     enc = encoded[:40]
-    mono = run_monolithic(enc, backend, batch_size=16)
-    srt = run_sorted(enc, backend, batch_size=16)
+    cpu = load_profile("cpu")
+    mono = run_monolithic(enc, backend, cpu, batch_size=16)
+    srt = run_sorted(enc, backend, cpu, batch_size=16)
     real = sum(len(e.ids) for e in enc)
     assert mono.real_tokens == srt.real_tokens == real
     assert mono.batches == srt.batches == 3

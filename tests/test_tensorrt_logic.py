@@ -914,6 +914,32 @@ def test_a_refused_tensor_address_fails_at_context_creation(
     assert fake_gpu.cuda.memory == {}
 
 
+def test_the_bench_command_runs_on_tensorrt(built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile,
+                                            tmp_path: Path) -> None:
+    """Defect 4: baselines on the context whose profile covers the batch, every context used on its own thread."""
+    from worker import cli
+
+    sample = ROOT / "tests" / "data" / "terabyte05-300.tsv"
+    out = tmp_path / "bench.json"
+    rc = cli.main(["bench", str(sample), "--backend", "tensorrt", "--engine-path", str(built_plan[0]),
+                   "--limit", "300", "--rounds", "2", "--no-latency", "--json", str(out), "--quiet"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["backend"] == {"name": "tensorrt", "plan": "minilm.plan"} and report["profile"] == "gpu"
+    assert set(report["policies"]) == {"monolithic", "bucketed", "sorted"} and "compare" not in report
+    # Every context ran only on the thread that created it (the fake asserts it), on its own profile,
+    # and a monolithic batch of 256 ran in pieces its covering profile admits (else set_input_shape fails).
+    engine = fake_gpu.engines[0]
+    assert {c.profile for c in engine.contexts} == set(range(5))
+    # On a fixed-shape plan every batch is padded to its profile's bound: the baselines waste more.
+    waste = {k: v["padding_waste"] for k, v in report["policies"].items()}
+    assert waste["bucketed"] <= waste["sorted"] <= waste["monolithic"]
+    assert fake_gpu.cuda.memory == {} and fake_gpu.cuda.host_live == set() and fake_gpu.cuda.stack() == []
+    # A second profile cannot run on a plan built for one.
+    assert cli.main(["bench", str(sample), "--backend", "tensorrt", "--engine-path", str(built_plan[0]),
+                     "--compare-profile", "cpu-aligned", "--quiet"]) == 2
+
+
 def test_dispatchers_create_their_contexts_one_at_a_time(
         built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
     """Defect 5: concurrent create_execution_context on one engine is not documented as safe."""
