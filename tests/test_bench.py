@@ -71,11 +71,15 @@ def test_bench_cli_without_latency_and_bad_input(tmp_path: Path, capsys: pytest.
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["n"] == 100 and report["latency"] == {} and "compare" not in report
+    assert report["input"] == {"skipped_lines": 0, "first_skipped_line": None, "first_skipped_reason": ""}
     assert len(report["policies"]["bucketed"]["rounds_keywords_per_s"]) == 2
     bad = tmp_path / "bad.tsv"
     bad.write_text("no tab here\n")
-    assert cli.main(["bench", str(bad), "--quiet"]) == 2
-    assert "expected id<TAB>text" in capsys.readouterr().err
+    assert cli.main(["bench", str(bad), "--quiet"]) == 2  # nothing left to benchmark
+    err = capsys.readouterr().err
+    assert "no queries (" in err and "bad.tsv: skipped 1 bad line (first: line 1, expected id<TAB>text)" in err
+    assert cli.main(["bench", str(bad), "--quiet", "--strict"]) == 2
+    assert "bad.tsv:1: expected id<TAB>text" in capsys.readouterr().err
     assert cli.main(["bench", str(SAMPLE), "--profile", "nope", "--quiet"]) == 2
 
 
@@ -112,3 +116,18 @@ def test_monolithic_and_sorted_count_tokens(ort_parts) -> None:  # noqa: ANN001
 def test_quartiles() -> None:
     assert quartiles([2.0]) == {"median": 2.0, "q1": 2.0, "q3": 2.0}
     assert quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == {"median": 3.0, "q1": 2.0, "q3": 4.0}
+
+
+def test_bench_skips_a_latin1_line_and_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = SAMPLE.read_bytes().splitlines(keepends=True)[:60]
+    lines.insert(10, "q-x\tcaf\u00e9\n".encode("latin-1"))
+    src = tmp_path / "latin1.tsv"
+    src.write_bytes(b"".join(lines))
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", str(src), "--rounds", "1", "--batch-size", "16", "--no-latency",
+                     "--compare-profile", "", "--json", str(out), "--quiet"]) == 0
+    assert "latin1.tsv: skipped 1 bad line (first: line 11, not UTF-8" in capsys.readouterr().err
+    report = json.loads(out.read_text())
+    assert report["n"] == 60 and report["input"]["skipped_lines"] == 1 and report["input"]["first_skipped_line"] == 11
+    assert cli.main(["bench", str(src), "--no-latency", "--quiet", "--strict"]) == 2
+    assert "latin1.tsv:11: not UTF-8" in capsys.readouterr().err

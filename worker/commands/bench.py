@@ -49,6 +49,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--onnx", type=Path, default=None, help="ONNX file (default: the cached plain export).")
     parser.add_argument("--fused", action="store_true", help="Use the offline-fused export.")
     parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--strict", action="store_true",
+                        help="Refuse a file with a bad line (not UTF-8, not id<TAB>text); default: skip and count them.")
     parser.add_argument("--quiet", action="store_true", help="No per-round progress on stderr.")
 
 
@@ -62,6 +64,7 @@ def main(args: argparse.Namespace) -> int:
     from worker.benchmark.policies import BucketerOptions
     from worker.benchmark.report import render_markdown
     from worker.benchmark.suite import BenchConfig, run_benchmark
+    from worker.keyword_files import BadLines
     from worker.tokenize import KeywordTokenizer
 
     def log(msg: str) -> None:
@@ -91,7 +94,10 @@ def main(args: argparse.Namespace) -> int:
         profile = load_profile(profile_name, args.profiles_file, model_max_len=tokenizer.max_len)
         compare = load_profile(compare_name, args.profiles_file, model_max_len=tokenizer.max_len) \
             if compare_name else None
-        rows = read_queries(args.file, args.limit)
+        bad = None if args.strict else BadLines()
+        rows = read_queries(args.file, args.limit, bad=bad)
+        if bad is not None and bad.count:
+            print(f"{PROG}: {bad.summary(args.file)}", file=sys.stderr)
         t0 = time.perf_counter()
         encoded = tokenizer.encode([text for _, text in rows])
         log(f"tokenized {len(encoded)} queries in {time.perf_counter() - t0:.2f} s (excluded from all timings)")
@@ -118,7 +124,8 @@ def main(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, window=args.window,
         options=BucketerOptions(max_queue_delay_ms=args.max_queue_delay_ms, dispatchers=args.dispatchers,
                                 eager=args.eager),
-        latency=args.latency, latency_seconds=args.latency_seconds, backend_desc=desc)
+        latency=args.latency, latency_seconds=args.latency_seconds, backend_desc=desc,
+        input_desc=bad.as_dict() if bad is not None else {"strict": True})
     try:
         report = run_benchmark(encoded, backend, cfg, log=log, baseline_backend=baseline)
     except BenchError as exc:

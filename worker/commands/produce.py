@@ -12,7 +12,7 @@ from confluent_kafka import KafkaError, Message, Producer
 from tqdm import tqdm
 
 from worker.config import SettingsError, kafka_pairs
-from worker.keyword_files import FORMATS, KeywordFileError, read_keywords
+from worker.keyword_files import FORMATS, BadLines, KeywordFileError, read_keywords
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +24,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="json: {\"id\", \"text\"} values; raw: the text as the value, the ID as the key.")
     parser.add_argument("--limit", type=int, default=0, help="Publish at most N keywords (0: all).")
     parser.add_argument("--kafka-config", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--strict", action="store_true",
+                        help="Refuse a file with a bad line (not UTF-8, not id<TAB>text / JSON); default: skip "
+                             "and count them.")
     parser.add_argument("--no-progress", action="store_true")
 
 
@@ -43,11 +46,12 @@ def main(args: argparse.Namespace) -> int:
             failures.append(f"{msg.key()!r}: {err}")
 
     sent = 0
+    bad = None if args.strict else BadLines()
     start = time.perf_counter()
     bar = tqdm(unit=" keywords", disable=args.no_progress or None, desc=f"produce {args.topic}",
                file=sys.stderr, mininterval=0.5)
     try:
-        for qid, text in read_keywords(args.input, args.format):
+        for qid, text in read_keywords(args.input, args.format, bad=bad):
             if args.limit and sent >= args.limit:
                 break
             value = text.encode("utf-8") if args.value_format == "raw" else orjson.dumps({"id": qid, "text": text})
@@ -67,6 +71,8 @@ def main(args: argparse.Namespace) -> int:
         remaining = producer.flush(60)
         bar.close()
     elapsed = time.perf_counter() - start
+    if bad is not None and bad.count:
+        print(f"keyword-embedder produce: {bad.summary(args.input)}", file=sys.stderr)
     if remaining or failures:
         print(f"keyword-embedder produce: {len(failures) + remaining} of {sent} keywords not delivered"
               + (f"; first error: {failures[0]}" if failures else ""), file=sys.stderr)
