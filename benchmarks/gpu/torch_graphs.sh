@@ -5,17 +5,7 @@
 # `python benchmarks/gpu/prepare_device.py` here:
 #   run(command="bash benchmarks/gpu/torch_graphs.sh", carry=[".device"], timeout_s=330)
 set -u
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-OUT="${OUT:-/tmp/kwe-torch-graphs}"; mkdir -p "$OUT"; export OUT
-export PYTHONPATH="$PWD/.device/pylibs:$PWD"
-PY=python3
-for c in python3 python /opt/conda/bin/python /usr/bin/python3; do
-  if command -v "$c" >/dev/null && "$c" -c 'import torch, onnx, numpy' 2>/dev/null; then PY="$c"; break; fi
-done
-$PY -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' \
-  || export PYTHONPATH="$PWD/.device/shim:$PYTHONPATH"   # tomllib from tomli
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; $PY --version;
-  $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } > "$OUT/host.txt" 2>&1
-cat "$OUT/host.txt"
+OUT="${OUT:-/tmp/kwe-torch-graphs}"
+source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh" "torch, onnx, numpy"
 timeout "${GRAPHS_TIMEOUT:-290}" $PY benchmarks/gpu/torch_graphs.py 2>&1 | tee "$OUT/torch-graphs.log"
 exit "${PIPESTATUS[0]}"

@@ -8,17 +8,7 @@
 # KWE_MODEL_DIR=<model folder> where that package cannot be installed.
 #   run(command="bash benchmarks/gpu/trt_check.sh", timeout_s=330)
 set -u
-cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-OUT="${OUT:-/tmp/kwe-trt-check}"; mkdir -p "$OUT"; export OUT
-PY=python3
-for c in .venv/bin/python python3 python /opt/conda/bin/python; do
-  if command -v "$c" >/dev/null && "$c" -c 'import tensorrt, pycuda.driver, onnxruntime, tokenizers' 2>/dev/null; then
-    PY="$c"; break
-  fi
-done
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; $PY --version;
-  $PY -c 'import tensorrt; print("tensorrt", tensorrt.__version__)'; } > "$OUT/host.txt" 2>&1
-cat "$OUT/host.txt"
+OUT="${OUT:-/tmp/kwe-trt-check}"
+source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh" "tensorrt, pycuda.driver, onnxruntime, tokenizers"
 timeout "${TRT_CHECK_TIMEOUT:-290}" $PY benchmarks/gpu/trt_check.py 2>&1 | tee "$OUT/trt-check.log"
 exit "${PIPESTATUS[0]}"
