@@ -56,9 +56,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
 
     try:
-        model_dir = args.model_dir or default_model_dir()
-        profile = load_profile(args.profile, args.profiles or None,
-                               model_max_len=ModelInfo.from_dir(model_dir).max_seq_length)
+        info = ModelInfo.from_dir(args.model_dir or default_model_dir())
+        profile = load_profile(args.profile, args.profiles or None, model_max_len=info.max_seq_length)
         profile_shapes(profile)
     except (ProfileError, AlignmentError, ModelError) as exc:
         return fail(exc)
@@ -72,7 +71,7 @@ def main(args: argparse.Namespace) -> int:
     if not onnx_path:
         from engines.export_onnx import ensure_onnx
 
-        onnx_path = ensure_onnx(args.model_dir or None, optimize=False)
+        onnx_path = ensure_onnx(info, optimize=False)  # the model folder already read
     if not Path(onnx_path).is_file():
         return fail(f"ONNX file {onnx_path} not found (export it: keyword-embedder export-onnx)")
     try:
