@@ -45,7 +45,7 @@ FALLBACK_DATA = ROOT / "tests" / "data" / "queries" / "terabyte05-20k.tsv"
 def offline_round(texts: list[str], settings: Settings, tokenizer, backend, profile) -> float:  # noqa: ANN001
     """Seconds to embed texts with the worker's bucketer, fed through the in-flight window.
 
-    Not worker.bench.run_bucketed: that one takes pre-tokenized items and keeps tokenization out
+    Not worker.benchmark.policies.run_bucketed: that one takes pre-tokenized items and keeps tokenization out
     of its timing, while the worker tokenizes each consumed chunk as it goes, overlapped with
     inference; the offline side of this comparison has to pay for the same work the same way.
     """
@@ -65,7 +65,8 @@ def offline_round(texts: list[str], settings: Settings, tokenizer, backend, prof
         raise SystemExit(f"backend failed: {exc!r}")
 
     bucketer = Bucketer(profile, backend, on_complete, on_error=on_error,
-                        max_queue_delay_ms=settings.max_queue_delay_ms, dispatchers=settings.dispatchers)
+                        max_queue_delay_ms=settings.max_queue_delay_ms, dispatchers=settings.dispatchers,
+                        pad_to=settings.pad_to)
     bucketer.start()
     start = time.perf_counter()
     seq = 0
@@ -144,11 +145,11 @@ def main() -> int:
 
     from worker.backends.select import load_backend
     from worker.tokenize import KeywordTokenizer
-    from worker.model import default_model_dir
 
-    settings = Settings()
-    tokenizer = KeywordTokenizer.from_model_dir(default_model_dir())
-    backend, profile = load_backend(settings)
+    # The same assembly as the worker: the model read once, every "auto" resolved.
+    loaded = load_backend(Settings())
+    settings, backend, profile = loaded.settings, loaded.backend, loaded.profile
+    tokenizer = KeywordTokenizer.from_model(loaded.model)
 
     # The broker shares this box's cores in the local setup; its CPU time is reported apart.
     broker_pid = int(BROKER_PID.read_text()) if BROKER_PID.is_file() else None

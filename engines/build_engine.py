@@ -1,6 +1,6 @@
 """Build a multi-profile TensorRT plan from the ONNX export, and describe it in a JSON sidecar.
 
-One optimisation profile per bucket of a bucket profile (engines/profiles.toml), in bucket
+One optimisation profile per bucket of a bucket profile (kwe_core/profiles.toml), in bucket
 order, so that bucket i runs on TensorRT profile i: for a bucket of bound L the profile is
 min = (1, L), opt = (opt_batch, L), max = (max_batch, L) for both `input_ids` and
 `attention_mask`. The sequence length is fixed per profile (the batch is padded to the bound),
@@ -30,8 +30,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from worker.backends.base import BackendError
-from worker.profiles import Profile, ProfileError
+from engines.export_onnx import FP32_NODE_PREFIXES
+from kwe_core.errors import BackendError
+from kwe_core.profiles import Profile, ProfileError
 
 # The two network inputs the ONNX export has, both [batch, seq] integer tensors.
 INPUT_NAMES: tuple[str, ...] = ("input_ids", "attention_mask")
@@ -93,7 +94,7 @@ def profile_shapes(profile: Profile, *, align: int | None = None) -> list[Profil
         raise AlignmentError(
             f"profile {profile.name!r}: TensorRT needs every bucket bound to be a multiple of {align} "
             f"(fused attention kernels are only chosen for aligned lengths); not aligned: {bad} "
-            f"(round up: {fixes}). Use the 'gpu' profile of engines/profiles.toml or align this one.")
+            f"(round up: {fixes}). Use the 'gpu' profile of kwe_core/profiles.toml or align this one.")
     shapes = []
     for i, b in enumerate(profile.buckets):
         opt = min(max(1, b.opt_batch), b.max_batch)
@@ -323,6 +324,34 @@ def _check_network_inputs(network: Any) -> None:
         raise EngineBuildError(f"the ONNX graph has outputs {outs}; expected one [batch, dim] embedding output")
 
 
+def fp32_layer(name: str) -> bool:
+    """Whether a parsed layer belongs to the pooling or the normalisation (named by the exporter)."""
+    return name.startswith(FP32_NODE_PREFIXES)
+
+
+def keep_pooling_in_fp32(trt: Any, network: Any, config: Any) -> int:
+    """Constrains the pooling and normalisation layers to FP32 in an FP16 build; returns how many.
+
+    In half precision the floors of the mean's count (1e-9) and of the norm (1e-12) are 0, and
+    a sum over 256 hidden states loses digits; the encoder layers keep FP16, where it pays.
+    OBEY_PRECISION_CONSTRAINTS makes the per-layer precision binding rather than a hint.
+    """
+    n = 0
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if fp32_layer(layer.name):
+            layer.precision = trt.float32
+            for k in range(layer.num_outputs):
+                layer.set_output_type(k, trt.float32)
+            n += 1
+    if n == 0:
+        raise EngineBuildError("fp16: no pooling/normalisation layer found by name "
+                               f"({', '.join(FP32_NODE_PREFIXES)}); the ONNX file was not written by this "
+                               "exporter, or build an FP32 plan with --no-fp16")
+    config.set_flag(trt.BuilderFlag.OBEY_PRECISION_CONSTRAINTS)
+    return n
+
+
 def build_engine(onnx_path: str | Path, profile: Profile, output: str | Path, *, fp16: bool = True,
                  workspace_gib: float = DEFAULT_WORKSPACE_GIB, timing_cache: str | Path | None = None,
                  device: int = 0, log: Callable[[str], None] | None = None) -> PlanSidecar:
@@ -341,6 +370,22 @@ def build_engine(onnx_path: str | Path, profile: Profile, output: str | Path, *,
         raise EngineBuildError(f"ONNX file {onnx_path} not found (export it: keyword-embedder export-onnx)")
     trt, cuda = import_gpu_extra()
     gpu_name, cc = gpu_identity(cuda, device)
+    # TensorRT builds on the CUDA context current on this thread. Making `device`'s primary
+    # context current (the one the runtime API uses, and the one the backend loads the plan
+    # in) means the plan is built on the GPU the sidecar names, also on a multi-GPU host.
+    cuda_ctx = cuda.Device(device).retain_primary_context()
+    cuda_ctx.push()
+    try:
+        return _build(trt, onnx_path, profile, output, shapes, fp16=fp16, workspace_gib=workspace_gib,
+                      timing_cache=timing_cache, gpu_name=gpu_name, cc=cc, say=say)
+    finally:
+        cuda.Context.pop()
+        cuda_ctx.detach()
+
+
+def _build(trt: Any, onnx_path: Path, profile: Profile, output: Path, shapes: Sequence[ProfileShape], *,
+           fp16: bool, workspace_gib: float, timing_cache: str | Path | None, gpu_name: str, cc: str,
+           say: Callable[[str], None]) -> PlanSidecar:
     say(f"building a TensorRT {trt.__version__} plan on {gpu_name} (sm {cc}) from {onnx_path}, "
         f"profile {profile.name!r}: {', '.join(f'{s.seq_len}x{s.max_batch}' for s in shapes)}, fp16={fp16}")
 
@@ -365,8 +410,11 @@ def build_engine(onnx_path: str | Path, profile: Profile, output: str | Path, *,
 
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
+    fp32_layers = 0
     if fp16:
         config.set_flag(fp16_flag)
+        fp32_layers = keep_pooling_in_fp32(trt, network, config)
+        say(f"fp16: {fp32_layers} pooling/normalisation layers kept in FP32")
     for shape in shapes:
         opt_profile = builder.create_optimization_profile()
         for name in INPUT_NAMES:
@@ -381,10 +429,16 @@ def build_engine(onnx_path: str | Path, profile: Profile, output: str | Path, *,
     if cache_path is not None:
         data = cache_path.read_bytes() if cache_path.is_file() else b""
         cache = config.create_timing_cache(data)
+        if cache is None:  # TensorRT could not parse the file (truncated, not a timing cache)
+            say(f"timing cache {cache_path} is unreadable; starting a new one (it is overwritten after the build)")
+            data, cache = b"", config.create_timing_cache(b"")
         # ignore_mismatch=False: a cache from another GPU/TensorRT is rejected, not trusted.
-        if not config.set_timing_cache(cache, False):
+        if cache is None or not config.set_timing_cache(cache, False):
             say(f"timing cache {cache_path} does not match this GPU/TensorRT; starting a new one")
-            config.set_timing_cache(config.create_timing_cache(b""), False)
+            fresh = config.create_timing_cache(b"")
+            if fresh is None or not config.set_timing_cache(fresh, False):
+                raise EngineBuildError("TensorRT cannot create an empty timing cache; build without "
+                                       "--timing-cache")
         elif data:
             say(f"timing cache {cache_path}: {len(data)} bytes loaded")
 
@@ -408,7 +462,7 @@ def build_engine(onnx_path: str | Path, profile: Profile, output: str | Path, *,
         exporter_version=onnx_exporter_version(onnx_path),
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         plan_sha256=hashlib.sha256(plan).hexdigest(),
-        extra={"workspace_gib": workspace_gib},
+        extra={"workspace_gib": workspace_gib, "fp32_layers": fp32_layers},
     )
     write_sidecar(output, sidecar)
     say(f"wrote {output} ({len(plan) / 1e6:.1f} MB) and {sidecar_path(output)}")

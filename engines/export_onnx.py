@@ -36,7 +36,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from worker.model import ModelError, ModelInfo, default_model_dir
+from kwe_core.model import ModelError, ModelInfo, default_model_dir
 
 # Bump whenever the emitted graph changes: it is part of the cache key.
 EXPORTER_VERSION = "1"
@@ -205,6 +205,12 @@ def _encoder_layer(g: _Graph, w: _Weights, info: ModelInfo, x: str, mask_bias: s
                        h, info.layer_norm_eps)
 
 
+# Node-name prefixes of the float layers of the pooling and normalisation below (not the
+# integer mask's Unsqueeze/Cast): an FP16 TensorRT build keeps these in FP32
+# (engines.build_engine.keep_pooling_in_fp32), so keep them in step with the names below.
+FP32_NODE_PREFIXES: tuple[str, ...] = ("masked_states", "pool_sum", "pool_count", "pooled", "norm_", OUTPUT_NAME)
+
+
 def _pool_and_normalise(g: _Graph, info: ModelInfo, hidden_states: str, attention_mask: str) -> str:
     if info.pooling_mode == "mean":
         m = g.op("Cast", [g.op("Unsqueeze", [attention_mask, g.const("axis2", _i64(2))], "pool_mask_u")],
@@ -224,7 +230,7 @@ def _pool_and_normalise(g: _Graph, info: ModelInfo, hidden_states: str, attentio
     return g.op("Div", [pooled, norm], output=OUTPUT_NAME)
 
 
-def build_model(model_dir: str | Path | None = None) -> onnx.ModelProto:
+def build_model(model_dir: str | Path | ModelInfo | None = None) -> onnx.ModelProto:
     """The unfused ONNX graph of the model folder, with metadata_props (in memory, not cached)."""
     info = _model_info(model_dir)
     if info.model_type not in ("bert",):
@@ -258,7 +264,9 @@ def build_model(model_dir: str | Path | None = None) -> onnx.ModelProto:
 # ---------------------------------------------------------------- metadata, hashing, cache
 
 
-def _model_info(model_dir: str | Path | None) -> ModelInfo:
+def _model_info(model_dir: str | Path | ModelInfo | None) -> ModelInfo:
+    if isinstance(model_dir, ModelInfo):
+        return model_dir  # already read: a start reads the model folder once
     try:
         return ModelInfo.from_dir(default_model_dir() if model_dir is None else model_dir)
     except ModelError as exc:
@@ -417,10 +425,10 @@ def _check_fused(plain: onnx.ModelProto, fused: onnx.ModelProto, info: ModelInfo
 # ---------------------------------------------------------------- public API
 
 
-def export_onnx(model_dir: str | Path | None, output: str | Path, *, optimize: bool = True) -> Path:
+def export_onnx(model_dir: str | Path | ModelInfo | None, output: str | Path, *, optimize: bool = True) -> Path:
     """Export the model folder to `output` (atomically) and return the path."""
     info = _model_info(model_dir)
-    model = build_model(info.model_dir)
+    model = build_model(info)
     if optimize:
         fused = _fuse(model, info)
         _check_fused(model, fused, info)
@@ -437,7 +445,7 @@ def export_onnx(model_dir: str | Path | None, output: str | Path, *, optimize: b
     return output
 
 
-def cached_path(model_dir: str | Path | None = None, *, optimize: bool = True,
+def cached_path(model_dir: str | Path | ModelInfo | None = None, *, optimize: bool = True,
                 cache_dir: str | Path | None = None) -> Path:
     """Where ensure_onnx keeps (or would keep) the export of this model folder."""
     info = _model_info(model_dir)
@@ -447,7 +455,7 @@ def cached_path(model_dir: str | Path | None = None, *, optimize: bool = True,
     return root / f"{safe_name}-{variant}-{cache_key(info, optimize=optimize)[:20]}.onnx"
 
 
-def ensure_onnx(model_dir: str | Path | None = None, *, optimize: bool = False,
+def ensure_onnx(model_dir: str | Path | ModelInfo | None = None, *, optimize: bool = False,
                 cache_dir: str | Path | None = None) -> Path:
     """The cached ONNX export of the model folder, exported first if missing or stale.
 
@@ -464,5 +472,5 @@ def ensure_onnx(model_dir: str | Path | None = None, *, optimize: bool = False,
         raise ExportError(f"{path.parent}: cannot create the ONNX cache dir ({exc.strerror or exc})") from None
     with _locked(path.parent / f".{path.name}.lock"):
         if not path.is_file():  # another process may have finished it while we waited
-            export_onnx(model_dir, path, optimize=optimize)
+            export_onnx(_model_info(model_dir), path, optimize=optimize)
     return path

@@ -8,9 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kwe_core.profiles import load_profile
 from worker import cli
-from worker.bench import quartiles, read_queries, run_bucketed, run_monolithic, run_sorted
-from worker.profiles import load_profile
+from worker.benchmark.inputs import read_queries
+from worker.benchmark.policies import BucketerOptions, run_bucketed, run_monolithic, run_sorted
+from worker.benchmark.report import quartiles
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "terabyte05-300.tsv"
 
@@ -19,7 +21,7 @@ SAMPLE = Path(__file__).resolve().parent / "data" / "terabyte05-300.tsv"
 def ort_parts():  # noqa: ANN201
     from engines.export_onnx import ensure_onnx
     from worker.backends.onnxruntime import OnnxRuntimeBackend
-    from worker.model import default_model_dir
+    from kwe_core.model import default_model_dir
     from worker.tokenize import KeywordTokenizer
 
     tokenizer = KeywordTokenizer.from_model_dir(default_model_dir())
@@ -69,11 +71,15 @@ def test_bench_cli_without_latency_and_bad_input(tmp_path: Path, capsys: pytest.
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["n"] == 100 and report["latency"] == {} and "compare" not in report
+    assert report["input"] == {"skipped_lines": 0, "first_skipped_line": None, "first_skipped_reason": ""}
     assert len(report["policies"]["bucketed"]["rounds_keywords_per_s"]) == 2
     bad = tmp_path / "bad.tsv"
     bad.write_text("no tab here\n")
-    assert cli.main(["bench", str(bad), "--quiet"]) == 2
-    assert "expected id<TAB>text" in capsys.readouterr().err
+    assert cli.main(["bench", str(bad), "--quiet"]) == 2  # nothing left to benchmark
+    err = capsys.readouterr().err
+    assert "no queries (" in err and "bad.tsv: skipped 1 bad line (first: line 1, expected id<TAB>text)" in err
+    assert cli.main(["bench", str(bad), "--quiet", "--strict"]) == 2
+    assert "bad.tsv:1: expected id<TAB>text" in capsys.readouterr().err
     assert cli.main(["bench", str(SAMPLE), "--profile", "nope", "--quiet"]) == 2
 
 
@@ -81,8 +87,9 @@ def test_run_bucketed_returns_each_embedding_in_its_row(ort_parts) -> None:  # n
     tokenizer, backend, encoded = ort_parts
     profile = load_profile("cpu", model_max_len=tokenizer.max_len)
     # A small window forces many partial batches and out-of-order completion.
-    run = run_bucketed(encoded, profile, backend, window=37, dispatchers=2, keep_embeddings=True)
-    assert run.n == len(encoded) and sorted(i for seqs, _ in run.formed for i in seqs) == list(range(len(encoded)))
+    run = run_bucketed(encoded, profile, backend, window=37, options=BucketerOptions(dispatchers=2),
+                       keep_embeddings=True)
+    assert run.n == len(encoded) and sorted(i for b in run.formed for i in b.seqs) == list(range(len(encoded)))
     assert run.real_tokens == sum(len(e.ids) for e in encoded)
     ctx = backend.create_context(0)
     for i in (0, 7, 123, 299):
@@ -95,8 +102,9 @@ def test_run_bucketed_returns_each_embedding_in_its_row(ort_parts) -> None:  # n
 def test_monolithic_and_sorted_count_tokens(ort_parts) -> None:  # noqa: ANN001
     _, backend, encoded = ort_parts
     enc = encoded[:40]
-    mono = run_monolithic(enc, backend, batch_size=16)
-    srt = run_sorted(enc, backend, batch_size=16)
+    cpu = load_profile("cpu")
+    mono = run_monolithic(enc, backend, cpu, batch_size=16)
+    srt = run_sorted(enc, backend, cpu, batch_size=16)
     real = sum(len(e.ids) for e in enc)
     assert mono.real_tokens == srt.real_tokens == real
     assert mono.batches == srt.batches == 3
@@ -108,3 +116,18 @@ def test_monolithic_and_sorted_count_tokens(ort_parts) -> None:  # noqa: ANN001
 def test_quartiles() -> None:
     assert quartiles([2.0]) == {"median": 2.0, "q1": 2.0, "q3": 2.0}
     assert quartiles([1.0, 2.0, 3.0, 4.0, 5.0]) == {"median": 3.0, "q1": 2.0, "q3": 4.0}
+
+
+def test_bench_skips_a_latin1_line_and_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lines = SAMPLE.read_bytes().splitlines(keepends=True)[:60]
+    lines.insert(10, "q-x\tcaf\u00e9\n".encode("latin-1"))
+    src = tmp_path / "latin1.tsv"
+    src.write_bytes(b"".join(lines))
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", str(src), "--rounds", "1", "--batch-size", "16", "--no-latency",
+                     "--compare-profile", "", "--json", str(out), "--quiet"]) == 0
+    assert "latin1.tsv: skipped 1 bad line (first: line 11, not UTF-8" in capsys.readouterr().err
+    report = json.loads(out.read_text())
+    assert report["n"] == 60 and report["input"]["skipped_lines"] == 1 and report["input"]["first_skipped_line"] == 11
+    assert cli.main(["bench", str(src), "--no-latency", "--quiet", "--strict"]) == 2
+    assert "latin1.tsv:11: not UTF-8" in capsys.readouterr().err

@@ -19,7 +19,7 @@ import pytest
 
 from worker.bucketing import BatchStats, Bucketer, BucketerError, BucketerStoppedError
 from worker.metrics import Metrics
-from worker.profiles import Bucket, Profile
+from kwe_core.profiles import Bucket, PadPolicy, Profile
 
 WAIT = 10.0  # seconds; only a guard against hangs
 
@@ -77,7 +77,6 @@ class FakeContext:
 class FakeBackend:
     name = "fake"
     dim = 2
-    preferred_pad = "longest"
 
     def __init__(self, *, max_contexts: int | None = None, gate: bool = False,
                  fail: Callable[[np.ndarray], bool] | None = None, broken_context: int | None = None) -> None:
@@ -133,8 +132,8 @@ class Results:
 
 
 def profile(bounds: Sequence[int] = (4, 8, 16), max_batch: int = 4, budget: int = 10_000,
-            pad_to: str = "bucket") -> Profile:
-    return Profile("test", tuple(Bucket(b, max_batch, max_batch) for b in bounds), budget, pad_to)  # type: ignore[arg-type]
+            pad_to: PadPolicy = "bucket") -> Profile:
+    return Profile("test", tuple(Bucket(b, max_batch, max_batch) for b in bounds), budget, pad_to)
 
 
 def ids(seq: int, length: int) -> np.ndarray:
@@ -143,12 +142,12 @@ def ids(seq: int, length: int) -> np.ndarray:
 
 
 def make(prof: Profile, backend: FakeBackend | None = None, *, delay_ms: float = 20.0, eager: bool = False,
-         dispatchers: int = 1, pad_to: str | None = None) -> tuple[Bucketer, FakeClock, FakeBackend, Results]:
+         dispatchers: int = 1, pad_to: PadPolicy | None = None) -> tuple[Bucketer, FakeClock, FakeBackend, Results]:
     clock = FakeClock()
     backend = backend or FakeBackend()
     res = Results()
     b = Bucketer(prof, backend, res.on_complete, on_error=res.on_error, max_queue_delay_ms=delay_ms,
-                 dispatchers=dispatchers, pad_to=pad_to, clock=clock, eager=eager)  # type: ignore[arg-type]
+                 dispatchers=dispatchers, pad_to=pad_to, clock=clock, eager=eager)
     clock.listeners.append(b.wake)
     b.start()
     return b, clock, backend, res
@@ -249,6 +248,13 @@ def test_pad_to_bucket_and_longest() -> None:
     b, *_ = make(profile(pad_to="longest"))
     assert b.pad_to == "longest"
     b.stop()
+
+
+def test_the_settings_word_auto_never_reaches_the_bucketer() -> None:
+    # "auto" is resolved where the settings are read (resolve_settings); here it is a mistake.
+    with pytest.raises(ValueError, match="pad_to must be one of bucket, longest or None"):
+        Bucketer(profile(), FakeBackend(), Results().on_complete, on_error=Results().on_error,
+                 pad_to="auto")  # type: ignore[arg-type]
 
 
 def test_oldest_deadline_first_across_buckets() -> None:

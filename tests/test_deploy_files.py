@@ -37,7 +37,7 @@ from tests.deploy_tools import (
 from worker.cli import SUBCOMMANDS
 from worker.config import Settings, flag_name, setting_fields
 from worker.metrics import Metrics
-from worker.model import MODEL_PIP_SPEC
+from kwe_core.model import MODEL_PIP_SPEC
 
 SETTING_FLAGS = {flag_name(f.name) for f in setting_fields()}
 DOCKERFILES = ["Dockerfile", "Dockerfile.gpu"]

@@ -38,11 +38,10 @@ pytestmark = pytest.mark.kafka
 def loaded() -> tuple[Any, Any, Any]:
     """The real tokenizer, ONNX Runtime backend and profile, loaded once for the module."""
     from worker.backends.select import load_backend
-    from worker.model import default_model_dir
     from worker.tokenize import KeywordTokenizer
 
-    backend, profile = load_backend(Settings(intra_op_threads=1))
-    return KeywordTokenizer.from_model_dir(default_model_dir()), backend, profile
+    got = load_backend(Settings(intra_op_threads=1))
+    return KeywordTokenizer.from_model(got.model), got.backend, got.profile
 
 
 class FaultyBackend:
@@ -55,7 +54,7 @@ class FaultyBackend:
         self._lock = threading.Lock()
         self.failures = 0
         self.name, self.dim = backend.name, backend.dim
-        self.preferred_pad, self.max_contexts = backend.preferred_pad, backend.max_contexts
+        self.max_contexts = backend.max_contexts
 
     def create_context(self, index: int) -> Any:
         inner, outer = self._backend.create_context(index), self
@@ -108,7 +107,7 @@ def in_process(loaded: tuple[Any, Any, Any], bootstrap: str, names: tuple[str, s
     tokenizer, backend, profile = loaded
     faulty = FaultyBackend(backend, fail)
     s = Settings(bootstrap_servers=bootstrap, input_topic=names[0], output_topic=names[1],
-                 dead_letter_topic=names[2], group_id=group, **settings)
+                 dead_letter_topic=names[2], group_id=group, pad_to=profile.pad_to, **settings)
     return InProcessWorker(Pipeline(s, tokenizer=tokenizer, backend=faulty, profile=profile,
                                     model_name="all-MiniLM-L6-v2")), faulty
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.keyword_files import KeywordFileError, read_keywords
+from worker.keyword_files import BadLines, KeywordFileError, read_keywords
 
 
 def write(tmp_path: Path, name: str, data: bytes) -> Path:
@@ -45,3 +45,29 @@ def test_errors_name_the_file_and_line(tmp_path: Path, name: str, data: bytes, f
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(KeywordFileError, match="nope.tsv"):
         list(read_keywords(tmp_path / "nope.tsv"))
+
+
+def test_a_lenient_read_skips_and_counts_bad_lines(tmp_path: Path) -> None:
+    data = (b"1\tcheap flights\n"
+            b"2\tcaf\xe9\n"            # Latin-1, not UTF-8
+            b"\n"
+            b"no tab\n"
+            b"3\tused cars\r\n"
+            b"4\t\xff\xfe\n")
+    path = write(tmp_path, "q.tsv", data)
+    bad = BadLines()
+    assert list(read_keywords(path, "tsv", bad=bad)) == [("1", "cheap flights"), ("3", "used cars")]
+    assert (bad.count, bad.first_line) == (3, 2) and "not UTF-8" in bad.first_reason
+    assert "skipped 3 bad lines (first: line 2, not UTF-8" in bad.summary(path) and "--strict" in bad.summary(path)
+    # The same file read strictly stops at the first bad line, naming it.
+    with pytest.raises(KeywordFileError, match=r"q\.tsv:2: not UTF-8"):
+        list(read_keywords(path, "tsv"))
+    # A limit counts the keywords read, so skipped lines do not use it up.
+    assert [q for q, _ in read_keywords(path, "tsv", limit=2, bad=BadLines())] == ["1", "3"]
+
+
+def test_a_lenient_jsonl_read_skips_objects_without_id_or_text(tmp_path: Path) -> None:
+    path = write(tmp_path, "q.jsonl", b'{"id": "a", "text": "x"}\n{"id": "b"}\nnot json\n{"id": 1, "text": "y"}\n')
+    bad = BadLines()
+    assert list(read_keywords(path, bad=bad)) == [("a", "x"), ("1", "y")]
+    assert (bad.count, bad.first_line) == (2, 2)

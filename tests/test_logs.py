@@ -172,10 +172,10 @@ def test_invalid_format_or_level_is_refused() -> None:
 
 def test_settings_values_are_accepted() -> None:
     # Every log_format/log_level the settings allow must configure without error.
-    from worker.config import Settings, setting_fields
+    from worker.config import Settings, setting_choices, setting_fields
 
     fields = {f.name: f for f in setting_fields()}
-    for fmt in fields["log_format"].metadata["choices"]:
-        for level in fields["log_level"].metadata["choices"]:
+    for fmt in setting_choices(fields["log_format"]):
+        for level in setting_choices(fields["log_level"]):
             configure_logging(fmt, level, stream=io.StringIO())
     assert Settings().log_format == "auto"

@@ -7,36 +7,22 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from worker.bucketing import BatchStats
 from worker.metrics import Metrics, MetricsServer, readiness_body
 
 STATS_SAMPLE = Path(__file__).resolve().parent / "data" / "librdkafka_stats.json"
 
 
-@dataclass
-class FakeBatch:
-    """The fields Metrics.observe_batch reads (BatchStatsLike)."""
-
-    bucket: int
-    bound: int
-    size: int
-    pad_len: int
-    real_tokens: int
-    queue_wait_s: Sequence[float] = field(default_factory=list)
-    backend_s: float = 0.004
-
-    @property
-    def padded_tokens(self) -> int:
-        return self.size * self.pad_len
-
-    @property
-    def padding_waste(self) -> float:
-        return 1.0 - self.real_tokens / self.padded_tokens
+def FakeBatch(*, bucket: int, bound: int, size: int, pad_len: int, real_tokens: int,  # noqa: N802
+              queue_wait_s: Sequence[float] = (), backend_s: float = 0.004) -> BatchStats:
+    """A batch as the bucketer reports it (the padded tokens follow from size and pad_len)."""
+    return BatchStats(bucket=bucket, bound=bound, size=size, pad_len=pad_len, real_tokens=real_tokens,
+                      padded_tokens=size * pad_len, queue_wait_s=list(queue_wait_s), backend_s=backend_s)
 
 
 def _get(url: str, method: str = "GET") -> tuple[int, str, dict[str, str]]:

@@ -10,10 +10,12 @@ import orjson
 import pytest
 
 from engines.export_onnx import ensure_onnx
-from worker.backends.base import Backend, BackendError, InferenceContext
+from kwe_core.errors import BackendError
+from worker.backends.base import Backend, InferenceContext
 from worker.backends.onnxruntime import OnnxRuntimeBackend
 from worker.embedder import Embedder
-from worker.model import default_model_dir
+from kwe_core.model import default_model_dir
+from worker.padding import pad_batch as pad
 from worker.tokenize import KeywordTokenizer
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
@@ -76,7 +78,7 @@ def test_truncated_row_matches_reference_truncation(embedder: Embedder, golden: 
     assert float(vec @ ref[i]) >= 0.9999
     # Not what the packaged tokenizer.json's 128-token cut would give.
     short = KeywordTokenizer.from_model_dir(embedder.model_dir, max_len=128)
-    ids, mask = short.pad(short.encode([rows[i]["text"]]), 128)
+    ids, mask = pad([e.ids for e in short.encode([rows[i]["text"]])], 128)
     assert float(embedder.backend.run(ids, mask)[0] @ ref[i]) < 0.9999
 
 
@@ -89,19 +91,19 @@ def test_padding_invariance(name: str, exports: dict[str, Path], golden: tuple[l
     texts = ["a", "running shoes", "東京 ラーメン", "😀 emoji query 🚀", "İstanbul", "c++ vs c#", "what is 2+2?", "ß"]
     enc = tok.encode(texts)
     assert max(len(e.ids) for e in enc) <= 8
-    alone = np.stack([ctx.run(*tok.pad([e], len(e.ids)))[0] for e in enc])
-    in_8 = ctx.run(*tok.pad(enc, 8))
+    alone = np.stack([ctx.run(*pad([e.ids]))[0] for e in enc])
+    in_8 = ctx.run(*pad([e.ids for e in enc], 8))
     # Padded to 64 inside a bigger batch with other (longer) rows too.
     long_enc = tok.encode([r["text"] for r in rows[:40]])
     long_enc = [e for e in long_enc if len(e.ids) <= 64]
-    in_64 = ctx.run(*tok.pad(enc + long_enc, 64))[: len(enc)]
+    in_64 = ctx.run(*pad([e.ids for e in enc + long_enc], 64))[: len(enc)]
     assert np.abs(alone - in_8).max() <= 1e-5
     assert np.abs(alone - in_64).max() <= 1e-5
     # And the 133-token sentence: alone vs padded to 256 next to a one-token query.
     sentence = next(r["text"] for r in rows if r["tokens"] == 133)
     (e_long,) = tok.encode([sentence])
-    alone_long = ctx.run(*tok.pad([e_long], len(e_long.ids)))[0]
-    padded_long = ctx.run(*tok.pad([enc[0], e_long], 256))[1]
+    alone_long = ctx.run(*pad([e_long.ids]))[0]
+    padded_long = ctx.run(*pad([enc[0].ids, e_long.ids], 256))[1]
     assert np.abs(alone_long - padded_long).max() <= 1e-5
     ctx.close()
     backend.close()
@@ -136,7 +138,7 @@ def test_embedder_api(exports: dict[str, Path], cache_root: Path, monkeypatch: p
     assert (emb.dim, emb.model_name, emb.max_len) == (384, "all-MiniLM-L6-v2", 256)
     assert isinstance(emb.tokenizer, KeywordTokenizer)
     assert isinstance(emb.backend, Backend) and emb.backend.name == "onnxruntime"
-    assert emb.backend.preferred_pad == "longest" and emb.backend.max_contexts is None
+    assert emb.backend.max_contexts is None
     empty = emb.embed([])
     assert empty.shape == (0, 384) and empty.dtype == np.float32
     with pytest.raises(TypeError, match="list of texts"):

@@ -43,8 +43,32 @@ def test_produce_reports_a_bad_file_and_bad_config(kafka_bootstrap: str, make_to
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a"}\n', encoding="utf-8")
     out = cli("produce", "--bootstrap-servers", kafka_bootstrap, "--topic", topic, "--input", str(bad),
-              "--no-progress")
+              "--no-progress", "--strict")
     assert out.returncode == 2 and "bad.jsonl:1" in out.stderr
     out = cli("produce", "--bootstrap-servers", kafka_bootstrap, "--topic", topic, "--input", str(bad),
               "--kafka-config", "acks")
     assert out.returncode == 2 and "expected key=value" in out.stderr
+
+
+def test_produce_skips_and_counts_bad_lines_unless_strict(kafka_bootstrap: str, make_topic: Callable[..., str],
+                                                          tmp_path: Path) -> None:
+    topic = make_topic("cli", 1)
+    queries = load_queries(0, 20)
+    src = tmp_path / "q.tsv"
+    lines = [f"{q}\t{t}\n".encode() for q, t in queries]
+    lines.insert(5, "q-latin1\tcaf\u00e9 cr\u00e8me\n".encode("latin-1"))  # line 6: a real query log's Latin-1
+    lines.insert(12, b"no tab on this line\n")  # line 13: not id<TAB>text, read as text by the default format
+    src.write_bytes(b"".join(lines))
+    out = cli("produce", "--bootstrap-servers", kafka_bootstrap, "--topic", topic, "--input", str(src),
+              "--format", "tsv", "--no-progress")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"produced 20 keywords to {topic}")
+    assert "skipped 2 bad lines (first: line 6, not UTF-8" in out.stderr
+    dst = tmp_path / "out.jsonl"
+    got = cli("consume", "--bootstrap-servers", kafka_bootstrap, "--topic", topic, "--output", str(dst),
+              "--max-messages", "20", "--idle-timeout", "30")
+    assert got.returncode == 0, got.stderr
+    assert {(r["id"], r["text"]) for r in map(orjson.loads, dst.read_bytes().splitlines())} == set(queries)
+    strict = cli("produce", "--bootstrap-servers", kafka_bootstrap, "--topic", topic, "--input", str(src),
+                 "--format", "tsv", "--no-progress", "--strict")
+    assert strict.returncode == 2 and "q.tsv:6: not UTF-8" in strict.stderr

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 import threading
+import time
 import types
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +39,8 @@ from engines.build_engine import (
     validate_sidecar,
     write_sidecar,
 )
-from worker.backends.base import Backend, BackendError, InferenceContext
+from kwe_core.errors import BackendError
+from worker.backends.base import Backend, InferenceContext
 from worker.backends.select import (
     GPU_INSTALL_HINT,
     choose_backend,
@@ -57,10 +60,10 @@ from worker.backends.tensorrt import (
     stage_batch,
 )
 from worker.config import Settings
-from worker.profiles import Bucket, Profile, ProfileError, load_profile
+from kwe_core.profiles import Bucket, Profile, ProfileError, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = ROOT / "engines" / "profiles.toml"
+PROFILES = ROOT / "kwe_core" / "profiles.toml"
 DIM = 384
 
 
@@ -277,8 +280,11 @@ class FakeCuda(types.ModuleType):
     def __init__(self, name: str = "NVIDIA L40S", cc: tuple[int, int] = (8, 9)) -> None:
         super().__init__("pycuda.driver")
         self.gpu_name, self.cc = name, cc
+        # Further devices of a multi-GPU host: index -> (name, compute capability).
+        self.other_devices: dict[int, tuple[str, tuple[int, int]]] = {}
         self.local = threading.local()
         self.memory: dict[int, np.ndarray] = {}
+        self.host_live: set[int] = set()  # ids of page-locked allocations not yet freed
         self.next_ptr = 0x1000
         self.detached = 0
         self.pushes = 0
@@ -290,6 +296,9 @@ class FakeCuda(types.ModuleType):
                 fake.stack().pop()
 
         class PrimaryContext:
+            def __init__(self, device: int = 0) -> None:
+                self.device = device
+
             def push(self) -> None:
                 fake.pushes += 1
                 fake.stack().append(self)
@@ -299,16 +308,29 @@ class FakeCuda(types.ModuleType):
 
         class Device:
             def __init__(self, i: int) -> None:
-                assert i == 0
+                assert i == 0 or i in fake.other_devices, f"no CUDA device {i}"
+                self.i = i
 
             def name(self) -> str:
-                return fake.gpu_name
+                return fake.other_devices[self.i][0] if self.i else fake.gpu_name
 
             def compute_capability(self) -> tuple[int, int]:
-                return fake.cc
+                return fake.other_devices[self.i][1] if self.i else fake.cc
 
             def retain_primary_context(self) -> PrimaryContext:
-                return PrimaryContext()
+                return PrimaryContext(self.i)
+
+        class HostAllocation:
+            """pycuda's page-locked block: the .base of the array pagelocked_empty returns."""
+
+            def __init__(self, shape: Any, dtype: Any) -> None:
+                self._mem = np.empty(shape, dtype)
+                self.__array_interface__ = self._mem.__array_interface__
+                fake.host_live.add(id(self))
+
+            def free(self) -> None:
+                fake.need_context()
+                fake.host_live.discard(id(self))
 
         class Alloc:
             def __init__(self, nbytes: int) -> None:
@@ -334,6 +356,7 @@ class FakeCuda(types.ModuleType):
                 fake.need_context()
 
         self.Context, self.Device, self.Stream, self.Alloc = Context, Device, Stream, Alloc
+        self.HostAllocation = HostAllocation
 
     def stack(self) -> list[Any]:
         if not hasattr(self.local, "stack"):
@@ -343,12 +366,18 @@ class FakeCuda(types.ModuleType):
     def need_context(self) -> None:
         assert self.stack(), "CUDA call on a thread with no current context"
 
+    def current_device(self) -> int:
+        self.need_context()
+        return int(self.stack()[-1].device)
+
     def init(self) -> None:
         pass
 
     def pagelocked_empty(self, shape: Any, dtype: Any) -> np.ndarray:
         self.need_context()
-        return np.empty(shape, dtype)
+        arr = np.asarray(self.HostAllocation(shape, dtype))
+        assert arr.base is not None and hasattr(arr.base, "free")
+        return arr
 
     def mem_alloc(self, nbytes: int) -> Any:
         return self.Alloc(nbytes)
@@ -378,6 +407,8 @@ class FakeEngine:
         self.num_io_tensors = 3
         self.num_optimization_profiles = len(spec["profiles"])
         self.contexts: list[FakeExecContext] = []
+        self.creating = 0
+        self.concurrent_creates = 0
 
     def get_tensor_name(self, i: int) -> str:
         return self.names[i]
@@ -400,6 +431,14 @@ class FakeEngine:
 
     def create_execution_context(self, strategy: str = "STATIC") -> FakeExecContext:
         self.trt.cuda.need_context()
+        with self.trt.lock:
+            self.creating += 1
+            overlap = self.creating > 1
+        time.sleep(0.005)  # long enough for a second dispatcher thread to arrive meanwhile
+        with self.trt.lock:
+            self.creating -= 1
+        if overlap:
+            self.concurrent_creates += 1
         ctx = FakeExecContext(self, strategy)
         self.contexts.append(ctx)
         return ctx
@@ -416,16 +455,23 @@ class FakeExecContext:
         self.thread = threading.get_ident()
 
     def set_optimization_profile_async(self, i: int, stream: int) -> bool:
+        # The real binding raises RuntimeError where the C++ call returns false, else True.
         self.engine.trt.cuda.need_context()
+        if not 0 <= i < self.engine.num_optimization_profiles or i in self.engine.trt.refuse_profiles:
+            raise RuntimeError("Error in set optimization profile async.")
         self.profile = i
         return True
 
     def set_device_memory(self, ptr: int, size: int) -> None:
         self.device_memory = (ptr, size)
 
-    def set_tensor_address(self, name: str, ptr: int) -> None:
+    def set_tensor_address(self, name: str, ptr: int) -> bool:
+        # Like setTensorAddress: false for a name the engine has no I/O tensor for.
         assert ptr in self.engine.trt.cuda.memory
+        if name not in self.engine.names or name in self.engine.trt.refuse_addresses:
+            return False
         self.addresses[name] = ptr
+        return True
 
     def set_input_shape(self, name: str, shape: tuple[int, int]) -> bool:
         self.shape_calls += 1
@@ -461,6 +507,10 @@ class FakeTrt(types.ModuleType):
         super().__init__("tensorrt")
         self.cuda = cuda
         self.__version__ = version
+        self.lock = threading.Lock()
+        self.refuse_profiles: set[int] = set()
+        self.refuse_addresses: set[str] = set()
+        self.float32 = "FLOAT"
         self.TensorIOMode = types.SimpleNamespace(INPUT="INPUT", OUTPUT="OUTPUT")
         self.ExecutionContextAllocationStrategy = types.SimpleNamespace(
             STATIC="STATIC", ON_PROFILE_CHANGE="ON_PROFILE_CHANGE", USER_MANAGED="USER_MANAGED")
@@ -490,17 +540,36 @@ class FakeTrt(types.ModuleType):
     def _install_builder(self) -> None:
         trt = self
         self.MemoryPoolType = types.SimpleNamespace(WORKSPACE="WORKSPACE")
-        self.BuilderFlag = types.SimpleNamespace(FP16="FP16")
+        self.BuilderFlag = types.SimpleNamespace(FP16="FP16", OBEY_PRECISION_CONSTRAINTS="OBEY_PRECISION_CONSTRAINTS")
 
         class Tensor:
             def __init__(self, name: str, shape: tuple[int, ...]) -> None:
                 self.name, self.shape = name, shape
 
+        class Layer:
+            def __init__(self, name: str) -> None:
+                self.name, self.precision, self.num_outputs = name, "DEFAULT", 1
+                self.output_types: dict[int, str] = {}
+
+            def set_output_type(self, i: int, dtype: str) -> None:
+                self.output_types[i] = dtype
+
         class Network:
+            # Layer names as the ONNX parser gives them: the export's node names.
+            LAYERS = ("embeddings_1_node", "layer0_attn_5_node", "pool_mask_u_88_node", "pool_mask_89_node",
+                      "masked_states_90_node", "pool_sum_91_node",
+                      "pool_count_92_node", "pool_count_c_93_node", "pooled_94_node", "norm_95_node",
+                      "norm_c_96_node", "sentence_embedding_node")
+
             def __init__(self) -> None:
                 self.inputs = [Tensor("input_ids", (-1, -1)), Tensor("attention_mask", (-1, -1))]
                 self.outputs = [Tensor("sentence_embedding", (-1, DIM))]
                 self.num_inputs, self.num_outputs = 2, 1
+                self.layers = [Layer(n) for n in self.LAYERS]
+                self.num_layers = len(self.layers)
+
+            def get_layer(self, i: int) -> Layer:
+                return self.layers[i]
 
             def get_input(self, i: int) -> Tensor:
                 return self.inputs[i]
@@ -539,10 +608,12 @@ class FakeTrt(types.ModuleType):
                 self.profiles.append(p)
                 return len(self.profiles) - 1
 
-            def create_timing_cache(self, data: bytes) -> Cache:
-                return Cache(data)
+            def create_timing_cache(self, data: bytes) -> Cache | None:
+                return None if data.startswith(b"corrupt") else Cache(data)  # like createTimingCache
 
             def set_timing_cache(self, cache: Cache, ignore_mismatch: bool) -> bool:
+                if cache is None:  # pybind refuses None for the reference parameter
+                    raise TypeError("set_timing_cache(): incompatible function arguments")
                 self.cache = cache
                 return True
 
@@ -565,7 +636,7 @@ class FakeTrt(types.ModuleType):
                 return OptProfile()
 
             def build_serialized_network(self, network: Network, config: Config) -> bytes:
-                trt.built.append({"config": config})
+                trt.built.append({"config": config, "network": network, "device": trt.cuda.current_device()})
                 profiles = []
                 for p in config.profiles:
                     (mn, opt, mx) = p.shapes["input_ids"]
@@ -622,7 +693,7 @@ def test_build_engine_adds_one_profile_per_bucket_and_writes_the_sidecar(
     plan, onnx_path = built_plan
     config = fake_gpu.built[0]["config"]
     assert [p.shapes["input_ids"] for p in config.profiles] == [(s.min, s.opt, s.max) for s in profile_shapes(gpu)]
-    assert config.flags == {"FP16"} and config.pools["WORKSPACE"] == 4 * (1 << 30)
+    assert config.flags == {"FP16", "OBEY_PRECISION_CONSTRAINTS"} and config.pools["WORKSPACE"] == 4 * (1 << 30)
     assert (tmp_path / "timing.cache").read_bytes() == b"+tuned"  # saved after the build
     sc = read_sidecar(plan)
     assert sc.gpu_name == "NVIDIA L40S" and sc.compute_capability == "8.9" and sc.tensorrt_version == "10.3.0"
@@ -676,7 +747,7 @@ def test_backend_runs_each_bucket_on_its_own_context_and_thread(
     plan, onnx_path = built_plan
     backend = TensorRTBackend(plan, gpu, onnx_path=onnx_path)
     assert isinstance(backend, Backend) and backend.name == "tensorrt" and backend.dim == DIM
-    assert backend.preferred_pad == "bucket" and backend.max_contexts == 5
+    assert backend.max_contexts == 5
     assert backend.requires_serial_dispatch is False
     cuda = fake_gpu.cuda
     assert cuda.stack() == []  # the constructor popped what it pushed
@@ -712,7 +783,9 @@ def test_backend_runs_each_bucket_on_its_own_context_and_thread(
     # 2 inputs x distinct batch sizes in a row (bucket 3's batches are all of 1: set once).
     assert [c.shape_calls for c in engine.contexts] == [4, 4, 4, 2, 4]
     backend.close()
-    assert cuda.detached == 1 and cuda.memory == {}  # every buffer freed
+    # The build's and the backend's primary-context references both released; every device
+    # buffer and every page-locked host block (the arrays' .base) freed.
+    assert cuda.detached == 2 and cuda.memory == {} and cuda.host_live == set()
 
 
 def test_context_refuses_batches_that_do_not_fit_and_foreign_threads(
@@ -787,6 +860,153 @@ def test_backend_refuses_a_foreign_or_stale_plan_before_deserialising(
     assert fake_gpu.engines == []  # nothing was deserialised
 
 
+# ============================================================================ the defects of the desk check
+def test_bucketer_runs_a_shared_memory_backend_from_one_dispatcher(
+        built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """Defect 1: with one shared activation block the bucketer must create and run every context on one thread."""
+    from worker.backends.tensorrt import TensorRTBackend
+    from worker.bucketing import Bucketer
+
+    backend = TensorRTBackend(built_plan[0], gpu, share_device_memory=True)
+    done: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+    bucketer = Bucketer(gpu, backend, lambda seqs, out, _s: done.update(zip(seqs, out)),
+                        on_error=lambda _seqs, exc: errors.append(exc), max_queue_delay_ms=1.0)
+    bucketer.start()  # raised "ONE dispatcher thread" before: one thread per context
+    lengths = [5, 12, 30, 60, 200, 7, 16]
+    for seq, n in enumerate(lengths):
+        bucketer.submit(seq, np.arange(1, n + 1, dtype=np.int64))
+    assert bucketer.stop(drain=True, timeout=10) == []
+    assert not errors and sorted(done) == list(range(len(lengths)))
+    for seq, n in enumerate(lengths):
+        assert done[seq][3] == gpu.bucket_for(n)  # ran on its bucket's profile
+    contexts = fake_gpu.engines[0].contexts
+    assert len(contexts) == 5 and len({c.thread for c in contexts}) == 1
+    backend.close()
+    assert fake_gpu.cuda.memory == {} and fake_gpu.cuda.host_live == set()
+
+
+def test_a_refused_optimisation_profile_is_a_backend_error(
+        built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """Defect 2: the binding raises RuntimeError (it never returns False); the user gets a BackendError."""
+    from worker.backends.tensorrt import TensorRTBackend
+
+    backend = TensorRTBackend(built_plan[0], gpu)
+    fake_gpu.refuse_profiles.add(2)
+    with pytest.raises(BackendError, match="refused optimisation profile 2.*Error in set optimization profile"):
+        backend.create_context(2)
+    assert fake_gpu.cuda.stack() == [] and fake_gpu.cuda.host_live == set()
+    backend.close()
+    assert fake_gpu.cuda.memory == {}
+
+
+def test_a_refused_tensor_address_fails_at_context_creation(
+        built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """Defect 3: set_tensor_address's False names the tensor instead of a bare execute failure later."""
+    from worker.backends.tensorrt import TensorRTBackend
+
+    backend = TensorRTBackend(built_plan[0], gpu)
+    fake_gpu.refuse_addresses.add("attention_mask")
+    with pytest.raises(BackendError, match=r"set_tensor_address\('attention_mask'\) refused"):
+        backend.create_context(0)
+    assert fake_gpu.cuda.stack() == [] and fake_gpu.cuda.host_live == set()
+    backend.close()
+    assert fake_gpu.cuda.memory == {}
+
+
+def test_the_bench_command_runs_on_tensorrt(built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile,
+                                            tmp_path: Path) -> None:
+    """Defect 4: baselines on the context whose profile covers the batch, every context used on its own thread."""
+    from worker import cli
+
+    sample = ROOT / "tests" / "data" / "terabyte05-300.tsv"
+    out = tmp_path / "bench.json"
+    rc = cli.main(["bench", str(sample), "--backend", "tensorrt", "--engine-path", str(built_plan[0]),
+                   "--limit", "300", "--rounds", "2", "--no-latency", "--json", str(out), "--quiet"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["backend"] == {"name": "tensorrt", "plan": "minilm.plan"} and report["profile"] == "gpu"
+    assert set(report["policies"]) == {"monolithic", "bucketed", "sorted"} and "compare" not in report
+    # Every context ran only on the thread that created it (the fake asserts it), on its own profile,
+    # and a monolithic batch of 256 ran in pieces its covering profile admits (else set_input_shape fails).
+    engine = fake_gpu.engines[0]
+    assert {c.profile for c in engine.contexts} == set(range(5))
+    # On a fixed-shape plan every batch is padded to its profile's bound: the baselines waste more.
+    waste = {k: v["padding_waste"] for k, v in report["policies"].items()}
+    assert waste["bucketed"] <= waste["sorted"] <= waste["monolithic"]
+    assert fake_gpu.cuda.memory == {} and fake_gpu.cuda.host_live == set() and fake_gpu.cuda.stack() == []
+    # A second profile cannot run on a plan built for one.
+    assert cli.main(["bench", str(sample), "--backend", "tensorrt", "--engine-path", str(built_plan[0]),
+                     "--compare-profile", "cpu-aligned", "--quiet"]) == 2
+
+
+def test_dispatchers_create_their_contexts_one_at_a_time(
+        built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """Defect 5: concurrent create_execution_context on one engine is not documented as safe."""
+    from worker.backends.tensorrt import TensorRTBackend
+
+    backend = TensorRTBackend(built_plan[0], gpu)
+    go = threading.Barrier(5)
+
+    def dispatcher(i: int) -> None:
+        go.wait()  # all five at once, as the bucketer's dispatchers start
+        backend.create_context(i).close()
+
+    threads = [threading.Thread(target=dispatcher, args=(i,)) for i in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    engine = fake_gpu.engines[0]
+    assert len(engine.contexts) == 5 and engine.concurrent_creates == 0
+    backend.close()
+
+
+def test_a_corrupt_timing_cache_is_replaced_not_a_type_error(
+        tmp_path: Path, fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """Defect 6a: create_timing_cache returns None for a corrupt file; set_timing_cache(None) raises TypeError."""
+    cache = tmp_path / "timing.cache"
+    cache.write_bytes(b"corrupt\x00\x01")
+    said: list[str] = []
+    build_engine(_tiny_onnx(tmp_path / "m.onnx"), gpu, tmp_path / "p.plan", timing_cache=cache, log=said.append)
+    assert any("unreadable" in m for m in said)
+    assert cache.read_bytes() == b"+tuned"  # a fresh cache, saved after the build
+
+
+def test_the_plan_is_built_on_the_device_its_sidecar_names(tmp_path: Path, fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """Defect 6b: on a multi-GPU host TensorRT builds on the current context's device: make it `device`'s."""
+    fake_gpu.cuda.other_devices[1] = ("NVIDIA H100 80GB HBM3", (9, 0))
+    sc = build_engine(_tiny_onnx(tmp_path / "m.onnx"), gpu, tmp_path / "p.plan", device=1, log=lambda _m: None)
+    assert fake_gpu.built[0]["device"] == 1
+    assert (sc.gpu_name, sc.compute_capability) == ("NVIDIA H100 80GB HBM3", "9.0")
+    assert fake_gpu.cuda.stack() == []  # popped after the build
+
+
+def test_fp16_keeps_pooling_and_normalisation_in_fp32(built_plan: tuple[Path, Path], fake_gpu: FakeTrt) -> None:
+    """Defect 7: the floors 1e-9 and 1e-12 are 0 in half precision; those layers are pinned to FP32."""
+    from engines.export_onnx import FP32_NODE_PREFIXES, build_model
+
+    built = fake_gpu.built[0]
+    assert "OBEY_PRECISION_CONSTRAINTS" in built["config"].flags
+    fp32 = {layer.name for layer in built["network"].layers if layer.precision == "FLOAT"}
+    assert fp32 == {"masked_states_90_node", "pool_sum_91_node", "pool_count_92_node", "pool_count_c_93_node",
+                    "pooled_94_node", "norm_95_node", "norm_c_96_node", "sentence_embedding_node"}
+    assert all(layer.output_types == {0: "FLOAT"} for layer in built["network"].layers if layer.name in fp32)
+    assert read_sidecar(built_plan[0]).extra["fp32_layers"] == 8
+    # The names come from the real exporter: exactly its float pooling/normalisation nodes match.
+    names = [n.name for n in build_model().graph.node]
+    matched = [n for n in names if n.startswith(FP32_NODE_PREFIXES)]
+    assert [re.sub(r"(_\d+)?_node$", "", n) for n in matched] == [
+        "masked_states", "pool_sum", "pool_count", "pool_count_c", "pooled", "norm", "norm_c", "sentence_embedding"]
+
+
+def test_an_fp32_build_sets_no_precision_constraints(tmp_path: Path, fake_gpu: FakeTrt, gpu: Profile) -> None:
+    build_engine(_tiny_onnx(tmp_path / "m.onnx"), gpu, tmp_path / "p.plan", fp16=False, log=lambda _m: None)
+    built = fake_gpu.built[0]
+    assert built["config"].flags == set()
+    assert {layer.precision for layer in built["network"].layers} == {"DEFAULT"}
+
+
 # ============================================================================ backend selection
 def _spec(present: set[str]) -> Any:
     return lambda name: object() if name in present else None
@@ -851,26 +1071,60 @@ def test_profile_auto_follows_the_backend() -> None:
     assert resolve_profile_name(Settings(profile="cpu-aligned"), "tensorrt") == "cpu-aligned"
 
 
-def test_load_backend_onnxruntime_with_profile_and_onnx_path(monkeypatch: pytest.MonkeyPatch) -> None:
+class _FakeOrt:
+    """Stands in for OnnxRuntimeBackend: records how the factory built it."""
+
     made: list[tuple[Any, dict[str, Any]]] = []
+    name, dim = "onnxruntime", DIM
+
+    def __init__(self, onnx_path: Any, **kw: Any) -> None:
+        self.path = onnx_path
+        self.closed = False
+        _FakeOrt.made.append((onnx_path, kw))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _fake_ort(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, dict[str, Any]]]:
     fake = types.ModuleType("worker.backends.onnxruntime")
-
-    class OnnxRuntimeBackend:
-        def __init__(self, onnx_path: Any, **kw: Any) -> None:
-            made.append((onnx_path, kw))
-
-    fake.OnnxRuntimeBackend = OnnxRuntimeBackend  # type: ignore[attr-defined]
+    fake.OnnxRuntimeBackend = _FakeOrt  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "worker.backends.onnxruntime", fake)
-    backend, profile = load_backend(Settings(onnx_path="/m/x.onnx", intra_op_threads=3),
-                                    find_spec=_spec(set()), has_gpu=lambda: False)
-    assert isinstance(backend, OnnxRuntimeBackend) and made == [("/m/x.onnx", {"intra_op_threads": 3})]
-    assert profile.name == "cpu" and profile.max_len == 256
+    monkeypatch.setattr(_FakeOrt, "made", [])
+    return _FakeOrt.made
+
+
+def test_load_backend_onnxruntime_with_profile_and_onnx_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    made = _fake_ort(monkeypatch)
+    loaded = load_backend(Settings(onnx_path="/m/x.onnx", intra_op_threads=3),
+                          find_spec=_spec(set()), has_gpu=lambda: False)
+    assert isinstance(loaded.backend, _FakeOrt) and made == [("/m/x.onnx", {"intra_op_threads": 3})]
+    assert loaded.profile.name == "cpu" and loaded.profile.max_len == 256
+    # Every "auto" is resolved where the settings are read: nothing after this sees the word.
+    assert (loaded.settings.backend, loaded.settings.profile, loaded.settings.pad_to) == ("onnxruntime", "cpu",
+                                                                                          "longest")
+    assert loaded.model.dim == DIM
 
     export = types.ModuleType("engines.export_onnx")
-    export.ensure_onnx = lambda model_dir=None, **kw: f"/cache/{model_dir}.onnx"  # type: ignore[attr-defined]
+    export.ensure_onnx = lambda model, **kw: f"/cache/{model.name}.onnx"  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "engines.export_onnx", export)
     load_backend(Settings(), find_spec=_spec(set()), has_gpu=lambda: False)
-    assert made[-1][0] == "/cache/None.onnx"  # default: the cached export of the default model
+    # default: the cached export of the model already read (not the folder read again)
+    assert made[-1][0] == "/cache/all-MiniLM-L6-v2.onnx"
+    # An explicit pad_to wins over the profile's.
+    assert load_backend(Settings(onnx_path="/m/x.onnx", pad_to="bucket"), find_spec=_spec(set()),
+                        has_gpu=lambda: False).settings.pad_to == "bucket"
+
+
+def test_the_factory_refuses_a_backend_of_another_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.backends.select import model_info, open_backend
+
+    _fake_ort(monkeypatch)
+    monkeypatch.setattr(_FakeOrt, "dim", 768)
+    with pytest.raises(BackendError, match="768-d vectors but .*config.json says hidden_size 384"):
+        open_backend("onnxruntime", model_info(Settings()), onnx_path="/m/bert-base.onnx")
+    with pytest.raises(BackendError, match="needs a plan"):
+        open_backend("tensorrt", model_info(Settings()))
 
 
 def test_load_backend_tensorrt_passes_plan_profile_and_onnx(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -881,14 +1135,18 @@ def test_load_backend_tensorrt_passes_plan_profile_and_onnx(monkeypatch: pytest.
     made: list[tuple[Any, ...]] = []
 
     class Fake:
+        name, dim = "tensorrt", DIM
+
         def __init__(self, engine_path: Any, profile: Profile, **kw: Any) -> None:
             made.append((engine_path, profile.name, kw))
 
     monkeypatch.setattr(trt_backend, "TensorRTBackend", Fake)
-    backend, profile = load_backend(Settings(engine_path=str(plan), onnx_path="/m/x.onnx"),
-                                    find_spec=_spec({"tensorrt", "pycuda"}), has_gpu=lambda: True)
-    assert isinstance(backend, Fake) and profile.name == "gpu" and profile.bounds == (8, 16, 32, 64, 256)
+    loaded = load_backend(Settings(engine_path=str(plan), onnx_path="/m/x.onnx"),
+                          find_spec=_spec({"tensorrt", "pycuda"}), has_gpu=lambda: True)
+    assert isinstance(loaded.backend, Fake) and loaded.profile.name == "gpu"
+    assert loaded.profile.bounds == (8, 16, 32, 64, 256)
     assert made == [(str(plan), "gpu", {"onnx_path": "/m/x.onnx", "share_device_memory": False})]
+    assert (loaded.settings.backend, loaded.settings.profile, loaded.settings.pad_to) == ("tensorrt", "gpu", "bucket")
 
 
 def test_load_backend_refuses_a_profile_short_of_the_model_max(tmp_path: Path) -> None:
@@ -949,3 +1207,35 @@ def test_build_engine_cli_rejects_an_unaligned_profile(tmp_path: Path, capsys: p
 
     rc = main(["build-engine", "--profile", "cpu", "--output", str(tmp_path / "p.plan")])
     assert rc == 2 and "multiple of 8" in capsys.readouterr().err
+
+
+# ============================================================================ benchmarks/gpu/trt_check.py (fakes)
+def test_trt_check_runs_every_stage_and_records_each(tmp_path: Path, fake_gpu: FakeTrt) -> None:
+    """The GPU script's flow on the fakes: it cannot show real numbers, only that every stage runs and reports."""
+    from benchmarks.gpu import trt_check
+
+    onnx_path = _tiny_onnx(tmp_path / "model.onnx")
+    rc = trt_check.main(tmp_path / "out", onnx=onnx_path, limit=200, rounds=1, budget_s=600)
+    out = tmp_path / "out"
+    summary = json.loads((out / "trt-check.json").read_text())
+    assert set(summary["stages"]) == {"build", "buckets", "parity", "bench", "mono"}
+    assert read_sidecar(out / "work" / "minilm-gpu.plan").profile_name == "gpu"
+    buckets = json.loads((out / "trt-buckets.json").read_text())
+    assert buckets["ok"] and [b["shape"] for b in buckets["buckets"]] == [[256, 8], [128, 16], [64, 32], [32, 64],
+                                                                          [8, 256]]
+    bench = json.loads((out / "trt-bench.json").read_text())
+    assert bench["n"] == 200 and set(bench["ratios"]) >= {"bucketed/monolithic", "bucketed/sorted"}
+    mono = json.loads((out / "trt-mono.json").read_text())
+    assert set(mono["ratios"]) == {"bucketed/monolithic"} and len(mono["rounds"]) == 1
+    # The fake plan returns token sums, not embeddings, and ONNX Runtime cannot load the tiny
+    # stand-in graph: parity must fail loudly, and the whole check with it.
+    assert summary["stages"]["parity"]["ok"] is False and summary["ok"] is False and rc == 1
+    assert fake_gpu.cuda.memory == {} and fake_gpu.cuda.host_live == set() and fake_gpu.cuda.stack() == []
+
+
+def test_cosines_of_rows() -> None:
+    from benchmarks.gpu.trt_check import cosines
+
+    a = np.array([[1.0, 0.0], [0.0, 2.0], [0.0, 0.0]])
+    b = np.array([[2.0, 0.0], [1.0, 1.0], [1.0, 0.0]])
+    np.testing.assert_allclose(cosines(a, b), [1.0, np.sqrt(0.5), 0.0])

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from worker.model import ModelError, default_model_dir
-from worker.tokenize import Encoded, KeywordTokenizer, pad
+from kwe_core.model import ModelError, default_model_dir
+from worker.tokenize import KeywordTokenizer
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
 CLS, SEP = 101, 102
@@ -93,13 +93,3 @@ def test_empty_batch_and_empty_text(tok: KeywordTokenizer) -> None:
     assert tok.encode([]) == []
     (e,) = tok.encode([""])
     assert e.ids.tolist() == [CLS, SEP] and e.length == 2
-
-
-def test_pad() -> None:
-    items = [Encoded(np.array([101, 7, 102]), 3, False), Encoded(np.array([101, 102]), 2, False)]
-    ids, mask = pad(items, 5)
-    assert ids.dtype == np.int64 and mask.dtype == np.int64
-    assert ids.tolist() == [[101, 7, 102, 0, 0], [101, 102, 0, 0, 0]]
-    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0]]
-    with pytest.raises(ValueError, match="item 0 has 3 tokens"):
-        pad(items, 2)

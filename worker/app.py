@@ -2,33 +2,57 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import dataclass
 
 import structlog
 
+from kwe_core.errors import BackendError
+from worker.backends.base import Backend
 from worker.config import Settings
 from worker.metrics import Metrics
-from worker.model import ModelInfo, default_model_dir
 from worker.pipeline import Pipeline
 from worker.tokenize import KeywordTokenizer
 
 log = structlog.get_logger(__name__)
 
 
-def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Pipeline:
+@dataclass
+class Assembled:
+    """A pipeline and the backend it runs on; the caller closes the backend after the pipeline ran."""
+
+    pipeline: Pipeline
+    backend: Backend
+
+    def close(self) -> None:
+        """Frees the backend (a TensorRT engine, its device memory, the CUDA context it retained).
+
+        Called once the pipeline's run returned, so its dispatchers have closed their contexts.
+        A backend that cannot close (a context left open by a dispatcher that never finished)
+        is logged, not raised: the process is exiting and the driver frees what is left.
+        """
+        try:
+            self.backend.close()
+        except BackendError as exc:
+            log.warning("backend not closed cleanly", backend=self.backend.name, error=str(exc))
+
+
+def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Assembled:
     """Loads the model's tokenizer and the backend the settings ask for, and wires the pipeline.
 
-    Raises ModelError / BackendError / ProfileError with messages that name the file or setting.
+    The model folder is read once, and the pipeline gets the settings with every "auto"
+    resolved (backend, profile, pad_to). Raises ModelError / BackendError / ProfileError with
+    messages that name the file or setting.
     """
-    from worker.backends.select import load_backend
+    from worker.backends.select import load_backend, model_info
 
-    model_dir = Path(settings.model_dir) if settings.model_dir else default_model_dir()
-    info = ModelInfo.from_dir(model_dir)
-    tokenizer = KeywordTokenizer.from_model_dir(model_dir)
-    backend, profile = load_backend(settings)
+    info = model_info(settings)
+    tokenizer = KeywordTokenizer.from_model(info)
+    loaded = load_backend(settings, model=info)
+    backend, profile = loaded.backend, loaded.profile
     log.info("backend loaded", backend=backend.name, model=info.name, dim=backend.dim, profile=profile.name,
-             buckets=list(profile.bounds), max_len=tokenizer.max_len)
+             buckets=list(profile.bounds), max_len=tokenizer.max_len, pad_to=loaded.settings.pad_to)
     metrics = metrics if metrics is not None else Metrics()
     metrics.set_backend_info(backend.name, info.name, profile.name)
-    return Pipeline(settings, tokenizer=tokenizer, backend=backend, profile=profile, model_name=info.name,
-                    metrics=metrics)
+    pipeline = Pipeline(loaded.settings, tokenizer=tokenizer, backend=backend, profile=profile,
+                        model_name=info.name, metrics=metrics)
+    return Assembled(pipeline, backend)

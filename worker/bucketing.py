@@ -8,8 +8,8 @@ Threads and what each one owns:
   backend takes (outside the lock), and puts it on the ready queue of the lane that serves
   that bucket. Forming happens while the dispatchers are still running the previous batch,
   so a dispatcher that finishes finds its next batch already padded (work-conserving).
-- the dispatcher threads ("kwe-dispatch-N"): each owns exactly one backend context for its
-  whole life (created, used and closed on that thread), pops formed batches from its lane's
+- the dispatcher threads ("kwe-dispatch-N"): each owns its backend context for its whole life
+  (created, used and closed on that thread; all of them when the backend requires serial dispatch), pops formed batches from its lane's
   ready queue, runs them, and calls on_complete / on_error.
 
 All shared state (bucket queues, ready queues, counters, flags) sits behind one lock with
@@ -20,7 +20,10 @@ Lanes: with a backend that hands out any number of contexts (`max_contexts is No
 Runtime), one lane holds every bucket and `dispatchers` threads share its ready queue. With a
 backend that binds context i to bucket profile i (`max_contexts` set, TensorRT), there is one
 lane, one context and one dispatcher per bucket, and bucket i's batches only ever run on
-context i, whose optimisation profile covers exactly that bucket's shapes.
+context i, whose optimisation profile covers exactly that bucket's shapes. A backend whose
+contexts must never run at once (`requires_serial_dispatch`, TensorRT with one shared block of
+activation memory) gets one lane for every bucket and ONE dispatcher that creates, runs and
+closes all the contexts, still bucket i on context i.
 
 Flush rules, for the buckets of one lane whose ready queue has room:
 1. a bucket is *full* when it holds max_batch items or a batch of it would fill the
@@ -47,12 +50,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 
-from worker.backends.base import Backend, InferenceContext, PadPolicy
-from worker.profiles import Profile
+from kwe_core.profiles import PAD_POLICIES, PadPolicy, Profile
+from worker.backends.base import Backend, InferenceContext
+from worker.padding import pad_batch
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +73,7 @@ class BucketerStoppedError(BucketerError):
 
 @dataclass(frozen=True)
 class BatchStats:
-    """Per-batch measurements for metrics (satisfies worker.metrics.BatchStatsLike)."""
+    """Per-batch measurements: what Metrics.observe_batch and the benchmark read."""
 
     bucket: int
     bound: int
@@ -132,17 +135,18 @@ class _Lane:
 class Bucketer:
     def __init__(self, profile: Profile, backend: Backend, on_complete: OnComplete, *, on_error: OnError,
                  max_queue_delay_ms: float = 20.0, dispatchers: int = 1,
-                 pad_to: Literal["bucket", "longest", "auto"] | None = None,
+                 pad_to: PadPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic, eager: bool = True) -> None:
         if max_queue_delay_ms < 0:
             raise ValueError(f"max_queue_delay_ms must be >= 0, got {max_queue_delay_ms}")
         if dispatchers < 1:
             raise ValueError(f"dispatchers must be >= 1, got {dispatchers}")
-        # "auto" is what the worker's settings say for "no preference"; the same as None here.
-        policy: PadPolicy = (pad_to if pad_to in ("bucket", "longest")
-                             else profile.pad_to or backend.preferred_pad)  # type: ignore[assignment]
-        if pad_to not in (None, "auto", "bucket", "longest"):
-            raise ValueError(f"pad_to must be 'bucket', 'longest' or None, got {pad_to!r}")
+        # None: the profile's own pad_to. The settings word "auto" is resolved where the settings
+        # are read (worker.backends.select.resolve_settings), never here.
+        if pad_to is not None and pad_to not in PAD_POLICIES:
+            raise ValueError(f"pad_to must be one of {', '.join(PAD_POLICIES)} or None (the profile's), "
+                             f"got {pad_to!r}")
+        policy: PadPolicy = profile.pad_to if pad_to is None else pad_to
         self.profile = profile
         self.pad_to: PadPolicy = policy
         self._backend = backend
@@ -153,17 +157,27 @@ class Bucketer:
         self._eager = eager
 
         n_buckets = len(profile.buckets)
+        # Which contexts each dispatcher thread creates, owns and runs, and whether it picks the
+        # context by the batch's bucket (context i = bucket i) or runs every batch on its one context.
+        self._by_bucket = backend.max_contexts is not None
         if backend.max_contexts is not None:
             if backend.max_contexts < n_buckets:
                 raise BucketerError(f"backend {backend.name} has {backend.max_contexts} contexts but profile "
                                     f"{profile.name!r} has {n_buckets} buckets; they must match one to one")
-            # Context i is bound to bucket profile i: one lane, context and thread per bucket.
-            self._lanes = [_Lane([i], 1) for i in range(n_buckets)]
-            self._contexts_ids = list(range(n_buckets))
-            lane_of = list(range(n_buckets))
+            if getattr(backend, "requires_serial_dispatch", False):
+                # The contexts share one block of activation memory (TensorRT share_device_memory):
+                # no two may run at once, so ONE thread owns all of them, one lane for every bucket.
+                self._lanes = [_Lane(list(range(n_buckets)), 1)]
+                self._thread_contexts = [tuple(range(n_buckets))]
+                lane_of = [0] * n_buckets
+            else:
+                # Context i is bound to bucket profile i: one lane, context and thread per bucket.
+                self._lanes = [_Lane([i], 1) for i in range(n_buckets)]
+                self._thread_contexts = [(i,) for i in range(n_buckets)]
+                lane_of = list(range(n_buckets))
         else:
             self._lanes = [_Lane(list(range(n_buckets)), dispatchers)]
-            self._contexts_ids = list(range(dispatchers))
+            self._thread_contexts = [(k,) for k in range(dispatchers)]
             lane_of = [0] * n_buckets
         self._buckets = [_Bucket(i, b.max_len, profile.batch_limit(i), b.max_batch, lane_of[i])
                          for i, b in enumerate(profile.buckets)]
@@ -183,7 +197,7 @@ class Bucketer:
         self._live_dispatchers = 0
         self._threads: list[threading.Thread] = []
         self._start_errors: list[BaseException] = []
-        self._contexts_ready = threading.Barrier(len(self._contexts_ids) + 1)
+        self._contexts_ready = threading.Barrier(len(self._thread_contexts) + 1)
 
     # ------------------------------------------------------------------ public API
     def start(self) -> None:
@@ -193,9 +207,9 @@ class Bucketer:
             self._started = True
         for lane_no, lane in enumerate(self._lanes):
             for _ in range(lane.threads):
-                ctx_index = self._contexts_ids[len(self._threads)]
-                t = threading.Thread(target=self._dispatch_loop, args=(lane_no, ctx_index),
-                                     name=f"kwe-dispatch-{ctx_index}")
+                ctx_ids = self._thread_contexts[len(self._threads)]
+                t = threading.Thread(target=self._dispatch_loop, args=(lane_no, ctx_ids),
+                                     name=f"kwe-dispatch-{ctx_ids[0]}")
                 self._threads.append(t)
         self._live_dispatchers = len(self._threads)
         for t in self._threads:
@@ -397,24 +411,23 @@ class Bucketer:
                 self._idle_cv.notify_all()
 
     def _pad(self, b: _Bucket, items: list[_Item]) -> _Batch:
-        lengths = [len(it.ids) for it in items]
-        pad_len = b.bound if self.pad_to == "bucket" else max(lengths)
-        input_ids = np.zeros((len(items), pad_len), dtype=np.int64)
-        for row, it in enumerate(items):
-            input_ids[row, :lengths[row]] = it.ids
-        # A row's mask is 1 over its tokens: compare column positions with each row's length.
-        mask = (np.arange(pad_len)[None, :] < np.asarray(lengths)[:, None]).astype(np.int64)
-        return _Batch(b.index, items, input_ids, mask, sum(lengths))
+        rows = [it.ids for it in items]
+        input_ids, mask = pad_batch(rows, b.bound if self.pad_to == "bucket" else None)
+        return _Batch(b.index, items, input_ids, mask, sum(len(r) for r in rows))
 
-    def _dispatch_loop(self, lane_no: int, ctx_index: int) -> None:
+    def _dispatch_loop(self, lane_no: int, ctx_ids: tuple[int, ...]) -> None:
         lane = self._lanes[lane_no]
+        contexts: dict[int, InferenceContext] = {}
         try:
-            ctx: InferenceContext = self._backend.create_context(ctx_index)
+            for i in ctx_ids:
+                contexts[i] = self._backend.create_context(i)
         except BaseException as exc:  # reported by start(), which then stops every thread
             self._start_errors.append(exc)
             self._contexts_ready.wait()
+            self._close_contexts(contexts)
             self._dispatcher_exit()
             return
+        only = contexts[ctx_ids[0]]
         self._contexts_ready.wait()
         try:
             while True:
@@ -433,14 +446,22 @@ class Bucketer:
                     batch = lane.ready.popleft()
                     lane.running += 1
                     self._form_cv.notify()  # room on the ready queue: form the next batch now
-                self._run(ctx, batch)
+                self._run(contexts[batch.bucket] if self._by_bucket else only, batch)
                 with self._lock:
                     lane.running -= 1
                     self._pending -= len(batch.items)
                     self._idle_cv.notify_all()
         finally:
-            ctx.close()
+            self._close_contexts(contexts)
             self._dispatcher_exit()
+
+    @staticmethod
+    def _close_contexts(contexts: dict[int, InferenceContext]) -> None:
+        for ctx in contexts.values():
+            try:
+                ctx.close()
+            except Exception:  # one context failing to close must not keep the others open
+                log.exception("closing a backend context failed")
 
     def _dispatcher_exit(self) -> None:
         with self._lock:

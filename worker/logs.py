@@ -20,8 +20,10 @@ from structlog.typing import Processor
 from worker.redact import RedactSecrets
 
 LogFormat = Literal["auto", "json", "console"]
+LogLevel = Literal["debug", "info", "warning", "error"]
 
-_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+_LEVELS: dict[str, int] = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+                           "error": logging.ERROR}
 # Marks the handler this module installs, so a second call replaces it instead of doubling
 # every line.
 _HANDLER_MARK = "_kwe_handler"
@@ -35,7 +37,7 @@ def _is_tty(stream: TextIO) -> bool:
         return False
 
 
-def configure_logging(fmt: LogFormat = "auto", level: str = "info", stream: TextIO | None = None,
+def configure_logging(fmt: LogFormat = "auto", level: LogLevel = "info", stream: TextIO | None = None,
                       secrets: Iterable[str] = ()) -> None:
     """Sets up structlog and the root logger to write to `stream` (default: sys.stderr at call time).
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import generate_latest
+
+from worker.bucketing import BatchStats
 
 PREFIX = "kwe_"
 REBALANCE_KINDS = ("assign", "revoke", "lost")
@@ -35,29 +36,6 @@ BACKEND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 # End to end includes time spent in the topic before the worker read it, so a backlog after a
 # restart shows up here as minutes.
 E2E_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-
-
-class BatchStatsLike(Protocol):
-    """What `Metrics.observe_batch` reads from one dispatched batch."""
-
-    @property
-    def bucket(self) -> int: ...
-    @property
-    def bound(self) -> int: ...
-    @property
-    def size(self) -> int: ...
-    @property
-    def pad_len(self) -> int: ...
-    @property
-    def real_tokens(self) -> int: ...
-    @property
-    def padded_tokens(self) -> int: ...
-    @property
-    def queue_wait_s(self) -> Sequence[float]: ...
-    @property
-    def backend_s(self) -> float: ...
-    @property
-    def padding_waste(self) -> float: ...
 
 
 class Metrics:
@@ -137,7 +115,7 @@ class Metrics:
         self.paused_partitions.set(n)
 
     # --- batches -------------------------------------------------------------------------
-    def observe_batch(self, stats: BatchStatsLike) -> None:
+    def observe_batch(self, stats: BatchStats) -> None:
         # The bound, not the index, labels the series: "bucket=16" reads on a dashboard,
         # "bucket=7" needs the profile file open beside it.
         label = str(stats.bound)

@@ -2,7 +2,7 @@
 
 The packaged tokenizer.json switches on truncation at 128 and fixed padding to 128. Used as it
 stands, every keyword would cost 128 positions and long ones would be cut below the reference's
-256, so both are replaced here. Padding is done later, per batch, by `pad`.
+256, so both are replaced here. Padding is done later, per batch, by worker.padding.pad_batch.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from worker.model import ModelError, ModelInfo
+from kwe_core.model import ModelError, ModelInfo
 
 
 @dataclass(frozen=True)
@@ -24,19 +24,6 @@ class Encoded:
     # Token count with special tokens *before* truncation (for metrics and bucketing decisions).
     length: int
     truncated: bool
-
-
-def pad(encoded: Sequence[Encoded], pad_len: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pad a batch to pad_len: (input_ids, attention_mask), both int64 [B, pad_len]."""
-    input_ids = np.full((len(encoded), pad_len), pad_id, dtype=np.int64)
-    attention_mask = np.zeros((len(encoded), pad_len), dtype=np.int64)
-    for row, item in enumerate(encoded):
-        n = len(item.ids)
-        if n > pad_len:
-            raise ValueError(f"pad: item {row} has {n} tokens, more than pad_len {pad_len}")
-        input_ids[row, :n] = item.ids
-        attention_mask[row, :n] = 1
-    return input_ids, attention_mask
 
 
 class KeywordTokenizer:
@@ -52,7 +39,11 @@ class KeywordTokenizer:
 
     @classmethod
     def from_model_dir(cls, path: str | Path, max_len: int | None = None) -> KeywordTokenizer:
-        info = ModelInfo.from_dir(path)
+        return cls.from_model(ModelInfo.from_dir(path), max_len)
+
+    @classmethod
+    def from_model(cls, info: ModelInfo, max_len: int | None = None) -> KeywordTokenizer:
+        """The model's tokenizer, from a ModelInfo already read (the model folder is read once per start)."""
         limit = info.max_seq_length if max_len is None else max_len
         if not 3 <= limit <= info.max_position_embeddings:
             raise ModelError(f"{info.model_dir}: max_len {limit} must be in [3, {info.max_position_embeddings}]")
@@ -78,6 +69,3 @@ class KeywordTokenizer:
             overflow = sum(len(o.ids) - self._n_special for o in enc.overflowing)
             out.append(Encoded(ids=ids, length=len(ids) + overflow, truncated=overflow > 0))
         return out
-
-    def pad(self, encoded: Sequence[Encoded], pad_len: int) -> tuple[np.ndarray, np.ndarray]:
-        return pad(encoded, pad_len)

@@ -8,7 +8,7 @@ its cosine to the reference is >= 0.9999994 on every golden row, checked on CPU 
 
 Stages, each written to $OUT as soon as it finishes:
 1. parity: every golden row alone on the CUDA provider vs the sentence-transformers reference;
-2. bench-gpu: the offline batching benchmark (worker.bench, the worker's own Bucketer) on the
+2. bench-gpu: the offline batching benchmark (worker.benchmark, the worker's own Bucketer) on the
    CUDA provider with the `gpu` profile (8/16/32/64 aligned, batches 256/128/64/32), the `cpu`
    profile beside it;
 3. bench-cpu16: the same benchmark on the host's CPU cores with the `cpu` profile.
@@ -64,23 +64,23 @@ def backend(providers: list[str], threads: int = 0):  # noqa: ANN201
 
 def golden_alone(ctx) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:  # noqa: ANN001
     """Every golden row embedded alone on ctx: (encoded, vectors, reference, cosines)."""
-    from worker.tokenize import pad
+    from worker.padding import pad_batch
 
     rows = [json.loads(line) for line in (ROOT / "tests/data/golden/dev.jsonl").read_text().splitlines()]
     ref = np.load(ROOT / "tests/data/golden/dev.npy")
     enc = tokenizer().encode([r["text"] for r in rows])
-    alone = np.concatenate([ctx.run(*pad([e], len(e.ids))) for e in enc])
+    alone = np.concatenate([ctx.run(*pad_batch([e.ids])) for e in enc])
     return enc, alone, ref, (alone * ref).sum(1) / np.linalg.norm(ref, axis=1)
 
 
 @stage("parity")
 def parity(providers: list[str]) -> dict:
-    from worker.tokenize import pad
+    from worker.padding import pad_batch
 
     be = backend(providers)
     ctx = be.create_context(0)
     enc, alone, ref, cos = golden_alone(ctx)
-    padded = np.concatenate([ctx.run(*pad(enc[i:i + 8], 64)) for i in range(0, len(enc), 8)
+    padded = np.concatenate([ctx.run(*pad_batch([e.ids for e in enc[i:i + 8]], 64)) for i in range(0, len(enc), 8)
                              if max(len(e.ids) for e in enc[i:i + 8]) <= 64] or [alone[:0]])
     return {"providers": be.providers, "rows": len(enc), "min_cosine": float(cos.min()),
             "max_abs_diff": float(np.abs(alone - ref).max()),
@@ -90,14 +90,14 @@ def parity(providers: list[str]) -> dict:
 @stage("parity-torch")
 def torch_parity() -> dict:
     from benchmarks.gpu.torch_backend import TorchBertBackend
-    from worker.tokenize import pad
+    from worker.padding import pad_batch
 
     be = TorchBertBackend(ONNX)
     ctx = be.create_context(0)
     enc, alone, ref, cos = golden_alone(ctx)
     short = [e for e in enc if len(e.ids) <= 64][:64]
-    in64 = ctx.run(*pad(short, 64))
-    alone64 = np.concatenate([ctx.run(*pad([e], len(e.ids))) for e in short])
+    in64 = ctx.run(*pad_batch([e.ids for e in short], 64))
+    alone64 = np.concatenate([ctx.run(*pad_batch([e.ids])) for e in short])
     return {"backend": be.providers, "rows": len(enc), "min_cosine": float(cos.min()),
             "median_cosine": float(np.median(cos)), "max_abs_diff": float(np.abs(alone - ref).max()),
             "padding_invariance_max_abs_diff_alone_vs_padded_to_64": float(np.abs(in64 - alone64).max())}
@@ -105,8 +105,11 @@ def torch_parity() -> dict:
 
 def bench(name: str, providers: list[str], profile: str, compare: str, *, limit: int, rounds: int,
           latency_s: float, dispatchers: int = 1) -> dict:
-    from worker.bench import BenchConfig, read_queries, render_markdown, run_benchmark
-    from worker.profiles import load_profile
+    from kwe_core.profiles import load_profile
+    from worker.benchmark.inputs import read_queries
+    from worker.benchmark.policies import BucketerOptions
+    from worker.benchmark.report import render_markdown
+    from worker.benchmark.suite import BenchConfig, run_benchmark
 
     tok = tokenizer()
     if providers == ["torch"]:
@@ -119,7 +122,8 @@ def bench(name: str, providers: list[str], profile: str, compare: str, *, limit:
     encoded = tok.encode([t for _, t in rows])
     cfg = BenchConfig(dataset=DATA.name, profile=load_profile(profile, model_max_len=256),
                       compare_profile=load_profile(compare, model_max_len=256), rounds=rounds,
-                      latency=latency_s > 0, latency_seconds=latency_s, dispatchers=dispatchers,
+                      latency=latency_s > 0, latency_seconds=latency_s,
+                      options=BucketerOptions(dispatchers=dispatchers),
                       backend_desc={"name": "onnxruntime", "providers": be.providers, "onnx": ONNX.name})
     report = run_benchmark(encoded, be, cfg, log=lambda s: print(s, flush=True))
     cmd = f"benchmarks/gpu/device_run.sh ({name})"

@@ -7,11 +7,21 @@ engines/export_onnx.py writes them), computes the same BERT forward + mean pooli
 normalisation in float16, and implements the Backend protocol of worker/backends/base.py, one
 CUDA stream per context, as the TensorRT backend does. It is not part of the worker: nothing
 under worker/ imports torch.
+
+Graphs mode (`graphs(profile)`): eager PyTorch measured launch-bound on this model (2-3 ms per
+forward for any shape), which hides what padding costs. With CUDA graphs each bucket's forward
+is captured once at its static shape (graph_shapes.py) and replayed as one launch, the closest a
+GPU without TensorRT comes to a fixed-shape engine per bucket. Captured graphs are pooled by the
+backend: a context takes a set when it starts (capturing one the first time) and gives it back
+when it closes, so later runs of the benchmark replay without capturing again. Captures are
+serialised by a lock (two threads capturing at once would record each other's work).
+NOT YET RUN ON A GPU (written after the last device session); its torch-free logic is tested.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +29,9 @@ import onnx
 import torch
 import torch.nn.functional as F
 from onnx import numpy_helper
+
+from benchmarks.gpu.graph_shapes import GraphShape, graph_shapes, shape_for, stage_rows
+from kwe_core.profiles import Profile
 
 _NAME = re.compile(r"^(.*)_\d+$")
 
@@ -52,10 +65,60 @@ class TorchContext:
         pass
 
 
+class _GraphSet:
+    """One captured graph per bucket shape, with its static device and pinned host buffers."""
+
+    def __init__(self, backend: TorchBertBackend, shapes: list[GraphShape]) -> None:
+        self.stream = torch.cuda.Stream()
+        self.graphs: list[tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor,
+                                torch.Tensor, torch.Tensor]] = []
+        with torch.cuda.stream(self.stream), torch.inference_mode():
+            for shape in shapes:
+                ids = torch.zeros((shape.batch, shape.length), dtype=torch.long, device="cuda")
+                mask = torch.ones_like(ids)
+                for _ in range(2):  # warm-up on the capture stream: lazy init stays out of the graph
+                    backend.forward(ids, mask)
+                self.stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                    out = backend.forward(ids, mask)
+                host_ids = torch.zeros(ids.shape, dtype=torch.long).pin_memory()
+                host_mask = torch.zeros(ids.shape, dtype=torch.long).pin_memory()
+                self.graphs.append((graph, ids, mask, out, host_ids, host_mask))
+
+    def run(self, shape: GraphShape, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        graph, ids, mask, out, host_ids, host_mask = self.graphs[shape.bucket]
+        with torch.cuda.stream(self.stream), torch.inference_mode():
+            # The previous replay's device->host copy has finished (synchronised below), so the
+            # pinned buffers are free to overwrite.
+            batch = stage_rows(host_ids.numpy(), host_mask.numpy(), input_ids, attention_mask)
+            ids.copy_(host_ids, non_blocking=True)
+            mask.copy_(host_mask, non_blocking=True)
+            graph.replay()
+            result = out[:batch].float().cpu()  # synchronises the stream
+        return result.numpy()
+
+
+class TorchGraphContext:
+    """A context of the graphs mode: a pooled set of captured graphs, one per bucket shape."""
+
+    def __init__(self, backend: TorchBertBackend) -> None:
+        self._b = backend
+        self._set = backend._take_graphs()
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        assert self._b.profile is not None
+        shape = shape_for(self._b.shapes, self._b.profile, *input_ids.shape)
+        return self._set.run(shape, input_ids, attention_mask)
+
+    def close(self) -> None:
+        self._b._give_back(self._set)
+
+
 class TorchBertBackend:
     name = "torch-cuda"
-    preferred_pad = "bucket"
     max_contexts = None
+    profile: Profile | None = None  # set in graphs mode: the shapes captured
 
     def __init__(self, onnx_path: Path, *, layers: int = 6, heads: int = 12, dtype: torch.dtype = torch.float16,
                  eps: float = 1e-12, pin: bool = True) -> None:
@@ -66,6 +129,26 @@ class TorchBertBackend:
         self.layers, self.heads, self.eps = layers, heads, eps
         self.dim = self.w["embeddings.LayerNorm.weight"].shape[0]
         self.providers = [f"torch {torch.__version__} cuda {torch.version.cuda} {dtype}"]
+        self.shapes: list[GraphShape] = []
+        self._pool: list[_GraphSet] = []
+        self._pool_lock = threading.Lock()
+
+    def graphs(self, profile: Profile) -> TorchBertBackend:
+        """The same weights in graphs mode for `profile`'s bucket shapes (a new backend object)."""
+        twin = object.__new__(TorchBertBackend)
+        twin.__dict__.update(self.__dict__)
+        twin.name, twin.profile, twin.shapes = "torch-cuda-graphs", profile, graph_shapes(profile)
+        twin.providers = [*self.providers, f"cuda graphs, profile {profile.name}"]
+        twin._pool, twin._pool_lock = [], threading.Lock()
+        return twin
+
+    def _take_graphs(self) -> _GraphSet:
+        with self._pool_lock:  # also serialises captures
+            return self._pool.pop() if self._pool else _GraphSet(self, self.shapes)
+
+    def _give_back(self, graphs: _GraphSet) -> None:
+        with self._pool_lock:
+            self._pool.append(graphs)
 
     def _ln(self, x: torch.Tensor, p: str) -> torch.Tensor:
         return F.layer_norm(x, (self.dim,), self.w[p + ".weight"], self.w[p + ".bias"], self.eps)
@@ -93,8 +176,10 @@ class TorchBertBackend:
         pooled = (x.float() * m.float()).sum(1) / m.float().sum(1).clamp(min=1e-9)
         return F.normalize(pooled, dim=-1)
 
-    def create_context(self, index: int) -> TorchContext:
-        return TorchContext(self)
+    def create_context(self, index: int) -> TorchContext | TorchGraphContext:
+        return TorchGraphContext(self) if self.profile is not None else TorchContext(self)
 
     def close(self) -> None:
-        self.w.clear()
+        self._pool.clear()
+        if self.profile is None:  # a graphs-mode twin shares the weights of its eager backend
+            self.w.clear()

@@ -12,11 +12,13 @@ from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-PadPolicy = Literal["bucket", "longest"]
+# Defined in the lowest layer because the engine build raises it too; every backend raises it.
+from kwe_core.errors import BackendError
 
+__all__ = ["Backend", "BackendError", "BackendName", "InferenceContext"]
 
-class BackendError(RuntimeError):
-    """The backend cannot be loaded or cannot run a batch; the message says which and why."""
+# The backends the worker can run on; the settings add "auto" (worker.config.BackendSetting).
+BackendName = Literal["onnxruntime", "tensorrt"]
 
 
 @runtime_checkable
@@ -35,11 +37,9 @@ class InferenceContext(Protocol):
 class Backend(Protocol):
     name: str
     dim: int
-    # What a batch should be padded to when the caller has the choice: TensorRT wants the
-    # bucket's aligned bound (one optimised shape per profile), ONNX Runtime on CPU gains
-    # from padding only to the longest item.
-    preferred_pad: PadPolicy
-    # How many contexts create_context() may be asked for; None: any number.
+    # How many contexts create_context() may be asked for; None: any number. A backend may also
+    # set `requires_serial_dispatch = True` (TensorRT sharing one block of activation memory):
+    # no two of its contexts may run at once, so the bucketer runs them all from one thread.
     max_contexts: int | None
 
     def create_context(self, index: int) -> InferenceContext:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import structlog
 
-from worker.backends.base import Backend, InferenceContext, PadPolicy
+from worker.backends.base import Backend, InferenceContext
 from worker.errors import BackendBrokenError
 
 log = structlog.get_logger(__name__)
@@ -86,7 +86,6 @@ class IsolatingBackend:
         self._canary = canary_ids
         self.name: str = backend.name
         self.dim: int = backend.dim
-        self.preferred_pad: PadPolicy = backend.preferred_pad
         self.max_contexts: int | None = backend.max_contexts
 
     def __getattr__(self, name: str) -> object:

@@ -13,7 +13,7 @@ from typing import Literal
 
 import numpy as np
 
-from worker.backends.base import BackendError, PadPolicy
+from kwe_core.errors import BackendError
 
 GraphOptimization = Literal["disable", "basic", "extended", "all"]
 
@@ -39,8 +39,6 @@ class OnnxRuntimeContext:
 
 class OnnxRuntimeBackend:
     name = "onnxruntime"
-    # On CPU every padded position costs compute; nothing gains from a fixed shape.
-    preferred_pad: PadPolicy = "longest"
     max_contexts: int | None = None
 
     def __init__(self, onnx_path: str | Path, *, intra_op_threads: int = 0,

@@ -9,11 +9,16 @@ package without importing it, and whether a GPU is there from the driver's devic
 choosing never loads CUDA; only the TensorRT backend itself imports tensorrt and pycuda.
 
 profile = auto -> "gpu" for TensorRT, "cpu" for ONNX Runtime; the profile must reach the
-model's max sequence length (load_profile checks it).
+model's max sequence length (load_profile checks it). pad_to = auto -> the profile's pad_to.
+Every "auto" is resolved here, where the settings are read (`Loaded.settings`).
+
+`open_backend` is the one place a backend is assembled: the worker (through load_backend),
+`Embedder` and the benchmark command all build theirs with it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import importlib.util
 import os
@@ -24,15 +29,17 @@ from typing import Any
 
 import structlog
 
-from worker.backends.base import Backend, BackendError
+from kwe_core.errors import BackendError
+from kwe_core.model import ModelInfo, default_model_dir
+from kwe_core.profiles import PadPolicy, Profile, load_profile
+from worker.backends.base import Backend, BackendName
 from worker.config import Settings
-from worker.profiles import Profile, load_profile
 
 log = structlog.get_logger(__name__)
 
 GPU_PACKAGES: tuple[str, ...] = ("tensorrt", "pycuda")
 GPU_INSTALL_HINT = "pip install 'keyword-embedder[gpu]'"
-DEFAULT_PROFILE = {"tensorrt": "gpu", "onnxruntime": "cpu"}
+DEFAULT_PROFILE: dict[BackendName, str] = {"tensorrt": "gpu", "onnxruntime": "cpu"}
 
 FindSpec = Callable[[str], Any]
 
@@ -65,7 +72,7 @@ def gpu_present(env: dict[str, str] | None = None, device_glob: str = "/dev/nvid
 
 @dataclass(frozen=True)
 class Choice:
-    backend: str  # "tensorrt" | "onnxruntime"
+    backend: BackendName
     reason: str
 
 
@@ -104,40 +111,83 @@ def choose_backend(settings: Settings, *, find_spec: FindSpec = importlib.util.f
     return Choice("tensorrt", f"gpu extra, a GPU and the plan {engine} are present")
 
 
-def resolve_profile_name(settings: Settings, backend: str) -> str:
+def resolve_profile_name(settings: Settings, backend: BackendName) -> str:
     return DEFAULT_PROFILE[backend] if settings.profile == "auto" else settings.profile
 
 
-def _model_max_len(settings: Settings) -> int:
-    from worker.model import ModelInfo, default_model_dir
+def resolve_settings(settings: Settings, backend: BackendName, profile: Profile) -> Settings:
+    """The settings with every "auto" replaced by what it stands for here.
 
-    model_dir = settings.model_dir or default_model_dir()
-    return ModelInfo.from_dir(model_dir).max_seq_length
+    backend: the one chosen; profile: the profile's name; pad_to: the profile's pad_to. What
+    runs after this (the pipeline, the bucketer) never sees the word "auto".
+    """
+    pad_to: PadPolicy = profile.pad_to if settings.pad_to == "auto" else settings.pad_to
+    return dataclasses.replace(settings, backend=backend, profile=profile.name, pad_to=pad_to)
 
 
-def load_backend(settings: Settings, *, find_spec: FindSpec = importlib.util.find_spec,
-                 has_gpu: Callable[[], bool] = gpu_present) -> tuple[Backend, Profile]:
-    """The backend and bucket profile the settings ask for.
+def model_info(settings: Settings) -> ModelInfo:
+    """The model folder the settings name (or the packaged default), read once."""
+    return ModelInfo.from_dir(settings.model_dir or default_model_dir())
+
+
+def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = None, *, onnx_path: str | Path | None = None,
+                 engine_path: str | Path | None = None, intra_op_threads: int = 0, fused: bool = False,
+                 share_device_memory: bool = False) -> Backend:
+    """The one place a backend is assembled (the worker, Embedder and the benchmark all come here).
+
+    onnxruntime: `onnx_path`, or the cached export of `model` (`fused`: the offline-fused
+    graph); tensorrt: the plan at `engine_path`, checked against `profile` and the ONNX file.
+    The backend's embedding size must be the model's.
+    """
+    backend: Backend
+    if kind == "tensorrt":
+        if not engine_path or profile is None:
+            raise BackendError("backend 'tensorrt' needs a plan (engine_path) and the bucket profile it was built "
+                               "for; build it with: keyword-embedder build-engine --output PLAN")
+        from worker.backends.tensorrt import TensorRTBackend
+
+        backend = TensorRTBackend(engine_path, profile, onnx_path=onnx_path or None,
+                                  share_device_memory=share_device_memory)
+    else:
+        from worker.backends.onnxruntime import OnnxRuntimeBackend
+
+        if not onnx_path:
+            from engines.export_onnx import ensure_onnx
+
+            onnx_path = ensure_onnx(model, optimize=fused)
+        backend = OnnxRuntimeBackend(onnx_path, intra_op_threads=intra_op_threads)
+    if backend.dim != model.dim:
+        backend.close()
+        raise BackendError(f"{kind}: the backend gives {backend.dim}-d vectors but {model.config_path} says "
+                           f"hidden_size {model.dim}; the ONNX file or plan belongs to another model")
+    return backend
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What a start needs: the model read once, the backend, its profile, and the resolved settings."""
+
+    settings: Settings  # no "auto" left in backend, profile or pad_to
+    model: ModelInfo
+    backend: Backend
+    profile: Profile
+
+
+def load_backend(settings: Settings, *, model: ModelInfo | None = None,
+                 find_spec: FindSpec = importlib.util.find_spec,
+                 has_gpu: Callable[[], bool] = gpu_present) -> Loaded:
+    """The backend and bucket profile the settings ask for, and the settings with "auto" resolved.
 
     Raises BackendError (backend cannot be had or loaded), ProfileError (bad profile) or
     ModelError (model folder), each with a message that names the setting or file.
     """
+    model = model or model_info(settings)
     choice = choose_backend(settings, find_spec=find_spec, has_gpu=has_gpu)
     profile = load_profile(resolve_profile_name(settings, choice.backend), settings.profiles_file or None,
-                           model_max_len=_model_max_len(settings))
+                           model_max_len=model.max_seq_length)
     log.info("backend chosen", backend=choice.backend, reason=choice.reason, profile=profile.name)
-    if choice.backend == "tensorrt":
-        from worker.backends.tensorrt import TensorRTBackend
-
-        # trt_share_device_memory is not a setting yet (see docs/gpu.md); getattr so it works once added.
-        backend: Any = TensorRTBackend(settings.engine_path, profile, onnx_path=settings.onnx_path or None,
-                                       share_device_memory=bool(getattr(settings, "trt_share_device_memory", False)))
-        return backend, profile
-    from worker.backends.onnxruntime import OnnxRuntimeBackend
-
-    onnx_path = settings.onnx_path
-    if not onnx_path:
-        from engines.export_onnx import ensure_onnx
-
-        onnx_path = ensure_onnx(settings.model_dir or None, optimize=False)
-    return OnnxRuntimeBackend(onnx_path, intra_op_threads=settings.intra_op_threads), profile
+    # trt_share_device_memory is not a setting yet (see docs/gpu.md); getattr so it works once added.
+    backend = open_backend(choice.backend, model, profile, onnx_path=settings.onnx_path or None,
+                           engine_path=settings.engine_path or None, intra_op_threads=settings.intra_op_threads,
+                           share_device_memory=bool(getattr(settings, "trt_share_device_memory", False)))
+    return Loaded(resolve_settings(settings, choice.backend, profile), model, backend, profile)

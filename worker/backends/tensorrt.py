@@ -10,7 +10,7 @@ profile, with a fixed sequence length L_i (its bound) and batch 1..max_batch_i. 
   batch size changed), async host->device copies, `execute_async_v3`, async device->host copy,
   `stream.synchronize()`, and a numpy copy of the output.
 
-Padding: the bucketer should pad a batch to its bucket bound (`preferred_pad = "bucket"`). A
+Padding: the bucketer should pad a batch to its bucket bound (the `gpu` profile's pad_to). A
 batch that is shorter (L < L_i, e.g. with `pad_to = longest`) is padded up to L_i here with
 id 0 and mask 0: profile i only admits sequence length L_i, and masked positions change
 neither the attention of real tokens nor the masked mean pooling. L > L_i or more than
@@ -49,8 +49,8 @@ from typing import Any
 
 import numpy as np
 
-from worker.backends.base import BackendError, PadPolicy
-from worker.profiles import Profile
+from kwe_core.errors import BackendError
+from kwe_core.profiles import Profile
 
 INPUT_NAMES: tuple[str, ...] = ("input_ids", "attention_mask")
 PAD_ID = 0  # masked out, so its value never reaches a real token's output
@@ -186,7 +186,8 @@ def stage_batch(plan: BufferPlan, host: Mapping[str, np.ndarray], input_ids: np.
         dst = host[name]
         if dst.shape != plan.input_shape:
             raise BackendError(f"host buffer {name!r} is {dst.shape}, expected {plan.input_shape}")
-        # Assignment casts int64 -> the engine's int32 when TensorRT narrowed the input.
+        # The buffer has the engine's input dtype (int64 from our export); assignment converts
+        # an int32 batch, should a caller send one.
         dst[:batch, :length] = src
         if length < plan.seq_len:
             dst[:batch, length:] = PAD_ID
@@ -239,31 +240,32 @@ class TensorRTContext:
         backend._thread_ctx.enter()
         try:
             engine = backend._engine
-            if backend.share_device_memory:
-                strategy = getattr(trt, "ExecutionContextAllocationStrategy", None)
-                if strategy is not None:
-                    self._context = engine.create_execution_context(strategy.USER_MANAGED)
-                else:  # TensorRT < 10.0 spelling
-                    self._context = engine.create_execution_context_without_device_memory()
-            else:
-                strategy = getattr(trt, "ExecutionContextAllocationStrategy", None)
-                # ON_PROFILE_CHANGE: memory for this context's own profile, not the max over all.
-                self._context = (engine.create_execution_context(strategy.ON_PROFILE_CHANGE)
-                                 if strategy is not None else engine.create_execution_context())
+            strategy = trt.ExecutionContextAllocationStrategy
+            # USER_MANAGED: the shared block is set below; ON_PROFILE_CHANGE: memory for this
+            # context's own profile, not STATIC's maximum over all profiles.
+            kind = strategy.USER_MANAGED if backend.share_device_memory else strategy.ON_PROFILE_CHANGE
+            # Dispatcher threads start together; TensorRT does not document creating contexts of
+            # one engine concurrently as safe, so they take turns.
+            with backend._create_lock:
+                self._context = engine.create_execution_context(kind)
             if self._context is None:
                 raise BackendError(f"TensorRT could not create execution context {index} (out of GPU memory?)")
             self._stream = cuda.Stream()
             if backend.share_device_memory:
                 ptr, size = int(backend._shared_memory), backend._shared_memory_size
-                # The setter's name moved between releases: set_device_memory(ptr, size) in 10.1+,
-                # set_device_memory_v2 in 11, only the `device_memory` property in 10.0.
-                setter = (getattr(self._context, "set_device_memory_v2", None)
-                          or getattr(self._context, "set_device_memory", None))
+                # set_device_memory(ptr, size) from TensorRT 10.1; 10.0 has only the property.
+                setter = getattr(self._context, "set_device_memory", None)
                 if setter is not None:
                     setter(ptr, size)
                 else:
                     self._context.device_memory = ptr
-            if not self._context.set_optimization_profile_async(index, self._stream.handle):
+            try:
+                # The binding raises RuntimeError where the C++ call returns false.
+                ok = self._context.set_optimization_profile_async(index, self._stream.handle)
+            except RuntimeError as exc:
+                raise BackendError(f"TensorRT refused optimisation profile {index} for context {index}: "
+                                   f"{exc}") from None
+            if ok is False:
                 raise BackendError(f"TensorRT refused optimisation profile {index} for context {index}")
             self._stream.synchronize()
             p = self.plan
@@ -273,9 +275,12 @@ class TensorRTContext:
             self._host_out = cuda.pagelocked_empty(p.output_shape, p.output_dtype)
             self._device = {n: cuda.mem_alloc(p.input_nbytes(n)) for n, _ in p.input_dtypes}
             self._device_out = cuda.mem_alloc(p.output_nbytes)
-            for name, buf in self._device.items():
-                self._context.set_tensor_address(name, int(buf))
-            self._context.set_tensor_address(p.output_name, int(self._device_out))
+            for name, buf in [*self._device.items(), (p.output_name, self._device_out)]:
+                # False means TensorRT has no tensor of that name (or refused the address): say
+                # so here, not later as a bare execute_async_v3 failure.
+                if not self._context.set_tensor_address(name, int(buf)):
+                    raise BackendError(f"TensorRT context {index}: set_tensor_address({name!r}) refused; the "
+                                       f"plan's I/O tensors are {[*INPUT_NAMES, p.output_name]}")
         except BaseException:
             self._release()
             raise
@@ -337,7 +342,6 @@ class TensorRTContext:
 
 class TensorRTBackend:
     name = "tensorrt"
-    preferred_pad: PadPolicy = "bucket"
 
     def __init__(self, engine_path: str | Path, profile: Profile, *, onnx_path: str | Path | None = None,
                  share_device_memory: bool = False, device: int = 0) -> None:
@@ -362,6 +366,7 @@ class TensorRTBackend:
         self._thread_ctx = _ThreadCudaContext(self._cuda_ctx, cuda)
         self._contexts: set[TensorRTContext] = set()
         self._contexts_lock = threading.Lock()  # dispatcher threads create/close concurrently
+        self._create_lock = threading.Lock()  # one create_execution_context at a time
         self._shared_memory: Any = None
         self._shared_memory_size = 0
         self._logger = trt.Logger(trt.Logger.WARNING)

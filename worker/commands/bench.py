@@ -1,4 +1,4 @@
-"""`keyword-embedder bench`: offline monolithic vs bucketed vs sorted batching, with latency."""
+"""`keyword-embedder bench`: offline monolithic vs bucketed vs sorted batching, with latency, on any backend."""
 
 from __future__ import annotations
 
@@ -7,18 +7,29 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 import orjson
+
+from worker.backends.base import BackendName
+
+PROG = "keyword-embedder bench"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=Path, metavar="FILE", help="Queries as id<TAB>text, one per line.")
     parser.add_argument("--limit", type=int, default=20000, help="Use the first N queries (default 20000).")
     parser.add_argument("--rounds", type=int, default=3, help="Rounds of every policy, alternating order.")
-    parser.add_argument("--profile", default="cpu", help="Bucket profile of the bucketed policy (default cpu).")
-    parser.add_argument("--compare-profile", default="cpu-aligned",
-                        help="A second bucketed profile reported beside it; '' for none (default cpu-aligned).")
-    parser.add_argument("--profiles-file", type=Path, default=None, help="Profiles TOML (default: engines/).")
+    parser.add_argument("--backend", choices=get_args(BackendName), default="onnxruntime",
+                        help="onnxruntime (CPU) or tensorrt (needs --engine-path and the gpu extra).")
+    parser.add_argument("--engine-path", type=Path, default=None, help="TensorRT plan (keyword-embedder build-engine).")
+    parser.add_argument("--profile", default=None,
+                        help="Bucket profile of the bucketed policy (default: cpu; gpu with tensorrt).")
+    parser.add_argument("--compare-profile", default=None,
+                        help="A second bucketed profile reported beside it; '' for none (default: cpu-aligned "
+                             "on onnxruntime; none on tensorrt, whose plan holds one profile's shapes).")
+    parser.add_argument("--profiles-file", type=Path, default=None,
+                        help="Profiles TOML (default: kwe_core/profiles.toml).")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="Write the JSON report here.")
     parser.add_argument("--markdown", type=Path, default=None, metavar="OUT", help="Write a Markdown table here.")
     parser.add_argument("--latency", action=argparse.BooleanOptionalAction, default=True,
@@ -38,63 +49,90 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--onnx", type=Path, default=None, help="ONNX file (default: the cached plain export).")
     parser.add_argument("--fused", action="store_true", help="Use the offline-fused export.")
     parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--strict", action="store_true",
+                        help="Refuse a file with a bad line (not UTF-8, not id<TAB>text); default: skip and count them.")
     parser.add_argument("--quiet", action="store_true", help="No per-round progress on stderr.")
 
 
 def main(args: argparse.Namespace) -> int:
-    from worker.backends.base import BackendError
-    from worker.bench import BenchConfig, BenchError, read_queries, render_markdown, run_benchmark
-    from worker.model import ModelError
-    from worker.profiles import ProfileError, load_profile
+    from kwe_core.errors import BackendError
+    from kwe_core.model import ModelError, ModelInfo, default_model_dir
+    from kwe_core.profiles import ProfileError, load_profile
+    from worker.backends.select import DEFAULT_PROFILE, open_backend
+    from worker.benchmark.errors import BenchError
+    from worker.benchmark.inputs import read_queries
+    from worker.benchmark.policies import BucketerOptions
+    from worker.benchmark.report import render_markdown
+    from worker.benchmark.suite import BenchConfig, run_benchmark
+    from worker.keyword_files import BadLines
     from worker.tokenize import KeywordTokenizer
 
     def log(msg: str) -> None:
         if not args.quiet:
             print(msg, file=sys.stderr, flush=True)
 
+    def fail(msg: object, code: int = 2) -> int:
+        print(f"{PROG}: {msg}", file=sys.stderr)
+        return code
+
     for flag, value in (("--limit", args.limit), ("--rounds", args.rounds), ("--batch-size", args.batch_size),
                         ("--window", args.window), ("--dispatchers", args.dispatchers)):
         if value < 1:
-            print(f"keyword-embedder bench: {flag} must be >= 1, got {value}", file=sys.stderr)
-            return 2
+            return fail(f"{flag} must be >= 1, got {value}")
+    tensorrt = args.backend == "tensorrt"
+    profile_name = args.profile or DEFAULT_PROFILE[args.backend]
+    compare_name = args.compare_profile if args.compare_profile is not None else ("" if tensorrt else "cpu-aligned")
+    if tensorrt and compare_name:
+        return fail("--compare-profile needs a second plan on tensorrt (a plan holds one profile's shapes); "
+                    "pass --compare-profile ''")
+    if tensorrt and not args.engine_path:
+        return fail("--backend tensorrt needs --engine-path (build it with keyword-embedder build-engine)")
+    backends = []
     try:
-        from worker.backends.onnxruntime import OnnxRuntimeBackend
-        from worker.model import default_model_dir
-
-        model_dir = args.model_dir or default_model_dir()
-        tokenizer = KeywordTokenizer.from_model_dir(model_dir)
-        profile = load_profile(args.profile, args.profiles_file, model_max_len=tokenizer.max_len)
-        compare = (load_profile(args.compare_profile, args.profiles_file, model_max_len=tokenizer.max_len)
-                   if args.compare_profile else None)
-        rows = read_queries(args.file, args.limit)
+        info = ModelInfo.from_dir(args.model_dir or default_model_dir())
+        tokenizer = KeywordTokenizer.from_model(info)
+        profile = load_profile(profile_name, args.profiles_file, model_max_len=tokenizer.max_len)
+        compare = load_profile(compare_name, args.profiles_file, model_max_len=tokenizer.max_len) \
+            if compare_name else None
+        bad = None if args.strict else BadLines()
+        rows = read_queries(args.file, args.limit, bad=bad)
+        if bad is not None and bad.count:
+            print(f"{PROG}: {bad.summary(args.file)}", file=sys.stderr)
         t0 = time.perf_counter()
         encoded = tokenizer.encode([text for _, text in rows])
         log(f"tokenized {len(encoded)} queries in {time.perf_counter() - t0:.2f} s (excluded from all timings)")
-        onnx_path = args.onnx
-        if onnx_path is None:
-            from engines.export_onnx import ensure_onnx
-
-            onnx_path = ensure_onnx(model_dir, optimize=args.fused)
-        backend = OnnxRuntimeBackend(onnx_path, intra_op_threads=args.threads)
-        baseline = (backend if args.baseline_threads == args.threads
-                    else OnnxRuntimeBackend(onnx_path, intra_op_threads=args.baseline_threads))
+        backend = open_backend(args.backend, info, profile, onnx_path=args.onnx, engine_path=args.engine_path,
+                               intra_op_threads=args.threads, fused=args.fused)
+        backends.append(backend)
+        baseline = backend
+        if not tensorrt and args.baseline_threads != args.threads:
+            baseline = open_backend("onnxruntime", info, onnx_path=getattr(backend, "path", args.onnx),
+                                    intra_op_threads=args.baseline_threads)
+            backends.append(baseline)
     except (BenchError, ProfileError, ModelError, BackendError) as exc:
-        print(f"keyword-embedder bench: {exc}", file=sys.stderr)
-        return 2
+        for b in backends:
+            b.close()
+        return fail(exc)
+    desc = {"name": backend.name}
+    if tensorrt:
+        desc["plan"] = Path(args.engine_path).name
+    else:
+        desc.update(onnx=Path(getattr(backend, "path", "")).name, intra_op_threads=args.threads,
+                    baseline_intra_op_threads=args.baseline_threads)
     cfg = BenchConfig(
         dataset=str(args.file), profile=profile, compare_profile=compare, rounds=args.rounds,
-        batch_size=args.batch_size, window=args.window, max_queue_delay_ms=args.max_queue_delay_ms,
-        dispatchers=args.dispatchers, eager=args.eager, latency=args.latency, latency_seconds=args.latency_seconds,
-        backend_desc={"name": backend.name, "onnx": Path(onnx_path).name, "intra_op_threads": args.threads,
-                      "baseline_intra_op_threads": args.baseline_threads})
+        batch_size=args.batch_size, window=args.window,
+        options=BucketerOptions(max_queue_delay_ms=args.max_queue_delay_ms, dispatchers=args.dispatchers,
+                                eager=args.eager),
+        latency=args.latency, latency_seconds=args.latency_seconds, backend_desc=desc,
+        input_desc=bad.as_dict() if bad is not None else {"strict": True})
     try:
         report = run_benchmark(encoded, backend, cfg, log=log, baseline_backend=baseline)
     except BenchError as exc:
-        print(f"keyword-embedder bench: {exc}", file=sys.stderr)
-        return 1
+        return fail(exc, 1)
     finally:
-        backend.close()
-        baseline.close()
+        for b in backends:
+            b.close()
     command = "keyword-embedder bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
         if len(sys.argv) > 2 and sys.argv[1] == "bench" else f"keyword-embedder bench {args.file}"
     report["command"] = command

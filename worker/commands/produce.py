@@ -14,7 +14,7 @@ from tqdm import tqdm
 from worker.config import SettingsError, load_settings
 from worker.kafka.client_config import add_client_flags, client_config
 from worker.kafka.errors import fatal_reason
-from worker.keyword_files import FORMATS, KeywordFileError, read_keywords
+from worker.keyword_files import FORMATS, BadLines, KeywordFileError, read_keywords
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +25,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--value-format", choices=("json", "raw"), default="json",
                         help="json: {\"id\", \"text\"} values; raw: the text as the value, the ID as the key.")
     parser.add_argument("--limit", type=int, default=0, help="Publish at most N keywords (0: all).")
+    parser.add_argument("--strict", action="store_true",
+                        help="Refuse a file with a bad line (not UTF-8, not id<TAB>text / JSON); default: skip "
+                             "and count them.")
     parser.add_argument("--no-progress", action="store_true")
     add_client_flags(parser)
 
@@ -54,11 +57,12 @@ def main(args: argparse.Namespace) -> int:
     producer = Producer({**config, "error_cb": on_error})
 
     sent = 0
+    bad = None if args.strict else BadLines()
     start = time.perf_counter()
     bar = tqdm(unit=" keywords", disable=args.no_progress or None, desc=f"produce {args.topic}",
                file=sys.stderr, mininterval=0.5)
     try:
-        for qid, text in read_keywords(args.input, args.format):
+        for qid, text in read_keywords(args.input, args.format, bad=bad):
             if args.limit and sent >= args.limit:
                 break
             value = text.encode("utf-8") if args.value_format == "raw" else orjson.dumps({"id": qid, "text": text})
@@ -80,6 +84,8 @@ def main(args: argparse.Namespace) -> int:
         remaining = _flush(producer, fatal)
         bar.close()
     elapsed = time.perf_counter() - start
+    if bad is not None and bad.count:
+        print(f"keyword-embedder produce: {bad.summary(args.input)}", file=sys.stderr)
     if fatal:
         print(f"keyword-embedder produce: {fatal[0]}", file=sys.stderr)
         return 1

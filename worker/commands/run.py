@@ -70,7 +70,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     except SettingsError as exc:
         print(f"keyword-embedder run: {exc}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_format, settings.log_level, secrets=secret_values(settings))  # type: ignore[arg-type]
+    configure_logging(settings.log_format, settings.log_level, secrets=secret_values(settings))
     log = structlog.get_logger("worker.run")
 
     # Before the model loads: a missing topic or permission stops the worker within seconds.
@@ -85,19 +85,20 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
         print(f"keyword-embedder run: {exc}", file=sys.stderr)
         return 2
 
+    from kwe_core.errors import BackendError
+    from kwe_core.model import ModelError
+    from kwe_core.profiles import ProfileError
     from worker.app import build_pipeline
-    from worker.backends.base import BackendError
     from worker.metrics import Metrics, MetricsServer
-    from worker.model import ModelError
-    from worker.profiles import ProfileError
 
     metrics = Metrics()
     try:
-        pipeline = build_pipeline(settings, metrics=metrics)
+        assembled = build_pipeline(settings, metrics=metrics)
     except (ModelError, BackendError, ProfileError) as exc:
         log.error("cannot start the worker", error=str(exc))
         print(f"keyword-embedder run: {exc}", file=sys.stderr)
         return 2
+    pipeline = assembled.pipeline
     signals.on_stop = pipeline.request_stop
 
     server = None
@@ -111,6 +112,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     finally:
         if server is not None:
             server.stop()
+        assembled.close()
     if code == 1 and pipeline.latch.error is not None:
         print(f"keyword-embedder run: {pipeline.latch.error}", file=sys.stderr)
     if not pipeline.left_group:

@@ -1,4 +1,4 @@
-"""Bucket profiles: load and validate engines/profiles.toml (shared with the TensorRT build)."""
+"""Bucket profiles: load and validate profiles.toml next to this module (the bucketer and the TensorRT build read it)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ import tomllib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
-from worker.backends.base import PadPolicy
+# What a batch is padded to: its bucket's bound (one fixed shape per bucket, what TensorRT
+# wants) or its longest item (what costs least where every position is computed, ONNX Runtime on CPU).
+PadPolicy = Literal["bucket", "longest"]
+PAD_POLICIES: tuple[PadPolicy, ...] = get_args(PadPolicy)
 
 
 class ProfileError(ValueError):
@@ -51,7 +54,7 @@ class Profile:
 
 
 def default_profiles_path() -> Path:
-    return Path(str(resources.files("engines").joinpath("profiles.toml")))
+    return Path(str(resources.files("kwe_core").joinpath("profiles.toml")))
 
 
 def _parse(name: str, raw: dict[str, Any], where: str) -> Profile:
@@ -86,8 +89,8 @@ def _parse(name: str, raw: dict[str, Any], where: str) -> Profile:
     if budget < bounds[-1]:
         raise fail(f"token_budget {budget} cannot hold one item of the overflow bucket ({bounds[-1]} tokens)")
     pad_to = raw.get("pad_to", "bucket")
-    if pad_to not in ("bucket", "longest"):
-        raise fail(f"pad_to must be 'bucket' or 'longest', got {pad_to!r}")
+    if pad_to not in PAD_POLICIES:
+        raise fail(f"pad_to must be one of {', '.join(PAD_POLICIES)}, got {pad_to!r}")
     return Profile(name, tuple(buckets), budget, pad_to, align, str(raw.get("description", "")))
 
 

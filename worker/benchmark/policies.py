@@ -1,0 +1,312 @@
+"""The timed batching policies, on any backend.
+
+- monolithic: chronological batches of `batch_size` (256), each padded to its longest item
+  (the design's baseline);
+- sorted: an offline oracle: the whole input sorted by length, batches of `batch_size`
+  padded to their longest item;
+- bucketed: the worker's own `Bucketer` and dispatch, fed in file order through a bounded
+  in-flight window (submit blocks while `window` items are pending: Settings.max_in_flight);
+- direct: the overhead guard, the bucketed run's own batches replayed by direct backend calls.
+
+Tokenisation is done before and excluded from every policy; padding (building the batch
+arrays, with the one worker.padding.pad_batch) is included in all of them.
+
+Threads and contexts: a backend context is created, used and closed on one thread (TensorRT
+needs it: its CUDA context is current only there). The baselines run on the calling thread
+with `BaselineContexts`, created and closed within the run; the bucketer's dispatchers own
+theirs; each direct-replay thread creates its own. A backend whose context i is bound to
+bucket profile i (`max_contexts` set, TensorRT) runs a baseline batch on the context whose
+profile covers its length, split into pieces of that profile's max batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kwe_core.profiles import PadPolicy, Profile
+from worker.backends.base import Backend, InferenceContext
+from worker.benchmark.errors import BenchError
+from worker.bucketing import BatchStats, Bucketer
+from worker.padding import pad_batch
+from worker.tokenize import Encoded
+
+DEFAULT_WINDOW = 4096  # Settings.max_in_flight's default: what the Kafka worker keeps in flight
+DEFAULT_BATCH = 256
+
+
+# --------------------------------------------------------------------------- results
+@dataclass
+class PolicyRun:
+    """One timed pass of one policy over the whole input."""
+
+    policy: str
+    n: int
+    seconds: float
+    real_tokens: int
+    padded_tokens: int
+    batches: int
+    backend_s: float = 0.0  # time inside backend calls (summed over batches)
+
+    @property
+    def keywords_per_s(self) -> float:
+        return self.n / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def padding_waste(self) -> float:
+        return 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class FormedBatch:
+    """One batch the bucketer dispatched: its items (indices into the input), bucket and padded length."""
+
+    seqs: list[int]
+    bucket: int
+    pad_len: int
+
+
+@dataclass
+class BucketedRun(PolicyRun):
+    # In dispatch-completion order; the overhead guard replays exactly these.
+    formed: list[FormedBatch] = field(default_factory=list)
+    stats: list[BatchStats] = field(default_factory=list)
+    embeddings: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class BucketerOptions:
+    """How the bucketed policies run the worker's bucketer (the worker's own settings)."""
+
+    max_queue_delay_ms: float = 20.0
+    dispatchers: int = 1
+    pad_to: PadPolicy | None = None  # None: the profile's
+    eager: bool = True
+
+
+# --------------------------------------------------------------------------- baselines
+class BaselineContexts:
+    """The contexts one baseline run needs, created on first use on the calling thread and closed by it."""
+
+    def __init__(self, backend: Backend, profile: Profile) -> None:
+        self._backend = backend
+        self._profile = profile
+        self._contexts: dict[int, InferenceContext] = {}
+        self._owner = threading.get_ident()
+
+    def _get(self, index: int) -> InferenceContext:
+        ctx = self._contexts.get(index)
+        if ctx is None:
+            ctx = self._contexts[index] = self._backend.create_context(index)
+        return ctx
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> int:
+        """Runs the batch; returns the padded tokens the backend computed."""
+        if threading.get_ident() != self._owner:
+            raise BenchError("baseline contexts used from a thread other than the one that made them")
+        if self._backend.max_contexts is None:  # any context runs any shape (ONNX Runtime)
+            self._get(0).run(input_ids, attention_mask)
+            return int(input_ids.size)
+        # Context i runs bucket i's shapes only: the bucket whose bound covers the batch's
+        # length, in pieces of at most its max batch; the context pads each piece to the bound.
+        index = self._profile.bucket_for(input_ids.shape[1])
+        bucket = self._profile.buckets[index]
+        ctx = self._get(index)
+        for lo in range(0, len(input_ids), bucket.max_batch):
+            ctx.run(input_ids[lo:lo + bucket.max_batch], attention_mask[lo:lo + bucket.max_batch])
+        return len(input_ids) * bucket.max_len
+
+    def close(self) -> None:
+        for ctx in self._contexts.values():
+            ctx.close()
+        self._contexts.clear()
+
+
+def _run_batches(backend: Backend, profile: Profile, encoded: Sequence[Encoded], order: Sequence[int],
+                 batch_size: int, policy: str) -> PolicyRun:
+    """Fixed-size batches over `order`, each padded to its longest item, run back to back."""
+    real = padded = batches = 0
+    backend_s = 0.0
+    contexts = BaselineContexts(backend, profile)
+    try:
+        start = time.perf_counter()
+        for lo in range(0, len(order), batch_size):
+            rows = [encoded[i].ids for i in order[lo:lo + batch_size]]
+            ids, mask = pad_batch(rows)
+            t0 = time.perf_counter()
+            padded += contexts.run(ids, mask)
+            backend_s += time.perf_counter() - t0
+            real += int(mask.sum())
+            batches += 1
+        seconds = time.perf_counter() - start
+    finally:
+        contexts.close()
+    return PolicyRun(policy, len(order), seconds, real, padded, batches, backend_s)
+
+
+def run_monolithic(encoded: Sequence[Encoded], backend: Backend, profile: Profile, *,
+                   batch_size: int = DEFAULT_BATCH) -> PolicyRun:
+    """Chronological batches padded to the batch max: the baseline."""
+    return _run_batches(backend, profile, encoded, range(len(encoded)), batch_size, "monolithic")
+
+
+def run_sorted(encoded: Sequence[Encoded], backend: Backend, profile: Profile, *,
+               batch_size: int = DEFAULT_BATCH) -> PolicyRun:
+    """Offline oracle: everything sorted by length (stable), batches padded to the batch max."""
+    # The sort is part of the policy's cost (it is tiny next to inference).
+    start = time.perf_counter()
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))
+    sort_s = time.perf_counter() - start
+    run = _run_batches(backend, profile, encoded, order, batch_size, "sorted")
+    run.seconds += sort_s
+    return run
+
+
+# --------------------------------------------------------------------------- the bucketer
+class BucketerHarness:
+    """The worker's Bucketer with callbacks that record every batch: shared by the bucketed and open-loop runs.
+
+    `on_items(seqs, now)` runs after a batch is recorded, completed or failed (the caller's
+    window or arrival bookkeeping). Callbacks run on the dispatcher threads.
+    """
+
+    def __init__(self, profile: Profile, backend: Backend, options: BucketerOptions,
+                 on_items: Callable[[Sequence[int], float], None], *, out: np.ndarray | None = None) -> None:
+        self.formed: list[FormedBatch] = []
+        self.stats: list[BatchStats] = []
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._on_items = on_items
+        self._out = out
+        self.bucketer = Bucketer(profile, backend, self._complete, on_error=self._error,
+                                 max_queue_delay_ms=options.max_queue_delay_ms, dispatchers=options.dispatchers,
+                                 pad_to=options.pad_to, eager=options.eager)
+
+    def _complete(self, seqs: Sequence[int], rows: np.ndarray, stats: BatchStats) -> None:
+        now = time.perf_counter()
+        if self._out is not None:
+            self._out[list(seqs)] = rows
+        with self._lock:
+            self.formed.append(FormedBatch(list(seqs), stats.bucket, stats.pad_len))
+            self.stats.append(stats)
+        self._on_items(seqs, now)
+
+    def _error(self, seqs: Sequence[int], exc: BaseException) -> None:
+        with self._lock:
+            self.errors.append(exc)
+        self._on_items(seqs, time.perf_counter())
+
+    def totals(self) -> tuple[int, int, int]:
+        """(items, real tokens, padded tokens) of the completed batches."""
+        return (sum(s.size for s in self.stats), sum(s.real_tokens for s in self.stats),
+                sum(s.padded_tokens for s in self.stats))
+
+
+def run_bucketed(encoded: Sequence[Encoded], profile: Profile, backend: Backend, *, window: int = DEFAULT_WINDOW,
+                 options: BucketerOptions = BucketerOptions(), keep_embeddings: bool = False,
+                 policy: str = "bucketed") -> BucketedRun:
+    """The worker's Bucketer fed in input order through a bounded in-flight window.
+
+    submit() blocks (here, in the feeder) while `window` items are submitted and not yet
+    completed, as the Kafka worker pauses its partitions at max_in_flight. The clock runs
+    from the first submit until every item is completed and the bucketer's threads are joined.
+    Raises BenchError if any item errors or is dropped.
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    n = len(encoded)
+    room = threading.Semaphore(window)
+
+    def release(seqs: Sequence[int], _now: float) -> None:
+        room.release(len(seqs))
+
+    out = np.empty((n, backend.dim), dtype=np.float32) if keep_embeddings else None
+    harness = BucketerHarness(profile, backend, options, release, out=out)
+    harness.bucketer.start()
+    start = time.perf_counter()
+    try:
+        for i, enc in enumerate(encoded):
+            room.acquire()
+            harness.bucketer.submit(i, enc.ids)
+    finally:
+        dropped = harness.bucketer.stop(drain=True)
+    seconds = time.perf_counter() - start
+    if harness.errors:
+        raise BenchError(f"bucketed run incomplete: {len(harness.errors)} failed batches "
+                         f"(first: {harness.errors[0]!r})")
+    if dropped:
+        raise BenchError(f"bucketed run dropped {len(dropped)} items")
+    done, real, padded = harness.totals()
+    if done != n:
+        raise BenchError(f"bucketed run completed {done} of {n} items")
+    return BucketedRun(policy, n, seconds, real, padded, len(harness.stats),
+                       sum(s.backend_s for s in harness.stats), formed=harness.formed, stats=harness.stats,
+                       embeddings=out)
+
+
+def replay_direct(encoded: Sequence[Encoded], formed: Sequence[FormedBatch], backend: Backend, *,
+                  threads: int = 1) -> PolicyRun:
+    """Overhead guard: the same batches, pre-padded, run by direct backend calls.
+
+    The same thread layout as the bucketer's dispatchers, without its queues, forming or
+    padding: with contexts for any shape, `threads` callers (context k each) take the batches
+    in order from a shared index; with context i bound to bucket i, one caller per bucket runs
+    that bucket's batches on context i. Every caller creates and closes its own context.
+    """
+    arrays = [pad_batch([encoded[i].ids for i in b.seqs], b.pad_len) for b in formed]
+    if backend.max_contexts is None:
+        queues = {k: list(range(len(arrays))) for k in range(threads)}
+        shared = True
+    else:
+        queues = {}
+        for i, b in enumerate(formed):
+            queues.setdefault(b.bucket, []).append(i)
+        shared = False
+    next_index = iter(range(len(arrays)))
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+    ready = threading.Barrier(len(queues) + 1)
+
+    def work(ctx_index: int, mine: list[int]) -> None:
+        try:
+            ctx = backend.create_context(ctx_index)
+        except BaseException as exc:  # surfaced below, after the join
+            failures.append(exc)
+            ready.wait()
+            return
+        ready.wait()  # contexts are made before the clock starts, as the bucketer's are
+        try:
+            if shared:
+                while True:
+                    with lock:
+                        i = next(next_index, None)
+                    if i is None:
+                        return
+                    ctx.run(*arrays[i])
+            else:
+                for i in mine:
+                    ctx.run(*arrays[i])
+        except BaseException as exc:
+            failures.append(exc)
+        finally:
+            ctx.close()
+
+    workers = [threading.Thread(target=work, args=(k, mine), name=f"kwe-bench-direct-{k}")
+               for k, mine in queues.items()]
+    for t in workers:
+        t.start()
+    ready.wait()
+    start = time.perf_counter()
+    for t in workers:
+        t.join()
+    seconds = time.perf_counter() - start
+    if failures:
+        raise BenchError(f"direct replay failed: {failures[0]!r}")
+    n = sum(len(b.seqs) for b in formed)
+    real = sum(len(encoded[i].ids) for b in formed for i in b.seqs)
+    padded = sum(len(b.seqs) * b.pad_len for b in formed)
+    return PolicyRun("direct", n, seconds, real, padded, len(formed), seconds)
