@@ -15,9 +15,10 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from worker.config import Settings
+from worker.kafka.dead_letter_record import dead_letter_record
+from worker.kafka.headers import InputHeaders, read_headers
 from worker.kafka.messages import (
-    H_REASON, H_SRC_OFFSET, InputHeaders, Keyword, OutputCodec, Rejection, dead_letter_record,
-    decode_embedding, decode_input, is_blank, read_headers,
+    H_REASON, H_SRC_OFFSET, Keyword, OutputCodec, Rejection, decode_embedding, decode_input, is_blank,
 )
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "schemas"

@@ -16,7 +16,9 @@ from jsonschema import Draft202012Validator
 
 from tests.kafka_tools import produce_with_raw_headers
 from worker.config import Settings
-from worker.kafka.messages import InputHeaders, Rejection, dead_letter_record, read_headers
+from worker.kafka.dead_letter_record import dead_letter_record
+from worker.kafka.headers import InputHeaders, read_headers
+from worker.kafka.messages import Rejection
 
 pytestmark = pytest.mark.kafka
 

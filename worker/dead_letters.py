@@ -11,7 +11,9 @@ import structlog
 from confluent_kafka import Message
 
 from worker.acks import Acknowledger
-from worker.kafka.messages import InputHeaders, Rejection, dead_letter_record
+from worker.kafka.dead_letter_record import dead_letter_record
+from worker.kafka.headers import InputHeaders
+from worker.kafka.messages import Rejection
 from worker.kafka.producer import OutputProducer
 
 log = structlog.get_logger(__name__)

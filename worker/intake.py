@@ -19,7 +19,8 @@ from confluent_kafka import Message
 from worker.config import Settings
 from worker.dead_letters import DeadLetters
 from worker.inflight import InFlight, InFlightTable
-from worker.kafka.messages import Keyword, Rejection, decode_input, read_headers
+from worker.kafka.headers import read_headers
+from worker.kafka.messages import Keyword, Rejection, decode_input
 from worker.kafka.offsets import OffsetTracker, PartitionOffsets
 from worker.metrics import Metrics
 
