@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_origin, get_type_hints
 
+from worker.cache import DEFAULT_CACHE_BYTES
+
 ENV_PREFIX = "KWE_"
 
 # librdkafka keys that --kafka-config may not set: each either has a setting of its own (one
@@ -105,6 +107,10 @@ class Settings:
                            choices=("auto", "bucket", "longest"))
     intra_op_threads: int = _setting(0, "ONNX Runtime threads per inference context; 0: one per core.",
                                      minimum=0)
+    cache_bytes: int = _setting(DEFAULT_CACHE_BYTES, "Byte bound of the exact-match embedding cache, keyed by "
+                                "the token IDs after truncation: a repeated keyword is answered from it "
+                                "without the model (least recently used vectors are evicted). The default "
+                                "holds about 100k 384-d vectors; 0 turns the cache off.", minimum=0)
     dispatchers: int = _setting(1, "Inference contexts (and dispatcher threads) on CPU; TensorRT always uses "
                                 "one per bucket profile.", minimum=1)
     # --- Operations --------------------------------------------------------------------

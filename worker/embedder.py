@@ -9,6 +9,10 @@ The default graph is the plain export run with ONNX Runtime's session-time optim
 (`optimize=True` picks the offline-fused one; see benchmarks/results/ort_grid.md for why not).
 Padding does not change a vector (masked positions get exactly zero attention weight and are
 left out of the mean), so the result does not depend on the batch composition.
+
+`cache_bytes` (default: worker.cache.DEFAULT_CACHE_BYTES, 0 turns it off) keeps the vectors of
+texts already embedded, keyed by their token IDs after truncation: a repeat, in the same call or
+a later one, is not run again, and gets bit for bit the vector computed the first time.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from worker.backends.onnxruntime import OnnxRuntimeBackend
+from worker.cache import DEFAULT_CACHE_BYTES, EmbeddingCache, key
 from worker.model import ModelInfo, default_model_dir
 from worker.tokenize import Encoded, KeywordTokenizer
 
@@ -26,7 +31,7 @@ from worker.tokenize import Encoded, KeywordTokenizer
 class Embedder:
     def __init__(self, model_dir: str | Path | None = None, *, onnx_path: str | Path | None = None,
                  intra_op_threads: int = 0, batch_size: int = 64, token_budget: int = 4096,
-                 optimize: bool = False) -> None:
+                 optimize: bool = False, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         if batch_size < 1:
             raise ValueError(f"Embedder: batch_size must be >= 1, got {batch_size}")
         if token_budget < 1:
@@ -50,6 +55,8 @@ class Embedder:
         self.batch_size = batch_size
         self.token_budget = token_budget
         self._context = self.backend.create_context(0)
+        self.cache: EmbeddingCache | None = (EmbeddingCache(cache_bytes, self.dim) if cache_bytes
+                                              else None)
 
     @property
     def dim(self) -> int:
@@ -71,11 +78,40 @@ class Embedder:
 
     def embed_encoded(self, encoded: Sequence[Encoded]) -> np.ndarray:
         out = np.empty((len(encoded), self.dim), dtype=np.float32)
+        if self.cache is None:
+            self._run(encoded, out)
+            return out
+        # Each distinct key is looked up once and, on a miss, run once; its repeats in this call
+        # copy the first one's row.
+        first: dict[bytes, int] = {}
+        copies: list[tuple[int, int]] = []
+        misses: list[int] = []
+        keys = [key(enc.ids) for enc in encoded]
+        for i, k in enumerate(keys):
+            if k in first:
+                copies.append((i, first[k]))
+                continue
+            first[k] = i
+            row = self.cache.get(k)
+            if row is None:
+                misses.append(i)
+            else:
+                out[i] = row
+        if misses:
+            computed = np.empty((len(misses), self.dim), dtype=np.float32)
+            self._run([encoded[i] for i in misses], computed)
+            for i, row in zip(misses, computed):
+                # put() returns the vector already cached if another thread got there first.
+                out[i] = self.cache.put(keys[i], row)
+        for i, j in copies:
+            out[i] = out[j]
+        return out
+
+    def _run(self, encoded: Sequence[Encoded], out: np.ndarray) -> None:
         for rows in self._batches(encoded):
             batch = [encoded[i] for i in rows]
             ids, mask = self.tokenizer.pad(batch, max(len(e.ids) for e in batch))
             out[rows] = self._context.run(ids, mask)
-        return out
 
     def _batches(self, encoded: Sequence[Encoded]) -> list[list[int]]:
         """Row indices per batch: sorted by length, at most batch_size rows and token_budget padded tokens.

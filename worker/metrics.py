@@ -100,6 +100,18 @@ class Metrics:
                                   ["topic", "partition"], registry=r)
         self.rebalances = Counter(f"{PREFIX}rebalances", "Partition rebalance callbacks, by kind.", ["kind"],
                                   registry=r)
+        # The embedding cache (worker/cache.py): hit rate = hits / (hits + misses).
+        self.cache_hits = Counter(f"{PREFIX}cache_hits", "Keywords whose vector came from the embedding cache.",
+                                  registry=r)
+        self.cache_misses = Counter(f"{PREFIX}cache_misses",
+                                    "Keywords looked up in the embedding cache and not found (sent to the model).",
+                                    registry=r)
+        self.cache_evictions = Counter(f"{PREFIX}cache_evictions",
+                                       "Vectors evicted from the embedding cache to keep it within cache_bytes.",
+                                       registry=r)
+        self.cache_entries = Gauge(f"{PREFIX}cache_entries", "Vectors held by the embedding cache.", registry=r)
+        self.cache_bytes = Gauge(f"{PREFIX}cache_bytes",
+                                 "Bytes held by the embedding cache (keys, vectors and map overhead).", registry=r)
         self.backend_info = Info(f"{PREFIX}backend", "Inference backend, model and bucket profile in use.",
                                  registry=r)
         # Series that exist from the start read 0 instead of "no data", so rate() and
@@ -149,6 +161,20 @@ class Metrics:
         for seconds in stats.queue_wait_s:
             wait.observe(seconds)
         self.backend_time.labels(bucket=label).observe(stats.backend_s)
+
+    # --- embedding cache (worker.cache.CacheObserver) -----------------------------------
+    def count_cache_hits(self, n: int = 1) -> None:
+        self.cache_hits.inc(n)
+
+    def count_cache_misses(self, n: int = 1) -> None:
+        self.cache_misses.inc(n)
+
+    def count_cache_evictions(self, n: int = 1) -> None:
+        self.cache_evictions.inc(n)
+
+    def set_cache_usage(self, entries: int, nbytes: int) -> None:
+        self.cache_entries.set(entries)
+        self.cache_bytes.set(nbytes)
 
     # --- consumer group ------------------------------------------------------------------
     def set_lag(self, topic: str, partition: int, lag: int) -> None:
