@@ -92,6 +92,29 @@ def test_run_bucketed_returns_each_embedding_in_its_row(ort_parts) -> None:  # n
     ctx.close()
 
 
+def test_run_bucketed_with_a_cache_answers_repeats_without_the_bucketer(ort_parts) -> None:  # noqa: ANN001
+    from worker.cache import EmbeddingCache, key
+
+    tokenizer, backend, encoded = ort_parts
+    profile = load_profile("cpu", model_max_len=tokenizer.max_len)
+    items = list(encoded[:100])
+    distinct = len({key(e.ids) for e in items})
+    plain = run_bucketed(items, profile, backend, window=16, keep_embeddings=True)
+    cache = EmbeddingCache(1 << 24, backend.dim)
+    first = run_bucketed(items, profile, backend, window=16, keep_embeddings=True, cache=cache)
+    assert cache.stats().entries == distinct and cache.stats().lookups == len(items)
+    np.testing.assert_allclose(first.embeddings, plain.embeddings, atol=1e-5)
+    again = run_bucketed(items, profile, backend, window=16, keep_embeddings=True, cache=cache)
+    s = cache.stats()
+    # Everything was cached by the first pass: the second is all hits and never reaches the bucketer.
+    assert again.n == len(items) and again.batches == 0 and s.hits >= len(items)
+    assert s.lookups == 2 * len(items) and s.entries == distinct
+    # A hit is the vector computed the first time, bit for bit.
+    for i, e in enumerate(items):
+        assert again.embeddings[i].tobytes() == cache.get(key(e.ids)).tobytes()
+    assert again.embeddings.tobytes() == first.embeddings.tobytes()
+
+
 def test_monolithic_and_sorted_count_tokens(ort_parts) -> None:  # noqa: ANN001
     _, backend, encoded = ort_parts
     enc = encoded[:40]

@@ -31,6 +31,7 @@ import numpy as np
 
 from worker.backends.base import Backend, InferenceContext
 from worker.bucketing import BatchStats, Bucketer
+from worker.cache import EmbeddingCache, key
 from worker.keyword_files import KeywordFileError, read_keywords
 from worker.profiles import Profile
 from worker.tokenize import Encoded, pad
@@ -141,13 +142,20 @@ def run_sorted(encoded: Sequence[Encoded], backend: Backend, *, batch_size: int 
 
 def run_bucketed(encoded: Sequence[Encoded], profile: Profile, backend: Backend, *, window: int = DEFAULT_WINDOW,
                  max_queue_delay_ms: float = 20.0, dispatchers: int = 1, pad_to: str | None = None,
-                 eager: bool = True, keep_embeddings: bool = False, policy: str = "bucketed") -> BucketedRun:
+                 eager: bool = True, keep_embeddings: bool = False, policy: str = "bucketed",
+                 cache: EmbeddingCache | None = None) -> BucketedRun:
     """The worker's Bucketer fed in input order through a bounded in-flight window.
 
     submit() blocks (here, in the feeder) while `window` items are submitted and not yet
     completed, as the Kafka worker pauses its partitions at max_in_flight. The clock runs
     from the first submit until every item is completed and the bucketer's threads are joined.
     Raises BenchError if any item errors or is dropped.
+
+    With a `cache`, it sits in front of the bucketer as in the worker: each item is looked up
+    by its token IDs first; a hit is answered at once and never reaches the bucketer (nor the
+    window), a miss is submitted and its vector put into the cache when its batch completes.
+    A repeat whose first occurrence is still in flight is a miss (computed again, and put()
+    keeps the first vector). `n` counts every item; the batch counters only the misses.
     """
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
@@ -159,7 +167,11 @@ def run_bucketed(encoded: Sequence[Encoded], profile: Profile, backend: Backend,
     errors: list[BaseException] = []
     out = np.empty((n, backend.dim), dtype=np.float32) if keep_embeddings else None
 
+    keys: list[bytes] = []
+
     def on_complete(seqs: Sequence[int], rows: np.ndarray, stats: BatchStats) -> None:
+        if cache is not None:
+            rows = np.stack([cache.put(keys[s], row) for s, row in zip(seqs, rows)])
         if out is not None:
             out[list(seqs)] = rows
         with lock:
@@ -177,9 +189,19 @@ def run_bucketed(encoded: Sequence[Encoded], profile: Profile, backend: Backend,
     bucketer = Bucketer(profile, backend, on_complete, on_error=on_error, max_queue_delay_ms=max_queue_delay_ms,
                         dispatchers=dispatchers, pad_to=pad_to, eager=eager)  # type: ignore[arg-type]
     bucketer.start()
+    hits = 0
     start = time.perf_counter()
     try:
         for i, enc in enumerate(encoded):
+            if cache is not None:
+                k = key(enc.ids)
+                keys.append(k)
+                row = cache.get(k)
+                if row is not None:
+                    hits += 1
+                    if out is not None:
+                        out[i] = row
+                    continue
             room.acquire()
             bucketer.submit(i, enc.ids)
     finally:
@@ -188,7 +210,7 @@ def run_bucketed(encoded: Sequence[Encoded], profile: Profile, backend: Backend,
     if errors or dropped:
         raise BenchError(f"bucketed run incomplete: {len(errors)} failed batches "
                          f"(first: {errors[0]!r})" if errors else f"bucketed run dropped {len(dropped)} items")
-    done = sum(s.size for s in stats_list)
+    done = sum(s.size for s in stats_list) + hits
     if done != n:
         raise BenchError(f"bucketed run completed {done} of {n} items")
     return BucketedRun(policy, n, seconds, sum(s.real_tokens for s in stats_list),
