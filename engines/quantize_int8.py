@@ -164,3 +164,46 @@ def quantized_op_counts(path: str | Path) -> dict[str, int]:
                          "DequantizeLinear", "MatMul"):
             counts[n.op_type] = counts.get(n.op_type, 0) + 1
     return counts
+
+
+# ---------------------------------------------------------------- the shipped recipe, cached
+# Bump when the shipped recipe or this code's output changes: it is part of the cache key.
+INT8_VERSION = "1"
+# The variant that met the quality gate in benchmarks/results/int8.md (see the README).
+SHIPPED = Int8Variant("dynamic, per-channel, only Q/K/attention-out int8 (measured)", "dynamic", per_channel=True,
+                      exclude="measured")
+
+
+def int8_cached_path(model_dir: str | Path | None = None, *, cache_dir: str | Path | None = None) -> Path:
+    """Where ensure_int8_onnx keeps the int8 graph: beside the fp32 export, keyed by it."""
+    import hashlib
+
+    import onnxruntime
+
+    from engines.export_onnx import cached_path
+
+    fp32 = cached_path(model_dir, optimize=False, cache_dir=cache_dir)
+    digest = hashlib.sha256(f"{fp32.name};int8={INT8_VERSION};{SHIPPED!r};"
+                            f"onnxruntime={onnxruntime.__version__}".encode()).hexdigest()[:12]
+    return fp32.with_name(f"{fp32.stem}-int8-{digest}.onnx")
+
+
+def ensure_int8_onnx(model_dir: str | Path | None = None, *, cache_dir: str | Path | None = None) -> Path:
+    """The cached int8 graph (the SHIPPED recipe) of the model folder, quantized first if missing."""
+    import os
+
+    from engines.export_onnx import _locked, ensure_onnx
+
+    path = int8_cached_path(model_dir, cache_dir=cache_dir)
+    if path.is_file():
+        return path
+    fp32 = ensure_onnx(model_dir, optimize=False, cache_dir=cache_dir)
+    with _locked(path.parent / f".{path.name}.lock"):
+        if not path.is_file():  # another process may have finished it while we waited
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            try:
+                quantize(fp32, tmp, SHIPPED)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+    return path

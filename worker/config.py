@@ -18,7 +18,7 @@ import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_origin, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from worker.cache import DEFAULT_CACHE_BYTES
 
@@ -32,6 +32,9 @@ RESERVED_KAFKA_KEYS: dict[str, str] = {
     "enable.auto.commit": "the worker commits offsets itself, only after the output is acknowledged",
     "enable.auto.offset.store": "the worker stores offsets itself, only after the output is acknowledged",
 }
+
+
+Precision = Literal["fp32", "int8"]
 
 
 class SettingsError(ValueError):
@@ -105,6 +108,11 @@ class Settings:
     pad_to: str = _setting("auto", "Pad a batch to its bucket bound ('bucket'), or to its longest item "
                            "('longest'); 'auto': what the backend prefers.",
                            choices=("auto", "bucket", "longest"))
+    precision: Precision = _setting("fp32", "Model precision on ONNX Runtime: 'int8' runs the quantized graph "
+                                    "(only the query, key and attention-output projections in int8, the recipe "
+                                    "that kept neighbours in benchmarks/results/int8.md), exported and cached "
+                                    "beside the fp32 one; ignored when onnx_path is set; not for TensorRT.",
+                                    choices=get_args(Precision))
     intra_op_threads: int = _setting(0, "ONNX Runtime threads per inference context; 0: one per core.",
                                      minimum=0)
     cache_bytes: int = _setting(DEFAULT_CACHE_BYTES, "Byte bound of the exact-match embedding cache, keyed by "
@@ -183,6 +191,8 @@ def _type_hints() -> dict[str, Any]:
 
 def _field_type(f: dataclasses.Field[Any]) -> type:
     hint = _type_hints()[f.name]
+    if get_origin(hint) is Literal:  # an enum-like setting: its values' type, checked against choices
+        return type(get_args(hint)[0])
     return tuple if get_origin(hint) is tuple else hint
 
 

@@ -13,17 +13,21 @@ left out of the mean), so the result does not depend on the batch composition.
 `cache_bytes` (default: worker.cache.DEFAULT_CACHE_BYTES, 0 turns it off) keeps the vectors of
 texts already embedded, keyed by their token IDs after truncation: a repeat, in the same call or
 a later one, is not run again, and gets bit for bit the vector computed the first time.
+`precision="int8"` runs the quantized graph (engines/quantize_int8.py, cached beside the fp32
+export; its quality against fp32 is in benchmarks/results/int8.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 
 from worker.backends.onnxruntime import OnnxRuntimeBackend
 from worker.cache import DEFAULT_CACHE_BYTES, EmbeddingCache, key
+from worker.config import Precision
 from worker.model import ModelInfo, default_model_dir
 from worker.tokenize import Encoded, KeywordTokenizer
 
@@ -31,14 +35,24 @@ from worker.tokenize import Encoded, KeywordTokenizer
 class Embedder:
     def __init__(self, model_dir: str | Path | None = None, *, onnx_path: str | Path | None = None,
                  intra_op_threads: int = 0, batch_size: int = 64, token_budget: int = 4096,
-                 optimize: bool = False, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+                 optimize: bool = False, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 precision: Precision = "fp32") -> None:
         if batch_size < 1:
             raise ValueError(f"Embedder: batch_size must be >= 1, got {batch_size}")
         if token_budget < 1:
             raise ValueError(f"Embedder: token_budget must be >= 1, got {token_budget}")
+        if precision not in get_args(Precision):
+            raise ValueError(f"Embedder: precision must be one of {', '.join(get_args(Precision))}, got {precision!r}")
+        if precision == "int8" and (onnx_path is not None or optimize):
+            raise ValueError("Embedder: precision='int8' picks its own graph; it does not combine with "
+                             "onnx_path or optimize")
         self.model_dir = Path(model_dir) if model_dir is not None else default_model_dir()
         self.info = ModelInfo.from_dir(self.model_dir)
         self.tokenizer = KeywordTokenizer.from_model_dir(self.model_dir)
+        if precision == "int8":
+            from engines.quantize_int8 import ensure_int8_onnx
+
+            onnx_path = ensure_int8_onnx(self.model_dir)
         if onnx_path is None:
             # Imported here: engines is needed only when exporting (cached after the first time).
             from engines.export_onnx import ensure_onnx

@@ -127,6 +127,9 @@ def load_backend(settings: Settings, *, find_spec: FindSpec = importlib.util.fin
                            model_max_len=_model_max_len(settings))
     log.info("backend chosen", backend=choice.backend, reason=choice.reason, profile=profile.name)
     if choice.backend == "tensorrt":
+        if settings.precision != "fp32":
+            raise BackendError(f"setting 'precision': {settings.precision!r} is for the onnxruntime backend; "
+                               "TensorRT precision is chosen when the plan is built (build-engine --fp16)")
         from worker.backends.tensorrt import TensorRTBackend
 
         # trt_share_device_memory is not a setting yet (see docs/gpu.md); getattr so it works once added.
@@ -136,7 +139,11 @@ def load_backend(settings: Settings, *, find_spec: FindSpec = importlib.util.fin
     from worker.backends.onnxruntime import OnnxRuntimeBackend
 
     onnx_path = settings.onnx_path
-    if not onnx_path:
+    if not onnx_path and settings.precision == "int8":
+        from engines.quantize_int8 import ensure_int8_onnx
+
+        onnx_path = ensure_int8_onnx(settings.model_dir or None)
+    elif not onnx_path:
         from engines.export_onnx import ensure_onnx
 
         onnx_path = ensure_onnx(settings.model_dir or None, optimize=False)
