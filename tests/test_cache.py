@@ -233,3 +233,18 @@ def test_embedder_with_cache_returns_the_vectors_without_it() -> None:
         assert again[::-1].tobytes() == first.tobytes()  # hits are bit-identical
         s = cached.cache.stats()
         assert s.hits == distinct and s.entries == distinct
+
+
+def test_demo_reads_the_hit_rate_off_the_metrics_page() -> None:
+    from worker.commands.demo import _metric_value
+
+    metrics = Metrics()
+    cache = EmbeddingCache(1 << 20, DIM, observer=metrics)
+    k = key(_ids(1))
+    cache.get(k)
+    cache.put(k, _row(1))
+    cache.get(k)
+    text = metrics.render().decode()
+    counts = [_metric_value(text, f"kwe_cache_{c}_total") for c in ("hits", "misses", "evictions")]
+    assert counts == [1.0, 1.0, 0.0]
+    assert hit_rate_line(*counts) == "1 hits of 2 lookups (50.0%), 0 evicted"
