@@ -115,6 +115,50 @@ def test_run_bucketed_with_a_cache_answers_repeats_without_the_bucketer(ort_part
     assert again.embeddings.tobytes() == first.embeddings.tobytes()
 
 
+def test_run_bucketed_coalesces_repeats_in_flight(ort_parts) -> None:  # noqa: ANN001
+    from worker.cache import EmbeddingCache
+
+    tokenizer, backend, encoded = ort_parts
+    profile = load_profile("cpu", model_max_len=tokenizer.max_len)
+    stream = [encoded[0]] * 40 + list(encoded[1:11])  # one keyword repeated while it is in flight
+    cache = EmbeddingCache(1 << 24, backend.dim)
+    run = run_bucketed(stream, profile, backend, window=64, keep_embeddings=True, cache=cache)
+    s = cache.stats()
+    ran = sum(st.size for st in run.stats)
+    assert ran == s.misses == len({e.ids.tobytes() for e in stream})  # each key ran once
+    assert s.hits + s.joined == len(stream) - ran and s.joined > 0 and cache.in_flight() == 0
+    assert all(run.embeddings[i].tobytes() == run.embeddings[0].tobytes() for i in range(40))
+
+
+def test_run_bucketed_with_a_cache_fails_cleanly_when_the_leader_fails() -> None:
+    from worker.bench import BenchError
+    from worker.cache import EmbeddingCache
+    from worker.tokenize import Encoded
+
+    class Ctx:
+        def run(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+            raise RuntimeError("backend down")
+
+        def close(self) -> None:
+            pass
+
+    class Failing:
+        name, dim, preferred_pad, max_contexts = "failing", 4, "longest", None
+
+        def create_context(self, index: int) -> Ctx:
+            return Ctx()
+
+        def close(self) -> None:
+            pass
+
+    item = Encoded(ids=np.array([101, 2000, 102]), length=3, truncated=False)
+    cache = EmbeddingCache(1 << 20, 4)
+    # A window of 2 with 20 joins: a waiter whose slot were not handed back would hang the feeder.
+    with pytest.raises(BenchError, match="failed batches"):
+        run_bucketed([item] * 20, load_profile("cpu"), Failing(), window=2, cache=cache)
+    assert cache.in_flight() == 0 and len(cache) == 0
+
+
 def test_monolithic_and_sorted_count_tokens(ort_parts) -> None:  # noqa: ANN001
     _, backend, encoded = ort_parts
     enc = encoded[:40]

@@ -248,3 +248,63 @@ def test_demo_reads_the_hit_rate_off_the_metrics_page() -> None:
     counts = [_metric_value(text, f"kwe_cache_{c}_total") for c in ("hits", "misses", "evictions")]
     assert counts == [1.0, 1.0, 0.0]
     assert hit_rate_line(*counts) == "1 hits of 2 lookups (50.0%), 0 evicted"
+
+
+# ------------------------------------------------------------------ single flight
+def test_lookup_coalesces_repeats_of_a_key_in_flight() -> None:
+    metrics = Metrics()
+    cache: EmbeddingCache[str] = EmbeddingCache(1 << 20, DIM, observer=metrics)
+    k = key(_ids(1))
+    assert cache.lookup(k, "first").outcome == "miss"  # "first" leads
+    assert cache.lookup(k, "second").outcome == "joined"
+    assert cache.lookup(k, "third").outcome == "joined"
+    assert cache.in_flight() == 1 and len(cache) == 0
+    row, waiters = cache.complete(k, _row(1))
+    assert waiters == ["second", "third"] and row.tobytes() == _row(1).tobytes()
+    assert cache.in_flight() == 0
+    hit = cache.lookup(k, "fourth")
+    assert hit.outcome == "hit" and hit.row.tobytes() == row.tobytes()
+    s = cache.stats()
+    assert (s.hits, s.misses, s.joined, s.lookups) == (1, 1, 2, 4) and s.hit_rate == 0.75
+    assert s.line().startswith("1 hits + 2 joined in flight of 4 lookups (75.0%)")
+    assert "kwe_cache_joined_total 2.0" in metrics.render().decode()
+
+
+def test_abandon_hands_the_waiters_back_and_the_next_lookup_leads() -> None:
+    cache: EmbeddingCache[int] = EmbeddingCache(1 << 20, DIM)
+    k = key(_ids(2))
+    assert cache.lookup(k, 1).outcome == "miss"
+    assert cache.lookup(k, 2).outcome == "joined"
+    assert cache.abandon(k) == [2]  # the leader's batch failed: 2 must be retried or failed
+    assert cache.in_flight() == 0 and k not in cache
+    assert cache.lookup(k, 3).outcome == "miss"  # nobody leads now: this one does
+    assert cache.abandon(k) == [] and cache.abandon(k) == []
+
+
+def test_concurrent_lookups_elect_one_leader_per_key() -> None:
+    cache: EmbeddingCache[int] = EmbeddingCache(1 << 22, DIM)
+    keys = [key(_ids(i)) for i in range(50)]
+    outcomes: dict[str, int] = {"hit": 0, "miss": 0, "joined": 0}
+    answered: list[int] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(4)
+
+    def worker(t: int) -> None:
+        barrier.wait()
+        for i, k in enumerate(keys):
+            found = cache.lookup(k, t * 1000 + i)
+            with lock:
+                outcomes[found.outcome] += 1
+            if found.outcome == "miss":
+                _, waiters = cache.complete(k, _row(i))
+                with lock:
+                    answered.extend(waiters)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcomes["miss"] == len(keys)  # exactly one leader per key
+    assert outcomes["hit"] + outcomes["joined"] == 3 * len(keys)
+    assert len(answered) == outcomes["joined"] and cache.in_flight() == 0

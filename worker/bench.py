@@ -143,7 +143,7 @@ def run_sorted(encoded: Sequence[Encoded], backend: Backend, *, batch_size: int 
 def run_bucketed(encoded: Sequence[Encoded], profile: Profile, backend: Backend, *, window: int = DEFAULT_WINDOW,
                  max_queue_delay_ms: float = 20.0, dispatchers: int = 1, pad_to: str | None = None,
                  eager: bool = True, keep_embeddings: bool = False, policy: str = "bucketed",
-                 cache: EmbeddingCache | None = None) -> BucketedRun:
+                 cache: EmbeddingCache[int] | None = None, coalesce: bool = True) -> BucketedRun:
     """The worker's Bucketer fed in input order through a bounded in-flight window.
 
     submit() blocks (here, in the feeder) while `window` items are submitted and not yet
@@ -152,10 +152,12 @@ def run_bucketed(encoded: Sequence[Encoded], profile: Profile, backend: Backend,
     Raises BenchError if any item errors or is dropped.
 
     With a `cache`, it sits in front of the bucketer as in the worker: each item is looked up
-    by its token IDs first; a hit is answered at once and never reaches the bucketer (nor the
-    window), a miss is submitted and its vector put into the cache when its batch completes.
-    A repeat whose first occurrence is still in flight is a miss (computed again, and put()
-    keeps the first vector). `n` counts every item; the batch counters only the misses.
+    by its token IDs first; a hit is answered at once and never reaches the bucketer, a miss is
+    submitted and its vector cached when its batch completes. coalesce=True (the cache's
+    lookup/complete/abandon): a repeat of a key still in flight joins it and is answered with the
+    leader's vector, holding its window slot until then, as its record would stay uncommitted
+    in the worker. coalesce=False (get/put): such a repeat is a miss and computed again.
+    `n` counts every item; the batch counters only the items the model ran.
     """
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
@@ -166,43 +168,63 @@ def run_bucketed(encoded: Sequence[Encoded], profile: Profile, backend: Backend,
     stats_list: list[BatchStats] = []
     errors: list[BaseException] = []
     out = np.empty((n, backend.dim), dtype=np.float32) if keep_embeddings else None
-
-    keys: list[bytes] = []
+    keys: list[bytes] = []  # by seq, appended by the feeder before the item is submitted
+    answered = [0]  # items answered by the cache: hits, and joins once their leader completes
 
     def on_complete(seqs: Sequence[int], rows: np.ndarray, stats: BatchStats) -> None:
+        followers: list[int] = []
         if cache is not None:
-            rows = np.stack([cache.put(keys[s], row) for s, row in zip(seqs, rows)])
+            cached = []
+            for s, row in zip(seqs, rows):
+                vec, waiters = cache.complete(keys[s], row) if coalesce else (cache.put(keys[s], row), [])
+                cached.append(vec)
+                followers += waiters
+                if out is not None:
+                    for w in waiters:
+                        out[w] = vec
+            rows = np.stack(cached)
         if out is not None:
             out[list(seqs)] = rows
         with lock:
             formed.append((list(seqs), stats.pad_len))
             stats_list.append(stats)
-        for _ in seqs:
+            answered[0] += len(followers)
+        for _ in range(len(seqs) + len(followers)):
             room.release()
 
     def on_error(seqs: Sequence[int], exc: BaseException) -> None:
+        followers = [w for s in seqs for w in cache.abandon(keys[s])] if cache is not None and coalesce else []
         with lock:
             errors.append(exc)
-        for _ in seqs:
+        for _ in range(len(seqs) + len(followers)):
             room.release()
 
     bucketer = Bucketer(profile, backend, on_complete, on_error=on_error, max_queue_delay_ms=max_queue_delay_ms,
                         dispatchers=dispatchers, pad_to=pad_to, eager=eager)  # type: ignore[arg-type]
     bucketer.start()
-    hits = 0
     start = time.perf_counter()
     try:
         for i, enc in enumerate(encoded):
+            # Every item holds a window slot until answered, as its record stays uncommitted in
+            # the worker; a hit gives its slot back at once.
+            room.acquire()
             if cache is not None:
                 k = key(enc.ids)
                 keys.append(k)
-                row = cache.get(k)
+                if coalesce:
+                    found = cache.lookup(k, i)
+                    if found.outcome == "joined":
+                        continue  # answered, and its slot released, by the leader's on_complete
+                    row = found.row
+                else:
+                    row = cache.get(k)
                 if row is not None:
-                    hits += 1
+                    with lock:
+                        answered[0] += 1
                     if out is not None:
                         out[i] = row
+                    room.release()
                     continue
-            room.acquire()
             bucketer.submit(i, enc.ids)
     finally:
         dropped = bucketer.stop(drain=True)
@@ -210,7 +232,7 @@ def run_bucketed(encoded: Sequence[Encoded], profile: Profile, backend: Backend,
     if errors or dropped:
         raise BenchError(f"bucketed run incomplete: {len(errors)} failed batches "
                          f"(first: {errors[0]!r})" if errors else f"bucketed run dropped {len(dropped)} items")
-    done = sum(s.size for s in stats_list) + hits
+    done = sum(s.size for s in stats_list) + answered[0]
     if done != n:
         raise BenchError(f"bucketed run completed {done} of {n} items")
     return BucketedRun(policy, n, seconds, sum(s.real_tokens for s in stats_list),

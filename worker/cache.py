@@ -14,6 +14,14 @@ Values: each vector is stored as an immutable `bytes` object and handed out as a
 of it. numpy refuses to make such a view writable (its buffer is read-only), so no caller can
 change a cached row, and the row a hit returns is bit for bit the row that was put.
 
+In-flight repeats (single flight): a keyword repeated while its first occurrence is still being
+embedded would miss and be computed again; with max_in_flight=4096 keywords in flight, that is
+most repeats of a short burst (benchmarks/results/cache.md). `lookup(k, waiter)` therefore
+answers one of three ways: a hit (the row), a miss (the caller leads: it computes the row and
+calls `complete`, or `abandon` if it cannot), or joined (someone leads already; `waiter` is
+handed back by the leader's `complete` or `abandon`, to be answered with the same row or
+retried). `get`/`put` remain for callers that do not coalesce.
+
 Eviction: least recently used (a hit refreshes an entry), until the accounted bytes fit
 `max_bytes`. The accounted size of an entry is what it really holds: the key and value objects
 (sys.getsizeof) plus the map's own per-entry cost; tests/test_cache.py checks the account
@@ -26,7 +34,7 @@ import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 
@@ -66,6 +74,7 @@ class CacheObserver(Protocol):
     def count_cache_hits(self, n: int = 1) -> None: ...
     def count_cache_misses(self, n: int = 1) -> None: ...
     def count_cache_evictions(self, n: int = 1) -> None: ...
+    def count_cache_joined(self, n: int = 1) -> None: ...
     def set_cache_usage(self, entries: int, nbytes: int) -> None: ...
 
 
@@ -77,32 +86,46 @@ class CacheStats:
     entries: int
     nbytes: int
     max_bytes: int
+    joined: int = 0  # lookups that joined an in-flight computation of the same key
 
     @property
     def lookups(self) -> int:
-        return self.hits + self.misses
+        return self.hits + self.misses + self.joined
 
     @property
     def hit_rate(self) -> float:
-        return self.hits / self.lookups if self.lookups else 0.0
+        """Share of lookups the model did not run for: hits and joins."""
+        return (self.hits + self.joined) / self.lookups if self.lookups else 0.0
 
     def line(self) -> str:
-        """One line for a report: `cache  1,234 hits of 10,000 lookups (12.3%), ...`."""
-        return hit_rate_line(self.hits, self.misses, self.evictions, self.entries, self.nbytes)
+        """One line for a report: `1,234 hits of 10,000 lookups (12.3%), ...`."""
+        return hit_rate_line(self.hits, self.misses, self.evictions, self.entries, self.nbytes, self.joined)
 
 
 def hit_rate_line(hits: float, misses: float, evictions: float, entries: float | None = None,
-                  nbytes: float | None = None) -> str:
+                  nbytes: float | None = None, joined: float = 0) -> str:
     """The cache's hit-rate line, from counters (the demo reads them off /metrics)."""
-    lookups = hits + misses
-    rate = hits / lookups if lookups else 0.0
-    text = f"{hits:,.0f} hits of {lookups:,.0f} lookups ({rate:.1%}), {evictions:,.0f} evicted"
+    lookups = hits + misses + joined
+    rate = (hits + joined) / lookups if lookups else 0.0
+    text = (f"{hits:,.0f} hits" + (f" + {joined:,.0f} joined in flight" if joined else "")
+            + f" of {lookups:,.0f} lookups ({rate:.1%}), {evictions:,.0f} evicted")
     if entries is not None and nbytes is not None:
         text += f", {entries:,.0f} vectors in {nbytes / 1e6:,.1f} MB"
     return text
 
 
-class EmbeddingCache:
+W = TypeVar("W")
+
+
+@dataclass(frozen=True)
+class Lookup(Generic[W]):
+    """What `EmbeddingCache.lookup` found: "hit" (row set), "miss" (the caller leads) or "joined"."""
+
+    outcome: Literal["hit", "miss", "joined"]
+    row: np.ndarray | None = None
+
+
+class EmbeddingCache(Generic[W]):
     """Thread-safe, byte-bounded LRU map from `key(ids)` to one float32 vector of `dim` values.
 
     API the pipeline uses: `get(k) -> np.ndarray | None` (read-only row, counts a hit or a
@@ -125,6 +148,9 @@ class EmbeddingCache:
         self._hits = 0
         self._misses = 0
         self._evictions = 0
+        self._joined = 0
+        # key -> waiters of an in-flight computation (its leader is not listed)
+        self._flight: dict[bytes, list[W]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -150,6 +176,46 @@ class EmbeddingCache:
             else:
                 self._observer.count_cache_hits()
         return None if value is None else np.frombuffer(value, dtype=np.float32)
+
+    def lookup(self, k: bytes, waiter: W) -> Lookup[W]:
+        """A hit, a miss (the caller now leads k: `complete` or `abandon` it) or a join of the
+        in-flight computation of k (`waiter` comes back from the leader's complete/abandon)."""
+        with self._lock:
+            value = self._map.get(k)
+            if value is not None:
+                self._map.move_to_end(k)
+                self._hits += 1
+                outcome = "hit"
+            elif k in self._flight:
+                self._flight[k].append(waiter)
+                self._joined += 1
+                outcome = "joined"
+            else:
+                self._flight[k] = []
+                self._misses += 1
+                outcome = "miss"
+        if self._observer is not None:
+            {"hit": self._observer.count_cache_hits, "miss": self._observer.count_cache_misses,
+             "joined": self._observer.count_cache_joined}[outcome]()
+        return Lookup(outcome, None if value is None else np.frombuffer(value, dtype=np.float32))
+
+    def complete(self, k: bytes, row: np.ndarray) -> tuple[np.ndarray, list[W]]:
+        """The leader of k has its row: store it; returns the cached row and k's waiters to answer."""
+        cached = self.put(k, row)
+        with self._lock:
+            waiters = self._flight.pop(k, [])
+        return cached, waiters
+
+    def abandon(self, k: bytes) -> list[W]:
+        """The leader of k could not compute it (failed batch, dropped on revoke or shutdown): k is
+        no longer in flight; returns its waiters, which the caller retries or fails."""
+        with self._lock:
+            return self._flight.pop(k, [])
+
+    def in_flight(self) -> int:
+        """Keys being computed by a leader (for tests and shutdown checks)."""
+        with self._lock:
+            return len(self._flight)
 
     def put(self, k: bytes, row: np.ndarray) -> np.ndarray:
         """Store a copy of row under k; returns the cached read-only row.
@@ -204,7 +270,7 @@ class EmbeddingCache:
     def stats(self) -> CacheStats:
         with self._lock:
             return CacheStats(self._hits, self._misses, self._evictions, len(self._map), self._nbytes,
-                              self.max_bytes)
+                              self.max_bytes, self._joined)
 
     def clear(self) -> None:
         with self._lock:

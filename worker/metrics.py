@@ -106,6 +106,9 @@ class Metrics:
         self.cache_misses = Counter(f"{PREFIX}cache_misses",
                                     "Keywords looked up in the embedding cache and not found (sent to the model).",
                                     registry=r)
+        self.cache_joined = Counter(f"{PREFIX}cache_joined",
+                                    "Keywords that joined the in-flight computation of the same tokens "
+                                    "(answered with its vector, no model run).", registry=r)
         self.cache_evictions = Counter(f"{PREFIX}cache_evictions",
                                        "Vectors evicted from the embedding cache to keep it within cache_bytes.",
                                        registry=r)
@@ -168,6 +171,9 @@ class Metrics:
 
     def count_cache_misses(self, n: int = 1) -> None:
         self.cache_misses.inc(n)
+
+    def count_cache_joined(self, n: int = 1) -> None:
+        self.cache_joined.inc(n)
 
     def count_cache_evictions(self, n: int = 1) -> None:
         self.cache_evictions.inc(n)
