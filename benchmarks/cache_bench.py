@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from engines.export_onnx import ensure_onnx  # noqa: E402
 from worker.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402
 from worker.bench import quartiles, read_queries, run_bucketed  # noqa: E402
-from worker.cache import DEFAULT_CACHE_BYTES, EmbeddingCache  # noqa: E402
+from worker.cache import DEFAULT_CACHE_BYTES, EmbeddingCache, key  # noqa: E402
 from worker.model import default_model_dir  # noqa: E402
 from worker.profiles import load_profile  # noqa: E402
 from worker.tokenize import KeywordTokenizer  # noqa: E402
@@ -58,6 +59,25 @@ def zipf_replay(texts: list[str], n: int, s: float, seed: int) -> list[str]:
     return [ranked[i] for i in draws]
 
 
+def cache_cost_us(encoded: list[Any], dim: int, repeats: int = 5) -> float:
+    """Median microseconds per keyword of what the cache adds on a miss: key, lookup, complete.
+
+    Timed alone (no model), so the noise of a shared machine's inference does not drown it; the
+    share of the pipeline's per-keyword time it takes is this over the model's time per keyword.
+    """
+    row = np.ones(dim, dtype=np.float32)
+    times = []
+    for _ in range(repeats):
+        cache: EmbeddingCache[int] = EmbeddingCache(DEFAULT_CACHE_BYTES, dim)
+        start = time.perf_counter()
+        for i, enc in enumerate(encoded):
+            k = key(enc.ids)
+            if cache.lookup(k, i).outcome == "miss":
+                cache.complete(k, row)
+        times.append((time.perf_counter() - start) / len(encoded) * 1e6)
+    return float(np.median(times))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--queries", default=str(DEFAULT_QUERIES))
@@ -69,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-bytes", type=int, default=DEFAULT_CACHE_BYTES)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--dispatchers", type=int, default=1)
+    ap.add_argument("--cost-only", action="store_true",
+                    help="only the cache's own CPU cost per keyword on the distinct stream (no model runs)")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
@@ -81,6 +103,25 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = KeywordTokenizer.from_model_dir(default_model_dir())
     backend = OnnxRuntimeBackend(ensure_onnx(), intra_op_threads=args.threads)
     profile = load_profile("cpu", model_max_len=tokenizer.max_len)
+    if args.cost_only:
+        # The cache's CPU cost per keyword against the model path's time per keyword (a bucketed
+        # run without the cache on the same queries), alternated and paired per round.
+        enc = tokenizer.encode(distinct)
+        run_bucketed(enc[:1000], profile, backend, dispatchers=args.dispatchers)  # warm-up
+        shares, costs, model_us = [], [], []
+        for _ in range(args.rounds):
+            cost = cache_cost_us(enc, backend.dim, repeats=3)
+            per_kw = 1e6 / run_bucketed(enc[:2000], profile, backend, dispatchers=args.dispatchers).keywords_per_s
+            costs.append(cost)
+            model_us.append(per_kw)
+            shares.append(cost / per_kw)
+            print(f"cache {cost:.1f} us/keyword, model path {per_kw:.0f} us/keyword: {cost / per_kw:.2%}", flush=True)
+        out = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]), "n": len(enc),
+               "cache_us_per_keyword": costs, "model_path_us_per_keyword": model_us,
+               "cost_share": quartiles(shares)}
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+        return 0
     run_bucketed(tokenizer.encode(trec[:1000]), profile, backend, dispatchers=args.dispatchers)  # warm-up
 
     results: dict[str, Any] = {}

@@ -33,8 +33,9 @@ from __future__ import annotations
 import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, Literal, Protocol, TypeVar
+from typing import Generic, Literal, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -47,7 +48,8 @@ ENTRY_OVERHEAD = 104
 # 1,569 (value) + 45-81 (key) + 104 (map) bytes, so 100k take ~175 MB; 192 MiB leaves room.
 DEFAULT_CACHE_BYTES = 192 * 1024 * 1024
 
-_MAX_ID = np.iinfo(np.int32).max
+_KEY_DTYPE = np.dtype("<i8")
+_MAX_ID = np.iinfo(np.int64).max
 
 
 class CacheError(ValueError):
@@ -55,27 +57,27 @@ class CacheError(ValueError):
 
 
 def key(ids: np.ndarray) -> bytes:
-    """The cache key of one item: its token IDs (after truncation) as little-endian int32 bytes.
+    """The cache key of one item: its token IDs (after truncation) as int64 bytes.
 
-    int32 halves the key against int64 and holds any real vocabulary; an ID outside it
-    is refused rather than silently wrapped onto another key.
+    The tokenizer's own int64 array is used as it is (no conversion, no scan: this runs once per
+    keyword on the poll thread); other integer arrays are widened to int64, so equal IDs give
+    equal keys whatever their dtype.
     """
-    ids = np.asarray(ids)
-    if ids.ndim != 1 or ids.dtype.kind not in "iu":
-        raise CacheError(f"cache key: expected a 1-D integer array of token ids, got {ids.dtype} {ids.shape}")
-    if ids.size and (int(ids.min()) < 0 or int(ids.max()) > _MAX_ID):
-        raise CacheError(f"cache key: token ids must be in [0, {_MAX_ID}], got [{ids.min()}, {ids.max()}]")
-    return ids.astype("<i4", copy=False).tobytes()
+    if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise CacheError(f"cache key: expected a 1-D integer array of token ids, got "
+                         f"{getattr(ids, 'dtype', type(ids).__name__)} {getattr(ids, 'shape', '')}")
+    if ids.dtype != _KEY_DTYPE:
+        if ids.dtype.kind == "u" and ids.size and int(ids.max()) > _MAX_ID:
+            raise CacheError(f"cache key: token id {int(ids.max())} does not fit int64")
+        ids = ids.astype(_KEY_DTYPE)
+    return ids.tobytes()
 
 
 class CacheObserver(Protocol):
-    """Where the cache reports its counters (worker.metrics.Metrics implements it)."""
+    """Where the cache's counters go (worker.metrics.Metrics): it reads `stats` when scraped, so
+    lookups and stores pay for no metric update."""
 
-    def count_cache_hits(self, n: int = 1) -> None: ...
-    def count_cache_misses(self, n: int = 1) -> None: ...
-    def count_cache_evictions(self, n: int = 1) -> None: ...
-    def count_cache_joined(self, n: int = 1) -> None: ...
-    def set_cache_usage(self, entries: int, nbytes: int) -> None: ...
+    def watch_cache(self, stats: Callable[[], CacheStats]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -117,9 +119,11 @@ def hit_rate_line(hits: float, misses: float, evictions: float, entries: float |
 W = TypeVar("W")
 
 
-@dataclass(frozen=True)
-class Lookup(Generic[W]):
-    """What `EmbeddingCache.lookup` found: "hit" (row set), "miss" (the caller leads) or "joined"."""
+class Lookup(NamedTuple):
+    """What `EmbeddingCache.lookup` found: "hit" (row set), "miss" (the caller leads) or "joined".
+
+    A NamedTuple, not a dataclass: one is built per keyword, and a tuple costs a fraction.
+    """
 
     outcome: Literal["hit", "miss", "joined"]
     row: np.ndarray | None = None
@@ -141,7 +145,6 @@ class EmbeddingCache(Generic[W]):
             raise CacheError(f"cache: dim must be >= 1, got {dim}")
         self.max_bytes = max_bytes
         self.dim = dim
-        self._observer = observer
         self._lock = threading.Lock()
         self._map: OrderedDict[bytes, bytes] = OrderedDict()
         self._nbytes = 0
@@ -151,6 +154,8 @@ class EmbeddingCache(Generic[W]):
         self._joined = 0
         # key -> waiters of an in-flight computation (its leader is not listed)
         self._flight: dict[bytes, list[W]] = {}
+        if observer is not None:
+            observer.watch_cache(self.stats)  # read at scrape time
 
     @property
     def enabled(self) -> bool:
@@ -170,14 +175,9 @@ class EmbeddingCache(Generic[W]):
             else:
                 self._map.move_to_end(k)
                 self._hits += 1
-        if self._observer is not None:
-            if value is None:
-                self._observer.count_cache_misses()
-            else:
-                self._observer.count_cache_hits()
         return None if value is None else np.frombuffer(value, dtype=np.float32)
 
-    def lookup(self, k: bytes, waiter: W) -> Lookup[W]:
+    def lookup(self, k: bytes, waiter: W) -> Lookup:
         """A hit, a miss (the caller now leads k: `complete` or `abandon` it) or a join of the
         in-flight computation of k (`waiter` comes back from the leader's complete/abandon)."""
         with self._lock:
@@ -194,17 +194,11 @@ class EmbeddingCache(Generic[W]):
                 self._flight[k] = []
                 self._misses += 1
                 outcome = "miss"
-        if self._observer is not None:
-            {"hit": self._observer.count_cache_hits, "miss": self._observer.count_cache_misses,
-             "joined": self._observer.count_cache_joined}[outcome]()
         return Lookup(outcome, None if value is None else np.frombuffer(value, dtype=np.float32))
 
     def complete(self, k: bytes, row: np.ndarray) -> tuple[np.ndarray, list[W]]:
         """The leader of k has its row: store it; returns the cached row and k's waiters to answer."""
-        cached = self.put(k, row)
-        with self._lock:
-            waiters = self._flight.pop(k, [])
-        return cached, waiters
+        return self._store(k, row, release=True)
 
     def abandon(self, k: bytes) -> list[W]:
         """The leader of k could not compute it (failed batch, dropped on revoke or shutdown): k is
@@ -225,13 +219,16 @@ class EmbeddingCache(Generic[W]):
         different in the last bit (another batch shape). A row bigger than max_bytes on its
         own is not stored.
         """
-        if not isinstance(k, bytes):
+        return self._store(k, row, release=False)[0]
+
+    def _store(self, k: bytes, row: np.ndarray, *, release: bool) -> tuple[np.ndarray, list[W]]:
+        if type(k) is not bytes:
             raise CacheError(f"cache: key must be bytes (from worker.cache.key), got {type(k).__name__}")
-        row = np.asarray(row)
-        if row.shape != (self.dim,) or row.dtype != np.float32:
-            raise CacheError(f"cache: expected a float32 row of shape ({self.dim},), got {row.dtype} {row.shape}")
+        if not isinstance(row, np.ndarray) or row.shape != (self.dim,) or row.dtype != np.float32:
+            raise CacheError(f"cache: expected a float32 row of shape ({self.dim},), got "
+                             f"{getattr(row, 'dtype', type(row).__name__)} {getattr(row, 'shape', '')}")
         value = row.tobytes()
-        size = self.entry_bytes(k, value)
+        size = sys.getsizeof(k) + sys.getsizeof(value) + ENTRY_OVERHEAD
         evicted = 0
         with self._lock:
             existing = self._map.get(k)
@@ -246,12 +243,8 @@ class EmbeddingCache(Generic[W]):
                     self._nbytes -= self.entry_bytes(old_k, old_v)
                     evicted += 1
                 self._evictions += evicted
-            entries, nbytes = len(self._map), self._nbytes
-        if self._observer is not None:
-            if evicted:
-                self._observer.count_cache_evictions(evicted)
-            self._observer.set_cache_usage(entries, nbytes)
-        return np.frombuffer(value, dtype=np.float32)
+            waiters = self._flight.pop(k, []) if release else []
+        return np.frombuffer(value, dtype=np.float32), waiters
 
     def __len__(self) -> int:
         with self._lock:
@@ -276,5 +269,3 @@ class EmbeddingCache(Generic[W]):
         with self._lock:
             self._map.clear()
             self._nbytes = 0
-        if self._observer is not None:
-            self._observer.set_cache_usage(0, 0)
