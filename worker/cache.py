@@ -22,6 +22,17 @@ calls `complete`, or `abandon` if it cannot), or joined (someone leads already; 
 handed back by the leader's `complete` or `abandon`, to be answered with the same row or
 retried). `get`/`put` remain for callers that do not coalesce.
 
+How the Kafka worker uses it (worker/pipeline.py):
+    cache = EmbeddingCache(settings.cache_bytes, backend.dim, observer=metrics) if settings.cache_bytes else None
+    # poll thread, per tokenized record `seq` (already tracked for commit-after-write):
+    found = cache.lookup(key(enc.ids), seq)
+    "hit"    -> produce found.row now, like any finished record (commit after its ack)
+    "joined" -> nothing to submit: the leader's completion answers seq
+    "miss"   -> bucketer.submit(seq, enc.ids)
+    # on_complete, per (seq, row):  row, waiters = cache.complete(k, row); produce row for seq and
+    #     each waiter (also when seq's own partition was revoked: waiters may be on others)
+    # on_error / dropped by stop(): waiters = cache.abandon(k); dead-letter or redo them with seq
+
 Eviction: least recently used (a hit refreshes an entry), until the accounted bytes fit
 `max_bytes`. The accounted size of an entry is what it really holds: the key and value objects
 (sys.getsizeof) plus the map's own per-entry cost; tests/test_cache.py checks the account
