@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dispatchers", type=int, default=1)
     ap.add_argument("--only", nargs="*", help="substrings of variant names to run")
     ap.add_argument("--workdir", default=None, help="keep the int8 graphs here (default: a temp dir)")
+    ap.add_argument("--scan", action="store_true",
+                    help="instead of the variants: dynamic per-channel int8 on one group of MatMuls (or one "
+                         "layer) at a time, the rest fp32, quality only")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     args = ap.parse_args(argv)
@@ -153,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fp32: golden min {base['golden_min']:.6f}", flush=True)
     fp32.close()
 
+    if args.scan:
+        return scan(args, fp32_path, ref, ref_nn, golden_ref, enc_eval, enc_golden)
     profile = load_profile("cpu", model_max_len=tok.max_len)
     speed_enc = enc_eval[:args.speed_n]
     fp32_backend = OnnxRuntimeBackend(fp32_path, intra_op_threads=args.intra_op_threads)
@@ -214,6 +219,59 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     if args.markdown:
         Path(args.markdown).write_text(render(report), encoding="utf-8")
+    return 0
+
+
+SCAN_GROUPS = {"query": ".attention.self.query.", "key": ".attention.self.key.",
+               "value": ".attention.self.value.", "attention output": ".attention.output.dense.",
+               "FFN in (intermediate)": ".intermediate.dense.", "FFN out": "0.output.dense|1.output.dense|"
+               "2.output.dense|3.output.dense|4.output.dense|5.output.dense"}
+
+
+def scan(args: argparse.Namespace, fp32_path: Path, ref: np.ndarray, ref_nn: np.ndarray, golden_ref: np.ndarray,
+         enc_eval: list[Encoded], enc_golden: list[Encoded]) -> int:
+    import re
+
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from engines.quantize_int8 import matmul_names
+
+    names = matmul_names(onnx.load(str(fp32_path)))
+    linear = [n for n in names if not re.search(r"\.(qk|ctx)_\d+", n)]
+    layers = sorted({int(m.group(1)) for n in linear if (m := re.search(r"encoder\.layer\.(\d+)\.", n))})
+    groups = {f"{g} (all layers)": [n for n in linear if re.search(p.replace(".", r"\."), n)]
+              for g, p in SCAN_GROUPS.items()}
+    groups.update({f"layer {i} (all its linear MatMuls)": [n for n in linear if f"encoder.layer.{i}." in n]
+                   for i in layers})
+    groups["query + key + attention output (the shipped recipe)"] = [
+        n for n in linear if any(k in n for k in (".self.query.", ".self.key.", ".attention.output.dense."))]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, quantized in groups.items():
+            path = Path(tmp) / "scan.onnx"
+            quantize_dynamic(str(fp32_path), str(path), per_channel=True, weight_type=QuantType.QInt8,
+                             op_types_to_quantize=["MatMul"], nodes_to_exclude=[n for n in names if n not in quantized])
+            with Embedder(onnx_path=path, cache_bytes=0, intra_op_threads=args.intra_op_threads) as emb:
+                q = quality(ref, ref_nn, emb.embed_encoded(enc_eval), golden_ref, emb.embed_encoded(enc_golden))
+            rows.append({"int8": label, "matmuls": len(quantized), "quality": q, "gate": passes(q)})
+            print(f"{label}: mean {q['mean']:.4f} p1 {q['p1']:.4f} recall@10 {q['recall10']:.3f} "
+                  f"golden {q['golden_min']:.4f}", flush=True)
+    command = "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": command, "n": args.n, "rows": rows}, indent=2) + "\n",
+                                   encoding="utf-8")
+    if args.markdown:
+        lines = ["# int8 sensitivity scan (issue 13)", "", f"`{command}`", "",
+                 f"Dynamic per-channel int8 on the listed MatMuls only, every other MatMul fp32; {args.n:,} distinct "
+                 "TREC 2005 efficiency queries against fp32 (recall@10 among those queries), golden rows against "
+                 "sentence-transformers. Quality only.", "",
+                 "| int8 | MatMuls | mean cos | p1 | recall@10 | golden min | gate |", "|---|---:|---:|---:|---:|---:|---|"]
+        for r in rows:
+            q = r["quality"]
+            lines.append(f"| {r['int8']} | {r['matmuls']} | {q['mean']:.4f} | {q['p1']:.4f} | {q['recall10']:.3f} | "
+                         f"{q['golden_min']:.4f} | {'pass' if r['gate'] else 'fail'} |")
+        Path(args.markdown).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return 0
 
 
