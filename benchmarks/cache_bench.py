@@ -132,10 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         hit_rates: dict[str, list[float]] = {m: [] for m in modes if m != "off"}
         evictions: dict[str, list[int]] = {m: [] for m in modes if m != "off"}
         for r in range(args.rounds):
+            # Plain rotation: each mode takes each position equally often (rotating and then
+            # reversing every other round, as worker.bench does for three or more policies,
+            # would keep two modes in the same order every round).
             k = r % len(modes)
             order = list(modes[k:] + modes[:k])
-            if r % 2:
-                order.reverse()
             for mode in order:
                 cache = EmbeddingCache(args.cache_bytes, backend.dim) if mode != "off" else None
                 run = run_bucketed(encoded, profile, backend, dispatchers=args.dispatchers, cache=cache,
