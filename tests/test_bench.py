@@ -99,6 +99,73 @@ def test_run_bucketed_returns_each_embedding_in_its_row(ort_parts) -> None:  # n
     ctx.close()
 
 
+def test_run_bucketed_with_a_cache_answers_repeats_without_the_bucketer(ort_parts) -> None:  # noqa: ANN001
+    from worker.cache import EmbeddingCache, key
+
+    tokenizer, backend, encoded = ort_parts
+    profile = load_profile("cpu", model_max_len=tokenizer.max_len)
+    items = list(encoded[:100])
+    distinct = len({key(e.ids) for e in items})
+    plain = run_bucketed(items, profile, backend, window=16, keep_embeddings=True)
+    cache = EmbeddingCache(1 << 24, backend.dim)
+    first = run_bucketed(items, profile, backend, window=16, keep_embeddings=True, cache=cache)
+    assert cache.stats().entries == distinct and cache.stats().lookups == len(items)
+    np.testing.assert_allclose(first.embeddings, plain.embeddings, atol=1e-5)
+    again = run_bucketed(items, profile, backend, window=16, keep_embeddings=True, cache=cache)
+    s = cache.stats()
+    # Everything was cached by the first pass: the second is all hits and never reaches the bucketer.
+    assert again.n == len(items) and again.batches == 0 and s.hits >= len(items)
+    assert s.lookups == 2 * len(items) and s.entries == distinct
+    # A hit is the vector computed the first time, bit for bit.
+    for i, e in enumerate(items):
+        assert again.embeddings[i].tobytes() == cache.get(key(e.ids)).tobytes()
+    assert again.embeddings.tobytes() == first.embeddings.tobytes()
+
+
+def test_run_bucketed_coalesces_repeats_in_flight(ort_parts) -> None:  # noqa: ANN001
+    from worker.cache import EmbeddingCache
+
+    tokenizer, backend, encoded = ort_parts
+    profile = load_profile("cpu", model_max_len=tokenizer.max_len)
+    stream = [encoded[0]] * 40 + list(encoded[1:11])  # one keyword repeated while it is in flight
+    cache = EmbeddingCache(1 << 24, backend.dim)
+    run = run_bucketed(stream, profile, backend, window=64, keep_embeddings=True, cache=cache)
+    s = cache.stats()
+    ran = sum(st.size for st in run.stats)
+    assert ran == s.misses == len({e.ids.tobytes() for e in stream})  # each key ran once
+    assert s.hits + s.joined == len(stream) - ran and s.joined > 0 and cache.in_flight() == 0
+    assert all(run.embeddings[i].tobytes() == run.embeddings[0].tobytes() for i in range(40))
+
+
+def test_run_bucketed_with_a_cache_fails_cleanly_when_the_leader_fails() -> None:
+    from worker.benchmark.errors import BenchError
+    from worker.cache import EmbeddingCache
+    from worker.tokenize import Encoded
+
+    class Ctx:
+        def run(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+            raise RuntimeError("backend down")
+
+        def close(self) -> None:
+            pass
+
+    class Failing:
+        name, dim, preferred_pad, max_contexts = "failing", 4, "longest", None
+
+        def create_context(self, index: int) -> Ctx:
+            return Ctx()
+
+        def close(self) -> None:
+            pass
+
+    item = Encoded(ids=np.array([101, 2000, 102]), length=3, truncated=False)
+    cache = EmbeddingCache(1 << 20, 4)
+    # A window of 2 with 20 joins: a waiter whose slot were not handed back would hang the feeder.
+    with pytest.raises(BenchError, match="failed batches"):
+        run_bucketed([item] * 20, load_profile("cpu"), Failing(), window=2, cache=cache)
+    assert cache.in_flight() == 0 and len(cache) == 0
+
+
 def test_monolithic_and_sorted_count_tokens(ort_parts) -> None:  # noqa: ANN001
     _, backend, encoded = ort_parts
     enc = encoded[:40]

@@ -25,6 +25,7 @@ from worker.backends.base import BackendName
 from worker.kafka.messages import InputFormat, OutputEncoding
 from worker.logs import LogFormat, LogLevel
 from worker.redact import MASK, is_secret_key
+from worker.cache import DEFAULT_CACHE_BYTES
 
 ENV_PREFIX = "KWE_"
 
@@ -152,6 +153,9 @@ CLIENT_SETTINGS = ("kafka_config", "kafka_config_file", "security_protocol", "sa
                    "sasl_password", "sasl_password_file", "ssl_ca_location")
 
 
+Precision = Literal["fp32", "int8"]
+
+
 class SettingsError(ValueError):
     """A setting has an invalid value; the message names the setting and its source."""
 
@@ -251,8 +255,16 @@ class Settings:
                             "for ONNX Runtime.")
     pad_to: PadSetting = _setting("auto", "Pad a batch to its bucket bound ('bucket'), or to its longest item "
                                   "('longest'); 'auto': the profile's pad_to.")
+    precision: Precision = _setting("fp32", "Model precision on ONNX Runtime: 'int8' runs the quantized graph "
+                                    "(only the query, key and attention-output projections in int8, the recipe "
+                                    "that kept neighbours in benchmarks/results/int8.md), exported and cached "
+                                    "beside the fp32 one; ignored when onnx_path is set; not for TensorRT.")
     intra_op_threads: int = _setting(0, "ONNX Runtime threads per inference context; 0: one per core.",
                                      minimum=0)
+    cache_bytes: int = _setting(DEFAULT_CACHE_BYTES, "Byte bound of the exact-match embedding cache, keyed by "
+                                "the token IDs after truncation: a repeated keyword is answered from it "
+                                "without the model (least recently used vectors are evicted). The default "
+                                "holds about 100k 384-d vectors; 0 turns the cache off.", minimum=0)
     dispatchers: int = _setting(1, "Inference contexts (and dispatcher threads) on CPU; TensorRT always uses "
                                 "one per bucket profile.", minimum=1)
     # --- Operations --------------------------------------------------------------------

@@ -9,6 +9,12 @@ The default graph is the plain export run with ONNX Runtime's session-time optim
 (`optimize=True` picks the offline-fused one; see benchmarks/results/ort_grid.md for why not).
 Padding does not change a vector (masked positions get exactly zero attention weight and are
 left out of the mean), so the result does not depend on the batch composition.
+
+`cache_bytes` (default: worker.cache.DEFAULT_CACHE_BYTES, 0 turns it off) keeps the vectors of
+texts already embedded, keyed by their token IDs after truncation: a repeat, in the same call or
+a later one, is not run again, and gets bit for bit the vector computed the first time.
+`precision="int8"` runs the quantized graph (engines/quantize_int8.py, cached beside the fp32
+export; its quality against fp32 is in benchmarks/results/int8.md).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 from typing import cast
+from typing import get_args
 
 import numpy as np
 
@@ -23,17 +30,25 @@ from kwe_core.model import ModelInfo, default_model_dir
 from worker.backends.onnxruntime import OnnxRuntimeBackend
 from worker.backends.select import open_backend
 from worker.padding import pad_batch
+from worker.cache import DEFAULT_CACHE_BYTES, EmbeddingCache, key
+from worker.config import Precision
 from worker.tokenize import Encoded, KeywordTokenizer
 
 
 class Embedder:
     def __init__(self, model_dir: str | Path | None = None, *, onnx_path: str | Path | None = None,
                  intra_op_threads: int = 0, batch_size: int = 64, token_budget: int = 4096,
-                 optimize: bool = False) -> None:
+                 optimize: bool = False, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 precision: Precision = "fp32") -> None:
         if batch_size < 1:
             raise ValueError(f"Embedder: batch_size must be >= 1, got {batch_size}")
         if token_budget < 1:
             raise ValueError(f"Embedder: token_budget must be >= 1, got {token_budget}")
+        if precision not in get_args(Precision):
+            raise ValueError(f"Embedder: precision must be one of {', '.join(get_args(Precision))}, got {precision!r}")
+        if precision == "int8" and (onnx_path is not None or optimize):
+            raise ValueError("Embedder: precision='int8' picks its own graph; it does not combine with "
+                             "onnx_path or optimize")
         self.info = ModelInfo.from_dir(model_dir if model_dir is not None else default_model_dir())
         self.model_dir = self.info.model_dir
         self.tokenizer = KeywordTokenizer.from_model(self.info)
@@ -41,11 +56,14 @@ class Embedder:
         # it measured ~10-15% faster than the offline-fused graph on this project's CPUs
         # (benchmarks/results/ort_grid.md); both match the reference equally.
         self.backend = cast(OnnxRuntimeBackend, open_backend(
-            "onnxruntime", self.info, onnx_path=onnx_path, intra_op_threads=intra_op_threads, fused=optimize))
+            "onnxruntime", self.info, onnx_path=onnx_path, intra_op_threads=intra_op_threads, fused=optimize,
+            precision=precision))
         self.onnx_path = self.backend.path
         self.batch_size = batch_size
         self.token_budget = token_budget
         self._context = self.backend.create_context(0)
+        self.cache: EmbeddingCache | None = (EmbeddingCache(cache_bytes, self.dim) if cache_bytes
+                                              else None)
 
     @property
     def dim(self) -> int:
@@ -67,6 +85,36 @@ class Embedder:
 
     def embed_encoded(self, encoded: Sequence[Encoded]) -> np.ndarray:
         out = np.empty((len(encoded), self.dim), dtype=np.float32)
+        if self.cache is None:
+            self._run(encoded, out)
+            return out
+        # Each distinct key is looked up once and, on a miss, run once; its repeats in this call
+        # copy the first one's row.
+        first: dict[bytes, int] = {}
+        copies: list[tuple[int, int]] = []
+        misses: list[int] = []
+        keys = [key(enc.ids) for enc in encoded]
+        for i, k in enumerate(keys):
+            if k in first:
+                copies.append((i, first[k]))
+                continue
+            first[k] = i
+            row = self.cache.get(k)
+            if row is None:
+                misses.append(i)
+            else:
+                out[i] = row
+        if misses:
+            computed = np.empty((len(misses), self.dim), dtype=np.float32)
+            self._run([encoded[i] for i in misses], computed)
+            for i, row in zip(misses, computed):
+                # put() returns the vector already cached if another thread got there first.
+                out[i] = self.cache.put(keys[i], row)
+        for i, j in copies:
+            out[i] = out[j]
+        return out
+
+    def _run(self, encoded: Sequence[Encoded], out: np.ndarray) -> None:
         for rows in self._batches(encoded):
             out[rows] = self._context.run(*pad_batch([encoded[i].ids for i in rows]))
         return out

@@ -35,6 +35,7 @@ class InFlight:
     # headers read once and safely (a header name need not be UTF-8).
     msg: Message | None
     headers: InputHeaders
+    cache_key: bytes | None = None  # the embedding cache's key, set when the cache is on
 
 
 class InFlightTable:

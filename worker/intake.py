@@ -3,7 +3,9 @@
 Runs on the poll thread only. Each record is tracked by its partition's offsets first (so
 nothing can be committed past it), then validated: a rejected record goes to the dead-letter
 topic with its reason, a good one is tokenized and submitted. No record leaves intake without
-one of the two, and a tokenizer failure on one text dead-letters that text alone.
+one of the two, and a tokenizer failure on one text dead-letters that text alone. With the
+embedding cache on, a repeated keyword (same token IDs) is answered from it at once and goes
+straight to the output stage.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import numpy as np
 import structlog
 from confluent_kafka import Message
 
+from worker.cache import EmbeddingCache
+from worker.cache import key as cache_key
 from worker.config import Settings
 from worker.dead_letters import DeadLetters
 from worker.inflight import InFlight, InFlightTable
@@ -27,11 +31,14 @@ from worker.metrics import Metrics
 log = structlog.get_logger(__name__)
 
 Submit = Callable[[int, np.ndarray], None]
+# Records answered from the embedding cache: their seqs and rows, handed to the output stage.
+Answer = Callable[[list[int], np.ndarray], None]
 
 
 class Intake:
     def __init__(self, settings: Settings, tokenizer: Any, tracker: OffsetTracker, inflight: InFlightTable,
-                 submit: Submit, dead_letters: DeadLetters, metrics: Metrics) -> None:
+                 submit: Submit, dead_letters: DeadLetters, metrics: Metrics, *,
+                 cache: EmbeddingCache[int] | None = None, answer: Answer | None = None) -> None:
         self._settings = settings
         self._tokenizer = tokenizer
         self._tracker = tracker
@@ -39,6 +46,8 @@ class Intake:
         self._submit = submit
         self._dead_letters = dead_letters
         self._metrics = metrics
+        self._cache = cache
+        self._answer = answer
         self._seq = itertools.count()
         self.consumed = 0
 
@@ -86,6 +95,7 @@ class Intake:
 
     def _embed(self, good: list[tuple[int, Keyword, InFlight]]) -> None:
         texts = [kw.text for _, kw, _ in good]
+        hits: list[tuple[int, np.ndarray]] = []
         try:
             encoded: list[Any] = self._tokenizer.encode(texts)
         except Exception:  # noqa: BLE001 - one bad text must not cost the batch: find it alone
@@ -105,4 +115,14 @@ class Intake:
                 continue
             rec.qid, rec.tokens, rec.truncated = kw.id, enc.length, enc.truncated
             self._inflight.add(seq, rec)
+            if self._cache is not None:
+                rec.cache_key = cache_key(enc.ids)
+                row = self._cache.get(rec.cache_key)
+                if row is not None:
+                    # A repeat: answered now, skipping the bucketer and the model; its offset is
+                    # still finished only when the output is acknowledged, like any other.
+                    hits.append((seq, row))
+                    continue
             self._submit(seq, enc.ids)
+        if hits and self._answer is not None:
+            self._answer([seq for seq, _ in hits], np.stack([row for _, row in hits]))

@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
 
 from worker.bucketing import BatchStats
 
@@ -78,6 +81,10 @@ class Metrics:
                                   ["topic", "partition"], registry=r)
         self.rebalances = Counter(f"{PREFIX}rebalances", "Partition rebalance callbacks, by kind.", ["kind"],
                                   registry=r)
+        # The embedding cache (worker/cache.py) counts for itself; its series are read from it at
+        # scrape time (watch_cache), so the per-keyword path pays for no metric update.
+        self._cache_stats: Callable[[], Any] | None = None
+        r.register(_CacheCollector(lambda: self._cache_stats))
         self.backend_info = Info(f"{PREFIX}backend", "Inference backend, model and bucket profile in use.",
                                  registry=r)
         # Series that exist from the start read 0 instead of "no data", so rate() and
@@ -127,6 +134,11 @@ class Metrics:
         for seconds in stats.queue_wait_s:
             wait.observe(seconds)
         self.backend_time.labels(bucket=label).observe(stats.backend_s)
+
+    # --- embedding cache (worker.cache.CacheObserver) -----------------------------------
+    def watch_cache(self, stats: Callable[[], Any]) -> None:
+        """Export the cache whose `stats()` (a worker.cache.CacheStats) is given, read at scrape time."""
+        self._cache_stats = stats
 
     # --- consumer group ------------------------------------------------------------------
     def set_lag(self, topic: str, partition: int, lag: int) -> None:
@@ -204,6 +216,35 @@ class Metrics:
     def render(self) -> bytes:
         """The registry in the Prometheus text exposition format."""
         return generate_latest(self.registry)
+
+
+# (series name, kind, help, CacheStats field)
+CACHE_SERIES = (
+    ("cache_hits", "counter", "Keywords whose vector came from the embedding cache.", "hits"),
+    ("cache_joined", "counter", "Keywords that joined the in-flight computation of the same tokens "
+     "(answered with its vector, no model run).", "joined"),
+    ("cache_misses", "counter", "Keywords looked up in the embedding cache and not found (sent to the model).",
+     "misses"),
+    ("cache_evictions", "counter", "Vectors evicted from the embedding cache to keep it within cache_bytes.",
+     "evictions"),
+    ("cache_entries", "gauge", "Vectors held by the embedding cache.", "entries"),
+    ("cache_bytes", "gauge", "Bytes held by the embedding cache (keys, vectors and map overhead).", "nbytes"),
+)
+
+
+class _CacheCollector(Collector):
+    """The cache's own counters as Prometheus series; zeros until a cache is watched."""
+
+    def __init__(self, source: Callable[[], Callable[[], Any] | None]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        stats_fn = self._source()
+        stats = stats_fn() if stats_fn is not None else None
+        for name, kind, help_text, attr in CACHE_SERIES:
+            value = float(getattr(stats, attr)) if stats is not None else 0.0
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(f"{PREFIX}{name}", help_text, value=value)
 
 
 # The readiness callable returns (ready, detail). The detail is either named checks

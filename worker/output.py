@@ -22,6 +22,7 @@ import structlog
 from worker.acks import Acknowledger
 from worker.backends.isolating import PartialBatchError
 from worker.bucketing import BatchStats
+from worker.cache import EmbeddingCache
 from worker.dead_letters import DeadLetters
 from worker.errors import BackendBrokenError, WorkerError
 from worker.inflight import InFlightTable
@@ -38,6 +39,7 @@ class _Finished:
     seqs: Sequence[int]
     rows: np.ndarray
     stats: BatchStats | None
+    cached: bool = False  # answered by the embedding cache, not computed
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +50,10 @@ class _Failed:
 
 class OutputStage:
     def __init__(self, topic: str, codec: OutputCodec, producer: OutputProducer, inflight: InFlightTable,
-                 acks: Acknowledger, dead_letters: DeadLetters, metrics: Metrics, latch: FatalLatch) -> None:
+                 acks: Acknowledger, dead_letters: DeadLetters, metrics: Metrics, latch: FatalLatch, *,
+                 cache: EmbeddingCache[int] | None = None) -> None:
         self._topic = topic
+        self._cache = cache
         self._codec = codec
         self._producer = producer
         self._inflight = inflight
@@ -78,6 +82,10 @@ class OutputStage:
     # ------------------------------------------------------------------ dispatcher threads
     def on_batch(self, seqs: Sequence[int], rows: np.ndarray, stats: BatchStats) -> None:
         self._queue.put(_Finished(seqs, rows, stats))
+
+    def on_cached(self, seqs: Sequence[int], rows: np.ndarray) -> None:
+        """Poll thread: records answered by the embedding cache (no batch, nothing to cache)."""
+        self._queue.put(_Finished(seqs, rows, None, cached=True))
 
     def on_batch_error(self, seqs: Sequence[int], exc: BaseException) -> None:
         if isinstance(exc, PartialBatchError):
@@ -112,7 +120,11 @@ class OutputStage:
         headers = self._codec.headers
         for seq, rec in live:
             rec.msg = None  # produced from here on: the input bytes are no longer needed
-            value = self._codec.value(rec.qid, item.rows[index[seq]], rec.tokens, rec.truncated)
+            row = item.rows[index[seq]]
+            if self._cache is not None and not item.cached and rec.cache_key is not None:
+                # Stored as computed; a repeat gets these exact bits (the first stored row wins).
+                row = self._cache.put(rec.cache_key, row)
+            value = self._codec.value(rec.qid, row, rec.tokens, rec.truncated)
             if not self._producer.produce(self._topic, rec.qid.encode("utf-8"), value, headers,
                                           self._acks.embedded(seq)):
                 return

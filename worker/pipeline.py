@@ -29,6 +29,7 @@ from confluent_kafka import Consumer, Producer
 
 from worker.acks import Acknowledger
 from worker.backends.isolating import IsolatingBackend
+from worker.cache import EmbeddingCache
 from worker.config import Settings
 from worker.dead_letters import DeadLetters
 from worker.errors import ThreadDiedError
@@ -84,15 +85,17 @@ class Pipeline:
                                    revoke_wait_s=self._revoke_wait_s, group=settings.group_id, failures=failures,
                                    consumer_factory=consumer_factory)
         codec = OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding)  # type: ignore[arg-type]
+        # Repeated keywords are answered from here without the model (0 bytes: off).
+        cache = EmbeddingCache(settings.cache_bytes, backend.dim, observer=self.metrics) if settings.cache_bytes else None
         self._output = OutputStage(settings.output_topic, codec, self._producer, self._inflight, acks, dead_letters,
-                                   self.metrics, self.latch)
+                                   self.metrics, self.latch, cache=cache)
         canary = tokenizer.encode([CANARY_TEXT])[0].ids
         self._bucketer = (bucketer_factory or Bucketer)(
             profile, IsolatingBackend(backend, canary), self._output.on_batch, on_error=self._output.on_batch_error,
             max_queue_delay_ms=settings.max_queue_delay_ms, dispatchers=settings.dispatchers,
             pad_to=settings.pad_to)
         self._intake = Intake(settings, tokenizer, self._committer.tracker, self._inflight, self._bucketer.submit,
-                              dead_letters, self.metrics)
+                              dead_letters, self.metrics, cache=cache, answer=self._output.on_cached)
         self.liveness = Liveness(self.latch, [self._output.thread, self._producer.thread],
                                  self._committer.stalled_for, settings.stall_timeout_s)
 

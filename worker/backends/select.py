@@ -33,7 +33,7 @@ from kwe_core.errors import BackendError
 from kwe_core.model import ModelInfo, default_model_dir
 from kwe_core.profiles import PadPolicy, Profile, load_profile
 from worker.backends.base import Backend, BackendName
-from worker.config import Settings
+from worker.config import Precision, Settings
 
 log = structlog.get_logger(__name__)
 
@@ -132,15 +132,18 @@ def model_info(settings: Settings) -> ModelInfo:
 
 def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = None, *, onnx_path: str | Path | None = None,
                  engine_path: str | Path | None = None, intra_op_threads: int = 0, fused: bool = False,
-                 share_device_memory: bool = False) -> Backend:
+                 share_device_memory: bool = False, precision: Precision = "fp32") -> Backend:
     """The one place a backend is assembled (the worker, Embedder and the benchmark all come here).
 
     onnxruntime: `onnx_path`, or the cached export of `model` (`fused`: the offline-fused
-    graph); tensorrt: the plan at `engine_path`, checked against `profile` and the ONNX file.
+    graph; precision "int8": the quantized graph, cached beside it); tensorrt: the plan at `engine_path`, checked against `profile` and the ONNX file.
     The backend's embedding size must be the model's.
     """
     backend: Backend
     if kind == "tensorrt":
+        if precision != "fp32":
+            raise BackendError(f"setting 'precision': {precision!r} is for the onnxruntime backend; "
+                               "TensorRT precision is chosen when the plan is built (build-engine --fp16)")
         if not engine_path or profile is None:
             raise BackendError("backend 'tensorrt' needs a plan (engine_path) and the bucket profile it was built "
                                "for; build it with: keyword-embedder build-engine --output PLAN")
@@ -151,7 +154,11 @@ def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = 
     else:
         from worker.backends.onnxruntime import OnnxRuntimeBackend
 
-        if not onnx_path:
+        if not onnx_path and precision == "int8":
+            from engines.quantize_int8 import ensure_int8_onnx
+
+            onnx_path = ensure_int8_onnx(model.model_dir)
+        elif not onnx_path:
             from engines.export_onnx import ensure_onnx
 
             onnx_path = ensure_onnx(model, optimize=fused)
@@ -189,5 +196,6 @@ def load_backend(settings: Settings, *, model: ModelInfo | None = None,
     # trt_share_device_memory is not a setting yet (see docs/gpu.md); getattr so it works once added.
     backend = open_backend(choice.backend, model, profile, onnx_path=settings.onnx_path or None,
                            engine_path=settings.engine_path or None, intra_op_threads=settings.intra_op_threads,
-                           share_device_memory=bool(getattr(settings, "trt_share_device_memory", False)))
+                           share_device_memory=bool(getattr(settings, "trt_share_device_memory", False)),
+                           precision=settings.precision)
     return Loaded(resolve_settings(settings, choice.backend, profile), model, backend, profile)

@@ -32,6 +32,7 @@ from kwe_core.profiles import PadPolicy, Profile
 from worker.backends.base import Backend, InferenceContext
 from worker.benchmark.errors import BenchError
 from worker.bucketing import BatchStats, Bucketer
+from worker.cache import EmbeddingCache, key
 from worker.padding import pad_batch
 from worker.tokenize import Encoded
 
@@ -175,30 +176,42 @@ class BucketerHarness:
     """
 
     def __init__(self, profile: Profile, backend: Backend, options: BucketerOptions,
-                 on_items: Callable[[Sequence[int], float], None], *, out: np.ndarray | None = None) -> None:
+                 on_items: Callable[[Sequence[int], float], None], *, out: np.ndarray | None = None,
+                 on_rows: Callable[[Sequence[int], np.ndarray], tuple[np.ndarray, list[int]]] | None = None,
+                 on_failed: Callable[[Sequence[int]], list[int]] | None = None) -> None:
         self.formed: list[FormedBatch] = []
         self.stats: list[BatchStats] = []
+        self.answered_by_cache = 0  # items answered without the model (hits, and joins of a leader)
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
         self._on_items = on_items
         self._out = out
+        # A cache in front of the bucketer: on_rows stores a finished batch's rows and names the
+        # items (repeats still in flight) its rows also answer; on_failed, the ones a failure strands.
+        self._on_rows = on_rows
+        self._on_failed = on_failed
         self.bucketer = Bucketer(profile, backend, self._complete, on_error=self._error,
                                  max_queue_delay_ms=options.max_queue_delay_ms, dispatchers=options.dispatchers,
                                  pad_to=options.pad_to, eager=options.eager)
 
     def _complete(self, seqs: Sequence[int], rows: np.ndarray, stats: BatchStats) -> None:
         now = time.perf_counter()
+        followers: list[int] = []
+        if self._on_rows is not None:
+            rows, followers = self._on_rows(seqs, rows)
         if self._out is not None:
             self._out[list(seqs)] = rows
         with self._lock:
             self.formed.append(FormedBatch(list(seqs), stats.bucket, stats.pad_len))
             self.stats.append(stats)
-        self._on_items(seqs, now)
+            self.answered_by_cache += len(followers)
+        self._on_items(list(seqs) + followers, now)
 
     def _error(self, seqs: Sequence[int], exc: BaseException) -> None:
+        followers = self._on_failed(seqs) if self._on_failed is not None else []
         with self._lock:
             self.errors.append(exc)
-        self._on_items(seqs, time.perf_counter())
+        self._on_items(list(seqs) + followers, time.perf_counter())
 
     def totals(self) -> tuple[int, int, int]:
         """(items, real tokens, padded tokens) of the completed batches."""
@@ -208,29 +221,76 @@ class BucketerHarness:
 
 def run_bucketed(encoded: Sequence[Encoded], profile: Profile, backend: Backend, *, window: int = DEFAULT_WINDOW,
                  options: BucketerOptions = BucketerOptions(), keep_embeddings: bool = False,
-                 policy: str = "bucketed") -> BucketedRun:
+                 policy: str = "bucketed", cache: EmbeddingCache[int] | None = None,
+                 coalesce: bool = True) -> BucketedRun:
     """The worker's Bucketer fed in input order through a bounded in-flight window.
 
     submit() blocks (here, in the feeder) while `window` items are submitted and not yet
     completed, as the Kafka worker pauses its partitions at max_in_flight. The clock runs
     from the first submit until every item is completed and the bucketer's threads are joined.
     Raises BenchError if any item errors or is dropped.
+
+    With a `cache`, it sits in front of the bucketer as in the worker: each item is looked up
+    by its token IDs first; a hit is answered at once and never reaches the bucketer, a miss is
+    submitted and its vector cached when its batch completes. coalesce=True (the cache's
+    lookup/complete/abandon): a repeat of a key still in flight joins it and is answered with the
+    leader's vector, holding its window slot until then, as its record would stay uncommitted
+    in the worker. coalesce=False (get/put): such a repeat is a miss and computed again.
+    `n` counts every item; the batch counters only the items the model ran.
     """
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     n = len(encoded)
     room = threading.Semaphore(window)
+    out = np.empty((n, backend.dim), dtype=np.float32) if keep_embeddings else None
+    keys: list[bytes] = []  # by seq, appended by the feeder before the item is submitted
 
     def release(seqs: Sequence[int], _now: float) -> None:
         room.release(len(seqs))
 
-    out = np.empty((n, backend.dim), dtype=np.float32) if keep_embeddings else None
-    harness = BucketerHarness(profile, backend, options, release, out=out)
+    def on_rows(seqs: Sequence[int], rows: np.ndarray) -> tuple[np.ndarray, list[int]]:
+        assert cache is not None
+        cached, followers = [], []
+        for s, row in zip(seqs, rows):
+            vec, waiters = cache.complete(keys[s], row) if coalesce else (cache.put(keys[s], row), [])
+            cached.append(vec)
+            followers += waiters
+            if out is not None:
+                for w in waiters:
+                    out[w] = vec
+        return np.stack(cached), followers
+
+    def on_failed(seqs: Sequence[int]) -> list[int]:
+        assert cache is not None
+        return [w for s in seqs for w in cache.abandon(keys[s])] if coalesce else []
+
+    harness = BucketerHarness(profile, backend, options, release, out=out,
+                              on_rows=on_rows if cache is not None else None,
+                              on_failed=on_failed if cache is not None else None)
+    hits = 0
     harness.bucketer.start()
     start = time.perf_counter()
     try:
         for i, enc in enumerate(encoded):
+            # Every item holds a window slot until answered, as its record stays uncommitted in
+            # the worker; a hit gives its slot back at once.
             room.acquire()
+            if cache is not None:
+                k = key(enc.ids)
+                keys.append(k)
+                if coalesce:
+                    found = cache.lookup(k, i)
+                    if found.outcome == "joined":
+                        continue  # answered, and its slot released, by the leader's completion
+                    row = found.row
+                else:
+                    row = cache.get(k)
+                if row is not None:
+                    hits += 1
+                    if out is not None:
+                        out[i] = row
+                    room.release()
+                    continue
             harness.bucketer.submit(i, enc.ids)
     finally:
         dropped = harness.bucketer.stop(drain=True)
@@ -241,8 +301,8 @@ def run_bucketed(encoded: Sequence[Encoded], profile: Profile, backend: Backend,
     if dropped:
         raise BenchError(f"bucketed run dropped {len(dropped)} items")
     done, real, padded = harness.totals()
-    if done != n:
-        raise BenchError(f"bucketed run completed {done} of {n} items")
+    if done + hits + harness.answered_by_cache != n:
+        raise BenchError(f"bucketed run completed {done + hits + harness.answered_by_cache} of {n} items")
     return BucketedRun(policy, n, seconds, real, padded, len(harness.stats),
                        sum(s.backend_s for s in harness.stats), formed=harness.formed, stats=harness.stats,
                        embeddings=out)

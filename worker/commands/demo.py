@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from worker.config import SettingsError, load_settings
 from worker.kafka.client_config import add_client_flags, client_config, client_env
+from worker.cache import hit_rate_line
 from worker.keyword_files import read_keywords
 from worker.kafka.admin import ensure_topics
 from worker.kafka.messages import decode_embedding
@@ -84,6 +85,12 @@ def _metric_sums(text: str, name: str) -> dict[str, float]:
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
+
+
+def _metric_value(text: str, name: str) -> float:
+    """The value of an unlabelled series (0.0 when the worker does not export it)."""
+    m = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
 
 
 def main(args: argparse.Namespace) -> int:
@@ -231,6 +238,10 @@ def _run(args: argparse.Namespace, bootstrap: str, security: dict[str, str], key
             if padded[b]:
                 print(f"    <= {int(b):>3} tokens   {1 - real[b] / padded[b]:6.1%}   {padded[b] / total:6.1%}")
         print(f"    overall        {1 - sum(real.values()) / total:6.1%}")
+    cache = [sum(_metric_value(t, f"kwe_cache_{c}") for t in metrics_text)
+             for c in ("hits_total", "misses_total", "evictions_total")]
+    if cache[0] + cache[1]:
+        print(f"embedding cache        {hit_rate_line(*cache)}")
     _neighbours(vectors, texts)
     print("=" * 72)
     if missing:

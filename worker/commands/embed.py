@@ -23,6 +23,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--fused", action="store_true",
                         help="Use the offline-fused export instead of the plain one (see benchmarks/results/ort_grid.md).")
+    parser.add_argument("--precision", choices=("fp32", "int8"), default="fp32",
+                        help="int8: the quantized graph (benchmarks/results/int8.md), cached beside the fp32 one.")
+    parser.add_argument("--cache-bytes", type=int, default=None,
+                        help="Byte bound of the embedding cache (repeats are embedded once); 0 turns it off.")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -44,7 +48,8 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         embedder = Embedder(args.model_dir, onnx_path=args.onnx, intra_op_threads=args.threads,
-                            batch_size=args.batch_size, optimize=args.fused)
+                            batch_size=args.batch_size, optimize=args.fused, precision=args.precision,
+                            **({} if args.cache_bytes is None else {"cache_bytes": args.cache_bytes}))
     except (ExportError, BackendError, ModelError, ValueError) as exc:
         print(f"keyword-embedder embed: {exc}", file=sys.stderr)
         return 1
