@@ -92,6 +92,11 @@ class OutputProducer:
     def thread(self) -> threading.Thread:
         return self._thread
 
+    @property
+    def client(self) -> Any:
+        """The librdkafka producer, for the transactional calls (poll thread only)."""
+        return self._producer
+
     def start(self) -> None:
         self._thread.start()
 
