@@ -237,8 +237,16 @@ def test_a_fenced_member_trips_the_latch_and_writes_nothing_more() -> None:
     assert loop.producer.visible == [] and loop.producer.offsets == {}
     calls = list(loop.producer.calls)
     loop.txn.step(flow_paused=True)
-    loop.txn.finish(drained_waiter(lambda: 0, lambda s: None), 1.0)  # shutdown: abort is tried, fails
-    assert loop.producer.calls[len(calls):] == ["abort"] and loop.producer.visible == []
+    loop.txn.finish(drained_waiter(lambda: 0, lambda s: None), 1.0)  # shutdown: a zombie does not abort
+    assert loop.producer.calls == calls and loop.producer.visible == []
+
+
+def test_after_another_fatal_error_shutdown_aborts_the_open_transaction() -> None:
+    loop = Loop()
+    loop.consume(0, 1)
+    loop.latch.trip(WorkerError("the backend broke"))
+    loop.txn.finish(lambda timeout_s: True, 1.0)
+    assert loop.producer.calls[-1] == "abort" and loop.txn.aborted == 1
 
 
 def test_a_revoke_commits_the_open_transaction_when_it_drains_in_time() -> None:
@@ -282,10 +290,22 @@ def test_records_stuck_in_flight_at_an_abort_stop_the_member() -> None:
     assert "abort" not in loop.producer.calls  # a late produce could otherwise land in the next one
 
 
-def test_lost_partitions_abort_the_open_transaction_once_drained() -> None:
+def test_lost_partitions_stop_the_member_without_aborting() -> None:
     loop = Loop()
     loop.consume(0, 1)
-    loop.txn.request_abort("partitions lost")
+    loop.txn.lost()
+    assert isinstance(loop.latch.error, TransactionFencedError) and "lost" in str(loop.latch.error)
+    loop.finish(0, 1)
+    loop.txn.step(flow_paused=False)
+    loop.txn.finish(lambda timeout_s: True, 1.0)
+    # An abort would bump the epoch of a timed-out transaction and fence the successor.
+    assert "abort" not in loop.producer.calls and loop.producer.visible == []
+
+
+def test_an_abort_requested_waits_for_the_pipeline_to_drain() -> None:
+    loop = Loop()
+    loop.consume(0, 1)
+    loop.txn.request_abort("test")
     assert loop.txn.closing
     loop.txn.step(flow_paused=False)
     assert "abort" not in loop.producer.calls

@@ -156,7 +156,7 @@ class Pipeline:
 
     def _on_lost(self) -> None:
         assert self._txn is not None
-        self._txn.request_abort("partitions lost")
+        self._txn.lost()
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:

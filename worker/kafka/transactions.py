@@ -147,9 +147,18 @@ class Transactions:
             self.began_at = self.clock()
 
     def request_abort(self, reason: str) -> None:
-        """Abort at the next `step` (partitions were lost: their outputs must not commit)."""
+        """Abort at the next `step` (its outputs must not commit)."""
         if self.state != "idle" and self._abort_reason is None:
             self._abort_reason = reason
+
+    def lost(self) -> None:
+        """Partitions lost: the group took them because this member looked dead (session or poll
+        timeout), so it is a zombie whose transaction the broker may have timed out. It stops:
+        aborting would make librdkafka bump the producer epoch of the timed-out transaction
+        (KIP-588), which fences the successor that runs with the same transactional id."""
+        self.latch.trip(TransactionFencedError(
+            "partitions lost: the group considered this member dead (session or poll timeout); it stops "
+            "without aborting, as a zombie is fenced, and its successor aborts what it left open"))
 
     def step(self, *, flow_paused: bool) -> None:
         """One poll-loop turn: start closing when the interval is up or intake would pause
@@ -284,6 +293,8 @@ class Transactions:
         if not self.latch.is_set() and self._abort_reason is None and wait_drained(wait_s):
             self.commit()
             return
+        if isinstance(self.latch.error, TransactionFencedError):
+            return  # a zombie does not abort (see `lost`): its successor or the broker does
         try:
             # No rewind and no wait for what is in flight: no later transaction follows, so a
             # straggler cannot be produced into one.
