@@ -290,9 +290,23 @@ def test_records_stuck_in_flight_at_an_abort_stop_the_member() -> None:
     assert "abort" not in loop.producer.calls  # a late produce could otherwise land in the next one
 
 
-def test_lost_partitions_stop_the_member_without_aborting() -> None:
+def test_lost_partitions_abort_a_young_transaction_once_drained() -> None:
     loop = Loop()
     loop.consume(0, 1)
+    loop.clock.now = 29.0  # under half the 60 s transaction timeout: the broker has not aborted it
+    loop.txn.lost()
+    assert loop.txn.closing and not loop.latch.is_set()
+    loop.txn.step(flow_paused=False)
+    assert "abort" not in loop.producer.calls
+    loop.finish(0, 1)
+    loop.txn.step(flow_paused=False)
+    assert loop.producer.calls[-1] == "abort" and loop.producer.visible == []
+
+
+def test_lost_partitions_with_an_old_transaction_stop_the_member_without_aborting() -> None:
+    loop = Loop()
+    loop.consume(0, 1)
+    loop.clock.now = 31.0
     loop.txn.lost()
     assert isinstance(loop.latch.error, TransactionFencedError) and "lost" in str(loop.latch.error)
     loop.finish(0, 1)
@@ -300,6 +314,12 @@ def test_lost_partitions_stop_the_member_without_aborting() -> None:
     loop.txn.finish(lambda timeout_s: True, 1.0)
     # An abort would bump the epoch of a timed-out transaction and fence the successor.
     assert "abort" not in loop.producer.calls and loop.producer.visible == []
+
+
+def test_lost_partitions_without_an_open_transaction_change_nothing() -> None:
+    loop = Loop()
+    loop.txn.lost()
+    assert not loop.latch.is_set() and not loop.txn.closing
 
 
 def test_an_abort_requested_waits_for_the_pipeline_to_drain() -> None:

@@ -100,6 +100,7 @@ class Pipeline:
             self._txn = Transactions(self._producer.client, self._member.client, self._committer.tracker,
                                      self.latch, lambda: len(self._inflight),
                                      interval_s=settings.transaction_interval_ms / 1000.0,
+                                     transaction_timeout_s=settings.transaction_timeout_ms / 1000.0,
                                      on_outcome=self.metrics.observe_transaction)
         codec = OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding)  # type: ignore[arg-type]
         self._output = OutputStage(settings.output_topic, codec, self._producer, self._inflight, acks, dead_letters,

@@ -110,6 +110,7 @@ class Transactions:
     in_flight: Callable[[], int]
     interval_s: float
     timeout_s: float = 10.0
+    transaction_timeout_s: float = 60.0
     on_outcome: Callable[[Outcome, float], None] = lambda outcome, seconds: None
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
@@ -152,13 +153,21 @@ class Transactions:
             self._abort_reason = reason
 
     def lost(self) -> None:
-        """Partitions lost: the group took them because this member looked dead (session or poll
-        timeout), so it is a zombie whose transaction the broker may have timed out. It stops:
-        aborting would make librdkafka bump the producer epoch of the timed-out transaction
-        (KIP-588), which fences the successor that runs with the same transactional id."""
+        """Partitions lost (the group took them: this member looked dead, a session timeout or a
+        broker outage). The open transaction must not commit. When it has been open for less
+        than half the transaction timeout, the broker has not timed it out: abort it and rewind.
+        Otherwise stop: aborting a transaction the broker timed out makes librdkafka bump the
+        producer epoch (KIP-588), which fences the successor that runs with the same
+        transactional id (measured); the successor, or the broker, aborts what was left open."""
+        if self.state == "idle":
+            return
+        if self.clock() - self.began_at < self.transaction_timeout_s / 2:
+            self.request_abort("partitions lost")
+            return
         self.latch.trip(TransactionFencedError(
-            "partitions lost: the group considered this member dead (session or poll timeout); it stops "
-            "without aborting, as a zombie is fenced, and its successor aborts what it left open"))
+            "partitions lost with a transaction open longer than half transaction_timeout_ms: this "
+            "member was considered dead (a zombie); it stops without aborting, its successor or the "
+            "broker aborts the transaction"))
 
     def step(self, *, flow_paused: bool) -> None:
         """One poll-loop turn: start closing when the interval is up or intake would pause
