@@ -101,7 +101,8 @@ class Pipeline:
                                      self.latch, lambda: len(self._inflight),
                                      interval_s=settings.transaction_interval_ms / 1000.0,
                                      transaction_timeout_s=settings.transaction_timeout_ms / 1000.0,
-                                     on_outcome=self.metrics.observe_transaction)
+                                     on_outcome=self.metrics.observe_transaction,
+                                     on_progress=self._committer.progressed)
         codec = OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding)  # type: ignore[arg-type]
         self._output = OutputStage(settings.output_topic, codec, self._producer, self._inflight, acks, dead_letters,
                                    self.metrics, self.latch)

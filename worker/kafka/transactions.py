@@ -112,6 +112,8 @@ class Transactions:
     timeout_s: float = 10.0
     transaction_timeout_s: float = 60.0
     on_outcome: Callable[[Outcome, float], None] = lambda outcome, seconds: None
+    # The commit point moved (for the stall check of /healthz).
+    on_progress: Callable[[], None] = lambda: None
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
     state: State = "idle"
@@ -229,6 +231,8 @@ class Transactions:
         for p, off in offsets:
             p.request_commit(off)
             p.confirm_commit(off)
+        if offsets:
+            self.on_progress()
         self._finish("committed")
         return True
 
