@@ -61,8 +61,10 @@ def main() -> int:
             ensure_topics(bootstrap, {topics[0]: 6, topics[1]: 6, topics[2]: 1})
             worker = WorkerProcess(bootstrap, *topics, run, logdir / f"{name}.log", shlex.split(extra),
                                    root=root).start()
+            # earliest: the topics are fresh and keys carry the round's tag; with latest, a reader
+            # assigned after the warm-up's outputs were written waited for them forever.
             reader = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{run}-reader",
-                               "auto.offset.reset": "latest", "enable.auto.commit": False, "fetch.wait.max.ms": 5})
+                               "auto.offset.reset": "earliest", "enable.auto.commit": False, "fetch.wait.max.ms": 5})
             reader.subscribe([topics[1]])
             sides[name] = (worker, reader, topics[0])
         for name, (worker, reader, topic) in sides.items():
