@@ -55,7 +55,7 @@ bench-kafka: install
 
 # Exactly-once against at-least-once, paired rounds through one broker (README, Delivery guarantees).
 bench-kafka-eos: install
-	bash deploy/local/with-kafka.sh $(PY) benchmarks/kafka_ab.py -n 6000 --rounds 6 \
+	bash deploy/local/with-kafka.sh $(PY) benchmarks/kafka_ab.py -n 5000 --rounds 6 \
 		--new-args="--processing-guarantee exactly-once" --json benchmarks/results/kafka_eos.json
 
 broker-start:
