@@ -12,8 +12,8 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from worker.errors import WorkerError
 from worker.kafka.offsets import OffsetTracker
-from worker.kafka.transactions import (TransactionFencedError, Transactions, drained_waiter, kind_of,
-                                       transactional_config, transactional_id)
+from worker.kafka.transactions import (TransactionFencedError, TransactionHungError, Transactions, drained_waiter,
+                                       kind_of, transactional_config, transactional_id)
 from worker.latch import FatalLatch
 
 FENCED = KafkaError(KafkaError._FENCED, "Producer fenced by newer instance", fatal=True)
@@ -373,3 +373,30 @@ def test_the_transactional_config() -> None:
     assert config["transaction.timeout.ms"] == 20_000 and config["message.timeout.ms"] == 20_000
     assert transactional_config({}, group="g", member="m", transaction_timeout_ms=60_000)["message.timeout.ms"] \
         == 60_000
+
+
+def test_a_transactional_call_that_hangs_stops_the_member() -> None:
+    import threading
+
+    loop = Loop()
+    loop.txn.timeout_s = 0.05
+    release = threading.Event()
+    real = loop.producer.send_offsets_to_transaction
+
+    def hang(positions: Any, metadata: Any, timeout: float) -> None:
+        release.wait(10)  # blocks past its own timeout, as librdkafka's did after a broker restart
+        real(positions, metadata, timeout)
+
+    loop.producer.send_offsets_to_transaction = hang  # type: ignore[method-assign]
+    import worker.kafka.transactions as txmod
+    old_margin, txmod.HANG_MARGIN_S = txmod.HANG_MARGIN_S, 0.1
+    try:
+        loop.consume(0, 1)
+        loop.finish(0, 1)
+        loop.txn.step(flow_paused=True)
+    finally:
+        txmod.HANG_MARGIN_S = old_margin
+        release.set()
+    assert isinstance(loop.latch.error, TransactionHungError)
+    assert "send_offsets_to_transaction" in str(loop.latch.error)
+    assert "commit" not in loop.producer.calls and loop.producer.visible == []

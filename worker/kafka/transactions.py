@@ -29,6 +29,7 @@ only once none is left in flight, so no produce can race a state change of the t
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,10 +48,16 @@ State = Literal["idle", "open", "closing"]
 Outcome = Literal["committed", "aborted"]
 # How often a retriable error of a transactional call is retried before the transaction is aborted.
 RETRIES = 5
+# How much longer than its own timeout a transactional call may block before the member stops.
+HANG_MARGIN_S = 5.0
 
 
 class TransactionFencedError(WorkerError):
     """A newer member took over this member's transactional id, or its transaction timed out."""
+
+
+class TransactionHungError(WorkerError):
+    """A transactional call did not return in time."""
 
 
 class TransactionalProducer(Protocol):
@@ -189,11 +196,41 @@ class Transactions:
     def _offsets(self) -> list[tuple[PartitionOffsets, int]]:
         return [(p, off) for p in self.tracker.partitions() if (off := p.to_commit()) is not None]
 
+    def _bounded(self, what: str, fn: Callable[[], None]) -> None:
+        """Runs a blocking transactional call, at most timeout_s + HANG_MARGIN_S.
+
+        librdkafka's own timeout does not always hold: after a hard broker restart,
+        send_offsets_to_transaction blocked for minutes (measured), holding the poll thread and
+        so the whole member. Past the bound the member stops (exit 1): nothing of the open
+        transaction is committed, and the restarted member's init_transactions aborts it.
+        """
+        answer: list[BaseException | None] = []
+
+        def call() -> None:
+            try:
+                fn()
+                answer.append(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                answer.append(exc)
+
+        helper = threading.Thread(target=call, name="kwe-txn-call", daemon=True)
+        helper.start()
+        helper.join(self.timeout_s + HANG_MARGIN_S)
+        if not answer:
+            raise TransactionHungError(f"{what} did not return within {self.timeout_s + HANG_MARGIN_S:.0f} s "
+                                       "(the transaction coordinator does not answer); stopping so that a "
+                                       "restarted member aborts the open transaction")
+        if answer[0] is not None:
+            raise answer[0]
+
     def _call(self, what: str, fn: Callable[[], None]) -> Literal["ok", "abort", "fatal"]:
         for attempt in range(RETRIES):
             try:
-                fn()
+                self._bounded(what, fn)
                 return "ok"
+            except TransactionHungError as exc:
+                self.latch.trip(exc)
+                return "fatal"
             except KafkaException as exc:
                 kind = kind_of(exc)
                 if kind == "retry" and attempt + 1 < RETRIES:
@@ -311,10 +348,10 @@ class Transactions:
         try:
             # No rewind and no wait for what is in flight: no later transaction follows, so a
             # straggler cannot be produced into one.
-            self.producer.abort_transaction(min(self.timeout_s, 2.0))
+            self._bounded("abort_transaction", lambda: self.producer.abort_transaction(min(self.timeout_s, 2.0)))
             self._finish("aborted")
-        except KafkaException as exc:
-            log.info("open transaction not aborted on the way out", error=str(exc.args[0]))
+        except (KafkaException, TransactionHungError) as exc:
+            log.info("open transaction not aborted on the way out", error=str(exc))
 
 
 def wait_until(check: Callable[[], bool], serve: Callable[[float], None], timeout_s: float,
