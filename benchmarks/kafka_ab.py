@@ -4,6 +4,11 @@
     deploy/local/with-kafka.sh .venv/bin/python benchmarks/kafka_ab.py --baseline-root /tmp/kwe-old \
         --json benchmarks/results/kafka_ab.json
 
+Or one checkout with different settings per side, e.g. exactly-once against at-least-once:
+
+    deploy/local/with-kafka.sh .venv/bin/python benchmarks/kafka_ab.py \
+        --new-args="--processing-guarantee exactly-once" --json benchmarks/results/kafka_eos.json
+
 Each side is one `keyword-embedder run` process (default settings, its own group and topics),
 warm and in its group before the first round. A round publishes N keywords to one side and ends
 when the last embedding is read back; rounds alternate which side goes first, and the ratio
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
 import uuid
@@ -33,7 +39,10 @@ from worker.keyword_files import read_keywords  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--baseline-root", type=Path, required=True, help="a checkout of the old version")
+    ap.add_argument("--baseline-root", type=Path, default=ROOT, help="a checkout of the old version (default: "
+                    "this one, to compare settings)")
+    ap.add_argument("--new-args", default="", help="extra worker arguments of the new side (one string)")
+    ap.add_argument("--old-args", default="", help="extra worker arguments of the old side (one string)")
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA if DEFAULT_DATA.exists() else FALLBACK_DATA)
     ap.add_argument("-n", type=int, default=0, help="keywords per round (0: the whole file)")
     ap.add_argument("--rounds", type=int, default=6)
@@ -46,13 +55,16 @@ def main() -> int:
     logdir = Path(tempfile.mkdtemp(prefix="kwe-ab-"))
     sides: dict[str, tuple[WorkerProcess, Consumer, str]] = {}
     try:
-        for name, root in (("new", ROOT), ("old", args.baseline_root.resolve())):
+        for name, root, extra in (("new", ROOT, args.new_args), ("old", args.baseline_root.resolve(), args.old_args)):
             run = f"ab-{name}-{uuid.uuid4().hex[:6]}"
             topics = (f"{run}-in", f"{run}-out", f"{run}-dlq")
             ensure_topics(bootstrap, {topics[0]: 6, topics[1]: 6, topics[2]: 1})
-            worker = WorkerProcess(bootstrap, *topics, run, logdir / f"{name}.log", root=root).start()
+            worker = WorkerProcess(bootstrap, *topics, run, logdir / f"{name}.log", shlex.split(extra),
+                                   root=root).start()
+            # earliest: the topics are fresh and keys carry the round's tag; with latest, a reader
+            # assigned after the warm-up's outputs were written waited for them forever.
             reader = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{run}-reader",
-                               "auto.offset.reset": "latest", "enable.auto.commit": False, "fetch.wait.max.ms": 5})
+                               "auto.offset.reset": "earliest", "enable.auto.commit": False, "fetch.wait.max.ms": 5})
             reader.subscribe([topics[1]])
             sides[name] = (worker, reader, topics[0])
         for name, (worker, reader, topic) in sides.items():
@@ -76,6 +88,7 @@ def main() -> int:
             worker.stop()
     ratio = quartiles([x["ratio"] for x in results])
     summary = {"dataset": args.data.name, "n": len(rows), "rounds": args.rounds, "cpu_count": os.cpu_count(),
+               "new_args": args.new_args, "old_args": args.old_args,
                "ratio_new_over_old": ratio, "rounds_detail": results}
     print(f"new/old: median {ratio['median']:.3f} (q1 {ratio['q1']:.3f}, q3 {ratio['q3']:.3f})")
     if args.json:

@@ -164,10 +164,10 @@ class Record:
 class TopicReader:
     """Reads a topic from the beginning with its own group; keeps every record, duplicates included."""
 
-    def __init__(self, bootstrap: str, topic: str, group: str) -> None:
+    def __init__(self, bootstrap: str, topic: str, group: str, *, isolation: str = "read_committed") -> None:
         self.records: list[Record] = []
         self._c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "auto.offset.reset": "earliest",
-                            "enable.auto.commit": False})
+                            "enable.auto.commit": False, "isolation.level": isolation})
         self._c.subscribe([topic])
 
     def poll(self, seconds: float) -> int:

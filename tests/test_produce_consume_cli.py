@@ -72,3 +72,30 @@ def test_produce_skips_and_counts_bad_lines_unless_strict(kafka_bootstrap: str, 
     strict = cli("produce", "--bootstrap-servers", kafka_bootstrap, "--topic", topic, "--input", str(src),
                  "--format", "tsv", "--no-progress", "--strict")
     assert strict.returncode == 2 and "q.tsv:6: not UTF-8" in strict.stderr
+
+
+def test_consume_reads_committed_records_only_unless_told_otherwise(kafka_bootstrap: str,
+                                                                   make_topic: Callable[..., str],
+                                                                   tmp_path: Path) -> None:
+    from confluent_kafka import Producer
+
+    topic = make_topic("cli-txn", 1)
+    p = Producer({"bootstrap.servers": kafka_bootstrap, "transactional.id": f"keyword-embedder-test-{topic}"})
+    p.init_transactions(30)
+    p.begin_transaction()
+    p.produce(topic, key=b"committed", value=orjson.dumps({"id": "committed", "text": "a"}))
+    p.commit_transaction(30)
+    p.begin_transaction()
+    p.produce(topic, key=b"aborted", value=orjson.dumps({"id": "aborted", "text": "b"}))
+    p.flush(30)
+    p.abort_transaction(30)
+
+    def read(*flags: str) -> list[str]:
+        dst = tmp_path / f"out{len(flags)}.jsonl"
+        got = cli("consume", "--bootstrap-servers", kafka_bootstrap, "--topic", topic, "--output", str(dst),
+                  "--idle-timeout", "4", *flags)
+        assert got.returncode == 0, got.stderr
+        return [orjson.loads(line)["id"] for line in dst.read_bytes().splitlines()]
+
+    assert read() == ["committed"]
+    assert read("--read-uncommitted") == ["committed", "aborted"]

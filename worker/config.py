@@ -144,6 +144,7 @@ def kafka_override_error(key: str, value: str) -> str | None:
 
 
 # librdkafka's values; "" leaves the key unset (librdkafka's default, or what the config file says).
+ProcessingGuarantee = Literal["at-least-once", "exactly-once"]
 SecurityProtocol = Literal["", "PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"]
 SaslMechanism = Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI"]
 
@@ -205,6 +206,23 @@ class Settings:
                                        "read at start.")
     ssl_ca_location: str = _setting("", "librdkafka ssl.ca.location: PEM file of the CA that signed the brokers' "
                                     "certificates; empty: the system's CAs.")
+    processing_guarantee: ProcessingGuarantee = _setting(
+        "at-least-once", "'at-least-once': an output may be written again after a crash (at most the "
+        "in-flight records). 'exactly-once': outputs, dead letters and input offsets commit in one Kafka "
+        "transaction per transaction_interval_ms, so a read_committed reader sees each record once; "
+        "costs a pipeline drain per transaction (README, Delivery guarantees).")
+    member_id: str = _setting("", "This member's stable identity, part of its transactional.id in exactly-once "
+                              "mode, so a restarted member fences its zombie; unique among live members. "
+                              "Empty: the hostname (the pod name in Kubernetes).")
+    transaction_interval_ms: int = _setting(2000, "Exactly-once: how long a transaction takes records before "
+                                            "it closes (intake pauses, in-flight work drains, offsets and "
+                                            "outputs commit). Longer: less drain cost, later visibility.",
+                                            minimum=1)
+    transaction_timeout_ms: int = _setting(60000, "Exactly-once: librdkafka transaction.timeout.ms; the broker "
+                                           "aborts (and fences) a transaction open longer, e.g. of a hung "
+                                           "member. read_committed readers wait behind an open transaction "
+                                           "at most this long after a member dies without a successor.",
+                                           minimum=1000)
     # --- Messages ----------------------------------------------------------------------
     input_format: InputFormat = _setting("json", "Input value format: 'json' ({\"id\", \"text\"}) or 'raw' "
                                          "(UTF-8 text, query ID in the message key).")

@@ -39,6 +39,8 @@ BACKEND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 # End to end includes time spent in the topic before the worker read it, so a backlog after a
 # restart shows up here as minutes.
 E2E_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# Exactly-once: a transaction lasts about transaction_interval_ms plus its drain.
+TRANSACTION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
 
 
 class Metrics:
@@ -85,12 +87,23 @@ class Metrics:
         # scrape time (watch_cache), so the per-keyword path pays for no metric update.
         self._cache_stats: Callable[[], Any] | None = None
         r.register(_CacheCollector(lambda: self._cache_stats))
+        self.transactions = Counter(f"{PREFIX}transactions", "Exactly-once transactions, by outcome.",
+                                    ["outcome"], registry=r)
+        self.transaction_time = Histogram(f"{PREFIX}transaction_seconds",
+                                          "Exactly-once: begin to commit (or abort) of a transaction.",
+                                          buckets=TRANSACTION_BUCKETS, registry=r)
         self.backend_info = Info(f"{PREFIX}backend", "Inference backend, model and bucket profile in use.",
                                  registry=r)
         # Series that exist from the start read 0 instead of "no data", so rate() and
         # alerts on them work before the first event.
         for kind in REBALANCE_KINDS:
             self.rebalances.labels(kind=kind)
+        for outcome in ("committed", "aborted"):
+            self.transactions.labels(outcome=outcome)
+
+    def observe_transaction(self, outcome: str, seconds: float) -> None:
+        self.transactions.labels(outcome=outcome).inc()
+        self.transaction_time.observe(seconds)
 
     # --- messages ----------------------------------------------------------------------
     def count_consumed(self, n: int = 1) -> None:

@@ -10,15 +10,19 @@ Threads and what each one owns:
 Cross-thread state: the in-flight table (one lock), each partition's offsets (one lock each),
 and the fatal latch, which every thread reports to and the poll thread watches.
 
-Delivery: at-least-once. An input offset is committed only after its output (or its
+Delivery (processing_guarantee): at-least-once by default. An input offset is committed only after its output (or its
 dead-letter record) is acknowledged, and never past a partition's lowest unfinished offset.
 A fatal error anywhere stops the worker with that error and exit code 1; nothing past the
 failed record is committed. Shutdown (SIGTERM) drains, flushes, commits and leaves the group
 within one deadline (shutdown_timeout_s); a second signal aborts at once.
+In exactly-once mode the committer's commits are replaced by the transaction loop
+(worker/kafka/transactions.py), which runs on the poll thread too: outputs, dead letters and
+offsets commit in one transaction, closed only once nothing consumed into it is in flight.
 """
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +36,7 @@ from worker.backends.isolating import IsolatingBackend
 from worker.cache import EmbeddingCache
 from worker.config import Settings
 from worker.dead_letters import DeadLetters
-from worker.errors import ThreadDiedError
+from worker.errors import ThreadDiedError, WorkerError
 from worker.flow import FlowControl
 from worker.health import Liveness
 from worker.inflight import InFlightTable
@@ -42,6 +46,7 @@ from worker.kafka.consumer import GroupMember, consumer_config
 from worker.kafka.errors import FailurePolicy
 from worker.kafka.messages import OutputCodec
 from worker.kafka.producer import OutputProducer, producer_config
+from worker.kafka.transactions import Transactions, drained_waiter, transactional_config
 from worker.latch import FatalLatch
 from worker.metrics import Metrics
 from worker.output import OutputStage
@@ -76,14 +81,29 @@ class Pipeline:
         self._flow = FlowControl(settings.max_in_flight, settings.max_in_flight_bytes,
                                  drain_target_s=max(1.0, settings.shutdown_timeout_s / 3))
         failures = FailurePolicy()
-        self._producer = OutputProducer(producer_config(settings), self.latch, failures=failures,
-                                        producer_factory=producer_factory)
+        self.exactly_once = settings.processing_guarantee == "exactly-once"
+        pconfig = producer_config(settings)
+        if self.exactly_once:
+            pconfig = transactional_config(pconfig, group=settings.group_id,
+                                           member=settings.member_id or socket.gethostname(),
+                                           transaction_timeout_ms=settings.transaction_timeout_ms)
+        self._producer = OutputProducer(pconfig, self.latch, failures=failures, producer_factory=producer_factory)
         self._acks = acks = Acknowledger(self._inflight, self.metrics)
         dead_letters = DeadLetters(settings.dead_letter_topic, settings.dead_letter_max_bytes, self._producer, acks)
         self._committer = Committer(None, interval_s=settings.commit_interval_ms / 1000.0)
         self._member = GroupMember(consumer_config(settings), self._committer, self.latch, self.metrics,
                                    revoke_wait_s=self._revoke_wait_s, group=settings.group_id, failures=failures,
-                                   consumer_factory=consumer_factory)
+                                   consumer_factory=consumer_factory,
+                                   revoke_commit=self._revoke_commit if self.exactly_once else None,
+                                   on_lost=self._on_lost if self.exactly_once else None)
+        self._txn: Transactions | None = None
+        if self.exactly_once:
+            self._txn = Transactions(self._producer.client, self._member.client, self._committer.tracker,
+                                     self.latch, lambda: len(self._inflight),
+                                     interval_s=settings.transaction_interval_ms / 1000.0,
+                                     transaction_timeout_s=settings.transaction_timeout_ms / 1000.0,
+                                     on_outcome=self.metrics.observe_transaction,
+                                     on_progress=self._committer.progressed)
         codec = OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding)  # type: ignore[arg-type]
         # Repeated keywords are answered from here without the model (0 bytes: off).
         cache = EmbeddingCache(settings.cache_bytes, backend.dim, observer=self.metrics) if settings.cache_bytes else None
@@ -133,6 +153,16 @@ class Pipeline:
             return min(self.settings.revoke_timeout_s, self._left(AFTER_DRAIN_S))
         return self.settings.revoke_timeout_s
 
+    # ------------------------------------------------------------------ exactly-once hooks
+    def _revoke_commit(self, parts: Any, left_s: float) -> bool:
+        # Inside the rebalance callback: no consume, so plain sleeps while the pipeline drains.
+        assert self._txn is not None
+        return self._txn.on_revoke(drained_waiter(lambda: len(self._inflight), time.sleep), left_s)
+
+    def _on_lost(self) -> None:
+        assert self._txn is not None
+        self._txn.lost()
+
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
         """Runs until stopped; returns the process exit code (0, 1 on a fatal error, 130 aborted)."""
@@ -140,15 +170,19 @@ class Pipeline:
         self._bucketer.start()
         self._output.start()
         self._producer.start()
-        self._member.subscribe(s.input_topic)
-        log.info("worker started", group=s.group_id, input_topic=s.input_topic, output_topic=s.output_topic,
+        log.info("worker started", processing_guarantee=s.processing_guarantee, group=s.group_id, input_topic=s.input_topic, output_topic=s.output_topic,
                  dead_letter_topic=s.dead_letter_topic, max_in_flight=s.max_in_flight,
                  max_in_flight_bytes=s.max_in_flight_bytes)
         try:
+            if self._txn is not None:
+                self._txn.init()
+            self._member.subscribe(s.input_topic)
             while not self._stop.is_set() and not self.latch.is_set():
                 self._poll_once()
             if not self.latch.is_set() and not self._abort.is_set():
                 self._drain()
+        except WorkerError as exc:
+            self.latch.trip(exc)
         except Exception as exc:  # noqa: BLE001 - a bug on the poll thread stops the worker like any other
             self.latch.trip(ThreadDiedError(f"the poll thread failed: {exc!r}"))
             log.exception("poll thread failed")
@@ -166,12 +200,20 @@ class Pipeline:
         pending = self._committer.uncommitted()
         self._flow.observe(time.monotonic(), self._acks.embedded_count + self._acks.dead_lettered_count,
                            busy=pending > 0)
-        self._member.set_paused(self._flow.update(pending, self._inflight.bytes))
+        paused = self._flow.update(pending, self._inflight.bytes)
+        if self._txn is not None:
+            self._txn.step(flow_paused=paused)
+            paused = paused or self._txn.closing
+        self._member.set_paused(paused, reason="flow control" if not self._txn or not self._txn.closing
+                                else "closing a transaction")
         self.metrics.set_in_flight(pending)
-        msgs = self._member.consume(self._flow.room(pending), 0.05)
+        msgs = self._member.consume(self._flow.room(pending) if not paused else 1, 0.05)
         if msgs:
+            if self._txn is not None:
+                self._txn.ensure_open()
             self._intake.handle(msgs)
-        self._committer.maybe_commit()
+        if self._txn is None:
+            self._committer.maybe_commit()
 
     # ------------------------------------------------------------------ shutdown
     def _drain(self) -> None:
@@ -183,7 +225,8 @@ class Pipeline:
                 and not self.latch.is_set():
             # Keep serving the group (heartbeats, commit callbacks) while paused.
             self._member.serve(0.05)
-            self._committer.maybe_commit()
+            if self._txn is None:
+                self._committer.maybe_commit()
         log.info("drained", in_flight=self.in_flight(), seconds=round(time.monotonic() - start, 3))
 
     def _shutdown(self) -> None:
@@ -196,11 +239,18 @@ class Pipeline:
                 log.warning("records still unacknowledged at the deadline", records=unacked)
         # Finished work is committed even after a fatal error: each partition commits only up to
         # its lowest unfinished offset, and the failed record is never finished.
-        if not self._abort.is_set():
+        if self._txn is not None:
+            # Committed if it drained, else aborted: an open transaction would hold back
+            # read_committed readers until transaction_timeout_ms.
+            self._txn.finish(drained_waiter(lambda: len(self._inflight), self._member.serve),
+                             self._left(LEAVE_S) if clean else 0.0)
+        elif not self._abort.is_set():
             self._committer.commit_until(self._deadline - LEAVE_S if self._deadline else 0.0, self._member.serve)
         self.left_group = self._member.close(self._left())
         self._producer.stop(timeout_s=1.0)
         log.info("worker stopped", consumed=self._intake.consumed, produced=self._acks.embedded_count,
                  dead_lettered=self._acks.dead_lettered_count, in_flight=self.in_flight(),
                  dropped_after_revoke=self._output.dropped, never_run=len(never_run or []),
-                 left_group=self.left_group)
+                 left_group=self.left_group, processing_guarantee=self.settings.processing_guarantee,
+                 transactions_committed=self._txn.committed if self._txn else None,
+                 transactions_aborted=self._txn.aborted if self._txn else None)

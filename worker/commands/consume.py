@@ -51,6 +51,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-messages", type=int, default=0, help="Stop after N records (0: no limit).")
     parser.add_argument("--idle-timeout", type=float, default=10.0,
                         help="Stop when no record arrived for this many seconds (0: never).")
+    parser.add_argument("--read-uncommitted", action="store_true",
+                        help="Also show records of open and aborted transactions (default: read_committed, "
+                             "what a downstream reader of an exactly-once worker must use).")
     add_client_flags(parser)
 
 
@@ -61,6 +64,7 @@ def main(args: argparse.Namespace) -> int:
         "auto.offset.reset": "earliest",
         "enable.auto.commit": bool(args.group),
         "enable.partition.eof": False,
+        "isolation.level": "read_uncommitted" if args.read_uncommitted else "read_committed",
     }
     try:
         config.update(client_config(load_settings(args)))

@@ -56,6 +56,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--partitions", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=300.0, help="Give up waiting for output after this.")
+    parser.add_argument("--processing-guarantee", choices=("at-least-once", "exactly-once"), default="at-least-once",
+                        help="The workers' delivery guarantee (README, Delivery guarantees).")
     parser.add_argument("--keep-topics", action="store_true", help="Do not delete the demo topics at the end.")
     add_client_flags(parser)
 
@@ -120,7 +122,8 @@ def main(args: argparse.Namespace) -> int:
         cmd = [sys.executable, "-m", "worker.cli", "run", "--bootstrap-servers", bootstrap, "--input-topic", topic_in,
                "--output-topic", topic_out, "--dead-letter-topic", topic_dlq, "--group-id", run,
                "--metrics-port", str(port), "--metrics-host", "127.0.0.1", "--intra-op-threads", str(threads),
-               "--log-format", "json"]
+               "--log-format", "json", "--processing-guarantee", args.processing_guarantee,
+               "--member-id", f"demo-{i}"]
         # The workers get the client settings through the environment: a password in argv is public.
         env = {**os.environ, **client_env(settings)}
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), port))
@@ -181,7 +184,8 @@ def _run(args: argparse.Namespace, bootstrap: str, security: dict[str, str], key
     producer.flush(60)
 
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{topic_out}-reader",
-                         "auto.offset.reset": "earliest", "enable.auto.commit": False, **security})
+                         "auto.offset.reset": "earliest", "enable.auto.commit": False,
+                         "isolation.level": "read_committed", **security})
     consumer.subscribe([topic_out, topic_dlq])
     vectors: dict[str, np.ndarray] = {}
     out_ms: dict[str, int] = {}
@@ -215,6 +219,7 @@ def _run(args: argparse.Namespace, bootstrap: str, security: dict[str, str], key
     latencies = np.array([out_ms[q] - sent_ms[q] for q in vectors if q in sent_ms], dtype=np.float64)
     print()
     print("=" * 72)
+    print(f"processing guarantee   {args.processing_guarantee:>10}   (read back read_committed)")
     print(f"keywords published     {len(keywords):>10,}   (+{len(BROKEN)} broken messages)")
     print(f"embeddings received    {len(vectors):>10,}   missing: {len(missing)}")
     print(f"dead-lettered          {len(dead):>10,}   reasons: {', '.join(sorted(set(dead.values())))}")

@@ -50,6 +50,10 @@ class Committer:
             self._progress_at = self._clock()
         return pending
 
+    def progressed(self) -> None:
+        """The commit point moved by other means (exactly-once: a committed transaction)."""
+        self._progress_at = self._clock()
+
     def stalled_for(self) -> float:
         """Seconds the commit point has not moved while work waited to be committed."""
         return max(0.0, self._clock() - self._progress_at)

@@ -22,6 +22,7 @@ from worker.kafka.client_config import client_config
 from worker.errors import WorkerError
 from worker.kafka.committer import Committer
 from worker.kafka.errors import FailurePolicy, KafkaSetupError
+from worker.kafka.offsets import PartitionOffsets
 from worker.kafka.throttle import ThrottledLog
 from worker.latch import FatalLatch
 from worker.metrics import Metrics
@@ -43,6 +44,9 @@ def consumer_config(settings: Settings) -> dict[str, Any]:
         "session.timeout.ms": 10000,
         "heartbeat.interval.ms": 1000,
         "max.poll.interval.ms": 300000,
+        # Transactional output is visible only once committed; at-least-once ignores aborted
+        # writes of an upstream transactional producer too.
+        "isolation.level": "read_committed",
         # The prefetch queue holds whole records in memory before flow control sees them: keep
         # it within the in-flight byte budget.
         "queued.max.messages.kbytes": max(1024, min(65536, settings.max_in_flight_bytes // 1024 // 4)),
@@ -76,8 +80,14 @@ class _Owned:
 class GroupMember:
     def __init__(self, config: dict[str, Any], committer: Committer, latch: FatalLatch, metrics: Metrics, *,
                  revoke_wait_s: Callable[[], float], group: str = "", failures: FailurePolicy | None = None,
-                 consumer_factory: Callable[[dict[str, Any]], Any] = Consumer) -> None:
+                 consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
+                 revoke_commit: Callable[[list[PartitionOffsets], float], bool] | None = None,
+                 on_lost: Callable[[], None] | None = None) -> None:
         self._committer = committer
+        # Exactly-once: the transaction loop commits (or aborts) on a revoke instead of the
+        # committer, given the revoked partitions and the time left; and hears of lost ones.
+        self._revoke_commit = revoke_commit
+        self._lost_hook = on_lost
         self._group = group
         # Authentication, TLS and ACL errors: which stop the worker, with which message.
         self._failures = failures if failures is not None else FailurePolicy()
@@ -89,6 +99,11 @@ class GroupMember:
         self._consumer = consumer_factory({**config, "error_cb": self._on_error, "on_commit": committer.on_commit,
                                            "stats_cb": self._on_stats})
         committer.bind(self._consumer)
+
+    @property
+    def client(self) -> Any:
+        """The librdkafka consumer, for the transaction loop (group metadata, seek; poll thread)."""
+        return self._consumer
 
     # ------------------------------------------------------------------ consuming
     def subscribe(self, topic: str) -> None:
@@ -155,7 +170,12 @@ class GroupMember:
         # fatal error nothing more is committed (the failed record may sit below finished ones
         # of another partition, but never below these: each partition commits only up to its
         # own lowest unfinished offset).
-        committed = self._latch.is_set() or self._committer.commit_sync(parts, timeout_s=5.0, in_callback=True)
+        if self._latch.is_set():
+            committed = True
+        elif self._revoke_commit is not None:
+            committed = self._revoke_commit(parts, max(0.0, deadline - time.monotonic()))
+        else:
+            committed = self._committer.commit_sync(parts, timeout_s=5.0, in_callback=True)
         self._committer.forget(partitions)
         for tp in partitions:
             self._metrics.forget_partition(tp.topic, tp.partition)
@@ -165,6 +185,8 @@ class GroupMember:
 
     def _on_lost(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         # Lost, not revoked: another member may already own them, so commit nothing.
+        if self._lost_hook is not None:
+            self._lost_hook()
         self._committer.forget(partitions)
         for tp in partitions:
             self._metrics.forget_partition(tp.topic, tp.partition)

@@ -76,6 +76,11 @@ class PartitionOffsets:
             return len(self._cells)
 
     @property
+    def first(self) -> int | None:
+        with self._lock:
+            return self._first
+
+    @property
     def committed(self) -> int | None:
         with self._lock:
             return self._committed

@@ -92,6 +92,11 @@ class OutputProducer:
     def thread(self) -> threading.Thread:
         return self._thread
 
+    @property
+    def client(self) -> Any:
+        """The librdkafka producer, for the transactional calls (poll thread only)."""
+        return self._producer
+
     def start(self) -> None:
         self._thread.start()
 
@@ -134,10 +139,14 @@ class OutputProducer:
             self._latch.trip(DeliveryError(f"{what} {topic!r}: {describe(err)}"))
 
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            self._producer.poll(self._interval)
-        # Serve what was acknowledged while stopping, so no callback is left unrun.
-        self._producer.poll(0)
+        try:
+            while not self._stop.is_set():
+                self._producer.poll(self._interval)
+            # Serve what was acknowledged while stopping, so no callback is left unrun.
+            self._producer.poll(0)
+        except KafkaException as exc:
+            # A transactional producer raises its fatal error (fenced) from poll itself.
+            self._latch.trip(DeliveryError(f"fatal producer error: {describe(exc.args[0])}"))
 
     def _on_error(self, err: KafkaError) -> None:
         reason = self._failures.decide(err, op="write")

@@ -1,0 +1,402 @@
+"""The exactly-once transaction loop with fakes that behave like confluent-kafka's transactional
+API: a state machine (ready -> in transaction -> ready), records visible only once their
+transaction commits, errors raised as KafkaException carrying a KafkaError whose fatal(),
+retriable() and txn_requires_abort() say what librdkafka would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+from worker.errors import WorkerError
+from worker.kafka.offsets import OffsetTracker
+from worker.kafka.transactions import (TransactionFencedError, TransactionHungError, Transactions, drained_waiter,
+                                       kind_of, transactional_config, transactional_id)
+from worker.latch import FatalLatch
+
+FENCED = KafkaError(KafkaError._FENCED, "Producer fenced by newer instance", fatal=True)
+ABORTABLE = KafkaError(KafkaError._STATE, "Transaction error requires abort", txn_requires_abort=True)
+RETRIABLE = KafkaError(KafkaError._TIMED_OUT, "Timed out", retriable=True)
+
+
+class FakeTxnProducer:
+    """librdkafka's transactional producer, as far as the loop can tell."""
+
+    def __init__(self) -> None:
+        self.state = "uninit"
+        self.calls: list[str] = []
+        self.open: list[str] = []  # records of the open transaction
+        self.visible: list[str] = []  # records of committed transactions
+        self.offsets: dict[tuple[str, int], int] = {}  # committed through transactions
+        self.pending_offsets: dict[tuple[str, int], int] = {}
+        self.errors: dict[str, list[KafkaError]] = {}
+        self.fenced = False
+
+    def _enter(self, call: str) -> None:
+        self.calls.append(call)
+        if self.fenced:
+            raise KafkaException(FENCED)
+        queued = self.errors.get(call)
+        if queued:
+            err = queued.pop(0)
+            if err.fatal():
+                self.fenced = True
+            raise KafkaException(err)
+
+    def init_transactions(self, timeout: float) -> None:
+        self._enter("init")
+        self.state = "ready"
+
+    def begin_transaction(self) -> None:
+        assert self.state == "ready", f"begin in state {self.state}"
+        self._enter("begin")
+        self.state = "in_txn"
+
+    def produce(self, record: str) -> None:
+        if self.state != "in_txn":
+            raise KafkaException(KafkaError(KafkaError._STATE, "no transaction in progress"))
+        self.open.append(record)
+
+    def send_offsets_to_transaction(self, positions: list[TopicPartition], group_metadata: Any,
+                                    timeout: float) -> None:
+        assert self.state == "in_txn" and group_metadata == "group-metadata"
+        self._enter("send_offsets")
+        self.pending_offsets.update({(tp.topic, tp.partition): tp.offset for tp in positions})
+
+    def commit_transaction(self, timeout: float) -> None:
+        assert self.state == "in_txn"
+        self._enter("commit")
+        self.visible += self.open
+        self.offsets.update(self.pending_offsets)
+        self.open, self.pending_offsets, self.state = [], {}, "ready"
+
+    def abort_transaction(self, timeout: float) -> None:
+        self._enter("abort")
+        self.open, self.pending_offsets, self.state = [], {}, "ready"
+
+
+class FakeConsumer:
+    def __init__(self) -> None:
+        self.seeks: list[tuple[str, int, int]] = []
+
+    def consumer_group_metadata(self) -> str:
+        return "group-metadata"
+
+    def seek(self, tp: TopicPartition) -> None:
+        self.seeks.append((tp.topic, tp.partition, tp.offset))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Loop:
+    """A Transactions over the fakes, with an in-flight set the test finishes records from."""
+
+    def __init__(self, partitions: int = 2) -> None:
+        self.producer = FakeTxnProducer()
+        self.consumer = FakeConsumer()
+        self.tracker = OffsetTracker()
+        self.latch = FatalLatch()
+        self.clock = Clock()
+        self.in_flight: dict[tuple[int, int], Any] = {}
+        self.outcomes: list[tuple[str, float]] = []
+        self.progress: list[float] = []
+        for p in range(partitions):
+            self.tracker.assign("in", p)
+        self.txn = Transactions(self.producer, self.consumer, self.tracker, self.latch, lambda: len(self.in_flight),
+                                interval_s=1.0, clock=self.clock, sleep=lambda s: None,
+                                on_outcome=lambda o, s: self.outcomes.append((o, s)),
+                                on_progress=lambda: self.progress.append(self.clock.now))
+        self.txn.init()
+
+    def consume(self, partition: int, *offsets: int) -> None:
+        self.txn.ensure_open()
+        part = self.tracker.get("in", partition)
+        assert part is not None
+        for off in offsets:
+            part.track(off)
+            self.in_flight[(partition, off)] = part
+
+    def finish(self, partition: int, offset: int) -> None:
+        """The record's output is produced (into the open transaction) and acknowledged."""
+        part = self.in_flight.pop((partition, offset))
+        if part.revoked:
+            return
+        self.producer.produce(f"out-{partition}-{offset}")
+        part.done(offset)
+
+
+def test_a_transaction_closes_only_when_everything_consumed_into_it_is_finished() -> None:
+    loop = Loop()
+    loop.consume(0, 10, 11, 12)
+    loop.consume(1, 5)
+    loop.finish(0, 11)
+    loop.finish(1, 5)
+    loop.clock.now = 1.5
+    loop.txn.step(flow_paused=False)
+    assert loop.txn.state == "closing" and loop.txn.closing  # intake pauses
+    assert "commit" not in loop.producer.calls  # 10 and 12 are still in flight
+    loop.finish(0, 12)
+    loop.txn.step(flow_paused=False)
+    assert "commit" not in loop.producer.calls
+    loop.finish(0, 10)
+    loop.txn.step(flow_paused=False)
+    assert loop.producer.offsets == {("in", 0): 13, ("in", 1): 6}
+    assert sorted(loop.producer.visible) == ["out-0-10", "out-0-11", "out-0-12", "out-1-5"]
+    assert loop.txn.state == "idle" and not loop.txn.closing
+    assert loop.outcomes == [("committed", 1.5)]
+    assert loop.progress == [1.5]  # the stall check of /healthz sees the commit point move
+    # The committed offsets count as committed: nothing is uncommitted any more.
+    assert all(p.uncommitted() == 0 for p in loop.tracker.partitions())
+
+
+def test_a_transaction_closes_early_when_flow_control_would_pause_anyway() -> None:
+    loop = Loop()
+    loop.consume(0, 1)
+    loop.finish(0, 1)
+    loop.txn.step(flow_paused=False)
+    assert loop.txn.state == "open"  # the interval is not up
+    loop.txn.step(flow_paused=True)
+    assert loop.txn.state == "idle" and loop.producer.offsets == {("in", 0): 2}
+
+
+def test_no_transaction_is_begun_until_records_come_and_the_next_begins_after_the_commit() -> None:
+    loop = Loop()
+    loop.clock.now = 5.0
+    loop.txn.step(flow_paused=False)
+    assert "begin" not in loop.producer.calls
+    loop.consume(0, 1)
+    loop.finish(0, 1)
+    loop.clock.now = 7.0
+    loop.txn.step(flow_paused=False)
+    loop.consume(0, 2)
+    assert loop.producer.calls == ["init", "begin", "send_offsets", "commit", "begin"]
+
+
+def test_a_retriable_error_is_retried_and_the_transaction_commits() -> None:
+    loop = Loop()
+    loop.producer.errors["commit"] = [RETRIABLE, RETRIABLE]
+    loop.consume(0, 1)
+    loop.finish(0, 1)
+    loop.clock.now = 2
+    loop.txn.step(flow_paused=False)
+    assert loop.producer.calls.count("commit") == 3 and loop.producer.visible == ["out-0-1"]
+    assert loop.txn.committed == 1 and loop.txn.aborted == 0
+
+
+@pytest.mark.parametrize("call", ["send_offsets", "commit"])
+def test_an_abortable_error_aborts_and_rewinds_to_the_last_committed_offsets(call: str) -> None:
+    loop = Loop()
+    loop.consume(0, 0, 1)
+    loop.consume(1, 7)
+    for key in list(loop.in_flight):
+        loop.finish(*key)
+    loop.clock.now = 1
+    loop.txn.step(flow_paused=False)  # first transaction commits: offsets 2 and 8
+    old = {p.partition: p for p in loop.tracker.partitions()}
+    loop.consume(0, 2, 3)
+    loop.consume(1, 8)
+    for key in list(loop.in_flight):
+        loop.finish(*key)
+    loop.producer.errors[call] = [ABORTABLE]
+    loop.clock.now = 3
+    loop.txn.step(flow_paused=False)
+    assert loop.producer.calls[-1] == "abort"
+    assert loop.producer.visible == ["out-0-0", "out-0-1", "out-1-7"]  # nothing of the aborted one
+    assert loop.producer.offsets == {("in", 0): 2, ("in", 1): 8}
+    assert sorted(loop.consumer.seeks) == [("in", 0, 2), ("in", 1, 8)]
+    # Fresh offset state: the old one is revoked, so a straggler of the aborted transaction is dropped.
+    assert all(old[p].revoked for p in old)
+    new = {p.partition: p for p in loop.tracker.partitions()}
+    assert all(new[p] is not old[p] and not new[p].revoked for p in new)
+    new[0].track(2)  # the rewound record is taken again, not refused as a re-fetch
+    assert loop.txn.state == "idle" and loop.outcomes[-1][0] == "aborted" and loop.txn.aborted == 1
+
+
+def test_an_abort_before_any_commit_rewinds_to_where_the_assignment_started() -> None:
+    loop = Loop(partitions=1)
+    loop.consume(0, 40, 41)
+    loop.finish(0, 40)
+    loop.finish(0, 41)
+    loop.producer.errors["send_offsets"] = [ABORTABLE]
+    loop.txn.step(flow_paused=True)
+    assert loop.consumer.seeks == [("in", 0, 40)] and loop.producer.visible == []
+
+
+def test_a_fenced_member_trips_the_latch_and_writes_nothing_more() -> None:
+    loop = Loop()
+    loop.consume(0, 1)
+    loop.finish(0, 1)
+    loop.producer.errors["send_offsets"] = [FENCED]
+    loop.txn.step(flow_paused=True)
+    assert isinstance(loop.latch.error, TransactionFencedError) and "fenced" in str(loop.latch.error)
+    assert loop.producer.visible == [] and loop.producer.offsets == {}
+    calls = list(loop.producer.calls)
+    loop.txn.step(flow_paused=True)
+    loop.txn.finish(drained_waiter(lambda: 0, lambda s: None), 1.0)  # shutdown: a zombie does not abort
+    assert loop.producer.calls == calls and loop.producer.visible == []
+
+
+def test_after_another_fatal_error_shutdown_aborts_the_open_transaction() -> None:
+    loop = Loop()
+    loop.consume(0, 1)
+    loop.latch.trip(WorkerError("the backend broke"))
+    loop.txn.finish(lambda timeout_s: True, 1.0)
+    assert loop.producer.calls[-1] == "abort" and loop.txn.aborted == 1
+
+
+def test_a_revoke_commits_the_open_transaction_when_it_drains_in_time() -> None:
+    loop = Loop()
+    loop.consume(0, 1)
+    loop.consume(1, 1)
+
+    def drain(timeout_s: float) -> bool:
+        for key in list(loop.in_flight):
+            loop.finish(*key)
+        return True
+
+    assert loop.txn.on_revoke(drain, 5.0)
+    assert loop.producer.offsets == {("in", 0): 2, ("in", 1): 2} and loop.txn.state == "idle"
+
+
+def test_a_revoke_that_cannot_wait_aborts_and_drops_what_finishes_later() -> None:
+    loop = Loop()
+    loop.consume(0, 1, 2)
+    loop.finish(0, 1)
+    waits: list[float] = []
+
+    def drain(timeout_s: float) -> bool:
+        waits.append(timeout_s)
+        if len(waits) == 1:
+            return False  # the revoke's time ran out with record 2 in flight
+        loop.finish(0, 2)  # finishes after the revoke: its partition state is revoked, so dropped
+        return True
+
+    assert not loop.txn.on_revoke(drain, 0.5)
+    assert loop.producer.calls[-1] == "abort" and loop.producer.visible == []
+    assert "out-0-2" not in loop.producer.open and loop.consumer.seeks == [("in", 0, 1)]
+    assert not loop.latch.is_set()
+
+
+def test_records_stuck_in_flight_at_an_abort_stop_the_member() -> None:
+    loop = Loop()
+    loop.consume(0, 1)
+    assert not loop.txn.on_revoke(lambda timeout_s: False, 0.1)
+    assert isinstance(loop.latch.error, TransactionFencedError) and "in flight" in str(loop.latch.error)
+    assert "abort" not in loop.producer.calls  # a late produce could otherwise land in the next one
+
+
+def test_lost_partitions_abort_a_young_transaction_once_drained() -> None:
+    loop = Loop()
+    loop.consume(0, 1)
+    loop.clock.now = 29.0  # under half the 60 s transaction timeout: the broker has not aborted it
+    loop.txn.lost()
+    assert loop.txn.closing and not loop.latch.is_set()
+    loop.txn.step(flow_paused=False)
+    assert "abort" not in loop.producer.calls
+    loop.finish(0, 1)
+    loop.txn.step(flow_paused=False)
+    assert loop.producer.calls[-1] == "abort" and loop.producer.visible == []
+
+
+def test_lost_partitions_with_an_old_transaction_stop_the_member_without_aborting() -> None:
+    loop = Loop()
+    loop.consume(0, 1)
+    loop.clock.now = 31.0
+    loop.txn.lost()
+    assert isinstance(loop.latch.error, TransactionFencedError) and "lost" in str(loop.latch.error)
+    loop.finish(0, 1)
+    loop.txn.step(flow_paused=False)
+    loop.txn.finish(lambda timeout_s: True, 1.0)
+    # An abort would bump the epoch of a timed-out transaction and fence the successor.
+    assert "abort" not in loop.producer.calls and loop.producer.visible == []
+
+
+def test_lost_partitions_without_an_open_transaction_change_nothing() -> None:
+    loop = Loop()
+    loop.txn.lost()
+    assert not loop.latch.is_set() and not loop.txn.closing
+
+
+def test_an_abort_requested_waits_for_the_pipeline_to_drain() -> None:
+    loop = Loop()
+    loop.consume(0, 1)
+    loop.txn.request_abort("test")
+    assert loop.txn.closing
+    loop.txn.step(flow_paused=False)
+    assert "abort" not in loop.producer.calls
+    loop.finish(0, 1)
+    loop.txn.step(flow_paused=False)
+    assert loop.producer.calls[-1] == "abort" and loop.producer.visible == []
+
+
+def test_shutdown_commits_a_drained_transaction_and_aborts_an_undrained_one() -> None:
+    loop = Loop()
+    loop.consume(0, 1)
+    loop.finish(0, 1)
+    loop.txn.finish(drained_waiter(lambda: len(loop.in_flight), lambda s: None), 1.0)
+    assert loop.producer.visible == ["out-0-1"]
+    loop.consume(0, 2)
+    loop.txn.finish(lambda timeout_s: False, 0.0)
+    assert loop.producer.calls[-1] == "abort" and loop.txn.state == "idle"
+
+
+def test_init_retries_a_retriable_error_and_stops_on_a_fatal_one() -> None:
+    loop = Loop()
+    loop.producer.errors["init"] = [RETRIABLE]
+    loop.txn.init()
+    assert loop.producer.calls.count("init") == 3
+    loop.producer.errors["init"] = [FENCED]
+    with pytest.raises(TransactionFencedError) as info:
+        loop.txn.init()
+    assert isinstance(info.value, WorkerError)
+
+
+def test_errors_are_classified_as_librdkafka_marks_them() -> None:
+    assert kind_of(KafkaException(FENCED)) == "fatal"
+    assert kind_of(KafkaException(ABORTABLE)) == "abort"
+    assert kind_of(KafkaException(RETRIABLE)) == "retry"
+    assert kind_of(KafkaException(KafkaError(KafkaError.ILLEGAL_GENERATION, "stale"))) == "abort"
+
+
+def test_the_transactional_config() -> None:
+    config = transactional_config({"message.timeout.ms": 3_600_000, "acks": "all"}, group="g", member="pod-1",
+                                  transaction_timeout_ms=20_000)
+    assert config["transactional.id"] == transactional_id("g", "pod-1") == "keyword-embedder-g-pod-1"
+    assert config["transaction.timeout.ms"] == 20_000 and config["message.timeout.ms"] == 20_000
+    assert transactional_config({}, group="g", member="m", transaction_timeout_ms=60_000)["message.timeout.ms"] \
+        == 60_000
+
+
+def test_a_transactional_call_that_hangs_stops_the_member() -> None:
+    import threading
+
+    loop = Loop()
+    loop.txn.timeout_s = 0.05
+    release = threading.Event()
+    real = loop.producer.send_offsets_to_transaction
+
+    def hang(positions: Any, metadata: Any, timeout: float) -> None:
+        release.wait(10)  # blocks past its own timeout, as librdkafka's did after a broker restart
+        real(positions, metadata, timeout)
+
+    loop.producer.send_offsets_to_transaction = hang  # type: ignore[method-assign]
+    import worker.kafka.transactions as txmod
+    old_margin, txmod.HANG_MARGIN_S = txmod.HANG_MARGIN_S, 0.1
+    try:
+        loop.consume(0, 1)
+        loop.finish(0, 1)
+        loop.txn.step(flow_paused=True)
+    finally:
+        txmod.HANG_MARGIN_S = old_margin
+        release.set()
+    assert isinstance(loop.latch.error, TransactionHungError)
+    assert "send_offsets_to_transaction" in str(loop.latch.error)
+    assert "commit" not in loop.producer.calls and loop.producer.visible == []

@@ -1,0 +1,370 @@
+"""Exactly-once: the transaction loop (KIP-447) around the pipeline's outputs and input offsets.
+
+One transaction per `transaction_interval_ms`: it holds the output records and dead letters
+of every record consumed into it, and the input offsets after them (send_offsets_to_transaction
+with the consumer's group metadata, so the broker fences a member of an older generation).
+
+Rule: a transaction is closed only when everything consumed into it is finished. When the
+interval is up (or flow control would pause anyway), intake pauses, the pipeline drains (the
+in-flight table empties: every output acknowledged), then each partition's next offset is sent
+and the transaction committed; the next one begins with the next consumed record. So the
+outputs in a transaction are exactly those of the offsets it commits: there is no record whose
+output is committed and whose offset is not, or the reverse. The cost is the drain bubble once
+per interval (README, "Delivery guarantees").
+
+Errors of the transactional calls, as librdkafka classifies them:
+- retriable: the call is repeated (commit_transaction and send_offsets_to_transaction are
+  safe to repeat);
+- txn_requires_abort: abort, then rewind every owned partition to where this transaction began
+  (the last committed offset) with fresh offset state, so nothing consumed into the aborted
+  transaction is produced into a later one;
+- fatal (fenced by a newer member with the same transactional.id, or by the broker after the
+  transaction timeout): the latch trips, nothing more is written, the worker exits non-zero.
+
+Threads: everything here runs on the poll thread (including the rebalance callbacks, which
+librdkafka serves inside consume). The output and delivery threads only produce and
+acknowledge; `begin` happens before any record of a transaction is consumed and `commit`/`abort`
+only once none is left in flight, so no produce can race a state change of the transaction.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import structlog
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+from worker.errors import WorkerError
+from worker.kafka.offsets import OffsetTracker, PartitionOffsets
+from worker.latch import FatalLatch
+
+log = structlog.get_logger(__name__)
+
+State = Literal["idle", "open", "closing"]
+Outcome = Literal["committed", "aborted"]
+# How often a retriable error of a transactional call is retried before the transaction is aborted.
+RETRIES = 5
+# How much longer than its own timeout a transactional call may block before the member stops.
+HANG_MARGIN_S = 5.0
+
+
+class TransactionFencedError(WorkerError):
+    """A newer member took over this member's transactional id, or its transaction timed out."""
+
+
+class TransactionHungError(WorkerError):
+    """A transactional call did not return in time."""
+
+
+class TransactionalProducer(Protocol):
+    def init_transactions(self, timeout: float) -> None: ...
+    def begin_transaction(self) -> None: ...
+    def send_offsets_to_transaction(self, positions: list[TopicPartition], group_metadata: Any,
+                                    timeout: float) -> None: ...
+    def commit_transaction(self, timeout: float) -> None: ...
+    def abort_transaction(self, timeout: float) -> None: ...
+
+
+class GroupConsumer(Protocol):
+    def consumer_group_metadata(self) -> Any: ...
+    def seek(self, partition: TopicPartition) -> None: ...
+
+
+def transactional_id(group: str, member: str) -> str:
+    """Stable per member (a pod name survives its own restart), unique among live members; the
+    prefix keyword-embedder is what the secured deployment's transactional-id ACL grants."""
+    return f"keyword-embedder-{group}-{member}"
+
+
+def transactional_config(producer_config: dict[str, Any], *, group: str, member: str,
+                         transaction_timeout_ms: int) -> dict[str, Any]:
+    """The producer configuration of an exactly-once member."""
+    config = dict(producer_config)
+    config["transactional.id"] = transactional_id(group, member)
+    config["transaction.timeout.ms"] = transaction_timeout_ms
+    # librdkafka refuses a message timeout above the transaction timeout: a write that cannot
+    # succeed while its transaction is open fails the transaction, which is then aborted.
+    config["message.timeout.ms"] = min(int(config.get("message.timeout.ms", transaction_timeout_ms)),
+                                       transaction_timeout_ms)
+    return config
+
+
+def kind_of(exc: BaseException) -> Literal["retry", "abort", "fatal"]:
+    err = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    if not isinstance(err, KafkaError):
+        return "fatal"
+    if err.fatal():
+        return "fatal"
+    if err.txn_requires_abort():
+        return "abort"
+    if err.retriable():
+        return "retry"
+    # Not retriable and not marked abortable (a stale generation, a state error): the safe way
+    # out of an unknown transaction state is to abort it.
+    return "abort"
+
+
+@dataclass
+class Transactions:
+    producer: TransactionalProducer
+    consumer: GroupConsumer
+    tracker: OffsetTracker
+    latch: FatalLatch
+    in_flight: Callable[[], int]
+    interval_s: float
+    timeout_s: float = 10.0
+    transaction_timeout_s: float = 60.0
+    on_outcome: Callable[[Outcome, float], None] = lambda outcome, seconds: None
+    # The commit point moved (for the stall check of /healthz).
+    on_progress: Callable[[], None] = lambda: None
+    clock: Callable[[], float] = time.monotonic
+    sleep: Callable[[float], None] = time.sleep
+    state: State = "idle"
+    began_at: float = 0.0
+    committed: int = 0
+    aborted: int = 0
+    _abort_reason: str | None = field(default=None, repr=False)
+
+    # ------------------------------------------------------------------ lifecycle
+    def init(self, timeout_s: float = 30.0) -> None:
+        """Fences an older incarnation of this member and aborts its open transaction."""
+        deadline = self.clock() + timeout_s
+        while True:
+            try:
+                self.producer.init_transactions(max(1.0, deadline - self.clock()))
+                return
+            except KafkaException as exc:
+                if kind_of(exc) == "retry" and self.clock() < deadline:
+                    log.warning("init_transactions failed; retrying", error=str(exc.args[0]))
+                    self.sleep(0.5)
+                    continue
+                raise TransactionFencedError(f"could not initialise transactions: {exc.args[0]}") from exc
+
+    @property
+    def closing(self) -> bool:
+        """Intake must stay paused: the open transaction waits for its records to finish."""
+        return self.state == "closing" or self._abort_reason is not None
+
+    def ensure_open(self) -> None:
+        """Called with consumed records before intake sees them: they belong to an open transaction."""
+        if self.state == "idle" and not self.latch.is_set():
+            self.producer.begin_transaction()
+            self.state = "open"
+            self.began_at = self.clock()
+
+    def request_abort(self, reason: str) -> None:
+        """Abort at the next `step` (its outputs must not commit)."""
+        if self.state != "idle" and self._abort_reason is None:
+            self._abort_reason = reason
+
+    def lost(self) -> None:
+        """Partitions lost (the group took them: this member looked dead, a session timeout or a
+        broker outage). The open transaction must not commit. When it has been open for less
+        than half the transaction timeout, the broker has not timed it out: abort it and rewind.
+        Otherwise stop: aborting a transaction the broker timed out makes librdkafka bump the
+        producer epoch (KIP-588), which fences the successor that runs with the same
+        transactional id (measured); the successor, or the broker, aborts what was left open."""
+        if self.state == "idle":
+            return
+        if self.clock() - self.began_at < self.transaction_timeout_s / 2:
+            self.request_abort("partitions lost")
+            return
+        self.latch.trip(TransactionFencedError(
+            "partitions lost with a transaction open longer than half transaction_timeout_ms: this "
+            "member was considered dead (a zombie); it stops without aborting, its successor or the "
+            "broker aborts the transaction"))
+
+    def step(self, *, flow_paused: bool) -> None:
+        """One poll-loop turn: start closing when the interval is up or intake would pause
+        anyway; commit once drained; abort when asked to."""
+        if self.state == "idle" or self.latch.is_set():
+            return
+        if self._abort_reason is not None:
+            if self.in_flight() == 0:
+                self.abort_and_rewind(self._abort_reason)
+            return
+        if self.state == "open" and (flow_paused or self.clock() - self.began_at >= self.interval_s):
+            self.state = "closing"
+        if self.state == "closing" and self.in_flight() == 0:
+            self.commit()
+
+    # ------------------------------------------------------------------ closing
+    def _offsets(self) -> list[tuple[PartitionOffsets, int]]:
+        return [(p, off) for p in self.tracker.partitions() if (off := p.to_commit()) is not None]
+
+    def _bounded(self, what: str, fn: Callable[[], None]) -> None:
+        """Runs a blocking transactional call, at most timeout_s + HANG_MARGIN_S.
+
+        librdkafka's own timeout does not always hold: after a hard broker restart,
+        send_offsets_to_transaction blocked for minutes (measured), holding the poll thread and
+        so the whole member. Past the bound the member stops (exit 1): nothing of the open
+        transaction is committed, and the restarted member's init_transactions aborts it.
+        """
+        answer: list[BaseException | None] = []
+
+        def call() -> None:
+            try:
+                fn()
+                answer.append(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                answer.append(exc)
+
+        helper = threading.Thread(target=call, name="kwe-txn-call", daemon=True)
+        helper.start()
+        helper.join(self.timeout_s + HANG_MARGIN_S)
+        if not answer:
+            raise TransactionHungError(f"{what} did not return within {self.timeout_s + HANG_MARGIN_S:.0f} s "
+                                       "(the transaction coordinator does not answer); stopping so that a "
+                                       "restarted member aborts the open transaction")
+        if answer[0] is not None:
+            raise answer[0]
+
+    def _call(self, what: str, fn: Callable[[], None]) -> Literal["ok", "abort", "fatal"]:
+        for attempt in range(RETRIES):
+            try:
+                self._bounded(what, fn)
+                return "ok"
+            except TransactionHungError as exc:
+                self.latch.trip(exc)
+                return "fatal"
+            except KafkaException as exc:
+                kind = kind_of(exc)
+                if kind == "retry" and attempt + 1 < RETRIES:
+                    log.warning("transactional call failed; retrying", call=what, error=str(exc.args[0]))
+                    self.sleep(0.1 * (attempt + 1))
+                    continue
+                if kind == "fatal":
+                    self.latch.trip(TransactionFencedError(
+                        f"{what} failed: {exc.args[0]} (this member was fenced: a newer one took over its "
+                        "transactional id, or its transaction outlived transaction_timeout_ms)"))
+                    return "fatal"
+                log.warning("transactional call failed; aborting the transaction", call=what,
+                            error=str(exc.args[0]))
+                return "abort"
+        return "abort"
+
+    def commit(self) -> bool:
+        """Sends the offsets and commits; everything consumed must be finished. True if committed."""
+        assert self.in_flight() == 0, "a transaction is committed only when nothing is in flight"
+        offsets = self._offsets()
+        positions = [TopicPartition(p.topic, p.partition, off) for p, off in offsets]
+        if positions:
+            metadata = self.consumer.consumer_group_metadata()
+            result = self._call("send_offsets_to_transaction",
+                                lambda: self.producer.send_offsets_to_transaction(positions, metadata, self.timeout_s))
+            if result == "ok":
+                result = self._call("commit_transaction", lambda: self.producer.commit_transaction(self.timeout_s))
+        else:
+            result = self._call("commit_transaction", lambda: self.producer.commit_transaction(self.timeout_s))
+        if result == "abort":
+            self.abort_and_rewind("the transaction could not be committed")
+            return False
+        if result == "fatal":
+            return False
+        for p, off in offsets:
+            p.request_commit(off)
+            p.confirm_commit(off)
+        if offsets:
+            self.on_progress()
+        self._finish("committed")
+        return True
+
+    def abort_and_rewind(self, reason: str) -> None:
+        """Aborts the open transaction and sends every owned partition back to where it began.
+
+        Fresh offset state per partition (the old one is marked revoked), so a late completion of
+        a record of the aborted transaction is dropped instead of produced into the next one.
+        """
+        rewind: list[TopicPartition] = []
+        for p in self.tracker.partitions():
+            start = p.committed if p.committed is not None else p.first
+            self.tracker.assign(p.topic, p.partition)
+            if start is not None:
+                rewind.append(TopicPartition(p.topic, p.partition, start))
+        if self._call("abort_transaction", lambda: self.producer.abort_transaction(self.timeout_s)) != "ok":
+            if not self.latch.is_set():
+                self.latch.trip(TransactionFencedError(f"the transaction could not be aborted ({reason})"))
+            return
+        for tp in rewind:
+            try:
+                self.consumer.seek(tp)
+            except KafkaException as exc:
+                # Not (or no longer) assigned: its next owner starts from the committed offset anyway.
+                log.warning("could not rewind a partition", partition=f"{tp.topic}[{tp.partition}]",
+                            error=str(exc.args[0]))
+        log.warning("transaction aborted; partitions rewound", reason=reason,
+                    partitions=[f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in rewind])
+        self._finish("aborted")
+
+    def _finish(self, outcome: Outcome) -> None:
+        seconds = self.clock() - self.began_at
+        self.state = "idle"
+        self._abort_reason = None
+        if outcome == "committed":
+            self.committed += 1
+        else:
+            self.aborted += 1
+        self.on_outcome(outcome, seconds)
+
+    # ------------------------------------------------------------------ rebalances, shutdown
+    def on_revoke(self, wait_drained: Callable[[float], bool], wait_s: float) -> bool:
+        """Before partitions go: commit the open transaction if everything in it finishes within
+        wait_s, else abort it (and rewind the partitions that stay). True if committed or idle."""
+        if self.state == "idle":
+            return True
+        if self.latch.is_set():
+            return False
+        if self._abort_reason is None and wait_drained(wait_s):
+            return self.commit()
+        self._abort_after_drain(wait_drained, "partitions revoked before the transaction finished")
+        return False
+
+    def _abort_after_drain(self, wait_drained: Callable[[float], bool], reason: str) -> None:
+        # Records still in flight would be produced into the next transaction otherwise: mark
+        # their offset state revoked (the output stage drops them) and wait for the rest.
+        for p in self.tracker.partitions():
+            p.revoked = True
+        if not wait_drained(self.timeout_s):
+            self.latch.trip(TransactionFencedError(
+                f"the transaction could not be aborted cleanly ({reason}): records stayed in flight"))
+            return
+        self.abort_and_rewind(reason)
+
+    def finish(self, wait_drained: Callable[[float], bool], wait_s: float) -> None:
+        """Shutdown: commit if everything drains within wait_s, else abort, so no open transaction
+        holds back read_committed readers until it times out. After a fatal error: abort, best
+        effort (a fenced producer cannot; the broker or the successor aborts it)."""
+        if self.state == "idle":
+            return
+        if not self.latch.is_set() and self._abort_reason is None and wait_drained(wait_s):
+            self.commit()
+            return
+        if isinstance(self.latch.error, TransactionFencedError):
+            return  # a zombie does not abort (see `lost`): its successor or the broker does
+        try:
+            # No rewind and no wait for what is in flight: no later transaction follows, so a
+            # straggler cannot be produced into one.
+            self._bounded("abort_transaction", lambda: self.producer.abort_transaction(min(self.timeout_s, 2.0)))
+            self._finish("aborted")
+        except (KafkaException, TransactionHungError) as exc:
+            log.info("open transaction not aborted on the way out", error=str(exc))
+
+
+def wait_until(check: Callable[[], bool], serve: Callable[[float], None], timeout_s: float,
+               clock: Callable[[], float] = time.monotonic) -> bool:
+    """Serves the group (or sleeps) until check() holds or timeout_s passes."""
+    deadline = clock() + max(0.0, timeout_s)
+    while not check():
+        if clock() >= deadline:
+            return False
+        serve(0.01)
+    return True
+
+
+def drained_waiter(in_flight: Callable[[], int], serve: Callable[[float], None]) -> Callable[[float], bool]:
+    """A wait_drained for `Transactions`: until nothing is in flight, at most the given seconds."""
+    return lambda timeout_s: wait_until(lambda: in_flight() == 0, serve, timeout_s)
