@@ -67,7 +67,9 @@ def scrape(url: str) -> dict[tuple[str, str], float]:
         if fam.type != "histogram" or not fam.name.endswith("_seconds"):
             continue
         for s in fam.samples:
-            out[(s.name, s.labels.get("le", ""))] += s.value
+            # kwe_hop_seconds{hop="encode"} -> kwe_hop_encode_seconds: one row per hop.
+            name = s.name.replace("hop_seconds", f"hop_{s.labels['hop']}_seconds") if "hop" in s.labels else s.name
+            out[(name, s.labels.get("le", ""))] += s.value
     return dict(out)
 
 

@@ -35,6 +35,8 @@ class InFlight:
     # headers read once and safely (a header name need not be UTF-8).
     msg: Message | None
     headers: InputHeaders
+    # time.monotonic() when its output was handed to the producer (for the produce_to_ack hop).
+    t_produced: float = 0.0
 
 
 class InFlightTable:

@@ -9,6 +9,7 @@ one of the two, and a tokenizer failure on one text dead-letters that text alone
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,8 +43,12 @@ class Intake:
         self.consumed = 0
 
     def handle(self, msgs: Sequence[Message]) -> None:
+        """Records just returned by a poll (consume)."""
         s = self._settings
+        polled = time.monotonic()
+        now_ms = time.time() * 1000.0
         good: list[tuple[int, Keyword, InFlight]] = []
+        in_topic: list[float] = []
         consumed = 0
         for msg in msgs:
             part = self._tracker.get(msg.topic(), msg.partition())
@@ -53,6 +58,8 @@ class Intake:
             if rec is None:
                 continue
             consumed += 1
+            if rec.timestamp_ms is not None and rec.timestamp_ms > 0:
+                in_topic.append((now_ms - rec.timestamp_ms) / 1000.0)
             seq = next(self._seq)
             decoded = decode_input(msg.key(), msg.value(), fmt=s.input_format,  # type: ignore[arg-type]
                                    max_bytes=s.max_message_bytes, headers_bytes=rec.headers.size)
@@ -62,8 +69,9 @@ class Intake:
                 good.append((seq, decoded, rec))
         self.consumed += consumed
         self._metrics.count_consumed(consumed)
+        self._metrics.observe_hops("input_to_poll", in_topic)
         if good:
-            self._embed(good)
+            self._embed(good, polled)
 
     def _track(self, part: PartitionOffsets, msg: Message) -> InFlight | None:
         offset = msg.offset()
@@ -83,7 +91,7 @@ class Intake:
         assert rec.msg is not None
         self._dead_letters.send(seq, rec.msg, rec.headers, rejection)
 
-    def _embed(self, good: list[tuple[int, Keyword, InFlight]]) -> None:
+    def _embed(self, good: list[tuple[int, Keyword, InFlight]], polled: float) -> None:
         texts = [kw.text for _, kw, _ in good]
         try:
             encoded: list[Any] = self._tokenizer.encode(texts)
@@ -94,6 +102,7 @@ class Intake:
                     encoded.append(self._tokenizer.encode([text])[0])
                 except Exception as exc:  # noqa: BLE001
                     encoded.append(exc)
+        submitted: list[float] = []
         for (seq, kw, rec), enc in zip(good, encoded):
             if isinstance(enc, Exception):
                 self._reject(seq, rec, Rejection("tokenize_error", f"the tokenizer failed on this text: {enc!r}"))
@@ -105,3 +114,5 @@ class Intake:
             rec.qid, rec.tokens, rec.truncated = kw.id, enc.length, enc.truncated
             self._inflight.add(seq, rec)
             self._submit(seq, enc.ids)
+            submitted.append(time.monotonic() - polled)
+        self._metrics.observe_hops("poll_to_submit", submitted)

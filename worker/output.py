@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ class _Finished:
     seqs: Sequence[int]
     rows: np.ndarray
     stats: BatchStats | None
+    t_done: float = 0.0  # time.monotonic() when the batch was queued here (0: unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +79,7 @@ class OutputStage:
 
     # ------------------------------------------------------------------ dispatcher threads
     def on_batch(self, seqs: Sequence[int], rows: np.ndarray, stats: BatchStats) -> None:
-        self._queue.put(_Finished(seqs, rows, stats))
+        self._queue.put(_Finished(seqs, rows, stats, time.monotonic()))
 
     def on_batch_error(self, seqs: Sequence[int], exc: BaseException) -> None:
         if isinstance(exc, PartialBatchError):
@@ -104,18 +106,25 @@ class OutputStage:
                 self._fail(item)
 
     def _emit(self, item: _Finished) -> None:
+        t0 = time.monotonic()
+        if item.t_done:
+            self._metrics.observe_hop("output_queue", t0 - item.t_done)
         if item.stats is not None:
             self._metrics.observe_batch(item.stats)
         live, dropped = self._inflight.take_live(item.seqs)
         self.dropped += dropped
         index = {seq: i for i, seq in enumerate(item.seqs)}
         headers = self._codec.headers
-        for seq, rec in live:
+        values = [self._codec.value(rec.qid, item.rows[index[seq]], rec.tokens, rec.truncated) for seq, rec in live]
+        t1 = time.monotonic()
+        self._metrics.observe_hop("encode", t1 - t0)
+        for (seq, rec), value in zip(live, values):
             rec.msg = None  # produced from here on: the input bytes are no longer needed
-            value = self._codec.value(rec.qid, item.rows[index[seq]], rec.tokens, rec.truncated)
+            rec.t_produced = time.monotonic()
             if not self._producer.produce(self._topic, rec.qid.encode("utf-8"), value, headers,
                                           self._acks.embedded(seq)):
                 return
+        self._metrics.observe_hop("produce_call", time.monotonic() - t1)
 
     def _fail(self, item: _Failed) -> None:
         live, dropped = self._inflight.take_live(item.seqs)
