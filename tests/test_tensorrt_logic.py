@@ -861,9 +861,10 @@ def test_load_backend_onnxruntime_with_profile_and_onnx_path(monkeypatch: pytest
 
     fake.OnnxRuntimeBackend = OnnxRuntimeBackend  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "worker.backends.onnxruntime", fake)
-    backend, profile = load_backend(Settings(onnx_path="/m/x.onnx", intra_op_threads=3),
+    backend, profile = load_backend(Settings(onnx_path="/m/x.onnx", intra_op_threads=3, ort_allow_spinning=False),
                                     find_spec=_spec(set()), has_gpu=lambda: False)
-    assert isinstance(backend, OnnxRuntimeBackend) and made == [("/m/x.onnx", {"intra_op_threads": 3})]
+    assert isinstance(backend, OnnxRuntimeBackend)
+    assert made == [("/m/x.onnx", {"intra_op_threads": 3, "allow_spinning": False})]
     assert profile.name == "cpu" and profile.max_len == 256
 
     export = types.ModuleType("engines.export_onnx")

@@ -140,4 +140,5 @@ def load_backend(settings: Settings, *, find_spec: FindSpec = importlib.util.fin
         from engines.export_onnx import ensure_onnx
 
         onnx_path = ensure_onnx(settings.model_dir or None, optimize=False)
-    return OnnxRuntimeBackend(onnx_path, intra_op_threads=settings.intra_op_threads), profile
+    return OnnxRuntimeBackend(onnx_path, intra_op_threads=settings.intra_op_threads,
+                              allow_spinning=settings.ort_allow_spinning), profile
