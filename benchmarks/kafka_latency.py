@@ -64,7 +64,7 @@ def scrape(url: str) -> dict[tuple[str, str], float]:
     _, body = http_get(url + "/metrics")
     out: dict[tuple[str, str], float] = defaultdict(float)
     for fam in text_string_to_metric_families(body.decode() if isinstance(body, bytes) else body):
-        if fam.type != "histogram" or not fam.name.endswith("_seconds"):
+        if fam.type != "histogram" or not (fam.name.endswith("_seconds") or fam.name == "kwe_batch_size"):
             continue
         for s in fam.samples:
             # kwe_hop_seconds{hop="encode"} -> kwe_hop_encode_seconds: one row per hop.
@@ -75,7 +75,7 @@ def scrape(url: str) -> dict[tuple[str, str], float]:
 
 def hop_breakdown(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]) -> dict[str, Any]:
     """Per histogram: observations, mean and bucket-estimated p50/p99 (ms) between two scrapes."""
-    names = {k[0][: -len("_count")] for k in after if k[0].endswith("_count")}
+    names = {k[0][: -len("_count")] for k in after if k[0].endswith("_seconds_count")}
     result = {}
     for name in sorted(names):
         count = after.get((f"{name}_count", ""), 0) - before.get((f"{name}_count", ""), 0)
@@ -165,13 +165,15 @@ def kafka_level(side: Side, rows: list[tuple[str, str]], bootstrap: str, rate: f
     late = t_in >= t0 + duration * 1000 * 0.75
     drain_s = (max(side.out_ts[k] for k in keys if k in side.out_ts) - t_in.max()) / 1000
     p50, p95, p99 = np.percentile(lat[keep], [50, 95, 99])
+    batches = after.get(("kwe_batch_size_count", ""), 0) - before.get(("kwe_batch_size_count", ""), 0)
+    batched = after.get(("kwe_batch_size_sum", ""), 0) - before.get(("kwe_batch_size_sum", ""), 0)
     for k in keys:  # the maps only grow otherwise
         side.in_ts.pop(k, None)
         side.out_ts.pop(k, None)
     return {"sent": sent, "missing": missing, "n": int(keep.sum()), "achieved_per_s": sent / duration,
             "p50_ms": float(p50), "p95_ms": float(p95), "p99_ms": float(p99), "max_ms": float(lat[keep].max()),
             "last_quarter_p50_ms": float(np.percentile(lat[late], 50)) if late.any() else math.nan,
-            "drain_s": drain_s, "keeps_up": missing == 0 and drain_s <= KEEPS_UP_DRAIN_S,
+            "drain_s": drain_s, "mean_batch": batched / batches if batches else math.nan, "keeps_up": missing == 0 and drain_s <= KEEPS_UP_DRAIN_S,
             "producer_report": out.stdout.strip(), "worker_cpu_s": round(cpu1[0] - cpu0[0], 2),
             "broker_cpu_s": round(cpu1[1] - cpu0[1], 2), "hops": hop_breakdown(before, after)}
 
@@ -200,15 +202,16 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [f"# Latency through Kafka (open loop) vs offline, one run\n",
              f"Command: `{report['command']}`  ",
              f"Conditions: {report['conditions']}\n",
-             "| variant | load | offered kw/s | p50 ms | p95 ms | p99 ms | max ms | keeps up (drain s) | "
-             "offline p50 / p99 ms |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "| variant | load | offered kw/s | p50 ms | p95 ms | p99 ms | max ms | keeps up (drain s) | mean batch | "
+             "offline p50 / p99 ms | offline mean batch |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for lvl in report["levels"]:
         off = lvl["offline"]
         for name, k in lvl["kafka"].items():
             lines.append(f"| {name} | {lvl['load']:.0%} | {lvl['rate']:.0f} | {k['p50_ms']:.0f} | {k['p95_ms']:.0f} | "
                          f"{k['p99_ms']:.0f} | {k['max_ms']:.0f} | {'yes' if k['keeps_up'] else 'NO'} "
-                         f"({k['drain_s']:.1f}) | {off['p50_ms']:.0f} / {off['p99_ms']:.0f} |")
+                         f"({k['drain_s']:.1f}) | {k.get('mean_batch', math.nan):.1f} | {off['p50_ms']:.0f} / "
+                         f"{off['p99_ms']:.0f} | {off.get('mean_batch', math.nan):.1f} |")
     lines += ["", "## Where the time goes (per hop; mean / p50 / p99 ms, p50 and p99 estimated from "
               "histogram buckets)", ""]
     hops = sorted({h for lvl in report["levels"] for k in lvl["kafka"].values() for h in k["hops"]})

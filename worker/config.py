@@ -245,9 +245,11 @@ class Settings:
                            choices=("auto", "bucket", "longest"))
     intra_op_threads: int = _setting(0, "ONNX Runtime threads per inference context; 0: one per core.",
                                      minimum=0)
-    ort_allow_spinning: bool = _setting(True, "ONNX Runtime's intra-op threads spin-wait for work between runs "
-                                        "(session.intra_op.allow_spinning); off gives the cores back to the "
-                                        "worker's other threads and the broker between batches.")
+    ort_allow_spinning: bool = _setting(False, "ONNX Runtime's intra-op threads spin-wait for work between runs "
+                                        "(session.intra_op.allow_spinning); off (measured: p99 195 vs 1,211 ms "
+                                        "at 80% load through Kafka, benchmarks/results/kafka_latency_spin.md) "
+                                        "gives the cores to the worker's other threads and the broker between "
+                                        "batches.")
     dispatchers: int = _setting(1, "Inference contexts (and dispatcher threads) on CPU; TensorRT always uses "
                                 "one per bucket profile.", minimum=1)
     # --- Operations --------------------------------------------------------------------
