@@ -51,8 +51,10 @@ def main() -> int:
             topics = (f"{run}-in", f"{run}-out", f"{run}-dlq")
             ensure_topics(bootstrap, {topics[0]: 6, topics[1]: 6, topics[2]: 1})
             worker = WorkerProcess(bootstrap, *topics, run, logdir / f"{name}.log", root=root).start()
+            # Earliest: the topics are this run's own, and a reader whose join takes longer than the
+            # wait below on a busy box must not start past the records of the first round.
             reader = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{run}-reader",
-                               "auto.offset.reset": "latest", "enable.auto.commit": False, "fetch.wait.max.ms": 5})
+                               "auto.offset.reset": "earliest", "enable.auto.commit": False, "fetch.wait.max.ms": 5})
             reader.subscribe([topics[1]])
             sides[name] = (worker, reader, topics[0])
         for name, (worker, reader, topic) in sides.items():

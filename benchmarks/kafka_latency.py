@@ -119,7 +119,9 @@ class Side:
 
 
 def _reader(bootstrap: str, group: str, topic: str) -> Consumer:
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "auto.offset.reset": "latest",
+    # Earliest: the topics are this run's own, and a reader whose group join is slow on a busy box
+    # must not start past the records it waits for (with "latest" it would wait forever).
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "auto.offset.reset": "earliest",
                   "enable.auto.commit": False, "fetch.wait.max.ms": 5})
     c.subscribe([topic])
     return c
