@@ -143,14 +143,12 @@ def ids(seq: int, length: int) -> np.ndarray:
 
 
 def make(prof: Profile, backend: FakeBackend | None = None, *, delay_ms: float = 20.0, eager: bool = False,
-         dispatchers: int = 1, pad_to: str | None = None,
-         coalesce: bool = True) -> tuple[Bucketer, FakeClock, FakeBackend, Results]:
+         dispatchers: int = 1, pad_to: str | None = None) -> tuple[Bucketer, FakeClock, FakeBackend, Results]:
     clock = FakeClock()
     backend = backend or FakeBackend()
     res = Results()
     b = Bucketer(prof, backend, res.on_complete, on_error=res.on_error, max_queue_delay_ms=delay_ms,
-                 dispatchers=dispatchers, pad_to=pad_to, clock=clock, eager=eager,  # type: ignore[arg-type]
-                 coalesce=coalesce)
+                 dispatchers=dispatchers, pad_to=pad_to, clock=clock, eager=eager)  # type: ignore[arg-type]
     clock.listeners.append(b.wake)
     b.start()
     return b, clock, backend, res
@@ -326,51 +324,6 @@ def test_eager_idle_dispatcher_takes_a_partial_batch_at_once() -> None:
     b2.submit(0, ids(0, 3))
     assert settle(b2, clock2) == 1 and res2.done() == 0
     assert b.stop() == [] and b2.stop() == []
-
-
-@pytest.mark.parametrize("coalesce", [True, False])
-def test_a_partial_batch_is_topped_up_from_shorter_buckets(coalesce: bool) -> None:
-    prof = profile(bounds=(4, 6, 8, 16), max_batch=4, pad_to="longest")
-    b, clock, backend, res = make(prof, delay_ms=20.0, coalesce=coalesce)
-    # 8 -> bucket 8, the oldest: due first; 5 and 6 -> bucket 6, at least half of 8: they join
-    # it; 3 -> bucket 4, under half of 8: stays; 9 -> bucket 16, longer: never pulled in.
-    for seq, n in enumerate((8, 5, 6, 3, 9)):
-        b.submit(seq, ids(seq, n))
-        clock.advance(0.001)
-    settle(b, clock, 0.021)  # every item is due now
-    res.wait_items(5)
-    batches = sorted(sorted(s) for s, _, _ in res.batches)
-    if coalesce:
-        assert batches == [[0, 1, 2], [3], [4]]
-        first = next(st for s, _, st in res.batches if 0 in s)
-        assert first.pad_len == 8 and first.real_tokens == 19
-    else:
-        assert batches == [[0], [1, 2], [3], [4]]
-    # Every row is still its own item's.
-    for seqs, rows, _ in res.batches:
-        for seq, row in zip(seqs, rows):
-            assert row[0] == ids(seq, int(row[1])).sum()
-    assert b.stop() == []
-
-
-def test_top_up_respects_max_batch_and_keeps_bucket_pad_policy_alone() -> None:
-    prof = profile(bounds=(4, 6, 8, 16), max_batch=2, pad_to="longest")
-    b, clock, _, res = make(prof, delay_ms=20.0)
-    for seq, n in enumerate((8, 6, 6)):
-        b.submit(seq, ids(seq, n))
-        clock.advance(0.001)
-    settle(b, clock, 0.021)
-    res.wait_items(3)
-    assert sorted(sorted(s) for s, _, _ in res.batches) == [[0, 1], [2]]
-    assert b.stop() == []
-    # pad_to="bucket" (fixed shapes, e.g. TensorRT profiles): never mixed across buckets.
-    b, clock, _, res = make(profile(bounds=(4, 6, 8, 16), max_batch=4, pad_to="bucket"), delay_ms=20.0)
-    b.submit(0, ids(0, 8))
-    b.submit(1, ids(1, 6))
-    settle(b, clock, 0.021)
-    res.wait_items(2)
-    assert sorted(sorted(s) for s, _, _ in res.batches) == [[0], [1]]
-    assert b.stop() == []
 
 
 # --------------------------------------------------------------------------- delivery

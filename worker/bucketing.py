@@ -37,13 +37,6 @@ Flush rules, for the buckets of one lane whose ready queue has room:
    oldest item is flushed at once instead of letting the engine idle until its deadline. Under
    load the dispatchers are never idle, so batches still fill; with a light load it trades
    larger batches for latency the engine had spare capacity for anyway.
-4. `coalesce=True` (the default; pad_to="longest" only): a batch that leaves partial (due or
-   eager) is topped up with the oldest items of the lane's shorter buckets, nearest first, down
-   to half its longest item. Padded to its longest, such a batch costs hardly more than the
-   partial one, so at medium load the engine runs a few fuller batches instead of one run per
-   length bucket (measured through Kafka: mean batch 1.1-1.8 over 25-90% load without it, with
-   a fixed cost per run; benchmarks/results/kafka_latency.md). Under a backlog batches are full
-   and nothing changes.
 """
 
 from __future__ import annotations
@@ -140,7 +133,7 @@ class Bucketer:
     def __init__(self, profile: Profile, backend: Backend, on_complete: OnComplete, *, on_error: OnError,
                  max_queue_delay_ms: float = 20.0, dispatchers: int = 1,
                  pad_to: Literal["bucket", "longest", "auto"] | None = None,
-                 clock: Callable[[], float] = time.monotonic, eager: bool = True, coalesce: bool = True) -> None:
+                 clock: Callable[[], float] = time.monotonic, eager: bool = True) -> None:
         if max_queue_delay_ms < 0:
             raise ValueError(f"max_queue_delay_ms must be >= 0, got {max_queue_delay_ms}")
         if dispatchers < 1:
@@ -158,7 +151,6 @@ class Bucketer:
         self._delay = max_queue_delay_ms / 1000.0
         self._clock = clock
         self._eager = eager
-        self._coalesce = coalesce
 
         n_buckets = len(profile.buckets)
         if backend.max_contexts is not None:
@@ -375,31 +367,7 @@ class Bucketer:
                 taken.append(b.items.popleft())
         b.longest = max((len(it.ids) for it in b.items), default=0)
         self._queued -= len(taken)
-        if self._coalesce and self.pad_to == "longest" and len(taken) < b.max_batch:
-            taken += self._top_up(b, taken)
         return taken
-
-    def _top_up(self, b: _Bucket, taken: list[_Item]) -> list[_Item]:
-        """Items of the lane's shorter buckets that fit a partial batch of b (see rule 4)."""
-        longest = max(len(it.ids) for it in taken)
-        floor = (longest + 1) // 2
-        room = min(b.max_batch, self._budget // longest) - len(taken)
-        extra: list[_Item] = []
-        for i in sorted(self._lanes[b.lane].buckets, key=lambda j: -self._buckets[j].bound):
-            nb = self._buckets[i]
-            if nb.bound >= b.bound or room <= 0:
-                continue
-            took = 0
-            while nb.items and room > 0 and floor <= len(nb.items[0].ids) <= longest:
-                extra.append(nb.items.popleft())
-                room -= 1
-                took += 1
-            if took:
-                nb.longest = max((len(it.ids) for it in nb.items), default=0)
-            if nb.items and len(nb.items[0].ids) < floor:
-                break  # buckets are in descending order: the rest are shorter still
-        self._queued -= len(extra)
-        return extra
 
     # ------------------------------------------------------------------ threads
     def _form_loop(self) -> None:
