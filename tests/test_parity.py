@@ -202,3 +202,14 @@ def test_cli_embed(exports: dict[str, Path], tmp_path: Path, capsys: pytest.Capt
     assert record["id"] == "1" and record["tokens"] == rows[by_text["café crème brûlée"]]["tokens"]
     assert float(np.dot(record["embedding"], ref[by_text["café crème brûlée"]])) >= 0.9999
     assert main(["embed"]) == 2
+
+
+@pytest.mark.parametrize("spin", [True, False])
+def test_spinning_setting_reaches_the_session_and_changes_no_result(exports: dict[str, Path], spin: bool) -> None:
+    backend = OnnxRuntimeBackend(exports["plain"], intra_op_threads=2, allow_spinning=spin)
+    opts = backend._session.get_session_options()
+    assert opts.get_session_config_entry("session.intra_op.allow_spinning") == ("1" if spin else "0")
+    ids, mask = np.array([[101, 1037, 102, 0]]), np.array([[1, 1, 1, 0]])
+    reference = OnnxRuntimeBackend(exports["plain"], intra_op_threads=1).run(ids, mask)
+    np.testing.assert_allclose(backend.run(ids, mask), reference, atol=1e-5)
+    backend.close()

@@ -1096,9 +1096,9 @@ def _fake_ort(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, dict[str, Any]
 
 def test_load_backend_onnxruntime_with_profile_and_onnx_path(monkeypatch: pytest.MonkeyPatch) -> None:
     made = _fake_ort(monkeypatch)
-    loaded = load_backend(Settings(onnx_path="/m/x.onnx", intra_op_threads=3),
+    loaded = load_backend(Settings(onnx_path="/m/x.onnx", intra_op_threads=3, ort_allow_spinning=False),
                           find_spec=_spec(set()), has_gpu=lambda: False)
-    assert isinstance(loaded.backend, _FakeOrt) and made == [("/m/x.onnx", {"intra_op_threads": 3})]
+    assert isinstance(loaded.backend, _FakeOrt) and made == [("/m/x.onnx", {"intra_op_threads": 3, "allow_spinning": False})]
     assert loaded.profile.name == "cpu" and loaded.profile.max_len == 256
     # Every "auto" is resolved where the settings are read: nothing after this sees the word.
     assert (loaded.settings.backend, loaded.settings.profile, loaded.settings.pad_to) == ("onnxruntime", "cpu",

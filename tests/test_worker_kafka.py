@@ -92,6 +92,11 @@ def test_readyz_waits_for_assignment_and_metrics_count_the_work(
         assert batch_counts and sum(batch_counts.values()) >= 1, metrics
         assert all('bucket="' in k for k in batch_counts)
         assert any(k.startswith("kwe_end_to_end_latency_seconds_count") and v == 300 for k, v in values.items())
+        # Every keyword passes each per-keyword hop once; the per-batch hops once per batch.
+        for hop in ("input_to_poll", "poll_to_submit", "produce_to_ack"):
+            assert values[f'kwe_hop_seconds_count{{hop="{hop}"}}'] == 300, hop
+        for hop in ("output_queue", "encode", "produce_call"):
+            assert values[f'kwe_hop_seconds_count{{hop="{hop}"}}'] == sum(batch_counts.values()), hop
         assert w.stop() == 0
     finally:
         if w.proc and w.proc.poll() is None:

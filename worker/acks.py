@@ -6,6 +6,7 @@ marked done, which is what lets the committer move that partition's commit point
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Literal
 
@@ -31,6 +32,8 @@ class Acknowledger:
             rec.part.done(rec.offset)
             self.embedded_count += 1
             self._metrics.count_produced()
+            if rec.t_produced:
+                self._metrics.observe_hop("produce_to_ack", time.monotonic() - rec.t_produced)
             if rec.timestamp_ms is not None:
                 self._metrics.observe_end_to_end(rec.timestamp_ms)
         return ack

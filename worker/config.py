@@ -283,6 +283,11 @@ class Settings:
                                 "the token IDs after truncation: a repeated keyword is answered from it "
                                 "without the model (least recently used vectors are evicted). The default "
                                 "holds about 100k 384-d vectors; 0 turns the cache off.", minimum=0)
+    ort_allow_spinning: bool = _setting(False, "ONNX Runtime's intra-op threads spin-wait for work between runs "
+                                        "(session.intra_op.allow_spinning); off (measured: p99 195 vs 1,211 ms "
+                                        "at 80 percent load through Kafka, benchmarks/results/kafka_latency_spin.md) "
+                                        "gives the cores to the worker's other threads and the broker between "
+                                        "batches.")
     dispatchers: int = _setting(1, "Inference contexts (and dispatcher threads) on CPU; TensorRT always uses "
                                 "one per bucket profile.", minimum=1)
     # --- Operations --------------------------------------------------------------------

@@ -36,6 +36,8 @@ class InFlight:
     msg: Message | None
     headers: InputHeaders
     cache_key: bytes | None = None  # the embedding cache's key, set when the cache is on
+    # time.monotonic() when its output was handed to the producer (for the produce_to_ack hop).
+    t_produced: float = 0.0
 
 
 class InFlightTable:

@@ -11,6 +11,7 @@ straight to the output stage.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,8 +53,12 @@ class Intake:
         self.consumed = 0
 
     def handle(self, msgs: Sequence[Message]) -> None:
+        """Records just returned by a poll (consume)."""
         s = self._settings
+        polled = time.monotonic()
+        now_ms = time.time() * 1000.0
         good: list[tuple[int, Keyword, InFlight]] = []
+        in_topic: list[float] = []
         consumed = 0
         for msg in msgs:
             part = self._tracker.get(msg.topic(), msg.partition())
@@ -63,6 +68,8 @@ class Intake:
             if rec is None:
                 continue
             consumed += 1
+            if rec.timestamp_ms is not None and rec.timestamp_ms > 0:
+                in_topic.append((now_ms - rec.timestamp_ms) / 1000.0)
             seq = next(self._seq)
             decoded = decode_input(msg.key(), msg.value(), fmt=s.input_format,  # type: ignore[arg-type]
                                    max_bytes=s.max_message_bytes, headers_bytes=rec.headers.size)
@@ -72,8 +79,9 @@ class Intake:
                 good.append((seq, decoded, rec))
         self.consumed += consumed
         self._metrics.count_consumed(consumed)
+        self._metrics.observe_hops("input_to_poll", in_topic)
         if good:
-            self._embed(good)
+            self._embed(good, polled)
 
     def _track(self, part: PartitionOffsets, msg: Message) -> InFlight | None:
         offset = msg.offset()
@@ -93,7 +101,7 @@ class Intake:
         assert rec.msg is not None
         self._dead_letters.send(seq, rec.msg, rec.headers, rejection)
 
-    def _embed(self, good: list[tuple[int, Keyword, InFlight]]) -> None:
+    def _embed(self, good: list[tuple[int, Keyword, InFlight]], polled: float) -> None:
         texts = [kw.text for _, kw, _ in good]
         hits: list[tuple[int, np.ndarray]] = []
         try:
@@ -105,6 +113,7 @@ class Intake:
                     encoded.append(self._tokenizer.encode([text])[0])
                 except Exception as exc:  # noqa: BLE001
                     encoded.append(exc)
+        submitted: list[float] = []
         for (seq, kw, rec), enc in zip(good, encoded):
             if isinstance(enc, Exception):
                 self._reject(seq, rec, Rejection("tokenize_error", f"the tokenizer failed on this text: {enc!r}"))
@@ -124,5 +133,7 @@ class Intake:
                     hits.append((seq, row))
                     continue
             self._submit(seq, enc.ids)
+            submitted.append(time.monotonic() - polled)
+        self._metrics.observe_hops("poll_to_submit", submitted)
         if hits and self._answer is not None:
             self._answer([seq for seq, _ in hits], np.stack([row for _, row in hits]))

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -41,6 +41,14 @@ BACKEND_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 E2E_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # Exactly-once: a transaction lasts about transaction_interval_ms plus its drain.
 TRANSACTION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0)
+# The hops of a keyword's way through the worker besides the bucket queue and the backend (which
+# have their own histograms), in order (see Metrics.observe_hop); fine from 0.1 ms, since a
+# healthy hop takes well under a millisecond and a starved one tens to hundreds.
+Hop = Literal["input_to_poll", "poll_to_submit", "output_queue", "encode", "produce_call", "produce_to_ack"]
+HOPS: tuple[Hop, ...] = ("input_to_poll", "poll_to_submit", "output_queue", "encode", "produce_call",
+                         "produce_to_ack")
+HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+               10.0, 30.0)
 
 
 class Metrics:
@@ -79,6 +87,14 @@ class Metrics:
         self.end_to_end = Histogram(f"{PREFIX}end_to_end_latency_seconds",
                                     "Kafka timestamp of the input message to broker ack of its output.",
                                     buckets=E2E_BUCKETS, registry=r)
+        self.hop = Histogram(
+            f"{PREFIX}hop_seconds",
+            "Per keyword (per batch for output_queue, encode, produce_call), time spent in one hop: input_to_poll "
+            "(input record timestamp to the poll that returned it: time in the topic, fetch and the prefetch "
+            "queue), poll_to_submit (decode, validate, tokenize), output_queue (batch finished to the output "
+            "thread taking it), encode (output values of a batch), produce_call (producer.produce calls of a "
+            "batch), produce_to_ack (produce call to the broker's acknowledgement).",
+            ["hop"], buckets=HOP_BUCKETS, registry=r)
         self.consumer_lag = Gauge(f"{PREFIX}consumer_lag", "Messages behind the high watermark, per partition.",
                                   ["topic", "partition"], registry=r)
         self.rebalances = Counter(f"{PREFIX}rebalances", "Partition rebalance callbacks, by kind.", ["kind"],
@@ -98,6 +114,8 @@ class Metrics:
         # alerts on them work before the first event.
         for kind in REBALANCE_KINDS:
             self.rebalances.labels(kind=kind)
+        for hop in HOPS:
+            self.hop.labels(hop=hop)
         for outcome in ("committed", "aborted"):
             self.transactions.labels(outcome=outcome)
 
@@ -126,6 +144,15 @@ class Metrics:
             return
         now = time.time() if now_s is None else now_s
         self.end_to_end.observe(max(0.0, now - timestamp_ms / 1000.0))
+
+    def observe_hop(self, hop: Hop, seconds: float) -> None:
+        """One keyword's (or batch's) time in a hop; clock steps below 0 count as 0."""
+        self.hop.labels(hop=hop).observe(max(0.0, seconds))
+
+    def observe_hops(self, hop: Hop, seconds: list[float]) -> None:
+        child = self.hop.labels(hop=hop)
+        for s in seconds:
+            child.observe(max(0.0, s))
 
     # --- flow control --------------------------------------------------------------------
     def set_in_flight(self, n: int) -> None:

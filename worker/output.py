@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from worker.bucketing import BatchStats
 from worker.cache import EmbeddingCache
 from worker.dead_letters import DeadLetters
 from worker.errors import BackendBrokenError, WorkerError
-from worker.inflight import InFlightTable
+from worker.inflight import InFlight, InFlightTable
 from worker.kafka.messages import OutputCodec, Rejection
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch, guarded
@@ -40,6 +41,7 @@ class _Finished:
     rows: np.ndarray
     stats: BatchStats | None
     cached: bool = False  # answered by the embedding cache, not computed
+    t_done: float = 0.0  # time.monotonic() when the batch was queued here (0: unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +83,7 @@ class OutputStage:
 
     # ------------------------------------------------------------------ dispatcher threads
     def on_batch(self, seqs: Sequence[int], rows: np.ndarray, stats: BatchStats) -> None:
-        self._queue.put(_Finished(seqs, rows, stats))
+        self._queue.put(_Finished(seqs, rows, stats, time.monotonic()))
 
     def on_cached(self, seqs: Sequence[int], rows: np.ndarray) -> None:
         """Poll thread: records answered by the embedding cache (no batch, nothing to cache)."""
@@ -112,22 +114,33 @@ class OutputStage:
                 self._fail(item)
 
     def _emit(self, item: _Finished) -> None:
+        t0 = time.monotonic()
+        if item.t_done:
+            self._metrics.observe_hop("output_queue", t0 - item.t_done)
         if item.stats is not None:
             self._metrics.observe_batch(item.stats)
         live, dropped = self._inflight.take_live(item.seqs)
         self.dropped += dropped
         index = {seq: i for i, seq in enumerate(item.seqs)}
         headers = self._codec.headers
-        for seq, rec in live:
+        values = [self._codec.value(rec.qid, self._row(item, index[seq], rec), rec.tokens, rec.truncated)
+                  for seq, rec in live]
+        t1 = time.monotonic()
+        self._metrics.observe_hop("encode", t1 - t0)
+        for (seq, rec), value in zip(live, values):
             rec.msg = None  # produced from here on: the input bytes are no longer needed
-            row = item.rows[index[seq]]
-            if self._cache is not None and not item.cached and rec.cache_key is not None:
-                # Stored as computed; a repeat gets these exact bits (the first stored row wins).
-                row = self._cache.put(rec.cache_key, row)
-            value = self._codec.value(rec.qid, row, rec.tokens, rec.truncated)
+            rec.t_produced = time.monotonic()
             if not self._producer.produce(self._topic, rec.qid.encode("utf-8"), value, headers,
                                           self._acks.embedded(seq)):
                 return
+        self._metrics.observe_hop("produce_call", time.monotonic() - t1)
+
+    def _row(self, item: _Finished, i: int, rec: InFlight) -> np.ndarray:
+        row = item.rows[i]
+        if self._cache is not None and not item.cached and rec.cache_key is not None:
+            # Stored as computed; a repeat gets these exact bits (the first stored row wins).
+            row = self._cache.put(rec.cache_key, row)
+        return row
 
     def _fail(self, item: _Failed) -> None:
         live, dropped = self._inflight.take_live(item.seqs)

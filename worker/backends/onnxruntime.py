@@ -41,7 +41,7 @@ class OnnxRuntimeBackend:
     name = "onnxruntime"
     max_contexts: int | None = None
 
-    def __init__(self, onnx_path: str | Path, *, intra_op_threads: int = 0,
+    def __init__(self, onnx_path: str | Path, *, intra_op_threads: int = 0, allow_spinning: bool = True,
                  graph_optimization: GraphOptimization = "all",
                  providers: Sequence[str] = ("CPUExecutionProvider",)) -> None:
         import onnxruntime as ort
@@ -67,6 +67,9 @@ class OnnxRuntimeBackend:
         opts.inter_op_num_threads = 1
         opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         opts.graph_optimization_level = levels[graph_optimization]
+        # Spinning pool threads answer the next run a few microseconds sooner, but between runs
+        # they burn the cores the poll, output and delivery threads (and a co-located broker) need.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if allow_spinning else "0")
         opts.log_severity_level = 3  # errors only: the fused graph's contrib ops log notices
         try:
             # Other providers (CUDA) serve benchmarks on a GPU host without TensorRT; the worker
@@ -76,6 +79,7 @@ class OnnxRuntimeBackend:
             raise BackendError(f"onnxruntime: cannot load {self.path}: {exc}") from None
         self.providers = self._session.get_providers()
         self.intra_op_threads = intra_op_threads
+        self.allow_spinning = allow_spinning
         self.graph_optimization = graph_optimization
         inputs = {i.name: i for i in self._session.get_inputs()}
         outputs = {o.name: o for o in self._session.get_outputs()}

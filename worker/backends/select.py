@@ -132,7 +132,8 @@ def model_info(settings: Settings) -> ModelInfo:
 
 def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = None, *, onnx_path: str | Path | None = None,
                  engine_path: str | Path | None = None, intra_op_threads: int = 0, fused: bool = False,
-                 share_device_memory: bool = False, precision: Precision = "fp32") -> Backend:
+                 share_device_memory: bool = False, precision: Precision = "fp32",
+                 allow_spinning: bool = True) -> Backend:
     """The one place a backend is assembled (the worker, Embedder and the benchmark all come here).
 
     onnxruntime: `onnx_path`, or the cached export of `model` (`fused`: the offline-fused
@@ -162,7 +163,7 @@ def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = 
             from engines.export_onnx import ensure_onnx
 
             onnx_path = ensure_onnx(model, optimize=fused)
-        backend = OnnxRuntimeBackend(onnx_path, intra_op_threads=intra_op_threads)
+        backend = OnnxRuntimeBackend(onnx_path, intra_op_threads=intra_op_threads, allow_spinning=allow_spinning)
     if backend.dim != model.dim:
         backend.close()
         raise BackendError(f"{kind}: the backend gives {backend.dim}-d vectors but {model.config_path} says "
@@ -197,5 +198,5 @@ def load_backend(settings: Settings, *, model: ModelInfo | None = None,
     backend = open_backend(choice.backend, model, profile, onnx_path=settings.onnx_path or None,
                            engine_path=settings.engine_path or None, intra_op_threads=settings.intra_op_threads,
                            share_device_memory=bool(getattr(settings, "trt_share_device_memory", False)),
-                           precision=settings.precision)
+                           precision=settings.precision, allow_spinning=settings.ort_allow_spinning)
     return Loaded(resolve_settings(settings, choice.backend, profile), model, backend, profile)

@@ -1,10 +1,16 @@
-"""`keyword-embedder produce`: publish keywords from a TSV (id<TAB>text) or JSONL file to a topic."""
+"""`keyword-embedder produce`: publish keywords from a TSV (id<TAB>text) or JSONL file to a topic.
+
+As fast as the broker takes them (the default), or open-loop at `--rate` keywords per second
+(see worker/loadgen.py): each record's timestamp is set when it is sent, so an embedding's
+output timestamp minus its input's is the end-to-end latency.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -15,6 +21,7 @@ from worker.config import SettingsError, load_settings
 from worker.kafka.client_config import add_client_flags, client_config
 from worker.kafka.errors import fatal_reason
 from worker.keyword_files import FORMATS, BadLines, KeywordFileError, read_keywords
+from worker.loadgen import SPACINGS, Lateness, arrivals, cycled
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -28,13 +35,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strict", action="store_true",
                         help="Refuse a file with a bad line (not UTF-8, not id<TAB>text / JSON); default: skip "
                              "and count them.")
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="Open loop: send N keywords per second on a fixed schedule, whatever the consumers "
+                             "do (0: as fast as the broker takes them). Each record is timestamped when sent.")
+    parser.add_argument("--spacing", choices=SPACINGS, default="poisson",
+                        help="With --rate: Poisson arrivals or evenly spaced ones.")
+    parser.add_argument("--duration", type=float, default=0.0,
+                        help="With --rate: send for S seconds, cycling the file (repeated IDs get a ~N suffix); "
+                             "0: until the file ends.")
+    parser.add_argument("--seed", type=int, default=0, help="With --rate --spacing poisson: the schedule's seed.")
     parser.add_argument("--no-progress", action="store_true")
     add_client_flags(parser)
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.rate < 0 or args.duration < 0 or (args.duration and not args.rate):
+        print("keyword-embedder produce: --rate and --duration must be >= 0, and --duration needs --rate",
+              file=sys.stderr)
+        return 2
+    # Open loop measures latency: a record should reach the broker when it is stamped, not up
+    # to linger.ms later (--kafka-config linger.ms=... still overrides).
     config = {"bootstrap.servers": args.bootstrap_servers, "enable.idempotence": True, "acks": "all",
-              "linger.ms": 20}
+              "linger.ms": 0 if args.rate else 20}
     try:
         config.update(client_config(load_settings(args)))
     except SettingsError as exc:
@@ -58,17 +80,34 @@ def main(args: argparse.Namespace) -> int:
 
     sent = 0
     bad = None if args.strict else BadLines()
+    late = Lateness()
+    schedule: Iterator[float] = iter(())
     start = time.perf_counter()
     bar = tqdm(unit=" keywords", disable=args.no_progress or None, desc=f"produce {args.topic}",
                file=sys.stderr, mininterval=0.5)
     try:
-        for qid, text in read_keywords(args.input, args.format, bad=bad):
+        rows = read_keywords(args.input, args.format, bad=bad)
+        if args.rate:
+            rows = cycled(rows) if args.duration else rows
+            schedule = arrivals(args.rate, args.duration or float("inf"), args.spacing, seed=args.seed)
+        for qid, text in rows:
             if args.limit and sent >= args.limit:
                 break
+            if args.rate:
+                at = next(schedule, None)
+                if at is None:
+                    break
+                wait = start + at - time.perf_counter()
+                if wait > 0:
+                    time.sleep(wait)
+                else:
+                    late.add(-wait)
             value = text.encode("utf-8") if args.value_format == "raw" else orjson.dumps({"id": qid, "text": text})
             while not fatal:
                 try:
-                    producer.produce(args.topic, key=qid.encode("utf-8"), value=value, on_delivery=on_delivery)
+                    # Stamped here, at send, not when the broker or a linger timer gets to it.
+                    producer.produce(args.topic, key=qid.encode("utf-8"), value=value, on_delivery=on_delivery,
+                                     timestamp=int(time.time() * 1000))
                     break
                 except BufferError:
                     producer.poll(0.05)
@@ -93,7 +132,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"keyword-embedder produce: {len(failures) + remaining} of {sent} keywords not delivered"
               + (f"; first error: {failures[0]}" if failures else ""), file=sys.stderr)
         return 1
-    print(f"produced {sent} keywords to {args.topic} in {elapsed:.2f} s ({sent / max(elapsed, 1e-9):,.0f} keywords/s)")
+    print(f"produced {sent} keywords to {args.topic} in {elapsed:.2f} s ({sent / max(elapsed, 1e-9):,.0f} keywords/s)"
+          + (f"; open loop at {args.rate:g}/s ({args.spacing}), behind schedule: max {late.max_s * 1000:.0f} ms"
+             if args.rate else ""))
     return 0
 
 

@@ -111,9 +111,16 @@ class GroupMember:
                                  on_lost=self._on_lost)
 
     def consume(self, max_records: int, timeout_s: float) -> list[Message]:
-        """Records to process; error events are logged (throttled) and left out."""
+        """Records to process, as soon as there is one (waiting up to timeout_s for it); error
+        events are logged (throttled) and left out."""
+        # consume(n, timeout) returns early only once it has n records: under a light load it
+        # would hold every record for the whole timeout. So wait for the first one, then take
+        # what else is already fetched without waiting.
+        msgs = self._consumer.consume(num_messages=1, timeout=timeout_s)
+        if msgs and max_records > 1:
+            msgs += self._consumer.consume(num_messages=max_records - 1, timeout=0)
         out = []
-        for msg in self._consumer.consume(num_messages=max_records, timeout=timeout_s):
+        for msg in msgs:
             err = msg.error()
             if err is None:
                 out.append(msg)
