@@ -62,7 +62,9 @@ def test_readyz_waits_for_assignment_and_metrics_count_the_work(
     while not holder.assignment():
         assert time.monotonic() < deadline, "the holder got no partition"
         holder.poll(0.2)
-    w = WorkerProcess(kafka_bootstrap, inp, out, dlq, group_id, tmp_path / "w.log").start()
+    # No embedding cache: repeated texts would be answered without a batch, and the per-batch hop
+    # counts below are checked against the batches.
+    w = WorkerProcess(kafka_bootstrap, inp, out, dlq, group_id, tmp_path / "w.log", ("--cache-bytes", "0")).start()
     try:
         deadline = time.monotonic() + 90
         while w.probe("/healthz") != 200:

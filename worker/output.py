@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import structlog
@@ -40,8 +40,9 @@ class _Finished:
     seqs: Sequence[int]
     rows: np.ndarray
     stats: BatchStats | None
-    cached: bool = False  # answered by the embedding cache, not computed
-    t_done: float = 0.0  # time.monotonic() when the batch was queued here (0: unknown)
+    cached: bool = field(default=False, kw_only=True)  # answered by the embedding cache, not computed
+    # time.monotonic() when the batch was queued here (0: unknown, not observed)
+    t_done: float = field(default=0.0, kw_only=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,7 @@ class OutputStage:
 
     # ------------------------------------------------------------------ dispatcher threads
     def on_batch(self, seqs: Sequence[int], rows: np.ndarray, stats: BatchStats) -> None:
-        self._queue.put(_Finished(seqs, rows, stats, time.monotonic()))
+        self._queue.put(_Finished(seqs, rows, stats, t_done=time.monotonic()))
 
     def on_cached(self, seqs: Sequence[int], rows: np.ndarray) -> None:
         """Poll thread: records answered by the embedding cache (no batch, nothing to cache)."""
