@@ -289,6 +289,20 @@ def test_flow_control_pauses_on_bytes_as_well_as_records() -> None:
     assert flow.room(100) == 1 and not flow.update(75, 0) and flow.room(75) == 25
 
 
+def test_a_worker_at_its_bound_keeps_measuring_through_the_gaps_between_fetches() -> None:
+    # At the floor, everything in flight finishes and commits before the next fetch returns:
+    # pending is 0 for a moment every cycle. Those gaps must not reset the measurement.
+    flow = FlowControl(max_records=4096, max_bytes=10**9, drain_target_s=8.0, min_records=256)
+    done, t = 0, 0.0
+    while t < 3.0:
+        flow.observe(t, done, busy=True)
+        t += 0.4
+        done += 256
+        flow.observe(t, done, busy=False)  # a gap of 0.1 s between cycles
+        t += 0.1
+    assert flow.limit > 256 * 8  # 512/s measured: the bound grew
+
+
 def test_the_record_bound_follows_throughput_so_a_drain_fits_the_deadline() -> None:
     flow = FlowControl(max_records=4096, max_bytes=10**9, drain_target_s=8.0, min_records=256)
     assert flow.limit == 256  # nothing measured yet: start small
@@ -302,6 +316,7 @@ def test_the_record_bound_follows_throughput_so_a_drain_fits_the_deadline() -> N
     for t in range(30, 35):
         flow.observe(float(t), 40000, busy=False)  # idle: says nothing about capacity
     assert flow.limit == 4096
+    assert not flow.update(0, 0)
     for t in range(35, 55):
         flow.observe(float(t), 40000)  # work waits and nothing finishes: never below the floor
     assert flow.limit == 256

@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 CONSUME_BATCH = 500
 # The window over which throughput is measured.
 RATE_WINDOW_S = 10.0
+# Idle this long (nothing waiting, nothing paused) before the measurement window is cleared:
+# a worker at its bound empties briefly between fetches, which says nothing about capacity.
+IDLE_RESET_S = 1.0
 
 
 @dataclass
@@ -33,6 +36,7 @@ class FlowControl:
     paused: bool = False
     limit: int = 0  # the record bound in force (set from the measured rate)
     _samples: deque[tuple[float, int]] = field(default_factory=deque, repr=False)
+    _idle_since: float | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.min_records = min(self.min_records, self.max_records)
@@ -41,13 +45,17 @@ class FlowControl:
     def observe(self, now: float, finished_total: int, *, busy: bool = True) -> None:
         """Records finished so far (a running count): updates the measured rate and the bound.
 
-        Only busy time measures capacity: an idle stretch (nothing waiting) clears the window and
-        keeps the bound, so a burst after a quiet minute starts at the bound it had, not at one
-        computed from a trickle.
+        Only busy time measures capacity: an idle stretch (nothing waiting or paused for
+        IDLE_RESET_S) clears the window and keeps the bound, so a burst after a quiet minute starts
+        at the bound it had, not at one computed from a trickle.
         """
-        if not busy:
-            self._samples.clear()
+        if not busy and not self.paused:
+            if self._idle_since is None:
+                self._idle_since = now
+            elif now - self._idle_since >= IDLE_RESET_S:
+                self._samples.clear()
             return
+        self._idle_since = None
         self._samples.append((now, finished_total))
         while len(self._samples) > 2 and now - self._samples[0][0] > RATE_WINDOW_S:
             self._samples.popleft()
