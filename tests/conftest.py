@@ -111,3 +111,15 @@ def make_topic(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
 @pytest.fixture()
 def group_id() -> str:
     return f"g-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture()
+def own_broker(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
+    """A broker of the test's own (a restart or an outage must not hit the shared one): (address, env)."""
+    env = {**os.environ, "KWE_KAFKA_RUN": str(tmp_path / "broker")}
+    env.pop("KAFKA_PORT", None)
+    out = subprocess.run(["bash", str(KAFKA_SH), "start"], env=env, capture_output=True, text=True, check=True)
+    try:
+        yield out.stdout.strip().splitlines()[-1].split("=", 1)[1], env
+    finally:
+        subprocess.run(["bash", str(KAFKA_SH), "stop"], env=env, capture_output=True, check=False)

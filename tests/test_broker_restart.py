@@ -6,11 +6,9 @@ it does not disturb the other tests.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,17 +18,6 @@ from tests.kafka_tools import TopicReader, WorkerProcess, load_queries, produce_
 from worker.kafka.admin import ensure_topics
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
-
-
-@pytest.fixture()
-def own_broker(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    env = {**os.environ, "KWE_KAFKA_RUN": str(tmp_path / "broker")}
-    env.pop("KAFKA_PORT", None)
-    out = subprocess.run(["bash", str(KAFKA_SH), "start"], env=env, capture_output=True, text=True, check=True)
-    try:
-        yield out.stdout.strip().splitlines()[-1].split("=", 1)[1], env
-    finally:
-        subprocess.run(["bash", str(KAFKA_SH), "stop"], env=env, capture_output=True, check=False)
 
 
 def test_worker_survives_a_broker_crash_and_restart(own_broker: tuple[str, dict[str, str]], tmp_path: Path,

@@ -7,12 +7,11 @@ Kafka side is the real broker either way.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -272,17 +271,6 @@ def test_the_output_topic_deleted_mid_run_is_fatal_and_nothing_past_it_is_commit
 
 
 # ------------------------------------------------------------------------------------ broker outage
-@pytest.fixture()
-def own_broker(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
-    env = {**os.environ, "KWE_KAFKA_RUN": str(tmp_path / "broker")}
-    env.pop("KAFKA_PORT", None)
-    out = subprocess.run(["bash", str(KAFKA_SH), "start"], env=env, capture_output=True, text=True, check=True)
-    try:
-        yield out.stdout.strip().splitlines()[-1].split("=", 1)[1], env
-    finally:
-        subprocess.run(["bash", str(KAFKA_SH), "stop"], env=env, capture_output=True, check=False)
-
-
 @pytest.mark.slow
 def test_paused_partitions_resume_after_an_outage_longer_than_the_session_timeout(
         own_broker: tuple[str, dict[str, str]], tmp_path: Path, group_id: str) -> None:
