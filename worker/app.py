@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
 from kwe_core.errors import BackendError
+from kwe_core.model import ModelInfo
 from worker.backends.base import Backend
 from worker.config import Settings
+from worker.cost_model import CostModel
 from worker.metrics import Metrics
 from worker.pipeline import Pipeline
 from worker.tokenize import KeywordTokenizer
@@ -36,6 +39,20 @@ class Assembled:
             log.warning("backend not closed cleanly", backend=self.backend.name, error=str(exc))
 
 
+def calibration_key(settings: Settings, info: ModelInfo) -> dict[str, Any]:
+    """What changes the price of a backend call, besides the backend and the machine (worker/calibration.py)."""
+    weights = info.weights_path.stat()
+    return {"model": str(info.model_dir), "weights": [weights.st_size, weights.st_mtime_ns], "onnx": settings.onnx_path,
+            "precision": settings.precision, "intra_op_threads": settings.intra_op_threads,
+            "spinning": settings.ort_allow_spinning, "dispatchers": settings.dispatchers}
+
+
+def cost_model(settings: Settings, info: ModelInfo, backend: Backend) -> CostModel | None:
+    from worker.calibration import cost_model_for
+
+    return cost_model_for(backend, calibration_key(settings, info))
+
+
 def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Assembled:
     """Loads the model's tokenizer and the backend the settings ask for, and wires the pipeline.
 
@@ -53,6 +70,9 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Ass
              buckets=list(profile.bounds), max_len=tokenizer.max_len, pad_to=loaded.settings.pad_to)
     metrics = metrics if metrics is not None else Metrics()
     metrics.set_backend_info(backend.name, info.name, profile.name)
+    costs = cost_model(loaded.settings, info, backend) if loaded.settings.merge_buckets else None
+    if costs is not None:
+        metrics.watch_costs(costs)
     pipeline = Pipeline(loaded.settings, tokenizer=tokenizer, backend=backend, profile=profile,
-                        model_name=info.name, metrics=metrics)
+                        model_name=info.name, metrics=metrics, costs=costs)
     return Assembled(pipeline, backend)

@@ -55,6 +55,8 @@ import numpy as np
 
 from kwe_core.profiles import PAD_POLICIES, PadPolicy, Profile
 from worker.backends.base import Backend, InferenceContext
+from worker.batch_policy import BucketView, plan_merge
+from worker.cost_model import CostModel
 from worker.padding import pad_batch
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ class BatchStats:
     padded_tokens: int
     queue_wait_s: Sequence[float]  # per item: submit -> dispatch start
     backend_s: float
+    merged: int = 1  # length buckets whose items share this batch (worker/batch_policy.py)
 
     @property
     def padding_waste(self) -> float:
@@ -109,11 +112,12 @@ class _Bucket:
 
 @dataclass(slots=True)
 class _Batch:
-    bucket: int
+    bucket: int  # the longest bucket whose items it holds: its shape limits (and TensorRT context)
     items: list[_Item]
     input_ids: np.ndarray
     attention_mask: np.ndarray
     real_tokens: int
+    merged: int
 
 
 @dataclass(slots=True)
@@ -136,7 +140,8 @@ class Bucketer:
     def __init__(self, profile: Profile, backend: Backend, on_complete: OnComplete, *, on_error: OnError,
                  max_queue_delay_ms: float = 20.0, dispatchers: int = 1,
                  pad_to: PadPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic, eager: bool = True) -> None:
+                 clock: Callable[[], float] = time.monotonic, eager: bool = True,
+                 costs: CostModel | None = None) -> None:
         if max_queue_delay_ms < 0:
             raise ValueError(f"max_queue_delay_ms must be >= 0, got {max_queue_delay_ms}")
         if dispatchers < 1:
@@ -155,6 +160,10 @@ class Bucketer:
         self._delay = max_queue_delay_ms / 1000.0
         self._clock = clock
         self._eager = eager
+        # The measured prices of a call: a partial batch takes neighbouring buckets along when one
+        # call costs less than two (worker/batch_policy.py), and every call refines them. None:
+        # every batch holds one bucket, as before.
+        self._costs = costs
 
         n_buckets = len(profile.buckets)
         # Which contexts each dispatcher thread creates, owns and runs, and whether it picks the
@@ -383,6 +392,28 @@ class Bucketer:
         self._queued -= len(taken)
         return taken
 
+    def _take_planned(self, b: _Bucket, lane: _Lane) -> tuple[_Bucket, list[_Item], int]:
+        """The next batch led by bucket b: b alone, or with the neighbours the policy merges in."""
+        if self._costs is None or len(lane.buckets) == 1 or self._is_full(b):
+            return b, self._take(b), 1
+        views = [BucketView(i, len(self._buckets[i].items), self._padded_len(self._buckets[i]),
+                            self._buckets[i].max_batch if self.pad_to == "longest" else self._buckets[i].limit,
+                            self._is_full(self._buckets[i]))
+                 for i in lane.buckets if self._buckets[i].items]
+        plan = plan_merge(b.index, views, self._costs.prices(), token_budget=self._budget)
+        if len(plan) == 1:
+            return b, self._take(b), 1
+        members = [self._buckets[i] for i in plan]
+        items = [it for m in members for it in m.items]
+        for m in members:
+            m.items.clear()
+            m.longest = 0
+        self._queued -= len(items)
+        return max(members, key=lambda m: m.bound), items, len(members)
+
+    def _padded_len(self, b: _Bucket) -> int:
+        return b.longest if self.pad_to == "longest" else b.bound
+
     # ------------------------------------------------------------------ threads
     def _form_loop(self) -> None:
         try:
@@ -396,10 +427,10 @@ class Bucketer:
                             break
                         self._form_cv.wait(wait)
                     lane = self._lanes[bucket.lane]
-                    items = self._take(bucket)
+                    target, items, merged = self._take_planned(bucket, lane)
                     lane.forming += 1
                 # Padding outside the lock: submitters and dispatchers are not held up by it.
-                batch = self._pad(bucket, items)
+                batch = self._pad(target, items, merged)
                 with self._lock:
                     lane.forming -= 1
                     lane.ready.append(batch)
@@ -410,10 +441,10 @@ class Bucketer:
                 self._ready_cv.notify_all()
                 self._idle_cv.notify_all()
 
-    def _pad(self, b: _Bucket, items: list[_Item]) -> _Batch:
+    def _pad(self, b: _Bucket, items: list[_Item], merged: int = 1) -> _Batch:
         rows = [it.ids for it in items]
         input_ids, mask = pad_batch(rows, b.bound if self.pad_to == "bucket" else None)
-        return _Batch(b.index, items, input_ids, mask, sum(len(r) for r in rows))
+        return _Batch(b.index, items, input_ids, mask, sum(len(r) for r in rows), merged)
 
     def _dispatch_loop(self, lane_no: int, ctx_ids: tuple[int, ...]) -> None:
         lane = self._lanes[lane_no]
@@ -481,9 +512,12 @@ class Bucketer:
             return
         end = self._clock()
         size, pad_len = batch.input_ids.shape
+        if self._costs is not None:
+            self._costs.observe(size, pad_len, end - start)
         stats = BatchStats(bucket=batch.bucket, bound=self._buckets[batch.bucket].bound, size=size,
                            pad_len=pad_len, real_tokens=batch.real_tokens, padded_tokens=size * pad_len,
-                           queue_wait_s=[start - it.t_submit for it in batch.items], backend_s=end - start)
+                           queue_wait_s=[start - it.t_submit for it in batch.items], backend_s=end - start,
+                           merged=batch.merged)
         try:
             self._on_complete(seqs, out, stats)
         except Exception:

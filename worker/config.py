@@ -247,6 +247,11 @@ class Settings:
                                        minimum=1)
     max_queue_delay_ms: float = _setting(20.0, "Longest a keyword waits in its bucket before a partial batch "
                                          "is flushed.", minimum=0.0)
+    merge_buckets: bool = _setting(True, "A partial batch (a trickle, not a backlog) takes neighbouring length "
+                                   "buckets along when the measured cost model says one backend call costs less "
+                                   "than two (worker/batch_policy.py); never while a bucket is full. The prices "
+                                   "are measured at the first start (about a second), cached per model, backend, "
+                                   "thread layout and machine, and refined from live calls.")
     max_in_flight_bytes: int = _setting(64 * 1024 * 1024, "Bytes of consumed-but-uncommitted input records "
                                         "(key, value and headers); partitions pause at this bound too, so "
                                         "memory stays bounded when records are large.", minimum=1)

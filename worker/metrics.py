@@ -103,6 +103,12 @@ class Metrics:
         # scrape time (watch_cache), so the per-keyword path pays for no metric update.
         self._cache_stats: Callable[[], Any] | None = None
         r.register(_CacheCollector(lambda: self._cache_stats))
+        self.merged_batches = Counter(f"{PREFIX}merged_batches",
+                                      "Batches that hold more than one length bucket (worker/batch_policy.py), "
+                                      "by the bound they were padded in.", ["bucket"], registry=r)
+        # The cost model's prices, read from it at scrape time (watch_costs).
+        self._costs: Any = None
+        r.register(_CostCollector(lambda: self._costs))
         self.transactions = Counter(f"{PREFIX}transactions", "Exactly-once transactions, by outcome.",
                                     ["outcome"], registry=r)
         self.transaction_time = Histogram(f"{PREFIX}transaction_seconds",
@@ -174,6 +180,13 @@ class Metrics:
         for seconds in stats.queue_wait_s:
             wait.observe(seconds)
         self.backend_time.labels(bucket=label).observe(stats.backend_s)
+        if stats.merged > 1:
+            self.merged_batches.labels(bucket=label).inc()
+
+    # --- cost model (worker.cost_model.CostModel) ------------------------------------------
+    def watch_costs(self, costs: Any) -> None:
+        """Export the prices of this CostModel (calibrated and live), read at scrape time."""
+        self._costs = costs
 
     # --- embedding cache (worker.cache.CacheObserver) -----------------------------------
     def watch_cache(self, stats: Callable[[], Any]) -> None:
@@ -285,6 +298,32 @@ class _CacheCollector(Collector):
             value = float(getattr(stats, attr)) if stats is not None else 0.0
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(f"{PREFIX}{name}", help_text, value=value)
+
+
+class _CostCollector(Collector):
+    """kwe_cost_model_seconds{term, source}: the prices of a backend call; kwe_cost_model_slowdown:
+    what a call of 4 rows x 8 tokens costs now against the start-up calibration (1.0: as when idle)."""
+
+    def __init__(self, source: Callable[[], Any]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        costs = self._source()
+        if costs is None:
+            return
+        live, calibrated = costs.prices(), costs.calibrated
+        prices = GaugeMetricFamily(f"{PREFIX}cost_model_seconds",
+                                   "Backend call price t = fixed + per_row x B + per_token x B x L, by term, as "
+                                   "calibrated at start and as refined from live calls.", labels=["term", "source"])
+        for source, p in (("calibrated", calibrated), ("live", live)):
+            prices.add_metric(["fixed", source], p.fixed_s)
+            prices.add_metric(["per_row", source], p.per_row_s)
+            prices.add_metric(["per_token", source], p.per_token_s)
+        yield prices
+        reference = calibrated.cost(4, 8)
+        yield GaugeMetricFamily(f"{PREFIX}cost_model_slowdown",
+                                "A 4 x 8 call's live price over its calibrated (idle) price.",
+                                value=live.cost(4, 8) / reference if reference > 0 else 0.0)
 
 
 # The readiness callable returns (ready, detail). The detail is either named checks

@@ -35,6 +35,7 @@ from worker.acks import Acknowledger
 from worker.backends.isolating import IsolatingBackend
 from worker.cache import EmbeddingCache
 from worker.config import Settings
+from worker.cost_model import CostModel
 from worker.dead_letters import DeadLetters
 from worker.errors import ThreadDiedError, WorkerError
 from worker.flow import FlowControl
@@ -63,7 +64,7 @@ LEAVE_S = 3.0
 
 class Pipeline:
     def __init__(self, settings: Settings, *, tokenizer: Any, backend: Any, profile: Any, model_name: str,
-                 metrics: Metrics | None = None, bucketer_factory: Any = None,
+                 metrics: Metrics | None = None, bucketer_factory: Any = None, costs: CostModel | None = None,
                  consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
                  producer_factory: Callable[[dict[str, Any]], Any] = Producer) -> None:
         from worker.bucketing import Bucketer
@@ -113,7 +114,7 @@ class Pipeline:
         self._bucketer = (bucketer_factory or Bucketer)(
             profile, IsolatingBackend(backend, canary), self._output.on_batch, on_error=self._output.on_batch_error,
             max_queue_delay_ms=settings.max_queue_delay_ms, dispatchers=settings.dispatchers,
-            pad_to=settings.pad_to)
+            pad_to=settings.pad_to, costs=costs)
         self._intake = Intake(settings, tokenizer, self._committer.tracker, self._inflight, self._bucketer.submit,
                               dead_letters, self.metrics, cache=cache, answer=self._output.on_cached)
         self.liveness = Liveness(self.latch, [self._output.thread, self._producer.thread],

@@ -63,8 +63,13 @@ class KeywordTokenizer:
         return int(self._n_special)
 
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
+        # One text at a time on the calling thread, never encode_batch: that wakes the tokenizers'
+        # Rayon pool, whose threads spin between calls and took a core from the model under a
+        # trickle (issue 19: ~5 ms per call of 1-3 keywords on the poll thread; benchmarks/results/
+        # latency_diagnosis.md). Keywords are short: one at a time costs ~15 us each.
         out = []
-        for enc in self._tokenizer.encode_batch(list(texts), add_special_tokens=True):
+        encode = self._tokenizer.encode
+        for enc in (encode(text, add_special_tokens=True) for text in texts):
             ids = np.asarray(enc.ids, dtype=np.int64)
             overflow = sum(len(o.ids) - self._n_special for o in enc.overflowing)
             out.append(Encoded(ids=ids, length=len(ids) + overflow, truncated=overflow > 0))

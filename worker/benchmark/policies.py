@@ -32,6 +32,7 @@ from kwe_core.profiles import PadPolicy, Profile
 from worker.backends.base import Backend, InferenceContext
 from worker.benchmark.errors import BenchError
 from worker.bucketing import BatchStats, Bucketer
+from worker.cost_model import CostModel
 from worker.cache import EmbeddingCache, key
 from worker.padding import pad_batch
 from worker.tokenize import Encoded
@@ -87,6 +88,9 @@ class BucketerOptions:
     dispatchers: int = 1
     pad_to: PadPolicy | None = None  # None: the profile's
     eager: bool = True
+    # The measured prices: partial batches take neighbouring buckets along (worker/batch_policy.py),
+    # as the worker does with merge_buckets on. None: one bucket per batch.
+    costs: CostModel | None = None
 
 
 # --------------------------------------------------------------------------- baselines
@@ -192,7 +196,7 @@ class BucketerHarness:
         self._on_failed = on_failed
         self.bucketer = Bucketer(profile, backend, self._complete, on_error=self._error,
                                  max_queue_delay_ms=options.max_queue_delay_ms, dispatchers=options.dispatchers,
-                                 pad_to=options.pad_to, eager=options.eager)
+                                 pad_to=options.pad_to, eager=options.eager, costs=options.costs)
 
     def _complete(self, seqs: Sequence[int], rows: np.ndarray, stats: BatchStats) -> None:
         now = time.perf_counter()
