@@ -1,6 +1,7 @@
 """A real Prometheus (Debian's 2.42, started here on loopback) scraping a real worker, with the
 rules of deploy/prometheus/alerts.yml: the worker's model calls hang, the stall alerts fire in
-Prometheus's /api/v1/alerts, and they clear when the model answers again.
+Prometheus's /api/v1/alerts, and they clear when the model answers again; a `keyword-embedder run`
+process stopped with SIGSTOP fires KweWorkerDown, which clears on SIGCONT.
 
 The rules are loaded time-scaled so that the test takes a minute, not a quarter of an hour: every
 alert's `for:` becomes 10 s and KweWorkerNoProgress's 5-minute rate window becomes 15 s. Each
@@ -12,6 +13,7 @@ expression is otherwise the file's, byte for byte (the test checks it). The work
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import threading
 import time
@@ -24,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.kafka_tools import free_port, http_get, load_queries, produce_queries
+from tests.kafka_tools import WorkerProcess, free_port, http_get, load_queries, produce_queries
 from tests.test_alerts import RULES, prometheus_tool
 from tests.test_faults_kafka import in_process, loaded, topics  # noqa: F401 - loaded is a fixture
 from worker.metrics import MetricsServer
@@ -208,3 +210,36 @@ def test_stalled_model_calls_fire_the_stall_alerts_in_a_real_prometheus_and_they
             gate.set()
             assert worker.stop(60) == 0
             prometheus.stop()
+
+
+def test_a_stopped_worker_process_fires_worker_down_and_it_clears_when_it_continues(
+        kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path) -> None:
+    names = topics(make_topic, 2)
+    worker = WorkerProcess(kafka_bootstrap, *names, group=group_id, log_path=tmp_path / "worker.log",
+                           extra=("--intra-op-threads", "1"))
+    prometheus = Prometheus(tmp_path, f"127.0.0.1:{worker.metrics_port}")
+    worker.start()
+    try:
+        worker.wait_ready()
+        produce_queries(kafka_bootstrap, names[0], load_queries(0, 50))
+        wait_for(lambda: bool(prometheus.query("kwe_produced_messages_total >= 50")), 60,
+                 "Prometheus sees the first 50 embeddings")
+        assert "KweWorkerDown" not in prometheus.alerts()
+
+        worker.signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        for_s = float(SCALED_FOR.removesuffix("s"))
+        fired = wait_for(lambda: prometheus.alerts().get("KweWorkerDown") == "firing", for_s + BOUND_S,
+                         "KweWorkerDown firing")
+        assert fired - stopped_at >= for_s - 1.0, "fired before its for: time"
+
+        worker.signal(signal.SIGCONT)
+        continued_at = time.monotonic()
+        cleared = wait_for(lambda: "KweWorkerDown" not in prometheus.alerts(), BOUND_S, "KweWorkerDown clears")
+        print(f"KweWorkerDown firing {fired - stopped_at:.1f} s after SIGSTOP (for: {SCALED_FOR}); "
+              f"cleared {cleared - continued_at:.1f} s after SIGCONT")
+    finally:
+        if worker.proc is not None and worker.proc.poll() is None:
+            worker.signal(signal.SIGCONT)
+        assert worker.stop(60) == 0, worker.log()[-3000:]
+        prometheus.stop()
