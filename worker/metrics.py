@@ -16,7 +16,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal, Protocol
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
@@ -116,6 +116,12 @@ class Metrics:
                                           buckets=TRANSACTION_BUCKETS, registry=r)
         self.backend_info = Info(f"{PREFIX}backend", "Inference backend, model and bucket profile in use.",
                                  registry=r)
+        # What /healthz answers, as a series (read at scrape time), so an alert sees a worker that is
+        # up but failing its liveness check; and process_start_time_seconds, whose changes count
+        # restarts where kube-state-metrics is not there (deploy/prometheus/alerts.yml).
+        self._live: LiveCheck = _always_alive
+        r.register(_HealthCollector(lambda: self._live))
+        ProcessCollector(registry=r)
         # Series that exist from the start read 0 instead of "no data", so rate() and
         # alerts on them work before the first event.
         for kind in REBALANCE_KINDS:
@@ -192,6 +198,10 @@ class Metrics:
     def watch_cache(self, stats: Callable[[], Any]) -> None:
         """Export the cache whose `stats()` (a worker.cache.CacheStats) is given, read at scrape time."""
         self._cache_stats = stats
+
+    def watch_liveness(self, live: LiveCheck) -> None:
+        """Export `live` (the /healthz check) as kwe_healthy, 1 or 0, read at scrape time."""
+        self._live = live
 
     # --- consumer group ------------------------------------------------------------------
     def set_lag(self, topic: str, partition: int, lag: int) -> None:
@@ -326,6 +336,22 @@ class _CostCollector(Collector):
                                 value=live.cost(4, 8) / reference if reference > 0 else 0.0)
 
 
+class _HealthCollector(Collector):
+    """kwe_healthy: 1 when the liveness check passes (/healthz 200), 0 when it fails or raises."""
+
+    def __init__(self, source: Callable[[], LiveCheck]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            alive = bool(self._source()()[0])
+        except Exception:  # noqa: BLE001 - a failing check is a failing worker, as on /healthz
+            alive = False
+        yield GaugeMetricFamily(f"{PREFIX}healthy", "1 when the liveness check passes (/healthz answers 200), "
+                                "0 when it fails (fatal error, dead thread, stalled commit point).",
+                                value=1.0 if alive else 0.0)
+
+
 # The readiness callable returns (ready, detail). The detail is either named checks
 # ({"assigned": True, "backend_loaded": False, ...}, what Pipeline.ready() returns) or a
 # plain reason string; either way /readyz shows it, so a failing probe says why.
@@ -435,6 +461,7 @@ class MetricsServer:
     def __init__(self, metrics: Metrics, host: str, port: int, ready: ReadyCheck,
                  live: LiveCheck = _always_alive) -> None:
         self._metrics = metrics
+        metrics.watch_liveness(live)
         self._host = host
         self._requested_port = port
         self._ready = ready
