@@ -40,6 +40,11 @@ Flush rules, for the buckets of one lane whose ready queue has room:
    oldest item is flushed at once instead of letting the engine idle until its deadline. Under
    load the dispatchers are never idle, so batches still fill; with a light load it trades
    larger batches for latency the engine had spare capacity for anyway.
+4. with a cost model (`costs`, the worker's merge_buckets setting): a batch of a bucket that is
+   not full (an eager or a due flush) takes whole neighbouring buckets along when one call
+   costs less than two at the measured prices, padded to the longest of them; never while any
+   bucket of the lane is full. The decision is worker/batch_policy.py's pure function; the
+   former only applies it, and every finished call refines the prices.
 """
 
 from __future__ import annotations
