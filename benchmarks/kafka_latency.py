@@ -307,6 +307,9 @@ def main() -> int:
     ap.add_argument("--worker-arg", action="append", default=[], help="`run` flag for the first variant (repeatable)")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=ARGS: another worker with these `run` flags (shell words), e.g. t1=--intra-op-threads=1")
+    ap.add_argument("--baseline-root", type=Path, action="append", default=[],
+                    help="a checkout of another commit whose worker runs as one more variant (default settings), "
+                         "named after its commit: the same run pairs this code against that one")
     ap.add_argument("--seed", type=int, default=0, help="shuffle of the keyword pool")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
@@ -319,6 +322,12 @@ def main() -> int:
     for spec in args.variant:
         name, _, rest = spec.partition("=")
         variants.append((name, shlex.split(rest)))
+    roots = {name: ROOT for name, _ in variants}
+    for root in args.baseline_root:
+        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        variants.append((f"at-{sha}", []))
+        roots[f"at-{sha}"] = root.resolve()
     print(f"{len(pool):,} distinct keywords in {', '.join(p.name for p in pool.sources)}", flush=True)
 
     run_dir = Path(os.environ.get("KWE_KAFKA_RUN", Path.home() / ".cache" / "keyword-embedder" / "kafka" / "run"))
@@ -334,7 +343,7 @@ def main() -> int:
             run = f"lat-{name}-{uuid.uuid4().hex[:6]}"
             topics = (f"{run}-in", f"{run}-out", f"{run}-dlq")
             ensure_topics(bootstrap, {topics[0]: 6, topics[1]: 6, topics[2]: 1})
-            worker = WorkerProcess(bootstrap, *topics, run, tmp / f"{name}.log", tuple(wargs)).start()
+            worker = WorkerProcess(bootstrap, *topics, run, tmp / f"{name}.log", tuple(wargs), root=roots[name]).start()
             sides.append(Side(name, wargs, worker, topics, _reader(bootstrap, f"{run}-rin", topics[0]),
                               _reader(bootstrap, f"{run}-rout", topics[1])))
         for side in sides:
@@ -381,7 +390,7 @@ def main() -> int:
                        f"{len(pool):,} distinct keywords from {', '.join(p.name for p in pool.sources)}"),
         "load_average_at_start": load_avg, "load_average_at_end": os.getloadavg(), "cpu_count": os.cpu_count(),
         "duration_s": args.duration, "rounds": args.rounds, "levels": args.levels,
-        "variants": dict(variants), "variant_order": [n for n, _ in variants], "sustained": sustained,
+        "variants": dict(variants), "roots": {k: str(v) for k, v in roots.items()}, "variant_order": [n for n, _ in variants], "sustained": sustained,
         "rates": rates, "runs": {k: dict(v) for k, v in runs.items()},
     }
     if args.json:

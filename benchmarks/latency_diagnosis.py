@@ -143,7 +143,8 @@ def main() -> int:
     ap.add_argument("--profile-s", type=float, default=8.0, help="seconds of each py-spy capture")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--backlog", type=int, default=0, help="also measure the sustained rate from a backlog of N")
-    ap.add_argument("--variant", action="append", required=True, help="NAME=ARGS (`run` flags as shell words)")
+    ap.add_argument("--variant", action="append", required=True,
+                    help="NAME=ARGS (`run` flags as shell words); NAME@PATH=ARGS runs the worker of the checkout at PATH")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
@@ -159,11 +160,13 @@ def main() -> int:
     try:
         for spec in args.variant:
             name, _, rest = spec.partition("=")
+            name, _, root = name.partition("@")
             run = f"diag-{name}-{uuid.uuid4().hex[:6]}"
             topics = (f"{run}-in", f"{run}-out", f"{run}-dlq")
             ensure_topics(bootstrap, {topics[0]: 6, topics[1]: 6, topics[2]: 1})
             worker = WorkerProcess(bootstrap, *topics, run, tmp / f"{name}.log",
-                                   ("--cache-bytes", "0", *shlex.split(rest))).start()
+                                   ("--cache-bytes", "0", *shlex.split(rest)),
+                                   root=Path(root).resolve() if root else ROOT).start()
             sides.append(Side(name, shlex.split(rest), worker, topics, _reader(bootstrap, f"{run}-rin", topics[0]),
                               _reader(bootstrap, f"{run}-rout", topics[1])))
         for side in sides:
