@@ -30,6 +30,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from engines.cuda_context import primary_context
 from engines.export_onnx import FP32_NODE_PREFIXES
 from kwe_core.errors import BackendError
 from kwe_core.profiles import Profile, ProfileError
@@ -373,14 +374,13 @@ def build_engine(onnx_path: str | Path, profile: Profile, output: str | Path, *,
     # TensorRT builds on the CUDA context current on this thread. Making `device`'s primary
     # context current (the one the runtime API uses, and the one the backend loads the plan
     # in) means the plan is built on the GPU the sidecar names, also on a multi-GPU host.
-    cuda_ctx = cuda.Device(device).retain_primary_context()
-    cuda_ctx.push()
+    # Retained once per process (engines/cuda_context.py says why it is never detached).
+    primary_context(cuda, device).push()
     try:
         return _build(trt, onnx_path, profile, output, shapes, fp16=fp16, workspace_gib=workspace_gib,
                       timing_cache=timing_cache, gpu_name=gpu_name, cc=cc, say=say)
     finally:
         cuda.Context.pop()
-        cuda_ctx.detach()
 
 
 def _build(trt: Any, onnx_path: Path, profile: Profile, output: Path, shapes: Sequence[ProfileShape], *,

@@ -391,9 +391,10 @@ def test_backend_runs_each_bucket_on_its_own_context_and_thread(
     # 2 inputs x distinct batch sizes in a row (bucket 3's batches are all of 1: set once).
     assert [c.shape_calls for c in engine.contexts] == [4, 4, 4, 2, 4]
     backend.close()
-    # The build's and the backend's primary-context references both released; every device
-    # buffer and every page-locked host block (the arrays' .base) freed.
-    assert cuda.detached == 2 and cuda.memory == {} and cuda.host_live == set()
+    # The primary context retained once for the build and the backend, never detached (which
+    # would leave it current); every device buffer and page-locked host block (.base) freed.
+    assert cuda.retained == {0: 1} and cuda.detached == 0 and cuda.left_current == []
+    assert cuda.memory == {} and cuda.host_live == set()
 
 
 def test_context_refuses_batches_that_do_not_fit_and_foreign_threads(
@@ -613,6 +614,89 @@ def test_an_fp32_build_sets_no_precision_constraints(tmp_path: Path, fake_gpu: F
     built = fake_gpu.built[0]
     assert built["config"].flags == set()
     assert {layer.precision for layer in built["network"].layers} == {"DEFAULT"}
+
+
+def test_the_fake_detach_leaves_the_context_current_as_pycuda_does(fake_gpu: FakeTrt) -> None:
+    """What fix 6 avoids: pycuda's detach() of a popped primary context pushes it, releases it, never pops."""
+    cuda = fake_gpu.cuda
+    ctx = cuda.Device(0).retain_primary_context()
+    ctx.push()
+    cuda.Context.pop()
+    ctx.detach()
+    assert cuda.left_current == [(threading.get_ident(), 0)] and cuda.retained == {0: 0}
+    with pytest.raises(RuntimeError, match="cannot detach from invalid context"):
+        ctx.detach()
+
+
+def test_the_primary_context_is_retained_once_per_process(tmp_path: Path, fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """Fix 6: one retain for every build and backend of the process, no detach, nothing left current."""
+    from worker.backends.tensorrt import TensorRTBackend
+
+    onnx_path = _tiny_onnx(tmp_path / "m.onnx")
+    plans = [tmp_path / "a.plan", tmp_path / "b.plan"]
+    for plan in plans:
+        build_engine(onnx_path, gpu, plan, log=lambda _m: None)
+    for plan in plans * 2:  # backends one after the other, as trt_check's gpu and mono plans
+        backend = TensorRTBackend(plan, gpu, onnx_path=onnx_path)
+        _run_in_thread(lambda b=backend: b.create_context(0).close())
+        backend.close()
+    failed_load = TensorRTBackend  # a load that fails after the retain leaves nothing behind either
+    fake_gpu.fail_deserialize = True
+    with pytest.raises(BackendError, match="could not deserialise"):
+        failed_load(plans[0], gpu, onnx_path=onnx_path)
+    cuda = fake_gpu.cuda
+    assert cuda.retained == {0: 1} and cuda.detached == 0 and cuda.left_current == [] and cuda.stack() == []
+
+
+def test_two_threads_starting_together_cannot_both_own_the_shared_memory(
+        built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """Fix 4b: the owner is claimed before the context is built, so a second thread is refused even mid-creation."""
+    from worker.backends.tensorrt import TensorRTBackend
+
+    backend = TensorRTBackend(built_plan[0], gpu, share_device_memory=True)
+    go = threading.Barrier(2)
+    outcome: dict[int, str] = {}
+
+    def dispatcher(i: int) -> None:
+        go.wait()  # the fake's create_execution_context takes 5 ms: both would pass an unclaimed check
+        try:
+            ctx = backend.create_context(i)
+        except BackendError as exc:
+            outcome[i] = str(exc)
+            return
+        outcome[i] = "created"
+        time.sleep(0.05)
+        ctx.close()
+
+    threads = [threading.Thread(target=dispatcher, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(outcome.values())[0] == "created" and "ONE dispatcher thread" in sorted(outcome.values())[1]
+    # Once the owner's last context closed, another thread may take over (one at a time).
+    _run_in_thread(lambda: backend.create_context(1).close())
+    backend.close()
+    assert fake_gpu.cuda.memory == {}
+
+
+def test_direct_replay_runs_a_serial_backend_from_one_thread(
+        built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """Fix 4a: the overhead guard's replay keeps to one thread when contexts must not run at once."""
+    from worker.backends.tensorrt import TensorRTBackend
+    from worker.benchmark.policies import replay_direct, run_bucketed
+    from worker.tokenize import Encoded
+
+    backend = TensorRTBackend(built_plan[0], gpu, share_device_memory=True)
+    lengths = [5, 12, 30, 60, 200, 7, 16, 3, 40]
+    encoded = [Encoded(ids=np.arange(1, n + 1, dtype=np.int64), length=n, truncated=False) for n in lengths]
+    run = run_bucketed(encoded, gpu, backend)
+    direct = replay_direct(encoded, run.formed, backend, threads=4)  # raised "ONE dispatcher thread" before
+    assert direct.n == len(lengths) and direct.batches == len(run.formed)
+    replay = fake_gpu.engines[0].contexts[-len({b.bucket for b in run.formed}):]
+    assert len({c.thread for c in replay}) == 1 and {c.profile for c in replay} == {b.bucket for b in run.formed}
+    backend.close()
+    assert fake_gpu.cuda.memory == {} and fake_gpu.cuda.host_live == set() and fake_gpu.cuda.stack() == []
 
 
 # ============================================================================ backend selection
