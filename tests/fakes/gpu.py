@@ -303,7 +303,7 @@ class FakeTrt(types.ModuleType):
         self.lock = threading.Lock()
         self.refuse_profiles: set[int] = set()
         self.refuse_addresses: set[str] = set()
-        self.float32 = "FLOAT"
+        self.float32, self.float16 = "FLOAT", "HALF"
         self.TensorIOMode = types.SimpleNamespace(INPUT="INPUT", OUTPUT="OUTPUT")
         self.ExecutionContextAllocationStrategy = types.SimpleNamespace(
             STATIC="STATIC", ON_PROFILE_CHANGE="ON_PROFILE_CHANGE", USER_MANAGED="USER_MANAGED")
@@ -338,30 +338,71 @@ class FakeTrt(types.ModuleType):
         self.BuilderFlag = types.SimpleNamespace(FP16="FP16", OBEY_PRECISION_CONSTRAINTS="OBEY_PRECISION_CONSTRAINTS")
 
         class Tensor:
-            def __init__(self, name: str, shape: tuple[int, ...]) -> None:
-                self.name, self.shape = name, shape
+            def __init__(self, name: str, shape: tuple[int, ...] = (), dtype: str = "FLOAT") -> None:
+                self.name, self.shape, self.dtype = name, shape, dtype
 
         class Layer:
-            def __init__(self, name: str) -> None:
-                self.name, self.precision, self.num_outputs = name, "DEFAULT", 1
+            def __init__(self, name: str, inputs: list[Tensor], outputs: list[Tensor]) -> None:
+                self.name, self.precision = name, "DEFAULT"
+                self.inputs, self.outputs = inputs, outputs
+                self.num_inputs, self.num_outputs = len(inputs), len(outputs)
                 self.output_types: dict[int, str] = {}
+
+            def get_input(self, i: int) -> Tensor:
+                return self.inputs[i]
+
+            def get_output(self, i: int) -> Tensor:
+                return self.outputs[i]
 
             def set_output_type(self, i: int, dtype: str) -> None:
                 self.output_types[i] = dtype
 
         class Network:
-            # Layer names as the ONNX parser gives them: the export's node names.
-            LAYERS = ("embeddings_1_node", "layer0_attn_5_node", "pool_mask_u_88_node", "pool_mask_89_node",
-                      "masked_states_90_node", "pool_sum_91_node",
-                      "pool_count_92_node", "pool_count_c_93_node", "pooled_94_node", "norm_95_node",
-                      "norm_c_96_node", "sentence_embedding_node")
+            """The parsed graph's tail, named as TensorRT 10's ONNX parser names layers.
+
+            Only the first layer a node adds gets the node's name; the others keep TensorRT's
+            "(Unnamed Layer* N) [Type]" (ReduceL2's squaring, the shuffles that broadcast a
+            scalar to the other operand's rank); an initializer becomes a constant layer named
+            after the initializer ("count_min", "norm_min"). (layer, inputs, outputs): a tensor
+            is FLOAT unless it ends in ":i" (INT32).
+            """
+
+            LAYERS = (
+                ("embeddings_1_node", ["input_ids:i"], ["emb"]),
+                ("(Unnamed Layer* 2) [Shuffle]", ["emb"], ["emb_heads"]),  # encoder: stays FP16
+                ("layer0_attn_5_node", ["emb_heads", "attention_mask:i"], ["hidden"]),
+                ("pool_mask_u_88_node", ["attention_mask:i"], ["mask_u:i"]),
+                ("pool_mask_89_node", ["mask_u:i"], ["mask_f"]),
+                ("masked_states_90_node", ["hidden", "mask_f"], ["masked"]),
+                ("pool_sum_91_node", ["masked"], ["summed"]),
+                ("pool_count_92_node", ["mask_f"], ["count"]),
+                ("count_min", [], ["count_min_w"]),
+                ("(Unnamed Layer* 93) [Shuffle]", ["count_min_w"], ["count_min_b"]),
+                ("pool_count_c_93_node", ["count", "count_min_b"], ["count_c"]),
+                ("pooled_94_node", ["summed", "count_c"], ["pooled"]),
+                ("(Unnamed Layer* 95) [ElementWise]", ["pooled", "pooled"], ["squares"]),
+                ("norm_95_node", ["squares"], ["sum_squares"]),
+                ("(Unnamed Layer* 96) [Unary]", ["sum_squares"], ["norm"]),
+                ("norm_min", [], ["norm_min_w"]),
+                ("(Unnamed Layer* 97) [Shuffle]", ["norm_min_w"], ["norm_min_b"]),
+                ("norm_c_96_node", ["norm", "norm_min_b"], ["norm_c"]),
+                ("sentence_embedding_node", ["pooled", "norm_c"], ["sentence_embedding"]),
+            )
 
             def __init__(self) -> None:
                 self.onnx_path = ""
-                self.inputs = [Tensor("input_ids", (-1, -1)), Tensor("attention_mask", (-1, -1))]
-                self.outputs = [Tensor("sentence_embedding", (-1, DIM))]
+                tensors: dict[str, Tensor] = {}
+
+                def tensor(spec: str) -> Tensor:
+                    name, _, kind = spec.partition(":")
+                    return tensors.setdefault(name, Tensor(name, (-1, -1), "INT32" if kind == "i" else "FLOAT"))
+
+                self.inputs = [tensor("input_ids:i"), tensor("attention_mask:i")]
+                self.layers = [Layer(n, [tensor(t) for t in ins], [tensor(t) for t in outs])
+                               for n, ins, outs in self.LAYERS]
+                self.outputs = [tensors["sentence_embedding"]]
+                self.outputs[0].shape = (-1, DIM)
                 self.num_inputs, self.num_outputs = 2, 1
-                self.layers = [Layer(n) for n in self.LAYERS]
                 self.num_layers = len(self.layers)
 
             def get_layer(self, i: int) -> Layer:
