@@ -311,10 +311,18 @@ def _dry_run(tmp_path: Path, plain_onnx: Path, small_profiles: Path, **env: str)
 
 def test_dry_run_of_the_shell_script_passes_on_the_fakes(tmp_path: Path, plain_onnx: Path,
                                                           small_profiles: Path) -> None:
-    rc, log, summary = _dry_run(tmp_path, plain_onnx, small_profiles)
+    """As on a GPU machine without the model package: the carried export and tokenizer.json, no model folder."""
+    from kwe_core.model import default_model_dir
+
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_bytes((default_model_dir() / "tokenizer.json").read_bytes())
+    rc, log, summary = _dry_run(tmp_path, plain_onnx, small_profiles, TRT_CHECK_TOKENIZER=str(tokenizer),
+                                KWE_MODEL_DIR=str(tmp_path / "no-model-here"))
     assert rc == 0, log[-3000:]
     assert summary["ok"] and list(summary["stages"]) == STAGES
     assert (tmp_path / "out" / "trt-check.log").read_text().count("== ") == len(STAGES)
+    env = json.loads((tmp_path / "out" / "trt-setup.json").read_text())["environment"]
+    assert env["tensorrt"] == "10.3.0" and env["gpu"] == "NVIDIA L40S (sm 8.9)"  # the fakes, as the JSON says
 
 
 @pytest.mark.parametrize("fail,stage,code", [("build", "build", 1), ("nan-profile-4", "buckets", 1)])

@@ -308,13 +308,16 @@ def run_each_bucket(backend: Any, profile: Profile, batches: Sequence[list[np.nd
 
 
 # ---------------------------------------------------------------------------- the check
-def main(out: Path | None = None, *, onnx: Path | None = None, limit: int = 20000, rounds: int = 3,
-         budget_s: float = TOTAL_BUDGET_S, device: int = 0, profiles_file: Path | None = None,
-         exit: Callable[[int], None] = os._exit) -> int:
+def main(out: Path | None = None, *, onnx: Path | None = None, tokenizer: Path | None = None,
+         limit: int = 20000, rounds: int = 3, budget_s: float = TOTAL_BUDGET_S, device: int = 0,
+         profiles_file: Path | None = None, exit: Callable[[int], None] = os._exit) -> int:
     """The whole check; 0 when every stage passed.
 
-    The plans are built for the `gpu` profile of `profiles_file` (default: kwe_core/profiles.toml)
-    and for its `mono` profile when it has one (else MONO); smaller ones keep the runs on fakes short.
+    `onnx` and `tokenizer` (a tokenizer.json) replace the export and the tokenizer of the model
+    folder, for a GPU machine without the model package (the 90 MB weights exceed what can be
+    carried there: benchmarks/gpu/prepare_device.py builds both). The plans are built for the
+    `gpu` profile of `profiles_file` (default: kwe_core/profiles.toml) and for its `mono`
+    profile when it has one (else MONO); smaller ones keep the runs on fakes short.
     """
     out = out or Path(os.environ.get("OUT", "/tmp/kwe-trt-check"))
     work = out / "work"
@@ -328,21 +331,29 @@ def main(out: Path | None = None, *, onnx: Path | None = None, limit: int = 2000
         from worker.benchmark.inputs import read_queries
         from worker.tokenize import KeywordTokenizer
 
-        model_dir = _model_dir()
+        env = gpu_environment(device)
+        print(f"environment: {env}", flush=True)
+        model_dir = _model_dir() if onnx is None or tokenizer is None else None
         if onnx is None:
             from engines.export_onnx import ensure_onnx
 
             state["onnx"] = ensure_onnx(model_dir, optimize=False)
         else:
             state["onnx"] = onnx
-        tok = KeywordTokenizer.from_model_dir(model_dir)
+        if tokenizer is None:
+            tok = KeywordTokenizer.from_model_dir(model_dir)  # type: ignore[arg-type]
+        else:
+            from tokenizers import Tokenizer
+
+            tok = KeywordTokenizer(Tokenizer.from_file(str(tokenizer)), 256, source=str(tokenizer))
         state["golden"] = [json.loads(line) for line in (GOLDEN / "dev.jsonl").read_text().splitlines()]
         state["golden_rows"] = [e.ids for e in tok.encode([g["text"] for g in state["golden"]])]
         state["encoded"] = tok.encode([t for _, t in read_queries(DATA, limit)])
         pool = [e.ids for e in state["encoded"]] + state["golden_rows"]
         state["batches"] = bucket_batches(gpu, pool)
         state["long"] = [row for lo, hi in LONG_RANGES for row in long_rows(pool, lo, hi, LONG_ROWS, seed=hi)]
-        return {"onnx": str(state["onnx"]), "model_dir": str(model_dir), "queries": len(state["encoded"]),
+        return {"environment": env, "onnx": str(state["onnx"]), "model_dir": str(model_dir),
+                "tokenizer": str(tokenizer) if tokenizer else "the model folder's", "queries": len(state["encoded"]),
                 "golden_rows": len(state["golden_rows"]),
                 "bucket_rows": [[int(min(map(len, b))), int(max(map(len, b)))] for b in state["batches"]]}
 
@@ -434,6 +445,30 @@ def main(out: Path | None = None, *, onnx: Path | None = None, limit: int = 2000
     return 0 if summary["ok"] else 1
 
 
+def gpu_environment(device: int) -> dict[str, str]:
+    """What the machine has, for the JSON: versions, or why tensorrt/pycuda/onnxruntime do not import."""
+    import importlib
+
+    env: dict[str, str] = {"python": sys.version.split()[0]}
+    modules: dict[str, Any] = {}
+    for name in ("tensorrt", "pycuda.driver", "onnxruntime", "onnx", "tokenizers"):
+        try:
+            module = modules[name] = importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - ImportError, or OSError from a missing libnvinfer
+            env[name] = f"NOT IMPORTABLE: {exc!r}"
+        else:
+            env[name] = str(getattr(module, "__version__", getattr(module, "VERSION", "importable")))
+    if not env["pycuda.driver"].startswith("NOT"):
+        try:
+            from engines.build_engine import gpu_identity
+
+            name, cc = gpu_identity(modules["pycuda.driver"], device)
+            env["gpu"] = f"{name} (sm {cc})"
+        except Exception as exc:  # noqa: BLE001 - no driver, no device: said in the JSON, build fails later
+            env["gpu"] = f"UNKNOWN: {exc!r}"
+    return env
+
+
 def _model_dir() -> Path:
     from kwe_core.model import default_model_dir
 
@@ -442,6 +477,7 @@ def _model_dir() -> Path:
 
 if __name__ == "__main__":
     sys.exit(main(onnx=Path(os.environ["TRT_CHECK_ONNX"]) if os.environ.get("TRT_CHECK_ONNX") else None,
+                  tokenizer=Path(os.environ["TRT_CHECK_TOKENIZER"]) if os.environ.get("TRT_CHECK_TOKENIZER") else None,
                   limit=int(os.environ.get("TRT_CHECK_LIMIT", "20000")),
                   rounds=int(os.environ.get("TRT_CHECK_ROUNDS", "3")),
                   budget_s=float(os.environ.get("TRT_CHECK_BUDGET_S", str(TOTAL_BUDGET_S))),
