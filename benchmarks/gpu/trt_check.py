@@ -159,6 +159,7 @@ class Stages:
             print(result["error"]["traceback"], flush=True)
         seconds = round(self._clock() - t0, 1)
         result["stage_seconds"] = seconds
+        why = result.pop("why", "the stage's checks failed (see its JSON)")  # said only when it failed
         with self._lock:
             self._current = None
             if self._ended:  # the watchdog recorded this stage as timed out
@@ -171,7 +172,7 @@ class Stages:
                 status = "ok" if result.get("ok", True) else "failed"
             extra = {"seconds": seconds}
             if status == "failed" and "error" not in result:
-                extra["message"] = result.get("why", "the stage's checks failed (see its JSON)")
+                extra["message"] = why
             elif status == "skipped":
                 extra["message"] = result["skipped"]
             self._record(s.name, status, result, **extra)
