@@ -14,10 +14,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
-import types
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +24,7 @@ import pytest
 
 from benchmarks.gpu.graph_shapes import graph_shapes, shape_for, stage_rows
 from kwe_core.profiles import load_profile
-from tests.fakes.gpu import FakeCuda, FakeTrt
+from tests.fakes.gpu import FakeTrt, install_fakes
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ["setup", "build", "load", "buckets", "parity", "bench", "mono"]
@@ -135,14 +133,7 @@ def small_profiles(tmp_path: Path) -> Path:
 @pytest.fixture()
 def computing_gpu(monkeypatch: pytest.MonkeyPatch) -> FakeTrt:
     """Fake tensorrt/pycuda whose plans compute the ONNX file they were built from."""
-    cuda = FakeCuda()
-    trt = FakeTrt(cuda, compute="onnxruntime")
-    pycuda = types.ModuleType("pycuda")
-    pycuda.driver = cuda  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "tensorrt", trt)
-    monkeypatch.setitem(sys.modules, "pycuda", pycuda)
-    monkeypatch.setitem(sys.modules, "pycuda.driver", cuda)
-    return trt
+    return install_fakes(monkeypatch, compute="onnxruntime")
 
 
 def _read(out: Path, name: str = "check") -> dict[str, Any]:

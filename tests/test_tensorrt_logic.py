@@ -61,7 +61,7 @@ from worker.backends.tensorrt import (
 )
 from worker.config import Settings
 from kwe_core.profiles import Bucket, Profile, ProfileError, load_profile
-from tests.fakes.gpu import DIM, FakeCuda, FakeTrt
+from tests.fakes.gpu import DIM, FakeTrt, install_fakes
 from tests.fakes.gpu import tiny_onnx as _tiny_onnx
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,14 +277,7 @@ def test_shared_memory_block_is_the_largest_profile() -> None:
 # ============================================================================ fake tensorrt + pycuda (tests/fakes/gpu.py)
 @pytest.fixture()
 def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> FakeTrt:
-    cuda = FakeCuda()
-    trt = FakeTrt(cuda)
-    pycuda = types.ModuleType("pycuda")
-    pycuda.driver = cuda  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "tensorrt", trt)
-    monkeypatch.setitem(sys.modules, "pycuda", pycuda)
-    monkeypatch.setitem(sys.modules, "pycuda.driver", cuda)
-    return trt
+    return install_fakes(monkeypatch)
 
 
 @pytest.fixture()

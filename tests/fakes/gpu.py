@@ -508,3 +508,17 @@ def tiny_onnx(path: Path) -> Path:
     model = helper.make_model(graph, producer_name="keyword-embedder", producer_version="0.1.0")
     onnx.save(model, str(path))
     return path
+
+
+def install_fakes(monkeypatch: Any, *, compute: str = "token-sums") -> FakeTrt:
+    """A new FakeCuda and FakeTrt as `tensorrt`, `pycuda` and `pycuda.driver` for one test (pytest's monkeypatch)."""
+    import sys
+
+    cuda = FakeCuda()
+    trt = FakeTrt(cuda, compute=compute)
+    pycuda = types.ModuleType("pycuda")
+    pycuda.driver = cuda  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "pycuda", pycuda)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", cuda)
+    return trt
