@@ -8,12 +8,14 @@ logic runs on CPU against the fake tensorrt/pycuda of tests/fakes/gpu.py, in pro
 Stages, most valuable first; each has its own deadline inside one total budget that ends
 before the wrapper's `timeout`, and a stage whose prerequisite failed is recorded as not run:
 
-1. setup: the plain ONNX export (of $KWE_MODEL_DIR when set), the tokenizer, the queries;
-2. build: the `gpu` profile's plan, FP16, with a timing cache;
+1. setup: what the machine has (tensorrt, pycuda, onnxruntime, the GPU), the plain ONNX export
+   (of $KWE_MODEL_DIR when set, or $TRT_CHECK_ONNX), the tokenizer, the queries;
+2. build: the `gpu` profile's plan, FP16, with a timing cache; its deadline leaves a minute
+   for load, buckets and parity;
 3. load: the plan deserialised by the TensorRT backend (sidecar checks, I/O, profiles);
 4. buckets: every bucket at its largest shape on its own thread and context, as the
    bucketer's dispatchers do, against ONNX Runtime on the same padded rows: finite, unit
-   norm, cosine >= 0.999, with one batch of real 33-64-token and one of 65-256-token rows;
+   norm, cosine >= 0.999; the 33-64 and 65-256-token batches are real queries joined end to end;
 5. parity: the golden rows and the long rows through the real bucketer on TensorRT against
    ONNX Runtime on CPU (same ONNX file), the golden rows also against the
    sentence-transformers reference: cosine >= 0.999 (FP16);
@@ -73,6 +75,7 @@ class Stage:
     max_s: float  # its own deadline, capped by what is left of the total
     needs: tuple[str, ...] = ()
     min_s: float = 0.0  # skipped (not failed) when less than this is left
+    reserve_s: float = 0.0  # left for the stages after it (the deadline ends that much before the budget)
 
 
 class Stages:
@@ -147,6 +150,8 @@ class Stages:
                                                          f"{s.min_s:.0f} s")
             return
         allowed = min(s.max_s, left)
+        if s.reserve_s:  # unless that would leave it less than its minimum (or nothing)
+            allowed = min(allowed, max(left - s.reserve_s, min(left, s.min_s)))
         print(f"== {s.name} (deadline {allowed:.0f} s; {left:.0f} s of the budget left)", flush=True)
         t0 = self._clock()
         with self._lock:
@@ -430,10 +435,11 @@ def main(out: Path | None = None, *, onnx: Path | None = None, tokenizer: Path |
     stages = Stages(out, budget_s, exit=exit)
     try:
         summary = stages.run_all([
-            # Deadlines: what each stage should need on a GPU, with room; the build gets the most,
-            # since nothing runs without it (an empty timing cache, five profiles).
+            # Deadlines: what each stage should need on a GPU, with room. The build (an empty timing
+            # cache, five profiles) gets all it can while leaving load, buckets and parity a
+            # minute: nothing runs without it, and they are what the run is for.
             Stage("setup", setup, 45),
-            Stage("build", build, 150, needs=("setup",)),
+            Stage("build", build, 200, needs=("setup",), min_s=60, reserve_s=60),
             Stage("load", load, 20, needs=("build",)),
             Stage("buckets", buckets, 30, needs=("load",)),
             Stage("parity", parity, 30, needs=("load",)),

@@ -295,10 +295,10 @@ class FakeTrt(types.ModuleType):
         # plan runs the ONNX file it was built from (so parity can pass).
         self.compute = compute
         # Failures to inject: build_serialized_network returns None, deserialize_cuda_engine
-        # returns None, a profile's outputs are NaN; a build that takes build_sleep_s.
+        # returns None, a profile's outputs are NaN; a deserialisation that takes that long.
         self.fail_build = self.fail_deserialize = False
         self.nan_profiles: set[int] = set()
-        self.build_sleep_s = 0.0
+        self.deserialize_sleep_s = 0.0
         self.__version__ = version
         self.lock = threading.Lock()
         self.refuse_profiles: set[int] = set()
@@ -323,6 +323,7 @@ class FakeTrt(types.ModuleType):
 
             def deserialize_cuda_engine(self, data: bytes) -> FakeEngine | None:
                 trt.cuda.need_context()
+                time.sleep(trt.deserialize_sleep_s)
                 if trt.fail_deserialize:
                     return None
                 engine = FakeEngine(trt, json.loads(data))
@@ -474,7 +475,6 @@ class FakeTrt(types.ModuleType):
 
             def build_serialized_network(self, network: Network, config: Config) -> bytes | None:
                 trt.built.append({"config": config, "network": network, "device": trt.cuda.current_device()})
-                time.sleep(trt.build_sleep_s)
                 if trt.fail_build:
                     return None
                 profiles = []

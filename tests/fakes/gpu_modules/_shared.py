@@ -17,5 +17,5 @@ def fakes() -> tuple[FakeCuda, FakeTrt]:
     trt.fail_deserialize = fail == "deserialize"
     if fail.startswith("nan-profile-"):
         trt.nan_profiles.add(int(fail.rsplit("-", 1)[1]))
-    trt.build_sleep_s = float(os.environ.get("FAKE_TRT_BUILD_SLEEP_S", "0"))
+    trt.deserialize_sleep_s = float(os.environ.get("FAKE_TRT_DESERIALIZE_SLEEP_S", "0"))
     return cuda, trt
