@@ -118,6 +118,13 @@ def load_or_measure(run: Run, key_parts: dict[str, Any], *, cache_dir: Path | No
     return samples, False
 
 
+def backend_key(backend: Any, key_parts: dict[str, Any]) -> dict[str, Any]:
+    """The cache key parts of this backend: its kind (the class, so a test double never shares a real
+    backend's cache), its output size, and what the caller says changes a call's price."""
+    kind = f"{type(backend).__module__}.{type(backend).__qualname__}"
+    return {"backend": backend.name, "class": kind, "dim": backend.dim, **key_parts}
+
+
 def cost_model_for(backend: Any, key_parts: dict[str, Any], *, cache_dir: Path | None = None) -> CostModel | None:
     """The backend's calibrated cost model, or None where batches cannot merge buckets (or it cannot be measured)."""
     if backend.max_contexts is not None:
@@ -125,8 +132,7 @@ def cost_model_for(backend: Any, key_parts: dict[str, Any], *, cache_dir: Path |
     ctx = backend.create_context(0)
     t0 = time.monotonic()
     try:
-        samples, cached = load_or_measure(ctx.run, {"backend": backend.name, "dim": backend.dim, **key_parts},
-                                          cache_dir=cache_dir)
+        samples, cached = load_or_measure(ctx.run, backend_key(backend, key_parts), cache_dir=cache_dir)
         model = CostModel(samples)
     except (CostModelError, ValueError) as exc:
         log.warning("cost model not fitted; length buckets are not merged", error=str(exc))

@@ -282,8 +282,8 @@ class Settings:
                                     "(only the query, key and attention-output projections in int8, the recipe "
                                     "that kept neighbours in benchmarks/results/int8.md), exported and cached "
                                     "beside the fp32 one; ignored when onnx_path is set; not for TensorRT.")
-    intra_op_threads: int = _setting(0, "ONNX Runtime threads per inference context; 0: one per core.",
-                                     minimum=0)
+    intra_op_threads: int = _setting(0, "ONNX Runtime threads per inference call; 0: the cores this process may "
+                                     "use, divided among the dispatchers (1 each on 2 cores).", minimum=0)
     cache_bytes: int = _setting(DEFAULT_CACHE_BYTES, "Byte bound of the exact-match embedding cache, keyed by "
                                 "the token IDs after truncation: a repeated keyword is answered from it "
                                 "without the model (least recently used vectors are evicted). The default "
@@ -293,8 +293,10 @@ class Settings:
                                         "at 80 percent load through Kafka, benchmarks/results/kafka_latency_spin.md) "
                                         "gives the cores to the worker's other threads and the broker between "
                                         "batches.")
-    dispatchers: int = _setting(1, "Inference contexts (and dispatcher threads) on CPU; TensorRT always uses "
-                                "one per bucket profile.", minimum=1)
+    dispatchers: int = _setting(2, "Inference contexts (and dispatcher threads) on CPU; TensorRT always uses "
+                                "one per bucket profile. Two single-threaded calls at once beat one two-threaded "
+                                "call on 2 shared cores (backlog throughput 1.24x, paired, "
+                                "benchmarks/results/latency_diagnosis.md).", minimum=1)
     # --- Operations --------------------------------------------------------------------
     metrics_port: int = _setting(0, "Port for /metrics, /healthz and /readyz (on metrics_host); 0 disables "
                                  "them.", minimum=0, maximum=65535)

@@ -180,7 +180,7 @@ def calibrate(args: argparse.Namespace, fail) -> int:  # noqa: ANN001
     from kwe_core.model import ModelError, ModelInfo, default_model_dir
     from worker.app import calibration_key
     from worker.backends.select import open_backend
-    from worker.calibration import cache_key, default_cache_dir, load_or_measure
+    from worker.calibration import backend_key, cache_key, default_cache_dir, load_or_measure
     from worker.cost_model import fit
 
     if args.backend == "tensorrt":
@@ -195,7 +195,7 @@ def calibrate(args: argparse.Namespace, fail) -> int:  # noqa: ANN001
         return fail(exc)
     try:
         ctx = backend.create_context(0)
-        key = {"backend": backend.name, "dim": backend.dim, **calibration_key(settings, info)}
+        key = backend_key(backend, calibration_key(settings, info))
         t0 = time.perf_counter()
         samples, _ = load_or_measure(ctx.run, key, remeasure=True)
         seconds = time.perf_counter() - t0
