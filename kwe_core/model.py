@@ -98,6 +98,10 @@ class ModelInfo:
     config_path: Path
     weights_path: Path
     tokenizer_path: Path
+    # config_sentence_transformers.json: named prompts ("query": "query: ") and the name used
+    # when the caller names none.
+    prompts: tuple[tuple[str, str], ...] = ()
+    default_prompt_name: str | None = None
 
     @property
     def dim(self) -> int:
@@ -144,6 +148,7 @@ class ModelInfo:
             if not isinstance(raw, int) or not 3 <= raw <= max_pos:
                 raise ModelError(f"{st_config}: max_seq_length must be an integer in [3, {max_pos}], got {raw!r}")
             max_seq = raw
+        prompts, default_prompt_name = _prompts(model_dir)
         return cls(
             name=_model_name(model_dir),
             model_type=model_type,
@@ -160,4 +165,63 @@ class ModelInfo:
             config_path=config_path,
             weights_path=weights_path,
             tokenizer_path=tokenizer_path,
+            prompts=prompts,
+            default_prompt_name=default_prompt_name,
         )
+
+    def prompt(self, name: str) -> str:
+        for key, text in self.prompts:
+            if key == name:
+                return text
+        known = ", ".join(repr(k) for k, _ in self.prompts) or "none"
+        raise ModelError(f"{self.model_dir}: no prompt named {name!r} in config_sentence_transformers.json "
+                         f"(the model's prompts: {known})")
+
+
+def _prompts(model_dir: Path) -> tuple[tuple[tuple[str, str], ...], str | None]:
+    path = model_dir / "config_sentence_transformers.json"
+    if not path.is_file():
+        return (), None
+    cfg = _read_json(path)
+    raw = cfg.get("prompts") or {}
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
+        raise ModelError(f"{path}: 'prompts' must map prompt names to prompt texts")
+    default = cfg.get("default_prompt_name")
+    if default is not None and default not in raw:
+        raise ModelError(f"{path}: default_prompt_name {default!r} is not one of its prompts "
+                         f"({', '.join(map(repr, raw)) or 'none'})")
+    return tuple(raw.items()), default
+
+
+# prompt_name values that are not names: "auto" takes the model's default_prompt_name (none if
+# it has none), "none" turns prompts off even where the model has a default.
+PROMPT_AUTO = "auto"
+PROMPT_NONE = "none"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The text put before every input before tokenisation, and its name in the model's prompts."""
+
+    text: str = ""
+    name: str | None = None  # None for a literal prompt (or none at all)
+
+    @classmethod
+    def resolve(cls, info: ModelInfo, *, prompt: str | None = None, prompt_name: str | None = PROMPT_AUTO) -> Prompt:
+        """sentence-transformers' rule: a literal `prompt`, else the named one, else the default.
+
+        A literal prompt and a prompt name together are refused (sentence-transformers would
+        silently drop the name).
+        """
+        name = PROMPT_AUTO if prompt_name is None else prompt_name
+        if prompt:
+            if name not in (PROMPT_AUTO, PROMPT_NONE):
+                raise ModelError(f"both a prompt ({prompt!r}) and a prompt_name ({name!r}) are set: keep one")
+            return cls(prompt, None)
+        if name == PROMPT_NONE:
+            return cls()
+        if name == PROMPT_AUTO:
+            if info.default_prompt_name is None:
+                return cls()
+            name = info.default_prompt_name
+        return cls(info.prompt(name), name)
