@@ -7,10 +7,10 @@ each encoding for readers and tests.
   transformers' `truncate_dim` followed by its normalisation). Only meaningful for models
   trained for it (Matryoshka losses); other models lose accuracy quickly.
 - int8: each component x in the calibration range [lo, hi] maps to one of 256 steps,
-  q = round((x - lo) / step) - 128, step = (hi - lo) / 255, clipped to [-128, 127]: the
-  formula of sentence-transformers' `quantize_embeddings(precision="int8")` with one range for
-  every dimension (a stream has no batch to calibrate on). A reader dequantises with
-  x ~ lo + (q + 128) * step; the range travels with every record.
+  q = clip(floor((x - lo) / step), 0, 255) - 128 with step = (hi - lo) / 255: exactly
+  sentence-transformers' `quantize_embeddings(precision="int8", ranges=...)` (6.x), with one
+  range for every dimension (a stream has no batch to calibrate on). A reader dequantises to
+  the middle of the step, x ~ lo + (q + 128.5) * step; the range travels with every record.
 - binary: one sign bit per dimension (x > 0 -> 1), packed 8 to a byte with np.packbits'
   default bit order (the first dimension is the most significant bit of byte 0), i.e.
   sentence-transformers' "ubinary"; a last partial byte is padded with zero bits. Compare with
@@ -69,13 +69,13 @@ def int8_step(lo: float, hi: float) -> float:
 
 def quantize_int8(vectors: np.ndarray, lo: float, hi: float) -> np.ndarray:
     step = int8_step(lo, hi)
-    q = np.rint((np.asarray(vectors, dtype=np.float32) - np.float32(lo)) / np.float32(step)) - 128
-    return np.clip(q, -128, 127).astype(np.int8)
+    q = np.floor((np.asarray(vectors, dtype=np.float32) - np.float32(lo)) / np.float32(step))
+    return (np.clip(q, 0, 255) - 128).astype(np.int8)
 
 
 def dequantize_int8(q: np.ndarray, lo: float, hi: float) -> np.ndarray:
     step = int8_step(lo, hi)
-    return (np.float32(lo) + (q.astype(np.float32) + 128) * np.float32(step)).astype(np.float32)
+    return (np.float32(lo) + (q.astype(np.float32) + np.float32(128.5)) * np.float32(step)).astype(np.float32)
 
 
 def pack_binary(vectors: np.ndarray) -> np.ndarray:
