@@ -56,8 +56,8 @@ class KeywordTokenizer:
                    prompt: Prompt | None = None) -> KeywordTokenizer:
         """The model's tokenizer, from a ModelInfo already read (the model folder is read once per start)."""
         limit = info.max_seq_length if max_len is None else max_len
-        if not 3 <= limit <= info.max_position_embeddings:
-            raise ModelError(f"{info.model_dir}: max_len {limit} must be in [3, {info.max_position_embeddings}]")
+        if not 3 <= limit <= info.max_tokens:
+            raise ModelError(f"{info.model_dir}: max_len {limit} must be in [3, {info.max_tokens}]")
         try:
             tokenizer = Tokenizer.from_file(str(info.tokenizer_path))
         except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
