@@ -136,4 +136,6 @@ def _stretched(profile: Profile, max_len: int) -> Profile:
                            "last bucket reaches the model's limit (--profiles-file)")
     opt = min(last.opt_batch, max(1, profile.token_budget // max_len))
     bucket = Bucket(max_len, max(last.max_batch, opt), opt)
-    return replace(profile, buckets=profile.buckets[:-1] + (bucket,))
+    note = f"overflow bucket stretched from {last.max_len} to {max_len} tokens for the model"
+    return replace(profile, buckets=profile.buckets[:-1] + (bucket,),
+                   description=f"{profile.description} ({note})" if profile.description else note)
