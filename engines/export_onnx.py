@@ -482,6 +482,10 @@ def _fuse(model: onnx.ModelProto, info: ModelInfo) -> onnx.ModelProto:
 
     from onnxruntime.transformers.optimizer import optimize_model
 
+    if info.relative_attention_buckets:
+        raise ExportError(f"{info.model_dir}: no offline-fused graph for model_type {info.model_type!r} (ONNX "
+                          "Runtime's attention fusion has no relative position bias); use the plain graph, "
+                          "the default, which ONNX Runtime optimises at load")
     # The optimizer logs each fusion at INFO/WARNING; the counts are checked below instead.
     logging.getLogger("onnxruntime.transformers").setLevel(logging.ERROR)
     try:

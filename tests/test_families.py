@@ -213,3 +213,23 @@ def test_a_tensorrt_fp16_build_pins_only_the_pooling_of_every_family(tmp_path: P
                        "sentence_embedding"]
     # Standard operators only (what TensorRT's ONNX parser takes), no onnxruntime contrib ops.
     assert all(onnx.defs.has(n.op_type) for n in nodes), {n.op_type for n in nodes}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_offline_fused_graph_matches_too_except_mpnet_which_is_refused(tmp_path: Path, family: str) -> None:
+    import onnxruntime as ort
+
+    from engines.export_onnx import INPUT_NAMES, export_onnx
+    from worker.padding import pad_batch
+
+    folder = _folder(tmp_path, family, "mean")
+    if family == "mpnet":
+        with pytest.raises(ExportError, match="no offline-fused graph for model_type 'mpnet'.*use the plain graph"):
+            export_onnx(folder, tmp_path / "m.onnx", optimize=True)
+        return
+    path = export_onnx(folder, tmp_path / "m.onnx", optimize=True)
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert any(n.op_type == "Attention" for n in onnx.load(str(path)).graph.node)  # really fused
+    _, rows, expected = reference(FIXTURES / family)
+    got = sess.run(None, dict(zip(INPUT_NAMES, pad_batch(rows))))[0]
+    assert cosines(got, expected["mean"]).min() >= MIN_COS
