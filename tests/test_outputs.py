@@ -95,7 +95,7 @@ def test_binary_packs_sign_bits_first_dimension_high_like_sentence_transformers_
     assert unpack_binary(packed, 9).tolist() == [1, 0, 1, 0, 0, 0, 0, 0, 1]
 
 
-def test_binary_record_is_over_30x_smaller_than_the_float_list() -> None:
+def test_binary_is_over_30x_smaller_than_the_float_list_in_the_embedding_value() -> None:
     rows = _unit_rows(20, 384)
     sizes = {}
     for encoding in ("float-list", "binary", "int8"):
