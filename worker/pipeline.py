@@ -66,7 +66,8 @@ class Pipeline:
     def __init__(self, settings: Settings, *, tokenizer: Any, backend: Any, profile: Any, model_name: str,
                  metrics: Metrics | None = None, bucketer_factory: Any = None, costs: CostModel | None = None,
                  consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
-                 producer_factory: Callable[[dict[str, Any]], Any] = Producer) -> None:
+                 producer_factory: Callable[[dict[str, Any]], Any] = Producer,
+                 codec: OutputCodec | None = None) -> None:
         from worker.bucketing import Bucketer
 
         self.settings = settings
@@ -105,7 +106,8 @@ class Pipeline:
                                      transaction_timeout_s=settings.transaction_timeout_ms / 1000.0,
                                      on_outcome=self.metrics.observe_transaction,
                                      on_progress=self._committer.progressed)
-        codec = OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding)  # type: ignore[arg-type]
+        # worker.app.output_codec adds truncate_dim, the prompt and the int8 range.
+        codec = codec or OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding)  # type: ignore[arg-type]
         # Repeated keywords are answered from here without the model (0 bytes: off).
         cache = EmbeddingCache(settings.cache_bytes, backend.dim, observer=self.metrics) if settings.cache_bytes else None
         self._output = OutputStage(settings.output_topic, codec, self._producer, self._inflight, acks, dead_letters,

@@ -177,9 +177,12 @@ def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = 
         from worker.backends.onnxruntime import OnnxRuntimeBackend
 
         if not onnx_path and precision == "int8":
-            from engines.quantize_int8 import ensure_int8_onnx
+            from engines.quantize_int8 import QuantizeError, ensure_int8_onnx
 
-            onnx_path = ensure_int8_onnx(model.model_dir)
+            try:
+                onnx_path = ensure_int8_onnx(model.model_dir)
+            except QuantizeError as exc:  # e.g. a family the int8 recipe does not cover
+                raise BackendError(f"{model.model_dir}: {exc}") from exc
         elif not onnx_path:
             from engines.export_onnx import ensure_onnx
 
