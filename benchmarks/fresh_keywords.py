@@ -4,7 +4,8 @@ Every real-traffic benchmark that offers load at several levels needs keywords t
 seen before in the run: a repeated keyword is a cache hit (issue 19 found a latency table that
 measured the cache). `FreshKeywords` reads one or more query files, drops repeated texts
 (case and spacing folded, as a user would count them), shuffles them with a seed and hands out
-disjoint slices. It refuses to hand out more than it has rather than recycle.
+disjoint slices. It refuses to hand out more than it has rather than recycle, unless told that every
+worker runs with its cache off (`recycle=True`: a used-up pool starts again, reshuffled).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class PoolExhaustedError(RuntimeError):
 
 
 class FreshKeywords:
-    def __init__(self, sources: Iterable[Path], *, seed: int = 0) -> None:
+    def __init__(self, sources: Iterable[Path], *, seed: int = 0, recycle: bool = False) -> None:
         self.sources = [Path(p) for p in sources]
         seen: set[str] = set()
         rows: list[tuple[str, str]] = []
@@ -42,9 +43,13 @@ class FreshKeywords:
                 if norm and norm not in seen:
                     seen.add(norm)
                     rows.append((f"{path.stem}-{qid}", text))
-        random.Random(seed).shuffle(rows)
+        self._random = random.Random(seed)
+        self._random.shuffle(rows)
         self._rows = rows
         self._next = 0
+        # Only for workers whose cache is off: a used-up pool starts again, reshuffled.
+        self.recycle = recycle
+        self.recycled = 0
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -54,6 +59,10 @@ class FreshKeywords:
         return len(self._rows) - self._next
 
     def take(self, n: int) -> list[tuple[str, str]]:
+        if n > self.left and self.recycle and n <= len(self._rows):
+            self._random.shuffle(self._rows)
+            self._next = 0
+            self.recycled += 1
         if n > self.left:
             raise PoolExhaustedError(f"asked for {n} fresh keywords but only {self.left} of {len(self)} are left "
                                      f"(sources: {', '.join(p.name for p in self.sources)}); offer fewer "

@@ -310,6 +310,9 @@ def main() -> int:
     ap.add_argument("--baseline-root", type=Path, action="append", default=[],
                     help="a checkout of another commit whose worker runs as one more variant (default settings), "
                          "named after its commit: the same run pairs this code against that one")
+    ap.add_argument("--cache-off", action="store_true",
+                    help="run every worker with --cache-bytes 0; keywords may then repeat across levels (the pool "
+                         "is recycled when used up), which lets long levels and large backlogs fit the data")
     ap.add_argument("--seed", type=int, default=0, help="shuffle of the keyword pool")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
@@ -317,7 +320,7 @@ def main() -> int:
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     if not bootstrap:
         raise SystemExit("set KAFKA_BOOTSTRAP_SERVERS (run through deploy/local/with-kafka.sh)")
-    pool = FreshKeywords(args.data or default_sources(), seed=args.seed)
+    pool = FreshKeywords(args.data or default_sources(), seed=args.seed, recycle=args.cache_off)
     variants = [("default" if not args.worker_arg else "base", list(args.worker_arg))]
     for spec in args.variant:
         name, _, rest = spec.partition("=")
@@ -343,7 +346,9 @@ def main() -> int:
             run = f"lat-{name}-{uuid.uuid4().hex[:6]}"
             topics = (f"{run}-in", f"{run}-out", f"{run}-dlq")
             ensure_topics(bootstrap, {topics[0]: 6, topics[1]: 6, topics[2]: 1})
-            worker = WorkerProcess(bootstrap, *topics, run, tmp / f"{name}.log", tuple(wargs), root=roots[name]).start()
+            cache = ("--cache-bytes", "0") if args.cache_off else ()
+            worker = WorkerProcess(bootstrap, *topics, run, tmp / f"{name}.log", (*cache, *wargs),
+                                   root=roots[name]).start()
             sides.append(Side(name, wargs, worker, topics, _reader(bootstrap, f"{run}-rin", topics[0]),
                               _reader(bootstrap, f"{run}-rout", topics[1])))
         for side in sides:
@@ -357,10 +362,16 @@ def main() -> int:
             print(f"sustained from a backlog of {args.backlog:,}: {side.name} steady {s['steady_kw_s']:.0f} kw/s, "
                   f"whole backlog {s['whole_kw_s']:.0f} kw/s", flush=True)
         peak = sustained[sides[0].name]["steady_kw_s"]
-        need = sum(math.ceil(peak * lvl * args.duration) for lvl in args.levels) * len(sides) * args.rounds
-        if need > pool.left:
-            raise SystemExit(f"the levels need {need:,} fresh keywords but {pool.left:,} are left; "
-                             "shorten --duration or use fewer --rounds/--levels")
+        per_second = sum(peak * lvl for lvl in args.levels) * len(sides) * args.rounds
+        if not args.cache_off and per_second * args.duration + len(args.levels) * len(sides) * args.rounds > pool.left:
+            # Never recycle keywords (the cache would answer them): shorten the levels instead.
+            fits = 0.98 * pool.left / per_second - 0.1
+            if fits < 2.0:
+                raise SystemExit(f"the levels need {per_second * args.duration:,.0f} fresh keywords but "
+                                 f"{pool.left:,} are left; use fewer --rounds/--levels or a smaller --backlog")
+            print(f"only {pool.left:,} fresh keywords left: {fits:.1f} s per level instead of {args.duration:g} s",
+                  flush=True)
+            args.duration = fits
         step = 0
         for rnd in range(args.rounds):
             for i, load in enumerate(args.levels):
@@ -387,7 +398,9 @@ def main() -> int:
         "command": " ".join(["benchmarks/kafka_latency.py", *sys.argv[1:]]),
         "conditions": (f"{os.cpu_count()} cores shared with the broker and other users; load average at the start "
                        f"{load_avg[0]:.1f}; {args.duration:g} s per level, {args.spacing} spacing; "
-                       f"{len(pool):,} distinct keywords from {', '.join(p.name for p in pool.sources)}"),
+                       f"{len(pool):,} distinct keywords from {', '.join(p.name for p in pool.sources)}"
+                       + (f"; cache off, pool recycled {pool.recycled} times" if args.cache_off else
+                          "; none offered twice")),
         "load_average_at_start": load_avg, "load_average_at_end": os.getloadavg(), "cpu_count": os.cpu_count(),
         "duration_s": args.duration, "rounds": args.rounds, "levels": args.levels,
         "variants": dict(variants), "roots": {k: str(v) for k, v in roots.items()}, "variant_order": [n for n, _ in variants], "sustained": sustained,

@@ -108,7 +108,7 @@ def observe(side: Side, broker_pid: int | None, start_after: float, profile_s: f
     stop = threading.Event()
 
     def sample_paused() -> None:
-        while not stop.wait(0.25):
+        while not stop.wait(2.0):  # a /metrics render holds the GIL: sample rarely, as Prometheus does
             g = gauges(side.worker.url)
             paused.append(g.get("kwe_paused_partitions", 0.0))
 

@@ -55,3 +55,14 @@ def test_summary_gives_quartiles_over_rounds_and_the_paired_ratio() -> None:
     assert old["max_hit_rate"] == 0.05 > MAX_HIT_RATE
     md = render_markdown(report)
     assert "cache, not model" in md and "| new | 50% |" in md and not math.isnan(new["p99"]["q1"])
+
+
+def test_a_pool_recycles_only_when_told_the_cache_is_off(tmp_path: Path) -> None:
+    src = tmp_path / "q.tsv"
+    src.write_text("".join(f"{i}\tquery number {i}\n" for i in range(10)), encoding="utf-8")
+    pool = FreshKeywords([src], recycle=True)
+    first = pool.take(8)
+    again = pool.take(8)  # only 2 left: starts again, reshuffled
+    assert pool.recycled == 1 and len(again) == 8 and set(again) <= set(first) | set(pool._rows)
+    with pytest.raises(PoolExhaustedError):
+        pool.take(11)  # more than the whole pool even recycled
