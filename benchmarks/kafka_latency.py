@@ -143,6 +143,12 @@ class Side:
     in_ts: dict[str, int] = field(default_factory=dict)
     out_ts: dict[str, int] = field(default_factory=dict)
 
+    def close(self) -> None:
+        """Close the readers and stop the worker (SIGTERM, the graceful path)."""
+        self.in_reader.close()
+        self.out_reader.close()
+        self.worker.stop()
+
 
 def _reader(bootstrap: str, group: str, topic: str) -> Consumer:
     # Earliest: the topics are this run's own, and a reader whose group join is slow on a busy box
@@ -391,9 +397,7 @@ def main() -> int:
                           flush=True)
     finally:
         for side in sides:
-            side.in_reader.close()
-            side.out_reader.close()
-            side.worker.stop()
+            side.close()
     report = {
         "command": " ".join(["benchmarks/kafka_latency.py", *sys.argv[1:]]),
         "conditions": (f"{os.cpu_count()} cores shared with the broker and other users; load average at the start "

@@ -200,9 +200,7 @@ def main() -> int:
                       flush=True)
     finally:
         for side in sides:
-            side.in_reader.close()
-            side.out_reader.close()
-            side.worker.stop()
+            side.close()
     summary = {name: {"p50_ms": quartiles([r["p50_ms"] for r in rs]), "p99_ms": quartiles([r["p99_ms"] for r in rs]),
                       "mean_batch": quartiles([r["mean_batch"] for r in rs]),
                       "backend_ms_per_call": quartiles([r["backend_ms_per_call"] for r in rs]),
