@@ -118,7 +118,19 @@ class GroupMember:
         # what else is already fetched without waiting.
         msgs = self._consumer.consume(num_messages=1, timeout=timeout_s)
         if msgs and max_records > 1:
-            msgs += self._consumer.consume(num_messages=max_records - 1, timeout=0)
+            tracker = self._committer.tracker
+            epoch = tracker.epoch
+            more = self._consumer.consume(num_messages=max_records - 1, timeout=0)
+            if tracker.epoch != epoch:
+                # A rebalance callback ran inside the second call (its op was queued behind the
+                # records of the first): a partition rewound or re-assigned there starts fetching
+                # again from its committed offset, so a record of the first call is from before
+                # the rewind. Tracked by the fresh state, it would make the re-fetched records
+                # below it look like duplicates (librdkafka's seek barrier only purges records
+                # gathered by the same call). It is fetched again; drop it here.
+                msgs = [m for m in msgs if m.error() is not None
+                        or not tracker.replaced_since(m.topic(), m.partition(), epoch)]
+            msgs += more
         out = []
         for msg in msgs:
             err = msg.error()

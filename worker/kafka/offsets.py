@@ -121,6 +121,19 @@ class OffsetTracker:
         self._parts: dict[tuple[str, int], PartitionOffsets] = {}
         self._epoch = 0
 
+    @property
+    def epoch(self) -> int:
+        """Grows with every change of any partition's state (assignment, rewind, revoke)."""
+        with self._lock:
+            return self._epoch
+
+    def replaced_since(self, topic: str, partition: int, epoch: int) -> bool:
+        """Whether the partition's state was replaced (or dropped) after `epoch`: a record fetched
+        before then belongs to the old state and must not be tracked by the new one."""
+        with self._lock:
+            state = self._parts.get((topic, partition))
+            return state is None or state.epoch > epoch
+
     def assign(self, topic: str, partition: int) -> PartitionOffsets:
         with self._lock:
             self._epoch += 1
@@ -133,6 +146,7 @@ class OffsetTracker:
 
     def revoke(self, topic: str, partition: int) -> PartitionOffsets | None:
         with self._lock:
+            self._epoch += 1
             state = self._parts.pop((topic, partition), None)
         if state is not None:
             state.revoked = True

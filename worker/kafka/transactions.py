@@ -282,9 +282,12 @@ class Transactions:
         rewind: list[TopicPartition] = []
         for p in self.tracker.partitions():
             start = p.committed if p.committed is not None else p.first
+            if start is None:
+                # Nothing of this partition went into the transaction: its state and fetch
+                # position stay (a record already fetched for it is still the next one).
+                continue
             self.tracker.assign(p.topic, p.partition)
-            if start is not None:
-                rewind.append(TopicPartition(p.topic, p.partition, start))
+            rewind.append(TopicPartition(p.topic, p.partition, start))
         if self._call("abort_transaction", lambda: self.producer.abort_transaction(self.timeout_s)) != "ok":
             if not self.latch.is_set():
                 self.latch.trip(TransactionFencedError(f"the transaction could not be aborted ({reason})"))
@@ -327,7 +330,8 @@ class Transactions:
         # Records still in flight would be produced into the next transaction otherwise: mark
         # their offset state revoked (the output stage drops them) and wait for the rest.
         for p in self.tracker.partitions():
-            p.revoked = True
+            if p.first is not None:  # the ones `abort_and_rewind` gives fresh state
+                p.revoked = True
         if not wait_drained(self.timeout_s):
             self.latch.trip(TransactionFencedError(
                 f"the transaction could not be aborted cleanly ({reason}): records stayed in flight"))
