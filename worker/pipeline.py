@@ -243,7 +243,7 @@ class Pipeline:
             # Committed if it drained, else aborted: an open transaction would hold back
             # read_committed readers until transaction_timeout_ms.
             self._txn.finish(drained_waiter(lambda: len(self._inflight), self._member.serve),
-                             self._left(LEAVE_S) if clean else 0.0)
+                             self._left(LEAVE_S) if clean else 0.0, stop_writes=self._producer.interrupt)
         elif not self._abort.is_set():
             self._committer.commit_until(self._deadline - LEAVE_S if self._deadline else 0.0, self._member.serve)
         self.left_group = self._member.close(self._left())

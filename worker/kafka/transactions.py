@@ -56,6 +56,12 @@ class TransactionFencedError(WorkerError):
     """A newer member took over this member's transactional id, or its transaction timed out."""
 
 
+class TransactionError(WorkerError):
+    """A transaction could neither be completed nor aborted cleanly, and this member was not
+    fenced: it stops, and aborts the open transaction on the way out (best effort), so
+    read_committed readers are not held back until transaction_timeout_ms."""
+
+
 class TransactionHungError(WorkerError):
     """A transactional call did not return in time."""
 
@@ -142,7 +148,8 @@ class Transactions:
                     log.warning("init_transactions failed; retrying", error=str(exc.args[0]))
                     self.sleep(0.5)
                     continue
-                raise TransactionFencedError(f"could not initialise transactions: {exc.args[0]}") from exc
+                error = TransactionFencedError if kind_of(exc) == "fatal" else TransactionError
+                raise error(f"could not initialise transactions: {exc.args[0]}") from exc
 
     @property
     def closing(self) -> bool:
@@ -289,8 +296,9 @@ class Transactions:
             self.tracker.assign(p.topic, p.partition)
             rewind.append(TopicPartition(p.topic, p.partition, start))
         if self._call("abort_transaction", lambda: self.producer.abort_transaction(self.timeout_s)) != "ok":
+            # "fatal" tripped the latch already (fenced, or hung); otherwise the abort failed on its own.
             if not self.latch.is_set():
-                self.latch.trip(TransactionFencedError(f"the transaction could not be aborted ({reason})"))
+                self.latch.trip(TransactionError(f"the transaction could not be aborted ({reason})"))
             return
         for tp in rewind:
             try:
@@ -333,22 +341,30 @@ class Transactions:
             if p.first is not None:  # the ones `abort_and_rewind` gives fresh state
                 p.revoked = True
         if not wait_drained(self.timeout_s):
-            self.latch.trip(TransactionFencedError(
+            self.latch.trip(TransactionError(
                 f"the transaction could not be aborted cleanly ({reason}): records stayed in flight"))
             return
         self.abort_and_rewind(reason)
 
-    def finish(self, wait_drained: Callable[[float], bool], wait_s: float) -> None:
+    def finish(self, wait_drained: Callable[[float], bool], wait_s: float,
+               stop_writes: Callable[[], None] = lambda: None) -> None:
         """Shutdown: commit if everything drains within wait_s, else abort, so no open transaction
         holds back read_committed readers until it times out. After a fatal error: abort, best
         effort (a fenced producer cannot; the broker or the successor aborts it)."""
         if self.state == "idle":
             return
-        if not self.latch.is_set() and self._abort_reason is None and wait_drained(wait_s):
+        drained = not self.latch.is_set() and self._abort_reason is None and wait_drained(wait_s)
+        if self.state == "idle":
+            # A revoke served while waiting (the group rebalanced during the drain) closed it.
+            return
+        if drained:
             self.commit()
             return
         if isinstance(self.latch.error, TransactionFencedError):
             return  # a zombie does not abort (see `lost`): its successor or the broker does
+        # Whatever is still in flight is not written after the abort (it would fail: no
+        # transaction is open), and records it purges are not delivery errors (producer.PURGED).
+        stop_writes()
         try:
             # No rewind and no wait for what is in flight: no later transaction follows, so a
             # straggler cannot be produced into one.
