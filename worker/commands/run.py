@@ -12,11 +12,12 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from typing import Any
 from types import FrameType
 
 import structlog
 
-from worker.config import SettingsError, add_setting_flags, load_settings
+from worker.config import add_setting_flags, load_settings
 from worker.logs import configure_logging
 
 
@@ -57,49 +58,21 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _main(args: argparse.Namespace, signals: StopSignals) -> int:
-    try:
-        settings = load_settings(args)
-    except SettingsError as exc:
-        print(f"keyword-embedder run: {exc}", file=sys.stderr)
-        return 2
-    from worker.kafka.client_config import client_config, secret_values
+    from kwe_core.errors import KeywordEmbedderError
 
-    try:
-        # Read the config and password files now: a bad one stops the worker before the model loads.
-        client_config(settings)
-    except SettingsError as exc:
-        print(f"keyword-embedder run: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(settings.log_format, settings.log_level, secrets=secret_values(settings))
     log = structlog.get_logger("worker.run")
-
-    # Before the model loads: a missing topic or permission stops the worker within seconds.
-    from worker.kafka.client_config import admin_config
-    from worker.kafka.errors import PreflightError
-    from worker.kafka.preflight import check_topics
-
     try:
-        check_topics(admin_config(settings), settings)
-    except PreflightError as exc:
-        log.error("cannot start the worker", error=str(exc))
-        print(f"keyword-embedder run: {exc}", file=sys.stderr)
-        return 2
-
-    from kwe_core.errors import BackendError
-    from kwe_core.model import ModelError
-    from kwe_core.profiles import ProfileError
-    from worker.app import build_pipeline
-    from worker.metrics import Metrics, MetricsServer
-
-    metrics = Metrics()
-    try:
-        assembled = build_pipeline(settings, metrics=metrics)
-    except (ModelError, BackendError, ProfileError) as exc:
-        log.error("cannot start the worker", error=str(exc))
+        assembled, metrics, settings = _start(args)
+    except KeywordEmbedderError as exc:
+        # Every start-up failure (a setting, the Kafka check, the model, profile or backend):
+        # one line, exit 2.
+        if structlog.is_configured():  # not before the settings that say how to log are read
+            log.error("cannot start the worker", error=str(exc))
         print(f"keyword-embedder run: {exc}", file=sys.stderr)
         return 2
     pipeline = assembled.pipeline
     signals.on_stop = pipeline.request_stop
+    from worker.metrics import MetricsServer
 
     server = None
     if settings.metrics_port:
@@ -121,3 +94,25 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _start(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """Settings, the Kafka check and the model: raises a KeywordEmbedderError on what stops start-up."""
+    settings = load_settings(args)
+    from worker.kafka.client_config import client_config, secret_values
+
+    # Read the config and password files now: a bad one stops the worker before the model loads.
+    client_config(settings)
+    configure_logging(settings.log_format, settings.log_level, secrets=secret_values(settings))
+
+    # Before the model loads: a missing topic or permission stops the worker within seconds.
+    from worker.kafka.client_config import admin_config
+    from worker.kafka.preflight import check_topics
+
+    check_topics(admin_config(settings), settings)
+
+    from worker.app import build_pipeline
+    from worker.metrics import Metrics
+
+    metrics = Metrics()
+    return build_pipeline(settings, metrics=metrics), metrics, settings
