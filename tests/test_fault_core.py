@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+from worker.deadline import Deadline
 from worker.backends.isolating import IsolatingContext, PartialBatchError
 from worker.errors import BackendBrokenError, DeliveryError, ThreadDiedError, WorkerError
 from worker.flow import FlowControl
@@ -106,7 +107,7 @@ def test_deliveries_are_acknowledged_on_the_delivery_thread_only() -> None:
     wrapper.start()
     for i in range(20):
         assert wrapper.produce("out", b"k", b"v", [], lambda i=i: acked.append(threading.current_thread().name))
-    assert wrapper.flush(5.0) == 0
+    assert wrapper.flush(Deadline.after(5.0)) == 0
     wrapper.stop(2.0)
     assert len(acked) == 20 and set(acked) == {"kwe-delivery"} == fake.poll_threads
     assert not latch.is_set()
@@ -257,7 +258,7 @@ def test_commit_until_retries_a_commit_refused_during_a_rebalance() -> None:
     fake.sync_errors = [KafkaException(KafkaError(KafkaError.ILLEGAL_GENERATION)),
                         KafkaException(KafkaError(KafkaError.REBALANCE_IN_PROGRESS))]
     served: list[float] = []
-    assert c.commit_until(time.monotonic() + 5.0, served.append)
+    assert c.commit_until(Deadline.after(5.0), served.append)
     assert len(served) == 2 and part.committed == 1
 
 
@@ -408,8 +409,12 @@ class FakeGroupConsumer(FakeConsumer):
     def assignment(self) -> list[TopicPartition]:
         return list(self.assigned)
 
+    def subscribe(self, topics: list[str], **callbacks: Any) -> None:
+        pass
+
 
 def _member(wait_s: float) -> tuple[Any, Committer, FakeGroupConsumer, FatalLatch]:
+    from worker.delivery import AtLeastOnce
     from worker.kafka.consumer import GroupMember
     from worker.metrics import Metrics
 
@@ -418,6 +423,7 @@ def _member(wait_s: float) -> tuple[Any, Committer, FakeGroupConsumer, FatalLatc
     made: list[FakeGroupConsumer] = []
     member = GroupMember({}, committer, latch, Metrics(), revoke_wait_s=lambda: wait_s,
                          consumer_factory=lambda cfg: made.append(FakeGroupConsumer(cfg)) or made[0])
+    member.subscribe("t", AtLeastOnce(committer))
     return member, committer, made[0], latch
 
 

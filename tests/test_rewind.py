@@ -18,6 +18,7 @@ from tests.fakes.transactions import FakeTxnProducer
 from worker.acks import Acknowledger
 from worker.config import Settings
 from worker.dead_letters import DeadLetters
+from worker.delivery import ExactlyOnce
 from worker.inflight import InFlightTable
 from worker.intake import Intake
 from worker.kafka.committer import Committer
@@ -60,24 +61,28 @@ class Member:
             return self.fake
 
         self.member = GroupMember({}, self.committer, self.latch, self.metrics, revoke_wait_s=lambda: 0.0,
-                                  consumer_factory=make, revoke_commit=self._revoke_commit,
-                                  on_lost=lambda: self.txn.lost())
+                                  consumer_factory=make)
         self.txn = Transactions(self.producer, self.member.client, self.committer.tracker, self.latch,
                                 lambda: len(self.inflight), interval_s=3600.0, sleep=lambda s: None)
+        self.delivery = ExactlyOnce(self.txn, lambda: len(self.inflight), lambda: None)
         self.submitted: list[int] = []
         self.intake = Intake(Settings(input_format="raw"), _Tokenizer(), self.committer.tracker, self.inflight,
                              lambda seq, ids: self.submitted.append(seq),
                              DeadLetters("dlq", 1 << 20, None, self.acks),  # type: ignore[arg-type]
                              self.metrics)
-        self.txn.init()
-        self.member.subscribe("in")
+        self.delivery.start()
+        self.member.subscribe("in", self)
 
     @property
     def consumer(self) -> FakeGroupConsumer:
         assert self.fake is not None
         return self.fake
 
-    def _revoke_commit(self, parts: Any, left_s: float) -> bool:
+    def on_lost(self) -> None:
+        self.delivery.on_lost()
+
+    def on_revoke(self, parts: Any, left_s: float) -> bool:
+        """The member's rebalance listener: ExactlyOnce's, with the rest of the pipeline draining."""
         # The revoke cannot wait (revoke_timeout_s=0): the transaction aborts once the pipeline drained.
         def drained(timeout_s: float) -> bool:
             if timeout_s > 0:  # given time, what is in flight finishes (its outputs dropped: revoked)
@@ -88,7 +93,7 @@ class Member:
     def poll(self, max_records: int = 8) -> None:
         msgs = self.member.consume(max_records, 0.0)
         if msgs:
-            self.txn.ensure_open()
+            self.delivery.before_intake()
             self.intake.handle(msgs)
 
     def finish_all(self) -> None:

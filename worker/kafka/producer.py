@@ -29,6 +29,7 @@ import structlog
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from worker.config import Settings
+from worker.deadline import Deadline
 from worker.kafka.client_config import client_config
 from worker.kafka.errors import FailurePolicy, KafkaSetupError
 from worker.errors import DeliveryError, ThreadDiedError
@@ -167,14 +168,13 @@ class OutputProducer:
         else:
             self._errors.warn("producer error", err)
 
-    def flush(self, timeout_s: float) -> int:
-        """Waits up to timeout_s for outstanding records; returns how many are still unacknowledged.
+    def flush(self, deadline: Deadline) -> int:
+        """Waits until the deadline for outstanding records; returns how many are still unacknowledged.
 
         Waits on the queue length instead of calling Producer.flush, which would serve delivery
         callbacks on this thread too; they belong to the delivery thread.
         """
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        while len(self._producer) and time.monotonic() < deadline and self._thread.is_alive():
+        while len(self._producer) and not deadline.expired() and self._thread.is_alive():
             time.sleep(0.01)
         return len(self._producer)
 

@@ -38,6 +38,7 @@ from typing import Any, Literal, Protocol
 import structlog
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+from worker.deadline import Deadline
 from worker.errors import WorkerError
 from worker.kafka.offsets import OffsetTracker, PartitionOffsets
 from worker.latch import FatalLatch
@@ -129,6 +130,8 @@ class Transactions:
     on_progress: Callable[[], None] = lambda: None
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
+    # The shutdown deadline (infinite until a stop): no transactional call, retry or wait runs past it.
+    stop: Deadline = field(default_factory=Deadline)
     state: State = "idle"
     began_at: float = 0.0
     committed: int = 0
@@ -136,13 +139,17 @@ class Transactions:
     _abort_reason: str | None = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ lifecycle
-    def init(self, timeout_s: float = 30.0) -> None:
-        """Fences an older incarnation of this member and aborts its open transaction."""
+    def init(self, timeout_s: float = 30.0) -> bool:
+        """Fences an older incarnation of this member and aborts its open transaction. False when
+        a stop came first (each try is short, so a SIGTERM during it is honoured within a second)."""
         deadline = self.clock() + timeout_s
         while True:
+            if self.stop.started:
+                log.info("stopped before transactions were initialised")
+                return False
             try:
-                self.producer.init_transactions(max(1.0, deadline - self.clock()))
-                return
+                self.producer.init_transactions(max(0.5, min(1.0, deadline - self.clock())))
+                return True
             except KafkaException as exc:
                 if kind_of(exc) == "retry" and self.clock() < deadline:
                     log.warning("init_transactions failed; retrying", error=str(exc.args[0]))
@@ -203,8 +210,13 @@ class Transactions:
     def _offsets(self) -> list[tuple[PartitionOffsets, int]]:
         return [(p, off) for p in self.tracker.partitions() if (off := p.to_commit()) is not None]
 
-    def _bounded(self, what: str, fn: Callable[[], None]) -> None:
-        """Runs a blocking transactional call, at most timeout_s + HANG_MARGIN_S.
+    def _timeout(self) -> float:
+        """librdkafka's timeout for the next call: its own, within the shutdown deadline."""
+        return max(0.1, min(self.timeout_s, self.stop.left()))
+
+    def _bounded(self, what: str, fn: Callable[[], None], grace_s: float = 0.2) -> None:
+        """Runs a blocking transactional call, at most timeout_s + HANG_MARGIN_S, and at most
+        grace_s past the shutdown deadline (re-read while waiting: a second signal shortens it).
 
         librdkafka's own timeout does not always hold: after a hard broker restart,
         send_offsets_to_transaction blocked for minutes (measured), holding the poll thread and
@@ -222,7 +234,17 @@ class Transactions:
 
         helper = threading.Thread(target=call, name="kwe-txn-call", daemon=True)
         helper.start()
-        helper.join(self.timeout_s + HANG_MARGIN_S)
+        end = time.monotonic() + self.timeout_s + HANG_MARGIN_S
+        while helper.is_alive():
+            now = time.monotonic()
+            end = min(end, now + self.stop.left() + grace_s)
+            if now >= end:
+                break
+            helper.join(min(0.05, end - now))
+        if not answer and not helper.is_alive():
+            helper.join()
+        if not answer and self.stop.expired():
+            raise TransactionHungError(f"{what} did not return before the shutdown deadline")
         if not answer:
             raise TransactionHungError(f"{what} did not return within {self.timeout_s + HANG_MARGIN_S:.0f} s "
                                        "(the transaction coordinator does not answer); stopping so that a "
@@ -240,7 +262,7 @@ class Transactions:
                 return "fatal"
             except KafkaException as exc:
                 kind = kind_of(exc)
-                if kind == "retry" and attempt + 1 < RETRIES:
+                if kind == "retry" and attempt + 1 < RETRIES and not self.stop.expired():
                     log.warning("transactional call failed; retrying", call=what, error=str(exc.args[0]))
                     self.sleep(0.1 * (attempt + 1))
                     continue
@@ -262,11 +284,11 @@ class Transactions:
         if positions:
             metadata = self.consumer.consumer_group_metadata()
             result = self._call("send_offsets_to_transaction",
-                                lambda: self.producer.send_offsets_to_transaction(positions, metadata, self.timeout_s))
+                                lambda: self.producer.send_offsets_to_transaction(positions, metadata, self._timeout()))
             if result == "ok":
-                result = self._call("commit_transaction", lambda: self.producer.commit_transaction(self.timeout_s))
+                result = self._call("commit_transaction", lambda: self.producer.commit_transaction(self._timeout()))
         else:
-            result = self._call("commit_transaction", lambda: self.producer.commit_transaction(self.timeout_s))
+            result = self._call("commit_transaction", lambda: self.producer.commit_transaction(self._timeout()))
         if result == "abort":
             self.abort_and_rewind("the transaction could not be committed")
             return False
@@ -295,7 +317,7 @@ class Transactions:
                 continue
             self.tracker.assign(p.topic, p.partition)
             rewind.append(TopicPartition(p.topic, p.partition, start))
-        if self._call("abort_transaction", lambda: self.producer.abort_transaction(self.timeout_s)) != "ok":
+        if self._call("abort_transaction", lambda: self.producer.abort_transaction(self._timeout())) != "ok":
             # "fatal" tripped the latch already (fenced, or hung); otherwise the abort failed on its own.
             if not self.latch.is_set():
                 self.latch.trip(TransactionError(f"the transaction could not be aborted ({reason})"))
@@ -340,7 +362,11 @@ class Transactions:
         for p in self.tracker.partitions():
             if p.first is not None:  # the ones `abort_and_rewind` gives fresh state
                 p.revoked = True
-        if not wait_drained(self.timeout_s):
+        if not wait_drained(min(self.timeout_s, self.stop.left())):
+            if self.stop.started:
+                # Stopping: `finish` aborts it (stopping all writes first), within the deadline.
+                self._abort_reason = reason
+                return
             self.latch.trip(TransactionError(
                 f"the transaction could not be aborted cleanly ({reason}): records stayed in flight"))
             return
@@ -368,23 +394,26 @@ class Transactions:
         try:
             # No rewind and no wait for what is in flight: no later transaction follows, so a
             # straggler cannot be produced into one.
-            self._bounded("abort_transaction", lambda: self.producer.abort_transaction(min(self.timeout_s, 2.0)))
+            self._bounded("abort_transaction", lambda: self.producer.abort_transaction(min(self._timeout(), 2.0)),
+                          grace_s=1.0)
             self._finish("aborted")
         except (KafkaException, TransactionHungError) as exc:
             log.info("open transaction not aborted on the way out", error=str(exc))
 
 
 def wait_until(check: Callable[[], bool], serve: Callable[[float], None], timeout_s: float,
-               clock: Callable[[], float] = time.monotonic) -> bool:
-    """Serves the group (or sleeps) until check() holds or timeout_s passes."""
+               clock: Callable[[], float] = time.monotonic, stop: Deadline | None = None) -> bool:
+    """Serves the group (or sleeps) until check() holds, timeout_s passes or `stop` expires."""
     deadline = clock() + max(0.0, timeout_s)
     while not check():
-        if clock() >= deadline:
+        if clock() >= deadline or (stop is not None and stop.expired()):
             return False
         serve(0.01)
     return True
 
 
-def drained_waiter(in_flight: Callable[[], int], serve: Callable[[float], None]) -> Callable[[float], bool]:
-    """A wait_drained for `Transactions`: until nothing is in flight, at most the given seconds."""
-    return lambda timeout_s: wait_until(lambda: in_flight() == 0, serve, timeout_s)
+def drained_waiter(in_flight: Callable[[], int], serve: Callable[[float], None],
+                   stop: Deadline | None = None) -> Callable[[float], bool]:
+    """A wait_drained for `Transactions`: until nothing is in flight, at most the given seconds
+    (and never past `stop`, re-read while waiting)."""
+    return lambda timeout_s: wait_until(lambda: in_flight() == 0, serve, timeout_s, stop=stop)
