@@ -375,7 +375,7 @@ def test_liveness_fails_on_a_fatal_error_a_dead_thread_or_a_stall() -> None:
     latch = FatalLatch()
     stalled = [0.0]
     done = threading.Thread(target=lambda: None, name="kwe-output")
-    live = Liveness(latch, [done], lambda: stalled[0], stall_timeout_s=30.0)
+    live = Liveness(latch, lambda: [done], lambda: stalled[0], stall_timeout_s=30.0)
     assert live() == (True, "ok")  # not started yet: not dead
     stalled[0] = 31.0
     ok, reason = live()
@@ -465,3 +465,84 @@ def test_a_member_paused_by_flow_control_takes_new_partitions_paused() -> None:
     member.set_paused(True)
     member._on_assign(fake, [TopicPartition("t", 1)])
     assert {tp.partition for tp in fake.paused} == {0, 1}
+
+
+def test_a_bug_in_the_bucketer_former_trips_the_latch_and_liveness_names_the_thread() -> None:
+    """Finding 6: the former and dispatchers run guarded; a bug there stops the worker visibly
+    (the latch), and /healthz names the dead thread, instead of all work stopping silently."""
+    from kwe_core.profiles import Bucket, Profile
+    from worker.bucketing import Bucketer
+    from worker.health import Liveness
+    from worker.latch import guarded
+
+    class Backend:
+        name, dim, max_contexts = "fake", 2, None
+
+        def create_context(self, index: int) -> Any:
+            class Ctx:
+                def run(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+                    return np.zeros((len(ids), 2), dtype=np.float32)
+
+                def close(self) -> None:
+                    pass
+            return Ctx()
+
+        def close(self) -> None:
+            pass
+
+    latch = FatalLatch()
+    b = Bucketer(Profile("t", (Bucket(8, 4, 4),), 10_000, "bucket"), Backend(), lambda *a: None,
+                 on_error=lambda *a: None, max_queue_delay_ms=1.0,
+                 guard=lambda name, body: guarded(latch, name, body))
+    live = Liveness(latch, lambda: b.threads, lambda: 0.0, stall_timeout_s=30.0)
+
+    def bug(bucket: Any, items: Any) -> Any:
+        raise KeyError("a bug while padding")
+
+    b._pad = bug  # type: ignore[method-assign]
+    b.start()
+    assert live() == (True, "ok")
+    b.submit(0, np.arange(1, 5, dtype=np.int64))
+    assert latch.wait(5.0), "the former's exception did not reach the latch"
+    assert isinstance(latch.error, ThreadDiedError) and "kwe-bucket-former" in str(latch.error)
+    ok, why = live()
+    assert not ok
+    b.stop(drain=False, timeout=0.5)
+
+
+def test_a_bucketer_stop_returns_by_its_timeout_while_a_backend_call_hangs() -> None:
+    from kwe_core.profiles import Bucket, Profile
+    from worker.bucketing import Bucketer
+
+    release = threading.Event()
+    entered = threading.Event()
+
+    class Backend:
+        name, dim, max_contexts = "fake", 2, None
+
+        def create_context(self, index: int) -> Any:
+            class Ctx:
+                def run(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+                    entered.set()
+                    release.wait(30)  # never returns in time
+                    return np.zeros((len(ids), 2), dtype=np.float32)
+
+                def close(self) -> None:
+                    pass
+            return Ctx()
+
+        def close(self) -> None:
+            pass
+
+    b = Bucketer(Profile("t", (Bucket(8, 4, 4),), 10_000, "bucket"), Backend(), lambda *a: None,
+                 on_error=lambda *a: None, max_queue_delay_ms=1.0)
+    b.start()
+    try:
+        b.submit(0, np.arange(1, 5, dtype=np.int64))
+        assert entered.wait(5.0)
+        start = time.monotonic()
+        b.stop(drain=True, timeout=0.3)
+        assert time.monotonic() - start < 0.3 + 0.5 + 0.3
+        assert all(t.daemon for t in b.threads)  # cannot hold the process at exit either
+    finally:
+        release.set()

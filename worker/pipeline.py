@@ -48,7 +48,7 @@ from worker.kafka.consumer import GroupMember, consumer_config
 from worker.kafka.errors import FailurePolicy
 from worker.kafka.messages import OutputCodec
 from worker.kafka.producer import OutputProducer, producer_config
-from worker.latch import FatalLatch
+from worker.latch import FatalLatch, guarded
 from worker.metrics import Metrics
 from worker.output import OutputStage
 
@@ -107,10 +107,11 @@ class Pipeline:
         self._bucketer = (bucketer_factory or Bucketer)(
             profile, IsolatingBackend(backend, canary), self._output.on_batch, on_error=self._output.on_batch_error,
             max_queue_delay_ms=settings.max_queue_delay_ms, dispatchers=settings.dispatchers,
-            pad_to=settings.pad_to)
+            pad_to=settings.pad_to, guard=lambda name, body: guarded(self.latch, name, body))
         self._intake = Intake(settings, tokenizer, self._committer.tracker, self._inflight, self._bucketer.submit,
                               dead_letters, self.metrics, cache=cache, answer=self._output.on_cached)
-        self.liveness = Liveness(self.latch, [self._output.thread, self._producer.thread],
+        self.liveness = Liveness(self.latch, lambda: [self._output.thread, self._producer.thread,
+                                                      *self._bucketer.threads],
                                  self._committer.stalled_for, settings.stall_timeout_s)
 
     # ------------------------------------------------------------------ state for probes
