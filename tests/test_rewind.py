@@ -145,3 +145,27 @@ def test_records_of_a_partition_not_rewound_are_kept() -> None:
     m.txn.step(flow_paused=True)
     assert sorted(m.producer.visible) == sorted([f"0-{o}" for o in range(5)] + [f"1-{o}" for o in range(5)])
     assert m.producer.offsets == {("in", 0): 5, ("in", 1): 5}
+
+
+def test_offsets_that_go_back_without_a_rewind_are_new_records_not_duplicates() -> None:
+    """Finding 7: the input topic recreated under the worker (or a log truncated): librdkafka
+    resets the position to the new log's start, with no new assignment and no seek of ours. The
+    lower offsets hold new records: processed and committed, never skipped."""
+    m = Member(partitions=1, records=10)
+    m.consumer.assign_op([0])()
+    for _ in range(3):
+        m.poll(max_records=20)
+        m.finish_all()
+    m.txn.step(flow_paused=True)
+    assert m.txn.committed == 1 and m.producer.offsets == {("in", 0): 10}
+    # Recreated with 4 records; the fetch at 10 is out of range and resets to the start (0).
+    m.consumer.logs[0] = [f"new-{o}".encode() for o in range(4)]
+    m.consumer.fetch_at[0] = 0
+    m.consumer.queue.clear()
+    for _ in range(3):
+        m.poll(max_records=20)
+        m.finish_all()
+    m.txn.step(flow_paused=True)
+    assert m.txn.committed == 2 and not m.latch.is_set()
+    assert m.producer.visible.count("0-0") == 2 and len(m.producer.visible) == 14
+    assert m.producer.offsets == {("in", 0): 4}
