@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-from collections.abc import Callable
 from typing import Any
-from types import FrameType
 
 import structlog
 
 from worker.config import add_setting_flags, load_settings
+from worker.stop_signals import StopDuringStartup, StopSignals, startup_stopped_message
 from worker.logs import configure_logging
 
 
@@ -25,35 +23,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_setting_flags(parser)
 
 
-class StopDuringStartup(BaseException):
-    """A stop signal arrived before the worker ran: unwind start-up and exit cleanly.
-
-    A BaseException so that no `except Exception` on the start-up path swallows it.
-    """
-
-
-class StopSignals:
-    """SIGTERM/SIGINT: during start-up they unwind it; once running they call `on_stop`."""
-
-    def __init__(self) -> None:
-        self.on_stop: Callable[[], None] | None = None
-        signal.signal(signal.SIGTERM, self._handle)
-        signal.signal(signal.SIGINT, self._handle)
-
-    def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        name = signal.Signals(signum).name
-        structlog.get_logger("worker.run").info("stop requested", signal=name)
-        if self.on_stop is None:
-            raise StopDuringStartup(name)
-        self.on_stop()
-
-
-def main(args: argparse.Namespace) -> int:
-    signals = StopSignals()
+def main(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
+    # Installed by worker.cli before this module's imports; here only when called directly.
+    signals = signals if signals is not None else StopSignals()
     try:
         return _main(args, signals)
     except StopDuringStartup as stop:
-        print(f"keyword-embedder run: stopped by {stop} during start-up", file=sys.stderr)
+        print(startup_stopped_message(str(stop)), file=sys.stderr)
+        return 0
+    except BaseException:
+        # A signal that landed inside a C call (librdkafka) surfaces as another exception
+        # (a SystemError from a callback): start-up was stopped, not broken.
+        name = signals.stopped_during_startup()
+        if name is None:
+            raise
+        print(startup_stopped_message(name), file=sys.stderr)
         return 0
 
 
@@ -64,6 +48,8 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     try:
         assembled, metrics, settings = _start(args)
     except KeywordEmbedderError as exc:
+        if signals.stopped_during_startup():
+            raise StopDuringStartup(signals.requested) from None  # the stop, not a failure
         # Every start-up failure (a setting, the Kafka check, the model, profile or backend):
         # one line, exit 2.
         if structlog.is_configured():  # not before the settings that say how to log are read
