@@ -1,25 +1,29 @@
-"""Latency through Kafka under open-loop load, beside the same bucketer offline, in one run.
+"""Latency through Kafka under open-loop load, on keywords the worker has not seen before, in paired rounds.
 
     deploy/local/with-kafka.sh .venv/bin/python benchmarks/kafka_latency.py \
         --json benchmarks/results/kafka_latency.json --markdown benchmarks/results/kafka_latency.md
     (or: make bench-latency)
 
-1. Sustained throughput: one `keyword-embedder run` (default settings unless --worker-arg), warm
-   and in its group, embeds a backlog of N keywords published at once (as benchmarks/kafka_vs_offline.py).
-2. For each load level (25/50/80/90% of that throughput): `keyword-embedder produce --rate R
-   --duration D` publishes open-loop (Poisson), each record stamped at send; latency is the
-   output record's timestamp minus its input record's (both read back from the topics), the
-   first 10% of each level left out as warm-up. Paired with it, in the same run and in
-   alternating order: worker.benchmark.load.run_open_loop, the same bucketer, backend and settings on the
-   same queries at the same rate, with no Kafka.
-3. Per hop: the worker's Prometheus histograms (kwe_*_seconds) are scraped before and after
-   each level; the difference is that level's breakdown (mean and bucket-estimated p50/p99).
+1. Sustained throughput: each worker (`keyword-embedder run`, default settings unless --worker-arg
+   or --variant), warm and in its group, embeds a backlog of --backlog keywords published at once.
+   Two rates are reported: the whole backlog's (first publish to last embedding, start-up of the
+   in-flight bound included) and the steady one (embeddings between the 25th and 95th percentile
+   of their output times, divided by that span), which is what a worker keeps up under a long
+   backlog. The load levels are fractions of the first variant's steady rate.
+2. For each of --rounds rounds, each level, each variant (in an order that rotates per level and
+   round, so that no variant always goes first): `keyword-embedder produce --rate R` publishes
+   open loop (Poisson by default, each record stamped at send); latency is the output record's
+   timestamp minus its input record's, the first 10% of each level left out as warm-up.
+3. Every keyword offered in the run is distinct (benchmarks/fresh_keywords.py: the shared query
+   files, repeats folded away), so the cache cannot answer a level; each level's cache hit rate
+   is scraped from the worker and a level with more than 2% hits is marked as not measuring the model.
+4. Per hop: the worker's Prometheus histograms are scraped before and after each level; the
+   difference is that level's breakdown (mean and bucket-estimated p50/p99).
 
-`--variant NAME=ARGS` adds workers with other settings (e.g. `--variant nospin=--ort-allow-spinning=false`):
-each has its own topics and group; every variant and the offline run see the same offered rates
-(from the first variant's throughput) in rotating order, so their ratios are paired.
-The box is shared and noisy: compare variants only within one run; the load average at the
-start and the CPU seconds of the worker and broker per level are in the JSON.
+Per level and variant the report gives the median and quartiles over rounds of p50 and p99, and,
+for every variant after the first, the paired ratio of its p99 to the first variant's p99 in the
+same round. The box is shared and noisy: compare variants only within one run; the load average
+and the CPU seconds of the worker and broker per level are in the JSON.
 """
 
 from __future__ import annotations
@@ -40,30 +44,37 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from confluent_kafka import Consumer
+import orjson
+from confluent_kafka import Consumer, Producer
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.kafka_vs_offline import DEFAULT_DATA, FALLBACK_DATA, cpu_seconds, kafka_round  # noqa: E402
+from benchmarks.fresh_keywords import FreshKeywords, default_sources  # noqa: E402
+from benchmarks.kafka_vs_offline import cpu_seconds  # noqa: E402
 from tests.kafka_tools import WorkerProcess, http_get  # noqa: E402
-from worker.config import Settings, add_setting_flags, load_settings  # noqa: E402
 from worker.kafka.admin import ensure_topics  # noqa: E402
-from worker.keyword_files import read_keywords  # noqa: E402
 
-LEVELS = (0.25, 0.5, 0.8, 0.9)
+LEVELS = (0.5, 0.8)
 WARMUP_FRACTION = 0.1
 # A level "keeps up" when the last embedding comes at most this long after the last keyword.
 KEEPS_UP_DRAIN_S = 2.0
+# More cache hits than this and a level measures the cache, not the model.
+MAX_HIT_RATE = 0.02
+CACHE_COUNTERS = ("kwe_cache_hits_total", "kwe_cache_joined_total", "kwe_cache_misses_total")
 
 
-# --------------------------------------------------------------------------- per-hop histograms
+# --------------------------------------------------------------------------- scraping the worker
 def scrape(url: str) -> dict[tuple[str, str], float]:
-    """(sample name, le) -> value for every kwe_*_seconds histogram, summed over other labels."""
+    """(sample name, le) -> value for every kwe_*_seconds histogram and the cache counters."""
     _, body = http_get(url + "/metrics")
     out: dict[tuple[str, str], float] = defaultdict(float)
     for fam in text_string_to_metric_families(body.decode() if isinstance(body, bytes) else body):
+        if fam.name.startswith("kwe_cache_"):
+            for s in fam.samples:
+                out[(s.name, "")] += s.value
+            continue
         if fam.type != "histogram" or not (fam.name.endswith("_seconds") or fam.name == "kwe_batch_size"):
             continue
         for s in fam.samples:
@@ -71,6 +82,13 @@ def scrape(url: str) -> dict[tuple[str, str], float]:
             name = s.name.replace("hop_seconds", f"hop_{s.labels['hop']}_seconds") if "hop" in s.labels else s.name
             out[(name, s.labels.get("le", ""))] += s.value
     return dict(out)
+
+
+def cache_hit_rate(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]) -> float:
+    """Share of the level's looked-up keywords answered by the cache (hits and joins); 0 with the cache off."""
+    delta = {name: after.get((name, ""), 0.0) - before.get((name, ""), 0.0) for name in CACHE_COUNTERS}
+    looked_up = sum(delta.values())
+    return (delta["kwe_cache_hits_total"] + delta["kwe_cache_joined_total"]) / looked_up if looked_up else 0.0
 
 
 def hop_breakdown(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]) -> dict[str, Any]:
@@ -105,7 +123,15 @@ def _quantile(edges: list[tuple[float, float]], q: float) -> float:
     return 1000 * lo_edge
 
 
-# --------------------------------------------------------------------------- one Kafka side
+def quartiles(values: list[float]) -> dict[str, float]:
+    vals = [v for v in values if not math.isnan(v)]
+    if not vals:
+        return {"q1": math.nan, "median": math.nan, "q3": math.nan}
+    q1, med, q3 = np.percentile(vals, [25, 50, 75])
+    return {"q1": float(q1), "median": float(med), "q3": float(q3)}
+
+
+# --------------------------------------------------------------------------- one worker
 @dataclass
 class Side:
     name: str
@@ -120,9 +146,10 @@ class Side:
 
 def _reader(bootstrap: str, group: str, topic: str) -> Consumer:
     # Earliest: the topics are this run's own, and a reader whose group join is slow on a busy box
-    # must not start past the records it waits for (with "latest" it would wait forever).
+    # must not start past the records it waits for. The record timestamps carry the latency, so
+    # the readers need not fetch eagerly: a long fetch wait keeps their load off the broker.
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "auto.offset.reset": "earliest",
-                  "enable.auto.commit": False, "fetch.wait.max.ms": 5})
+                  "enable.auto.commit": False, "fetch.wait.max.ms": 200})
     c.subscribe([topic])
     return c
 
@@ -140,16 +167,42 @@ def _collect(reader: Consumer, into: dict[str, int], prefix: str, want: int, tim
                 have += 1
 
 
+def backlog_round(side: Side, rows: list[tuple[str, str]], bootstrap: str, tag: str) -> dict[str, float]:
+    """Publish `rows` at once; the whole-backlog and the steady rate (keywords/s) of the embeddings."""
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": True})
+    t0_ms = time.time() * 1000
+    for qid, text in rows:
+        key = f"{tag}{qid}"
+        while True:
+            try:
+                producer.produce(side.topics[0], key=key.encode(), value=orjson.dumps({"id": key, "text": text}))
+                break
+            except BufferError:
+                producer.poll(0.01)
+        producer.poll(0)
+    producer.flush(60)
+    _collect(side.out_reader, side.out_ts, tag, len(rows), 600)
+    times = np.sort(np.array([side.out_ts.pop(f"{tag}{q}") for q, _ in rows if f"{tag}{q}" in side.out_ts],
+                             dtype=np.float64))
+    if len(times) < len(rows):
+        raise SystemExit(f"{side.name}: {len(rows) - len(times)} embeddings of the backlog missing after 600 s")
+    lo, hi = np.percentile(times, [25, 95])
+    inside = int(((times >= lo) & (times <= hi)).sum())
+    return {"whole_kw_s": len(rows) / max(1e-3, (times[-1] - t0_ms) / 1000),
+            "steady_kw_s": inside / max(1e-3, (hi - lo) / 1000), "n": len(rows)}
+
+
 def kafka_level(side: Side, rows: list[tuple[str, str]], bootstrap: str, rate: float, duration: float,
-                seed: int, tmp: Path, broker_pid: int | None) -> dict[str, Any]:
+                seed: int, spacing: str, tmp: Path, broker_pid: int | None) -> dict[str, Any]:
     tag = f"{side.name}-{uuid.uuid4().hex[:6]}-"
     src = tmp / f"{tag}.tsv"
     src.write_text("".join(f"{tag}{q}\t{t}\n" for q, t in rows), encoding="utf-8")
     before = scrape(side.worker.url)
     cpu0 = (cpu_seconds(side.worker.proc.pid if side.worker.proc else None), cpu_seconds(broker_pid))
+    # No --duration: the file holds exactly rate x duration fresh keywords and is sent once.
     out = subprocess.run([sys.executable, "-m", "worker.cli", "produce", "--bootstrap-servers", bootstrap,
-                          "--topic", side.topics[0], "--input", str(src), "--rate", f"{rate:.3f}", "--duration",
-                          str(duration), "--seed", str(seed), "--no-progress"],
+                          "--topic", side.topics[0], "--input", str(src), "--rate", f"{rate:.3f}",
+                          "--spacing", spacing, "--seed", str(seed), "--no-progress"],
                          cwd=ROOT, capture_output=True, text=True, timeout=duration + 120)
     if out.returncode != 0:
         raise SystemExit(f"produce failed: {out.stderr}")
@@ -169,162 +222,176 @@ def kafka_level(side: Side, rows: list[tuple[str, str]], bootstrap: str, rate: f
     p50, p95, p99 = np.percentile(lat[keep], [50, 95, 99])
     batches = after.get(("kwe_batch_size_count", ""), 0) - before.get(("kwe_batch_size_count", ""), 0)
     batched = after.get(("kwe_batch_size_sum", ""), 0) - before.get(("kwe_batch_size_sum", ""), 0)
+    hit_rate = cache_hit_rate(before, after)
     for k in keys:  # the maps only grow otherwise
         side.in_ts.pop(k, None)
         side.out_ts.pop(k, None)
     return {"sent": sent, "missing": missing, "n": int(keep.sum()), "achieved_per_s": sent / duration,
             "p50_ms": float(p50), "p95_ms": float(p95), "p99_ms": float(p99), "max_ms": float(lat[keep].max()),
             "last_quarter_p50_ms": float(np.percentile(lat[late], 50)) if late.any() else math.nan,
-            "drain_s": drain_s, "mean_batch": batched / batches if batches else math.nan, "keeps_up": missing == 0 and drain_s <= KEEPS_UP_DRAIN_S,
+            "drain_s": drain_s, "mean_batch": batched / batches if batches else math.nan,
+            "keeps_up": missing == 0 and drain_s <= KEEPS_UP_DRAIN_S,
+            "cache_hit_rate": hit_rate, "measures_model": hit_rate <= MAX_HIT_RATE,
             "producer_report": out.stdout.strip(), "worker_cpu_s": round(cpu1[0] - cpu0[0], 2),
             "broker_cpu_s": round(cpu1[1] - cpu0[1], 2), "hops": hop_breakdown(before, after)}
 
 
-def offline_level(encoded: list[Any], settings: Settings, backend: Any, profile: Any, rate: float,
-                  duration: float, seed: int, load: float) -> dict[str, Any]:
-    from worker.benchmark.load import run_open_loop
-    from worker.benchmark.policies import BucketerOptions
-
-    options = BucketerOptions(max_queue_delay_ms=settings.max_queue_delay_ms, dispatchers=settings.dispatchers,
-                              pad_to=settings.pad_to if settings.pad_to != "auto" else None)
-    lvl = run_open_loop(encoded, profile, backend, rate=rate, seconds=duration, options=options, seed=seed,
-                        load=load, warmup_fraction=WARMUP_FRACTION)
-    return {"n": lvl.n, "p50_ms": lvl.p50_ms, "p95_ms": lvl.p95_ms, "p99_ms": lvl.p99_ms, "max_ms": lvl.max_ms,
-            "mean_batch": lvl.mean_batch}
-
-
-def settings_from(worker_args: list[str]) -> Settings:
-    """The settings a worker started with these flags would have (for the offline twin)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_setting_flags(parser)
-    known, _ = parser.parse_known_args(worker_args)
-    return load_settings(known, env={})
-
-
 # --------------------------------------------------------------------------- report
+def summarise(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per level and variant: quartiles over rounds of p50/p99, and the paired p99 ratio to the first variant."""
+    first = report["variant_order"][0]
+    rows = []
+    for load in report["levels"]:
+        runs = report["runs"][str(load)]
+        for name in report["variant_order"]:
+            mine = runs[name]
+            row = {"load": load, "variant": name, "rate": report["rates"][str(load)],
+                   "p50": quartiles([r["p50_ms"] for r in mine]), "p99": quartiles([r["p99_ms"] for r in mine]),
+                   "mean_batch": quartiles([r["mean_batch"] for r in mine]),
+                   "max_hit_rate": max(r["cache_hit_rate"] for r in mine),
+                   "all_keep_up": all(r["keeps_up"] for r in mine), "missing": sum(r["missing"] for r in mine),
+                   "rounds": len(mine)}
+            if name != first:
+                row["p99_ratio_to_first"] = quartiles([r["p99_ms"] / b["p99_ms"]
+                                                       for r, b in zip(mine, runs[first]) if b["p99_ms"] > 0])
+            rows.append(row)
+    return rows
+
+
+def _q(q: dict[str, float], fmt: str = "{:.0f}") -> str:
+    return f"{fmt.format(q['median'])} ({fmt.format(q['q1'])}-{fmt.format(q['q3'])})"
+
+
 def render_markdown(report: dict[str, Any]) -> str:
-    lines = [f"# Latency through Kafka (open loop) vs offline, one run\n",
+    lines = ["# Latency through Kafka (open loop, keywords not seen before in the run)\n",
              f"Command: `{report['command']}`  ",
              f"Conditions: {report['conditions']}\n",
-             "| variant | load | offered kw/s | p50 ms | p95 ms | p99 ms | max ms | keeps up (drain s) | mean batch | "
-             "offline p50 / p99 ms | offline mean batch |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
-    for lvl in report["levels"]:
-        off = lvl["offline"]
-        for name, k in lvl["kafka"].items():
-            lines.append(f"| {name} | {lvl['load']:.0%} | {lvl['rate']:.0f} | {k['p50_ms']:.0f} | {k['p95_ms']:.0f} | "
-                         f"{k['p99_ms']:.0f} | {k['max_ms']:.0f} | {'yes' if k['keeps_up'] else 'NO'} "
-                         f"({k['drain_s']:.1f}) | {k.get('mean_batch', math.nan):.1f} | {off['p50_ms']:.0f} / "
-                         f"{off['p99_ms']:.0f} | {off.get('mean_batch', math.nan):.1f} |")
-    lines += ["", "## Where the time goes (per hop; mean / p50 / p99 ms, p50 and p99 estimated from "
-              "histogram buckets)", ""]
-    hops = sorted({h for lvl in report["levels"] for k in lvl["kafka"].values() for h in k["hops"]})
+             "Sustained from a backlog (keywords/s): " + "; ".join(
+                 f"{n}: steady {s['steady_kw_s']:.0f}, whole backlog {s['whole_kw_s']:.0f} ({s['n']:,} keywords)"
+                 for n, s in report["sustained"].items()) + "\n",
+             f"Medians over {report['rounds']} paired rounds, (q1-q3) in brackets. Cache hits: the highest "
+             f"of the rounds; a level above {MAX_HIT_RATE:.0%} does not measure the model.\n",
+             "| variant | load | offered kw/s | p50 ms | p99 ms | p99 / first variant's (paired) | mean batch | "
+             "cache hits | every ID out, keeps up |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for row in summarise(report):
+        ratio = _q(row["p99_ratio_to_first"], "{:.2f}") if "p99_ratio_to_first" in row else "-"
+        hits = f"{row['max_hit_rate']:.1%}" + ("" if row["max_hit_rate"] <= MAX_HIT_RATE else " (cache, not model)")
+        lines.append(f"| {row['variant']} | {row['load']:.0%} | {row['rate']:.0f} | {_q(row['p50'])} | "
+                     f"{_q(row['p99'])} | {ratio} | {_q(row['mean_batch'], '{:.1f}')} | {hits} | "
+                     f"{'yes' if row['all_keep_up'] and not row['missing'] else 'NO'} "
+                     f"(missing {row['missing']}) |")
+    lines += ["", "## Where the time goes (per hop, last round; mean / p50 / p99 ms, p50 and p99 estimated "
+              "from histogram buckets)", ""]
+    last = {(load, name): report["runs"][str(load)][name][-1] for load in report["levels"]
+            for name in report["variant_order"]}
+    hops = sorted({h for r in last.values() for h in r["hops"]})
     lines.append("| variant | load | " + " | ".join(h.removeprefix("kwe_").removesuffix("_seconds") for h in hops) + " |")
     lines.append("|---|---:|" + "---:|" * len(hops))
-    for lvl in report["levels"]:
-        for name, k in lvl["kafka"].items():
-            cells = []
-            for h in hops:
-                v = k["hops"].get(h)
-                cells.append(f"{v['mean_ms']:.1f} / {v['p50_ms']:.1f} / {v['p99_ms']:.0f}" if v else "")
-            lines.append(f"| {name} | {lvl['load']:.0%} | " + " | ".join(cells) + " |")
+    for (load, name), r in last.items():
+        cells = [(f"{v['mean_ms']:.1f} / {v['p50_ms']:.1f} / {v['p99_ms']:.0f}" if (v := r["hops"].get(h)) else "")
+                 for h in hops]
+        lines.append(f"| {name} | {load:.0%} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA if DEFAULT_DATA.exists() else FALLBACK_DATA)
-    ap.add_argument("--backlog", type=int, default=4000, help="keywords in the throughput round")
+    ap.add_argument("--data", type=Path, nargs="+", default=None,
+                    help="query files (id<TAB>text); default: every ../shared/data/queries/*.tsv, else the shipped samples")
+    ap.add_argument("--backlog", type=int, default=8000, help="keywords in each worker's throughput round")
     ap.add_argument("--levels", type=float, nargs="+", default=list(LEVELS))
-    ap.add_argument("--duration", type=float, default=20.0, help="seconds of open-loop load per level")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=10.0, help="seconds of open-loop load per level and round")
+    ap.add_argument("--spacing", choices=("poisson", "fixed"), default="poisson")
     ap.add_argument("--worker-arg", action="append", default=[], help="`run` flag for the first variant (repeatable)")
     ap.add_argument("--variant", action="append", default=[],
-                    help="NAME=ARGS: another worker with these `run` flags (shell words), e.g. nospin=--ort-allow-spinning=false")
-    ap.add_argument("--no-offline", action="store_true")
+                    help="NAME=ARGS: another worker with these `run` flags (shell words), e.g. t1=--intra-op-threads=1")
+    ap.add_argument("--baseline-root", type=Path, action="append", default=[],
+                    help="a checkout of another commit whose worker runs as one more variant (default settings), "
+                         "named after its commit: the same run pairs this code against that one")
+    ap.add_argument("--seed", type=int, default=0, help="shuffle of the keyword pool")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
     args = ap.parse_args()
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     if not bootstrap:
         raise SystemExit("set KAFKA_BOOTSTRAP_SERVERS (run through deploy/local/with-kafka.sh)")
-    rows = list(read_keywords(args.data))
+    pool = FreshKeywords(args.data or default_sources(), seed=args.seed)
     variants = [("default" if not args.worker_arg else "base", list(args.worker_arg))]
     for spec in args.variant:
         name, _, rest = spec.partition("=")
         variants.append((name, shlex.split(rest)))
+    roots = {name: ROOT for name, _ in variants}
+    for root in args.baseline_root:
+        sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        variants.append((f"at-{sha}", []))
+        roots[f"at-{sha}"] = root.resolve()
+    print(f"{len(pool):,} distinct keywords in {', '.join(p.name for p in pool.sources)}", flush=True)
 
     run_dir = Path(os.environ.get("KWE_KAFKA_RUN", Path.home() / ".cache" / "keyword-embedder" / "kafka" / "run"))
     broker_pid = int((run_dir / "broker.pid").read_text()) if (run_dir / "broker.pid").is_file() else None
     tmp = Path(tempfile.mkdtemp(prefix="kwe-latency-"))
     load_avg = os.getloadavg()
     sides: list[Side] = []
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {str(level): defaultdict(list) for level in args.levels}
+    sustained: dict[str, dict[str, float]] = {}
+    rates: dict[str, float] = {}
     try:
         for name, wargs in variants:
             run = f"lat-{name}-{uuid.uuid4().hex[:6]}"
             topics = (f"{run}-in", f"{run}-out", f"{run}-dlq")
             ensure_topics(bootstrap, {topics[0]: 6, topics[1]: 6, topics[2]: 1})
-            worker = WorkerProcess(bootstrap, *topics, run, tmp / f"{name}.log", tuple(wargs)).start()
+            worker = WorkerProcess(bootstrap, *topics, run, tmp / f"{name}.log", tuple(wargs), root=roots[name]).start()
             sides.append(Side(name, wargs, worker, topics, _reader(bootstrap, f"{run}-rin", topics[0]),
                               _reader(bootstrap, f"{run}-rout", topics[1])))
         for side in sides:
             side.worker.wait_ready(180)
             side.in_reader.consume(1, timeout=3.0)
             side.out_reader.consume(1, timeout=3.0)
-            kafka_round(f"warmup-{side.name}", rows[:500], bootstrap, side.topics[0], side.out_reader)
-        peaks = {}
+            backlog_round(side, pool.take(500), bootstrap, f"warmup-{side.name}-")
         for side in sides:
-            n = min(args.backlog, len(rows))
-            peaks[side.name] = n / kafka_round(f"peak-{side.name}", rows[:n], bootstrap, side.topics[0],
-                                               side.out_reader)
-            print(f"sustained from a backlog: {side.name} {peaks[side.name]:.0f} kw/s", flush=True)
-        peak = peaks[sides[0].name]
-
-        offline: tuple[Any, ...] | None = None
-        if not args.no_offline:
-            from worker.backends.select import load_backend
-            from worker.tokenize import KeywordTokenizer
-
-            loaded = load_backend(settings_from(sides[0].args))
-            settings, backend, profile = loaded.settings, loaded.backend, loaded.profile
-            tokenizer = KeywordTokenizer.from_model(loaded.model)
-            encoded = tokenizer.encode([t for _, t in rows])
-            offline = (encoded, settings, backend, profile)
-
-        levels = []
-        for i, load in enumerate(args.levels):
-            rate = peak * load
-            order: list[str] = [s.name for s in sides] + ([] if offline is None else ["offline"])
-            k = i % len(order)
-            order = order[k:] + order[:k]
-            lvl: dict[str, Any] = {"load": load, "rate": rate, "kafka": {}, "offline": {}}
-            for which in order:
-                if which == "offline":
-                    assert offline is not None
-                    lvl["offline"] = offline_level(*offline, rate=rate, duration=args.duration, seed=i, load=load)
-                    res = lvl["offline"]
-                else:
+            sustained[side.name] = backlog_round(side, pool.take(args.backlog), bootstrap, f"peak-{side.name}-")
+            s = sustained[side.name]
+            print(f"sustained from a backlog of {args.backlog:,}: {side.name} steady {s['steady_kw_s']:.0f} kw/s, "
+                  f"whole backlog {s['whole_kw_s']:.0f} kw/s", flush=True)
+        peak = sustained[sides[0].name]["steady_kw_s"]
+        need = sum(math.ceil(peak * lvl * args.duration) for lvl in args.levels) * len(sides) * args.rounds
+        if need > pool.left:
+            raise SystemExit(f"the levels need {need:,} fresh keywords but {pool.left:,} are left; "
+                             "shorten --duration or use fewer --rounds/--levels")
+        step = 0
+        for rnd in range(args.rounds):
+            for i, load in enumerate(args.levels):
+                rate = rates[str(load)] = peak * load
+                names = [s.name for s in sides]
+                k = step % len(names)
+                step += 1
+                for which in names[k:] + names[:k]:
                     side = next(s for s in sides if s.name == which)
-                    res = lvl["kafka"][which] = kafka_level(side, rows, bootstrap, rate, args.duration, i, tmp,
-                                                            broker_pid)
-                print(f"{load:4.0%} {rate:6.0f} kw/s {which:>10}: p50 {res['p50_ms']:7.0f}  p95 {res['p95_ms']:7.0f}  "
-                      f"p99 {res['p99_ms']:7.0f}  max {res['max_ms']:7.0f} ms"
-                      + (f"  drain {res['drain_s']:.1f} s" if "drain_s" in res else ""), flush=True)
-            lvl.setdefault("offline", {})
-            levels.append(lvl)
+                    rows = pool.take(math.ceil(rate * args.duration))
+                    res = kafka_level(side, rows, bootstrap, rate, args.duration, 1000 * rnd + i, args.spacing,
+                                      tmp, broker_pid)
+                    runs[str(load)][which].append(res)
+                    print(f"round {rnd} {load:4.0%} {rate:6.0f} kw/s {which:>10}: p50 {res['p50_ms']:7.0f}  "
+                          f"p99 {res['p99_ms']:7.0f}  max {res['max_ms']:7.0f} ms  batch {res['mean_batch']:5.1f}  "
+                          f"hits {res['cache_hit_rate']:.1%}  drain {res['drain_s']:.1f} s  missing {res['missing']}",
+                          flush=True)
     finally:
         for side in sides:
             side.in_reader.close()
             side.out_reader.close()
             side.worker.stop()
-    if offline is None:
-        for lvl in levels:
-            lvl["offline"] = {"p50_ms": math.nan, "p99_ms": math.nan}
     report = {
         "command": " ".join(["benchmarks/kafka_latency.py", *sys.argv[1:]]),
         "conditions": (f"{os.cpu_count()} cores shared with the broker and other users; load average at the start "
-                       f"{load_avg[0]:.1f}; {args.duration:g} s per level; dataset {args.data.name}"),
-        "load_average_at_start": load_avg, "cpu_count": os.cpu_count(), "dataset": args.data.name,
-        "duration_s": args.duration, "variants": dict(variants), "sustained_kw_s": peaks, "levels": levels,
+                       f"{load_avg[0]:.1f}; {args.duration:g} s per level, {args.spacing} spacing; "
+                       f"{len(pool):,} distinct keywords from {', '.join(p.name for p in pool.sources)}"),
+        "load_average_at_start": load_avg, "load_average_at_end": os.getloadavg(), "cpu_count": os.cpu_count(),
+        "duration_s": args.duration, "rounds": args.rounds, "levels": args.levels,
+        "variants": dict(variants), "roots": {k: str(v) for k, v in roots.items()}, "variant_order": [n for n, _ in variants], "sustained": sustained,
+        "rates": rates, "runs": {k: dict(v) for k, v in runs.items()},
     }
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=float) + "\n")

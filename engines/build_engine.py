@@ -30,6 +30,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from engines.cuda_context import primary_context
 from engines.export_onnx import FP32_NODE_PREFIXES
 from kwe_core.errors import BackendError
 from kwe_core.profiles import Profile, ProfileError
@@ -325,8 +326,58 @@ def _check_network_inputs(network: Any) -> None:
 
 
 def fp32_layer(name: str) -> bool:
-    """Whether a parsed layer belongs to the pooling or the normalisation (named by the exporter)."""
+    """Whether a parsed layer carries the name of a pooling or normalisation node of the exporter."""
     return name.startswith(FP32_NODE_PREFIXES)
+
+
+def fp32_region(network: Any) -> list[int]:
+    """Indexes of the layers that compute the pooling and the normalisation, found from the graph.
+
+    Names alone miss layers: TensorRT's ONNX parser gives a node's name to the first layer it
+    adds for the node only (ReduceL2's reduction and square root, the shuffles that broadcast a
+    scalar operand keep "(Unnamed Layer* N) [...]"), and names an initializer's constant layer
+    after the initializer (`count_min`, `norm_min`). So the named layers are the anchors, and
+    the region is every layer downstream of one (up to the output), plus the constant
+    subgraphs (constants and their shuffles: no path from a network input) that feed it.
+    """
+    layers = [network.get_layer(i) for i in range(network.num_layers)]
+    producer: dict[str, int] = {}
+    consumers: dict[str, list[int]] = {}
+    for i, layer in enumerate(layers):
+        for k in range(layer.num_outputs):
+            producer[layer.get_output(k).name] = i
+        for j in range(layer.num_inputs):
+            t = layer.get_input(j)
+            if t is not None:  # an optional input left out
+                consumers.setdefault(t.name, []).append(i)
+    network_inputs = {network.get_input(i).name for i in range(network.num_inputs)}
+
+    def inputs_of(i: int) -> list[str]:
+        return [t.name for j in range(layers[i].num_inputs) if (t := layers[i].get_input(j)) is not None]
+
+    from_input: dict[str, bool] = {}
+
+    def derived_from_input(tensor: str) -> bool:
+        if tensor not in from_input:
+            from_input[tensor] = False  # a cycle cannot occur in a network; this guards the recursion
+            from_input[tensor] = tensor in network_inputs or (
+                tensor in producer and any(derived_from_input(t) for t in inputs_of(producer[tensor])))
+        return from_input[tensor]
+
+    region: set[int] = set()
+    todo = [i for i, layer in enumerate(layers) if fp32_layer(layer.name)]
+    while todo:  # downstream of the anchors
+        i = todo.pop()
+        if i not in region:
+            region.add(i)
+            todo.extend(c for k in range(layers[i].num_outputs) for c in consumers.get(layers[i].get_output(k).name, []))
+    todo = [producer[t] for i in region for t in inputs_of(i) if t in producer and not derived_from_input(t)]
+    while todo:  # the constant subgraphs feeding the region
+        i = todo.pop()
+        if i not in region:
+            region.add(i)
+            todo.extend(producer[t] for t in inputs_of(i) if t in producer)
+    return sorted(region)
 
 
 def keep_pooling_in_fp32(trt: Any, network: Any, config: Any) -> int:
@@ -334,12 +385,15 @@ def keep_pooling_in_fp32(trt: Any, network: Any, config: Any) -> int:
 
     In half precision the floors of the mean's count (1e-9) and of the norm (1e-12) are 0, and
     a sum over 256 hidden states loses digits; the encoder layers keep FP16, where it pays.
-    OBEY_PRECISION_CONSTRAINTS makes the per-layer precision binding rather than a hint.
+    OBEY_PRECISION_CONSTRAINTS makes the per-layer precision binding rather than a hint. Only
+    layers whose outputs are floating point are constrained (an integer shape or mask layer
+    keeps its type).
     """
+    floats = (trt.float32, trt.float16)
     n = 0
-    for i in range(network.num_layers):
+    for i in fp32_region(network):
         layer = network.get_layer(i)
-        if fp32_layer(layer.name):
+        if all(layer.get_output(k).dtype in floats for k in range(layer.num_outputs)):
             layer.precision = trt.float32
             for k in range(layer.num_outputs):
                 layer.set_output_type(k, trt.float32)
@@ -373,14 +427,13 @@ def build_engine(onnx_path: str | Path, profile: Profile, output: str | Path, *,
     # TensorRT builds on the CUDA context current on this thread. Making `device`'s primary
     # context current (the one the runtime API uses, and the one the backend loads the plan
     # in) means the plan is built on the GPU the sidecar names, also on a multi-GPU host.
-    cuda_ctx = cuda.Device(device).retain_primary_context()
-    cuda_ctx.push()
+    # Retained once per process (engines/cuda_context.py says why it is never detached).
+    primary_context(cuda, device).push()
     try:
         return _build(trt, onnx_path, profile, output, shapes, fp16=fp16, workspace_gib=workspace_gib,
                       timing_cache=timing_cache, gpu_name=gpu_name, cc=cc, say=say)
     finally:
         cuda.Context.pop()
-        cuda_ctx.detach()
 
 
 def _build(trt: Any, onnx_path: Path, profile: Profile, output: Path, shapes: Sequence[ProfileShape], *,

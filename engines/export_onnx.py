@@ -1,9 +1,19 @@
-"""Export a BERT-family sentence encoder to ONNX without torch.
+"""Export a sentence encoder to ONNX without torch.
 
 The weights are read with safetensors into numpy and the graph is written node by node with the
 `onnx` package: embeddings -> N encoder layers -> pooling over the attention mask -> L2
-normalisation. Sizes come from config.json, so any BERT-architecture folder works, not only
-MiniLM.
+normalisation. Sizes come from config.json; the family from its model_type
+(kwe_core.model.FAMILIES), all post-LayerNorm encoders with exact-GELU feed-forward layers:
+
+- bert: absolute positions 0..S-1, token type 0 added.
+- roberta, xlm-roberta: BERT's layers; positions numbered from padding_idx + 1 over the real
+  tokens (HF's create_position_ids_from_input_ids, computed here from the attention mask, so
+  the pad id the batch uses does not matter); a one-row token type table.
+- distilbert: BERT's layers under other names (q_lin, sa_layer_norm, ffn.lin1, ...); no token
+  types.
+- mpnet: RoBERTa's positions, no token types, and a relative position bias added to every
+  layer's attention scores: T5-style buckets (32, max distance 128, as HF MPNetEncoder) of
+  key - query, precomputed here as one [2 * max_pos - 1, heads] table indexed by the distance.
 
 The node layout deliberately mirrors what `torch.onnx.export` produces for HF BertModel
 (Reshape to [0, 0, heads, head_size], Transpose, MatMul, Div by sqrt(head_size), additive mask
@@ -36,7 +46,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from kwe_core.model import ModelError, ModelInfo, default_model_dir
+from kwe_core.model import FAMILIES, ModelError, ModelInfo, default_model_dir
 
 # Bump whenever the emitted graph changes: it is part of the cache key.
 EXPORTER_VERSION = "1"
@@ -56,6 +66,64 @@ class ExportError(RuntimeError):
     """The model cannot be exported; the message names the model folder or file and the reason."""
 
 
+# ---------------------------------------------------------------- families
+
+# The checkpoint prefix of the encoder in XxxForYyy checkpoints (XLM-RoBERTa's classes reuse "roberta").
+_PREFIXES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "distilbert": "distilbert",
+             "mpnet": "mpnet"}
+
+
+@dataclass(frozen=True)
+class _LayerNames:
+    """Where one family keeps a layer's tensors: the same maths under different names."""
+
+    layer: str           # "encoder.layer.{i}"
+    query: str
+    key: str
+    value: str
+    attn_out: str
+    attn_norm: str
+    ffn_in: str
+    ffn_out: str
+    ffn_norm: str
+
+
+_BERT_NAMES = _LayerNames("encoder.layer.{i}", "attention.self.query", "attention.self.key",
+                          "attention.self.value", "attention.output.dense", "attention.output.LayerNorm",
+                          "intermediate.dense", "output.dense", "output.LayerNorm")
+_LAYER_NAMES = {
+    "bert": _BERT_NAMES, "roberta": _BERT_NAMES, "xlm-roberta": _BERT_NAMES,
+    "distilbert": _LayerNames("transformer.layer.{i}", "attention.q_lin", "attention.k_lin", "attention.v_lin",
+                              "attention.out_lin", "sa_layer_norm", "ffn.lin1", "ffn.lin2", "output_layer_norm"),
+    "mpnet": _LayerNames("encoder.layer.{i}", "attention.attn.q", "attention.attn.k", "attention.attn.v",
+                         "attention.attn.o", "attention.LayerNorm", "intermediate.dense", "output.dense",
+                         "output.LayerNorm"),
+}
+assert set(_PREFIXES) == set(_LAYER_NAMES) == set(FAMILIES)
+
+# HF MPNetEncoder.compute_position_bias always buckets with these (not the config's bucket count).
+MPNET_BUCKETS = 32
+MPNET_MAX_DISTANCE = 128
+
+
+def mpnet_buckets(relative: np.ndarray) -> np.ndarray:
+    """HF MPNetEncoder.relative_position_bucket of (key position - query position), in numpy.
+
+    float32 like torch's, so the truncation to a bucket lands the same way (checked against
+    transformers 5.x for every distance below 4096).
+    """
+    half = MPNET_BUCKETS // 2
+    n = -relative.astype(np.int64)
+    ret = (n < 0).astype(np.int64) * half
+    n = np.abs(n)
+    max_exact = half // 2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = (np.log(n.astype(np.float32) / np.float32(max_exact))
+                  / np.float32(math.log(MPNET_MAX_DISTANCE / max_exact)) * np.float32(half - max_exact))
+    large = np.minimum(max_exact + np.nan_to_num(scaled, neginf=0.0).astype(np.int64), half - 1)
+    return ret + np.where(n < max_exact, n, large)
+
+
 # ---------------------------------------------------------------- weights
 
 
@@ -67,10 +135,11 @@ def _load_weights(info: ModelInfo) -> dict[str, np.ndarray]:
     except Exception as exc:  # safetensors raises SafetensorError / OSError variants
         raise ExportError(f"{info.weights_path}: cannot read safetensors weights ({exc})") from None
     weights: dict[str, np.ndarray] = {}
+    prefix = f"{_PREFIXES[info.model_type]}."
     for key, value in raw.items():
-        # BertForXxx checkpoints prefix the encoder with "bert."; old TF ports call LayerNorm
-        # parameters gamma/beta.
-        name = key.removeprefix("bert.").replace("LayerNorm.gamma", "LayerNorm.weight")
+        # XxxForYyy checkpoints prefix the encoder with "bert." ("roberta.", ...); old TF ports
+        # call LayerNorm parameters gamma/beta.
+        name = key.removeprefix(prefix).replace("LayerNorm.gamma", "LayerNorm.weight")
         name = name.replace("LayerNorm.beta", "LayerNorm.bias")
         weights[name] = value
     return weights
@@ -86,7 +155,7 @@ class _Weights:
             value = self.tensors[name]
         except KeyError:
             raise ExportError(f"{self.info.weights_path}: missing tensor {name!r} "
-                              f"(is this a BERT model? config says {self.info.model_type})") from None
+                              f"(config.json says model_type {self.info.model_type!r}; is it?)") from None
         if value.shape != shape:
             raise ExportError(f"{self.info.weights_path}: tensor {name!r} has shape {value.shape}, "
                               f"config.json implies {shape}")
@@ -142,20 +211,27 @@ def _layer_norm(g: _Graph, w: _Weights, x: str, prefix: str, hidden: int, eps: f
     return g.op("LayerNormalization", [x, scale, bias], f"{prefix}.ln", axis=-1, epsilon=eps)
 
 
-def _embeddings(g: _Graph, w: _Weights, info: ModelInfo, input_ids: str) -> str:
+def _embeddings(g: _Graph, w: _Weights, info: ModelInfo, input_ids: str, attention_mask: str) -> str:
     h = info.hidden_size
     word = g.const("word_embeddings", w.get("embeddings.word_embeddings.weight", (info.vocab_size, h)))
     pos_table = w.get("embeddings.position_embeddings.weight", (info.max_position_embeddings, h))
     pos = g.const("position_embeddings", pos_table)
     type_table = w.tensors.get("embeddings.token_type_embeddings.weight")
-    # Position ids: Slice of a [1, max_pos] constant up to seq_len, as HF exports it (the layout
-    # ORT's EmbedLayerNormalization fusion recognises).
-    seq_len = g.op("Gather", [g.op("Shape", [input_ids]), g.const("one", np.asarray(1, dtype=np.int64))],
-                   "seq_len", axis=0)  # scalar index -> scalar
-    end = g.op("Unsqueeze", [seq_len, g.const("axis0", _i64(0))], "seq_end")
-    pos_ids = g.op("Slice", [g.const("position_ids", np.arange(info.max_position_embeddings, dtype=np.int64)[None]),
-                             g.const("zero", _i64(0)), end, g.const("axis1", _i64(1)), g.const("step", _i64(1))],
-                   "position_ids")
+    if info.position_offset == 0:
+        # Position ids: Slice of a [1, max_pos] constant up to seq_len, as HF exports BERT (the
+        # layout ORT's EmbedLayerNormalization fusion recognises).
+        end = g.op("Unsqueeze", [_seq_len(g, input_ids), g.const("axis0", _i64(0))], "seq_end")
+        pos_ids = g.op("Slice", [g.const("position_ids", np.arange(info.max_position_embeddings, dtype=np.int64)[None]),
+                                 g.const("zero", _i64(0)), end, g.const("axis1", _i64(1)), g.const("step", _i64(1))],
+                       "position_ids")
+    else:
+        # padding_idx + cumsum(mask) * mask: real tokens get padding_idx + 1, + 2, ...; padding
+        # gets padding_idx (HF computes the mask from input_ids != padding_idx, which is the
+        # same for any text without pad tokens in it).
+        counted = g.op("Mul", [g.op("CumSum", [attention_mask, g.const("axis1_scalar", np.asarray(1, dtype=np.int64))],
+                                    "pos_cumsum"), attention_mask], "pos_counted")
+        pos_ids = g.op("Add", [counted, g.const("padding_idx", np.asarray(info.position_offset - 1, dtype=np.int64))],
+                       "position_ids")
     words = g.op("Gather", [word, input_ids], "word_emb")
     if type_table is not None:
         # Single-sentence input: token type 0 everywhere. Kept as a Gather on zeros shaped like
@@ -165,6 +241,30 @@ def _embeddings(g: _Graph, w: _Weights, info: ModelInfo, input_ids: str) -> str:
         words = g.op("Add", [words, g.op("Gather", [types, zeros], "type_emb")], "word_type_emb")
     summed = g.op("Add", [words, g.op("Gather", [pos, pos_ids], "pos_emb")], "emb_sum")
     return _layer_norm(g, w, summed, "embeddings.LayerNorm", h, info.layer_norm_eps)
+
+
+def _seq_len(g: _Graph, input_ids: str) -> str:
+    return g.op("Gather", [g.op("Shape", [input_ids]), g.const("one", np.asarray(1, dtype=np.int64))],
+                "seq_len", axis=0)  # scalar index -> scalar
+
+
+def _relative_bias(g: _Graph, w: _Weights, info: ModelInfo, input_ids: str) -> str:
+    """MPNet: [1, heads, S, S] bias of bucket(key - query), the same for every layer and row."""
+    table = w.get("encoder.relative_attention_bias.weight", (info.relative_attention_buckets, info.num_heads))
+    if info.relative_attention_buckets < MPNET_BUCKETS:
+        raise ExportError(f"{info.config_path}: relative_attention_num_buckets {info.relative_attention_buckets} "
+                          f"is below the {MPNET_BUCKETS} buckets MPNet's position bias uses")
+    span = info.max_position_embeddings
+    distances = np.arange(-(span - 1), span, dtype=np.int64)
+    by_distance = g.const("relative_bias_table", table[mpnet_buckets(distances)])  # [2 * span - 1, heads]
+    steps = g.op("Range", [g.const("zero_scalar", np.asarray(0, dtype=np.int64)), _seq_len(g, input_ids),
+                           g.const("one_scalar", np.asarray(1, dtype=np.int64))], "positions")
+    relative = g.op("Sub", [g.op("Unsqueeze", [steps, g.const("axis0", _i64(0))], "key_pos"),
+                            g.op("Unsqueeze", [steps, g.const("axis1", _i64(1))], "query_pos")], "relative")
+    index = g.op("Add", [relative, g.const("distance_offset", np.asarray(span - 1, dtype=np.int64))], "distance")
+    bias = g.op("Transpose", [g.op("Gather", [by_distance, index], "relative_bias_sqh")], "relative_bias_hsq",
+                perm=[2, 0, 1])
+    return g.op("Unsqueeze", [bias, g.const("axis0", _i64(0))], "relative_bias")
 
 
 def _mask_bias(g: _Graph, attention_mask: str) -> str:
@@ -178,30 +278,32 @@ def _mask_bias(g: _Graph, attention_mask: str) -> str:
 
 def _encoder_layer(g: _Graph, w: _Weights, info: ModelInfo, x: str, mask_bias: str, i: int) -> str:
     h, heads, hs = info.hidden_size, info.num_heads, info.head_size
-    p = f"encoder.layer.{i}"
+    names = _LAYER_NAMES[info.model_type]
+    p = names.layer.format(i=i)
     split = g.const("split_heads", _i64(0, 0, heads, hs))
 
     def heads_of(name: str, perm: list[int]) -> str:
-        proj = _linear(g, w, x, f"{p}.attention.self.{name}", h, h)
-        return g.op("Transpose", [g.op("Reshape", [proj, split], f"{p}.{name}.reshape")], f"{p}.{name}.t", perm=perm)
+        proj = _linear(g, w, x, f"{p}.{name}", h, h)
+        short = name.rsplit(".", 1)[-1]  # BERT's graph keeps the node names it always had
+        return g.op("Transpose", [g.op("Reshape", [proj, split], f"{p}.{short}.reshape")], f"{p}.{short}.t", perm=perm)
 
-    q = heads_of("query", [0, 2, 1, 3])        # [B, heads, S, hs]
-    k = heads_of("key", [0, 2, 3, 1])          # [B, heads, hs, S]
-    v = heads_of("value", [0, 2, 1, 3])        # [B, heads, S, hs]
+    q = heads_of(names.query, [0, 2, 1, 3])        # [B, heads, S, hs]
+    k = heads_of(names.key, [0, 2, 3, 1])          # [B, heads, hs, S]
+    v = heads_of(names.value, [0, 2, 1, 3])        # [B, heads, S, hs]
     scores = g.op("Div", [g.op("MatMul", [q, k], f"{p}.qk"), g.const("sqrt_hs", _f32(math.sqrt(hs)))], f"{p}.scaled")
     probs = g.op("Softmax", [g.op("Add", [scores, mask_bias], f"{p}.masked")], f"{p}.probs", axis=-1)
     ctx = g.op("Transpose", [g.op("MatMul", [probs, v], f"{p}.ctx")], f"{p}.ctx.t", perm=[0, 2, 1, 3])
     ctx = g.op("Reshape", [ctx, g.const("merge_heads", _i64(0, 0, h))], f"{p}.ctx.merge")
-    attn = _linear(g, w, ctx, f"{p}.attention.output.dense", h, h)
-    x = _layer_norm(g, w, g.op("Add", [attn, x], f"{p}.attn.residual"), f"{p}.attention.output.LayerNorm",
+    attn = _linear(g, w, ctx, f"{p}.{names.attn_out}", h, h)
+    x = _layer_norm(g, w, g.op("Add", [attn, x], f"{p}.attn.residual"), f"{p}.{names.attn_norm}",
                     h, info.layer_norm_eps)
-    inter = _linear(g, w, x, f"{p}.intermediate.dense", h, info.intermediate_size)
+    inter = _linear(g, w, x, f"{p}.{names.ffn_in}", h, info.intermediate_size)
     # Exact GELU as torch's erf form: x * 0.5 * (1 + erf(x / sqrt(2))) (ORT fuses it to BiasGelu).
     erf = g.op("Erf", [g.op("Div", [inter, g.const("sqrt2", _f32(math.sqrt(2.0)))], f"{p}.gelu.div")], f"{p}.gelu.erf")
     gelu = g.op("Mul", [g.op("Mul", [inter, g.op("Add", [erf, g.const("one_f", _f32(1.0))], f"{p}.gelu.add")],
                              f"{p}.gelu.mul"), g.const("half", _f32(0.5))], f"{p}.gelu")
-    out = _linear(g, w, gelu, f"{p}.output.dense", info.intermediate_size, h)
-    return _layer_norm(g, w, g.op("Add", [out, x], f"{p}.ffn.residual"), f"{p}.output.LayerNorm",
+    out = _linear(g, w, gelu, f"{p}.{names.ffn_out}", info.intermediate_size, h)
+    return _layer_norm(g, w, g.op("Add", [out, x], f"{p}.ffn.residual"), f"{p}.{names.ffn_norm}",
                        h, info.layer_norm_eps)
 
 
@@ -233,13 +335,17 @@ def _pool_and_normalise(g: _Graph, info: ModelInfo, hidden_states: str, attentio
 def build_model(model_dir: str | Path | ModelInfo | None = None) -> onnx.ModelProto:
     """The unfused ONNX graph of the model folder, with metadata_props (in memory, not cached)."""
     info = _model_info(model_dir)
-    if info.model_type not in ("bert",):
-        raise ExportError(f"{info.config_path}: model_type {info.model_type!r} is not a BERT model")
+    if info.model_type not in FAMILIES:  # ModelInfo refuses these already; a hand-made one may not
+        raise ExportError(f"{info.config_path}: model_type {info.model_type!r} is not supported; supported "
+                          f"encoder families: {', '.join(FAMILIES)}")
     w = _Weights(info, _load_weights(info))
     g = _Graph()
     ids, mask = INPUT_NAMES
-    x = _embeddings(g, w, info, ids)
+    x = _embeddings(g, w, info, ids, mask)
     bias = _mask_bias(g, mask)
+    if info.relative_attention_buckets:
+        # One [B, heads, S, S] bias (positions + padding) for every layer, as MPNet adds both.
+        bias = g.op("Add", [_relative_bias(g, w, info, ids), bias], "attention_bias")
     for i in range(info.num_layers):
         x = _encoder_layer(g, w, info, x, bias, i)
     _pool_and_normalise(g, info, x, mask)
@@ -376,6 +482,10 @@ def _fuse(model: onnx.ModelProto, info: ModelInfo) -> onnx.ModelProto:
 
     from onnxruntime.transformers.optimizer import optimize_model
 
+    if info.relative_attention_buckets:
+        raise ExportError(f"{info.model_dir}: no offline-fused graph for model_type {info.model_type!r} (ONNX "
+                          "Runtime's attention fusion has no relative position bias); use the plain graph, "
+                          "the default, which ONNX Runtime optimises at load")
     # The optimizer logs each fusion at INFO/WARNING; the counts are checked below instead.
     logging.getLogger("onnxruntime.transformers").setLevel(logging.ERROR)
     try:

@@ -62,6 +62,10 @@ class Int8Variant:
     extra: dict[str, object] = field(default_factory=dict)
 
 
+# Families whose layers carry BERT's tensor names, which the exclusion rules match on.
+INT8_FAMILIES = ("bert", "roberta", "xlm-roberta")
+
+
 def matmul_names(model: onnx.ModelProto) -> list[str]:
     return [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm")]
 
@@ -192,8 +196,14 @@ def ensure_int8_onnx(model_dir: str | Path | None = None, *, cache_dir: str | Pa
     """The cached int8 graph (the SHIPPED recipe) of the model folder, quantized first if missing."""
     import os
 
-    from engines.export_onnx import _locked, ensure_onnx
+    from engines.export_onnx import _locked, _model_info, ensure_onnx
 
+    family = _model_info(model_dir).model_type
+    if family not in INT8_FAMILIES:
+        # The recipe picks MatMuls by BERT's tensor names; DistilBERT's and MPNet's differ, and
+        # no recipe has been measured for them (benchmarks/results/int8.md).
+        raise QuantizeError(f"precision int8 supports the encoder families {', '.join(INT8_FAMILIES)}, "
+                            f"not model_type {family!r}; use precision fp32")
     path = int8_cached_path(model_dir, cache_dir=cache_dir)
     if path.is_file():
         return path

@@ -1,4 +1,4 @@
-"""The model folder: where it is and what it describes (a BERT-family sentence encoder).
+"""The model folder: where it is and what it describes (a sentence encoder of a supported family).
 
 A model folder holds config.json, model.safetensors and tokenizer.json; a sentence-transformers
 folder adds sentence_bert_config.json (max_seq_length), 1_Pooling/config.json and modules.json.
@@ -83,6 +83,13 @@ def _pooling_mode(model_dir: Path) -> str:
     return {"mean_tokens": "mean", "cls_token": "cls", "max_tokens": "max"}.get(modes[0], modes[0])
 
 
+# The encoder families the exporter builds (engines/export_onnx.py), by config.json's model_type.
+FAMILIES: tuple[str, ...] = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet")
+_OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "mpnet"})
+_DISTILBERT_KEYS = {"hidden_size": "dim", "num_attention_heads": "n_heads", "hidden_act": "activation",
+                    "num_hidden_layers": "n_layers", "intermediate_size": "hidden_dim"}
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     name: str
@@ -100,6 +107,19 @@ class ModelInfo:
     config_path: Path
     weights_path: Path
     tokenizer_path: Path
+    # config_sentence_transformers.json: named prompts ("query": "query: ") and the name used
+    # when the caller names none.
+    prompts: tuple[tuple[str, str], ...] = ()
+    default_prompt_name: str | None = None
+    # The position id of the first token (padding_idx + 1 for RoBERTa, XLM-RoBERTa, MPNet; else 0).
+    position_offset: int = 0
+    # MPNet's relative position buckets (0: the family has no relative attention bias).
+    relative_attention_buckets: int = 0
+
+    @property
+    def max_tokens(self) -> int:
+        """The longest input the position table can number (max_position_embeddings less the offset)."""
+        return self.max_position_embeddings - self.position_offset
 
     @property
     def dim(self) -> int:
@@ -129,31 +149,51 @@ class ModelInfo:
             return value
 
         model_type = str(cfg.get("model_type", "bert"))
-        hidden, heads = need_int("hidden_size"), need_int("num_attention_heads")
+        if model_type not in FAMILIES:
+            raise ModelError(f"{config_path}: model_type {model_type!r} is not supported; supported encoder "
+                             f"families: {', '.join(FAMILIES)}")
+        # DistilBERT's config spells the sizes its own way; the rest follow BERT's names.
+        names = _DISTILBERT_KEYS if model_type == "distilbert" else {}
+        key = lambda bert_name: names.get(bert_name, bert_name)  # noqa: E731
+        hidden, heads = need_int(key("hidden_size")), need_int(key("num_attention_heads"))
         if hidden % heads:
             raise ModelError(f"{config_path}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
-        act = cfg.get("hidden_act", "gelu")
+        act = cfg.get(key("hidden_act"), "gelu")
         if act != "gelu":
             raise ModelError(f"{config_path}: hidden_act {act!r} is not supported (only exact 'gelu')")
         if cfg.get("position_embedding_type", "absolute") != "absolute":
             raise ModelError(f"{config_path}: position_embedding_type {cfg['position_embedding_type']!r} "
                              "is not supported (only 'absolute')")
+        if cfg.get("sinusoidal_pos_embds"):
+            raise ModelError(f"{config_path}: sinusoidal_pos_embds is not supported (learned positions only)")
         max_pos = need_int("max_position_embeddings")
-        max_seq = max_pos
+        # RoBERTa, XLM-RoBERTa and MPNet number positions from padding_idx + 1 (HF's
+        # create_position_ids_from_input_ids): the first padding_idx + 1 rows are never used.
+        offset = 0
+        if model_type in _OFFSET_POSITIONS:
+            pad = cfg.get("pad_token_id", 1)
+            if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < max_pos - 3:
+                raise ModelError(f"{config_path}: pad_token_id must be an integer in [0, {max_pos - 3}), got {pad!r}")
+            offset = pad + 1
+        max_seq = max_pos - offset
         st_config = model_dir / "sentence_bert_config.json"
         if st_config.is_file():
-            raw = _read_json(st_config).get("max_seq_length", max_pos)
-            if not isinstance(raw, int) or not 3 <= raw <= max_pos:
-                raise ModelError(f"{st_config}: max_seq_length must be an integer in [3, {max_pos}], got {raw!r}")
+            raw = _read_json(st_config).get("max_seq_length", max_seq)
+            if not isinstance(raw, int) or not 3 <= raw <= max_pos - offset:
+                raise ModelError(f"{st_config}: max_seq_length must be an integer in [3, {max_pos - offset}], "
+                                 f"got {raw!r}")
             max_seq = raw
+        buckets = need_int("relative_attention_num_buckets") if model_type == "mpnet" else 0
+        eps_default = 1e-12
+        prompts, default_prompt_name = _prompts(model_dir)
         return cls(
             name=_model_name(model_dir),
             model_type=model_type,
             hidden_size=hidden,
-            num_layers=need_int("num_hidden_layers"),
+            num_layers=need_int(key("num_hidden_layers")),
             num_heads=heads,
-            intermediate_size=need_int("intermediate_size"),
-            layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+            intermediate_size=need_int(key("intermediate_size")),
+            layer_norm_eps=float(cfg.get("layer_norm_eps", eps_default)),
             vocab_size=need_int("vocab_size"),
             max_position_embeddings=max_pos,
             max_seq_length=max_seq,
@@ -162,4 +202,65 @@ class ModelInfo:
             config_path=config_path,
             weights_path=weights_path,
             tokenizer_path=tokenizer_path,
+            prompts=prompts,
+            default_prompt_name=default_prompt_name,
+            position_offset=offset,
+            relative_attention_buckets=buckets,
         )
+
+    def prompt(self, name: str) -> str:
+        for key, text in self.prompts:
+            if key == name:
+                return text
+        known = ", ".join(repr(k) for k, _ in self.prompts) or "none"
+        raise ModelError(f"{self.model_dir}: no prompt named {name!r} in config_sentence_transformers.json "
+                         f"(the model's prompts: {known})")
+
+
+def _prompts(model_dir: Path) -> tuple[tuple[tuple[str, str], ...], str | None]:
+    path = model_dir / "config_sentence_transformers.json"
+    if not path.is_file():
+        return (), None
+    cfg = _read_json(path)
+    raw = cfg.get("prompts") or {}
+    if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
+        raise ModelError(f"{path}: 'prompts' must map prompt names to prompt texts")
+    default = cfg.get("default_prompt_name")
+    if default is not None and default not in raw:
+        raise ModelError(f"{path}: default_prompt_name {default!r} is not one of its prompts "
+                         f"({', '.join(map(repr, raw)) or 'none'})")
+    return tuple(raw.items()), default
+
+
+# prompt_name values that are not names: "auto" takes the model's default_prompt_name (none if
+# it has none), "none" turns prompts off even where the model has a default.
+PROMPT_AUTO = "auto"
+PROMPT_NONE = "none"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The text put before every input before tokenisation, and its name in the model's prompts."""
+
+    text: str = ""
+    name: str | None = None  # None for a literal prompt (or none at all)
+
+    @classmethod
+    def resolve(cls, info: ModelInfo, *, prompt: str | None = None, prompt_name: str | None = PROMPT_AUTO) -> Prompt:
+        """sentence-transformers' rule: a literal `prompt`, else the named one, else the default.
+
+        A literal prompt and a prompt name together are refused (sentence-transformers would
+        silently drop the name).
+        """
+        name = PROMPT_AUTO if prompt_name is None else prompt_name
+        if prompt:
+            if name not in (PROMPT_AUTO, PROMPT_NONE):
+                raise ModelError(f"both a prompt ({prompt!r}) and a prompt_name ({name!r}) are set: keep one")
+            return cls(prompt, None)
+        if name == PROMPT_NONE:
+            return cls()
+        if name == PROMPT_AUTO:
+            if info.default_prompt_name is None:
+                return cls()
+            name = info.default_prompt_name
+        return cls(info.prompt(name), name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -111,13 +111,33 @@ def load_profiles(path: str | Path | None = None) -> dict[str, Profile]:
 
 
 def load_profile(name: str, path: str | Path | None = None, *, model_max_len: int | None = None) -> Profile:
-    """The named profile; with model_max_len, checks that its overflow bucket reaches the model's limit."""
+    """The named profile; with model_max_len, its overflow bucket reaches the model's limit.
+
+    The shipped profiles end at 256 tokens (all-MiniLM-L6-v2's limit). For a model that takes
+    more (all-mpnet-base-v2: 384, e5 and bge: 512) the overflow bucket is stretched to the
+    model's limit, so that nothing is truncated below what the model itself truncates at; its
+    batches stay within the profile's token budget (Profile.batch_limit).
+    """
     profiles = load_profiles(path)
     if name not in profiles:
         raise ProfileError(f"profiles file {path or default_profiles_path()}: no profile {name!r} "
                            f"(have: {', '.join(sorted(profiles))})")
     profile = profiles[name]
     if model_max_len is not None and profile.max_len < model_max_len:
-        raise ProfileError(f"profile {name!r}: its last bucket ends at {profile.max_len} tokens but the model "
-                           f"takes {model_max_len}; longer keywords would be truncated below the reference")
+        return _stretched(profile, model_max_len)
     return profile
+
+
+def _stretched(profile: Profile, max_len: int) -> Profile:
+    last = profile.buckets[-1]
+    if profile.token_budget < max_len or (profile.align and max_len % profile.align):
+        why = (f"its token_budget {profile.token_budget} cannot hold one" if profile.token_budget < max_len
+               else f"{max_len} is not a multiple of its align={profile.align}")
+        raise ProfileError(f"profile {profile.name!r}: its last bucket ends at {last.max_len} tokens, the model "
+                           f"takes {max_len}, and the bucket cannot be stretched ({why}); give a profile whose "
+                           "last bucket reaches the model's limit (--profiles-file)")
+    opt = min(last.opt_batch, max(1, profile.token_budget // max_len))
+    bucket = Bucket(max_len, max(last.max_batch, opt), opt)
+    note = f"overflow bucket stretched from {last.max_len} to {max_len} tokens for the model"
+    return replace(profile, buckets=profile.buckets[:-1] + (bucket,),
+                   description=f"{profile.description} ({note})" if profile.description else note)

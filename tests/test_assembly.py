@@ -13,12 +13,26 @@ from kwe_core.model import ModelInfo
 from worker.config import Settings
 
 
+class FakeOrtContext:
+    def run(self, input_ids: Any, attention_mask: Any) -> Any:
+        import numpy as np
+
+        return np.zeros((input_ids.shape[0], 384), dtype=np.float32)
+
+    def close(self) -> None:
+        pass
+
+
 class FakeOrt:
     name, dim = "onnxruntime", 384
+    max_contexts: int | None = None
 
     def __init__(self, onnx_path: Any, **kw: Any) -> None:
         self.closes = 0
         self.refuse: str | None = None
+
+    def create_context(self, index: int) -> FakeOrtContext:
+        return FakeOrtContext()
 
     def close(self) -> None:
         self.closes += 1

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 from worker.bucketing import BatchStats, Bucketer, BucketerError, BucketerStoppedError
+from worker.calibration import SHAPES
+from worker.cost_model import CostModel, Prices
 from worker.metrics import Metrics
 from kwe_core.profiles import Bucket, PadPolicy, Profile
 
@@ -142,12 +144,13 @@ def ids(seq: int, length: int) -> np.ndarray:
 
 
 def make(prof: Profile, backend: FakeBackend | None = None, *, delay_ms: float = 20.0, eager: bool = False,
-         dispatchers: int = 1, pad_to: PadPolicy | None = None) -> tuple[Bucketer, FakeClock, FakeBackend, Results]:
+         dispatchers: int = 1, pad_to: PadPolicy | None = None,
+         costs: CostModel | None = None) -> tuple[Bucketer, FakeClock, FakeBackend, Results]:
     clock = FakeClock()
     backend = backend or FakeBackend()
     res = Results()
     b = Bucketer(prof, backend, res.on_complete, on_error=res.on_error, max_queue_delay_ms=delay_ms,
-                 dispatchers=dispatchers, pad_to=pad_to, clock=clock, eager=eager)
+                 dispatchers=dispatchers, pad_to=pad_to, clock=clock, eager=eager, costs=costs)
     clock.listeners.append(b.wake)
     b.start()
     return b, clock, backend, res
@@ -489,4 +492,78 @@ def test_submit_validates_length_and_state() -> None:
     b.start()
     with pytest.raises(ValueError, match="more than the profile's last bound"):
         b.submit(0, ids(0, 17))
+    assert b.stop() == []
+
+
+# --------------------------------------------------------------------------- merging buckets (cost model)
+CPU_PRICES = Prices(fixed_s=0.004, per_row_s=0.0001, per_token_s=0.00004)
+
+
+def cpu_costs() -> CostModel:
+    return CostModel([(b, n, CPU_PRICES.cost(b, n)) for b, n in SHAPES])
+
+
+def test_a_trickle_across_buckets_runs_as_one_call_when_the_prices_say_so() -> None:
+    costs = cpu_costs()
+    b, clock, backend, res = make(profile((4, 8, 16), max_batch=8), FakeBackend(gate=True), delay_ms=1e6,
+                                  eager=True, pad_to="longest", costs=costs)
+    b.submit(0, ids(0, 3))
+    backend.wait_calls(1)  # the idle engine took the first keyword alone (eager)
+    for seq, n in ((1, 3), (2, 6), (3, 10)):  # one keyword in each bucket while the engine is busy
+        b.submit(seq, ids(seq, n))
+    backend.gate.release()
+    backend.gate.release()
+    res.wait_items(4)
+    assert [s for s, _, _ in res.batches] == [[0], [1, 2, 3]]
+    stats = res.batches[1][2]
+    assert (stats.bucket, stats.size, stats.pad_len, stats.merged) == (2, 3, 10, 3)
+    check_rows(res.batches, {0: 3, 1: 3, 2: 6, 3: 10})
+    assert b.stop() == []
+
+
+def test_without_prices_the_same_trickle_takes_a_call_per_bucket() -> None:
+    b, clock, backend, res = make(profile((4, 8, 16), max_batch=8), FakeBackend(gate=True), delay_ms=1e6,
+                                  eager=True, pad_to="longest")
+    b.submit(0, ids(0, 3))
+    backend.wait_calls(1)
+    for seq, n in ((1, 3), (2, 6), (3, 10)):
+        b.submit(seq, ids(seq, n))
+    for _ in range(4):
+        backend.gate.release()
+    res.wait_items(4)
+    assert [s for s, _, _ in res.batches] == [[0], [1], [2], [3]]
+    assert b.stop() == []
+
+
+def test_a_full_bucket_is_never_merged() -> None:
+    b, clock, backend, res = make(profile((4, 8, 16), max_batch=4), FakeBackend(gate=True), delay_ms=1e6,
+                                  eager=True, pad_to="longest", costs=cpu_costs())
+    b.submit(0, ids(0, 6))
+    backend.wait_calls(1)
+    b.submit(1, ids(1, 6))  # bucket 8, partial and oldest
+    for seq in range(2, 6):  # bucket 4 fills: a backlog
+        b.submit(seq, ids(seq, 3))
+    for _ in range(3):
+        backend.gate.release()
+    res.wait_items(6)
+    batches = [(s, st.merged, st.pad_len) for s, _, st in res.batches]
+    assert batches[0] == ([0], 1, 6)
+    assert ([2, 3, 4, 5], 1, 3) in batches and ([1], 1, 6) in batches, batches
+    assert b.stop() == []
+
+
+def test_a_due_partial_batch_takes_its_neighbours_and_nothing_waits_past_its_deadline() -> None:
+    # Binary fractions of a second, so "exactly 15.625 ms" is exact in floating point.
+    b, clock, backend, res = make(profile((4, 8, 16), max_batch=8), delay_ms=15.625, pad_to="longest",
+                                  costs=cpu_costs())
+    b.submit(0, ids(0, 7))
+    clock.advance(1 / 256)
+    b.submit(1, ids(1, 4))
+    b.submit(2, ids(2, 12))
+    assert settle(b, clock, 1 / 64 - 1 / 256 - 1 / 1024) == 3, "nothing is due before 15.625 ms"
+    settle(b, clock, 1 / 1024)  # the oldest is due: it leaves, and its neighbours with it (early)
+    res.wait_items(3)
+    (seqs, _, stats), = res.batches
+    assert sorted(seqs) == [0, 1, 2] and seqs[0] == 0 and stats.merged == 3 and stats.pad_len == 12
+    assert max(stats.queue_wait_s) == 1 / 64
     assert b.stop() == []

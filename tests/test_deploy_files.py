@@ -440,12 +440,14 @@ def test_image_requirements_check_reads_requires_python_without_tomllib() -> Non
 
 
 def _populated_metrics_text() -> str:
+    from worker.cost_model import CostModel
+
     """A registry with one observation on every instrument, so every series name renders."""
     m = Metrics()
 
     class Batch:
         bucket, bound, size, pad_len, real_tokens, padded_tokens = 0, 8, 4, 8, 20, 32
-        queue_wait_s, backend_s, padding_waste = [0.001], 0.002, 0.375
+        queue_wait_s, backend_s, padding_waste, merged = [0.001], 0.002, 0.375, 2
 
     m.count_consumed()
     m.count_produced()
@@ -457,6 +459,7 @@ def _populated_metrics_text() -> str:
     m.set_lag("keywords", 0, 1)
     m.count_rebalance("assign")
     m.set_backend_info("onnxruntime", "all-MiniLM-L6-v2", "cpu")
+    m.watch_costs(CostModel([(1, 4, 0.004), (8, 8, 0.01), (32, 8, 0.03)]))
     return m.render().decode()
 
 

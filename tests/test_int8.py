@@ -116,6 +116,7 @@ def test_load_backend_int8_uses_the_cached_int8_graph(monkeypatch: pytest.Monkey
     monkeypatch.setitem(sys.modules, "worker.backends.onnxruntime", fake)
     quant = types.ModuleType("engines.quantize_int8")
     quant.ensure_int8_onnx = lambda model_dir=None, **kw: f"/cache/{model_dir}-int8.onnx"  # type: ignore[attr-defined]
+    quant.QuantizeError = RuntimeError  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "engines.quantize_int8", quant)
     none = lambda name: None  # noqa: E731
     load_backend(Settings(precision="int8"), find_spec=none, has_gpu=lambda: False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -337,3 +338,26 @@ def test_hop_histograms_exist_from_the_start_and_clamp_clock_steps() -> None:
     assert _value(text, "kwe_hop_seconds_bucket", hop="encode", le="0.005") == 1
     assert _value(text, "kwe_hop_seconds_count", hop="input_to_poll") == 2
     assert _value(text, "kwe_hop_seconds_sum", hop="input_to_poll") == pytest.approx(0.02)
+
+
+def test_kwe_healthy_follows_what_healthz_answers_and_restarts_can_be_counted() -> None:
+    """The alert rules read /healthz as kwe_healthy, and restarts from process_start_time_seconds."""
+    state: dict[str, object] = {"alive": True}
+
+    def live() -> tuple[bool, str]:
+        if isinstance(state["alive"], Exception):
+            raise state["alive"]
+        return bool(state["alive"]), "ok" if state["alive"] else "stalled: work has waited 9 s for a commit"
+
+    metrics = Metrics()
+    with MetricsServer(metrics, "127.0.0.1", 0, lambda: (True, "ok"), live) as server:
+        base = f"http://127.0.0.1:{server.port}"
+        seen = []
+        for alive in (True, False, RuntimeError("check broke"), True):
+            state["alive"] = alive
+            status = _get(base + "/healthz")[0]
+            text = _get(base + "/metrics")[1]
+            seen.append((status, _value(text, "kwe_healthy")))
+        assert seen == [(200, 1.0), (503, 0.0), (503, 0.0), (200, 1.0)]
+        start = _value(text, "process_start_time_seconds")
+        assert 0 < start <= time.time()

@@ -61,10 +61,11 @@ from worker.backends.tensorrt import (
 )
 from worker.config import Settings
 from kwe_core.profiles import Bucket, Profile, ProfileError, load_profile
+from tests.fakes.gpu import DIM, FakeTrt, install_fakes
+from tests.fakes.gpu import tiny_onnx as _tiny_onnx
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / "kwe_core" / "profiles.toml"
-DIM = 384
 
 
 @pytest.fixture()
@@ -273,410 +274,10 @@ def test_shared_memory_block_is_the_largest_profile() -> None:
         shared_memory_size([])
 
 
-# ============================================================================ fake tensorrt + pycuda
-class FakeCuda(types.ModuleType):
-    """pycuda.driver, as far as the backend uses it; every call checks a context is current."""
-
-    def __init__(self, name: str = "NVIDIA L40S", cc: tuple[int, int] = (8, 9)) -> None:
-        super().__init__("pycuda.driver")
-        self.gpu_name, self.cc = name, cc
-        # Further devices of a multi-GPU host: index -> (name, compute capability).
-        self.other_devices: dict[int, tuple[str, tuple[int, int]]] = {}
-        self.local = threading.local()
-        self.memory: dict[int, np.ndarray] = {}
-        self.host_live: set[int] = set()  # ids of page-locked allocations not yet freed
-        self.next_ptr = 0x1000
-        self.detached = 0
-        self.pushes = 0
-        fake = self
-
-        class Context:
-            @staticmethod
-            def pop() -> None:
-                fake.stack().pop()
-
-        class PrimaryContext:
-            def __init__(self, device: int = 0) -> None:
-                self.device = device
-
-            def push(self) -> None:
-                fake.pushes += 1
-                fake.stack().append(self)
-
-            def detach(self) -> None:
-                fake.detached += 1
-
-        class Device:
-            def __init__(self, i: int) -> None:
-                assert i == 0 or i in fake.other_devices, f"no CUDA device {i}"
-                self.i = i
-
-            def name(self) -> str:
-                return fake.other_devices[self.i][0] if self.i else fake.gpu_name
-
-            def compute_capability(self) -> tuple[int, int]:
-                return fake.other_devices[self.i][1] if self.i else fake.cc
-
-            def retain_primary_context(self) -> PrimaryContext:
-                return PrimaryContext(self.i)
-
-        class HostAllocation:
-            """pycuda's page-locked block: the .base of the array pagelocked_empty returns."""
-
-            def __init__(self, shape: Any, dtype: Any) -> None:
-                self._mem = np.empty(shape, dtype)
-                self.__array_interface__ = self._mem.__array_interface__
-                fake.host_live.add(id(self))
-
-            def free(self) -> None:
-                fake.need_context()
-                fake.host_live.discard(id(self))
-
-        class Alloc:
-            def __init__(self, nbytes: int) -> None:
-                fake.need_context()
-                self.ptr = fake.next_ptr
-                fake.next_ptr += max(nbytes, 1) + 256
-                fake.memory[self.ptr] = np.zeros(nbytes, np.uint8)
-
-            def __int__(self) -> int:
-                return self.ptr
-
-            def free(self) -> None:
-                fake.need_context()
-                del fake.memory[self.ptr]
-
-        class Stream:
-            def __init__(self) -> None:
-                fake.need_context()
-                self.handle = fake.next_ptr
-                fake.next_ptr += 16
-
-            def synchronize(self) -> None:
-                fake.need_context()
-
-        self.Context, self.Device, self.Stream, self.Alloc = Context, Device, Stream, Alloc
-        self.HostAllocation = HostAllocation
-
-    def stack(self) -> list[Any]:
-        if not hasattr(self.local, "stack"):
-            self.local.stack = []
-        return self.local.stack
-
-    def need_context(self) -> None:
-        assert self.stack(), "CUDA call on a thread with no current context"
-
-    def current_device(self) -> int:
-        self.need_context()
-        return int(self.stack()[-1].device)
-
-    def init(self) -> None:
-        pass
-
-    def pagelocked_empty(self, shape: Any, dtype: Any) -> np.ndarray:
-        self.need_context()
-        arr = np.asarray(self.HostAllocation(shape, dtype))
-        assert arr.base is not None and hasattr(arr.base, "free")
-        return arr
-
-    def mem_alloc(self, nbytes: int) -> Any:
-        return self.Alloc(nbytes)
-
-    def memcpy_htod_async(self, dest: Any, src: np.ndarray, stream: Any) -> None:
-        self.need_context()
-        assert src.flags.c_contiguous
-        self.memory[int(dest)][: src.nbytes] = src.reshape(-1).view(np.uint8)
-
-    def memcpy_dtoh_async(self, dest: np.ndarray, src: Any, stream: Any) -> None:
-        self.need_context()
-        assert dest.flags.c_contiguous
-        dest.reshape(-1).view(np.uint8)[:] = self.memory[int(src)][: dest.nbytes]
-
-
-class FakeDType:
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
-class FakeEngine:
-    """A 'plan' whose output row is [sum(ids*mask), sum(mask), seq_len, profile, 0...]."""
-
-    def __init__(self, trt: FakeTrt, spec: dict[str, Any]) -> None:
-        self.trt, self.spec = trt, spec
-        self.names = ["input_ids", "attention_mask", "sentence_embedding"]
-        self.num_io_tensors = 3
-        self.num_optimization_profiles = len(spec["profiles"])
-        self.contexts: list[FakeExecContext] = []
-        self.creating = 0
-        self.concurrent_creates = 0
-
-    def get_tensor_name(self, i: int) -> str:
-        return self.names[i]
-
-    def get_tensor_mode(self, name: str) -> str:
-        return "OUTPUT" if name == "sentence_embedding" else "INPUT"
-
-    def get_tensor_dtype(self, name: str) -> FakeDType:
-        return FakeDType("FLOAT" if name == "sentence_embedding" else self.spec["input_dtype"])
-
-    def get_tensor_shape(self, name: str) -> tuple[int, ...]:
-        return (-1, self.spec["dim"]) if name == "sentence_embedding" else (-1, -1)
-
-    def get_tensor_profile_shape(self, name: str, i: int) -> list[tuple[int, int]]:
-        L, opt, mx = self.spec["profiles"][i]
-        return [(1, L), (opt, L), (mx, L)]
-
-    def get_device_memory_size_for_profile_v2(self, i: int) -> int:
-        return 1000 * (i + 1)
-
-    def create_execution_context(self, strategy: str = "STATIC") -> FakeExecContext:
-        self.trt.cuda.need_context()
-        with self.trt.lock:
-            self.creating += 1
-            overlap = self.creating > 1
-        time.sleep(0.005)  # long enough for a second dispatcher thread to arrive meanwhile
-        with self.trt.lock:
-            self.creating -= 1
-        if overlap:
-            self.concurrent_creates += 1
-        ctx = FakeExecContext(self, strategy)
-        self.contexts.append(ctx)
-        return ctx
-
-
-class FakeExecContext:
-    def __init__(self, engine: FakeEngine, strategy: str) -> None:
-        self.engine, self.strategy = engine, strategy
-        self.profile: int | None = None
-        self.addresses: dict[str, int] = {}
-        self.shapes: dict[str, tuple[int, int]] = {}
-        self.shape_calls = 0
-        self.device_memory: tuple[int, int] | None = None
-        self.thread = threading.get_ident()
-
-    def set_optimization_profile_async(self, i: int, stream: int) -> bool:
-        # The real binding raises RuntimeError where the C++ call returns false, else True.
-        self.engine.trt.cuda.need_context()
-        if not 0 <= i < self.engine.num_optimization_profiles or i in self.engine.trt.refuse_profiles:
-            raise RuntimeError("Error in set optimization profile async.")
-        self.profile = i
-        return True
-
-    def set_device_memory(self, ptr: int, size: int) -> None:
-        self.device_memory = (ptr, size)
-
-    def set_tensor_address(self, name: str, ptr: int) -> bool:
-        # Like setTensorAddress: false for a name the engine has no I/O tensor for.
-        assert ptr in self.engine.trt.cuda.memory
-        if name not in self.engine.names or name in self.engine.trt.refuse_addresses:
-            return False
-        self.addresses[name] = ptr
-        return True
-
-    def set_input_shape(self, name: str, shape: tuple[int, int]) -> bool:
-        self.shape_calls += 1
-        assert self.profile is not None
-        (mn, _, mx) = self.engine.get_tensor_profile_shape(name, self.profile)
-        if not (mn[0] <= shape[0] <= mx[0] and mn[1] <= shape[1] <= mx[1]):
-            return False
-        self.shapes[name] = tuple(shape)  # type: ignore[assignment]
-        return True
-
-    def execute_async_v3(self, stream: int) -> bool:
-        cuda = self.engine.trt.cuda
-        cuda.need_context()
-        assert threading.get_ident() == self.thread, "context run off its thread"
-        if self.strategy == "USER_MANAGED":
-            assert self.device_memory is not None, "user-managed context run without device memory"
-        b, L = self.shapes["input_ids"]
-        dt = np.dtype(np.int64 if self.engine.spec["input_dtype"] == "INT64" else np.int32)
-        ids = cuda.memory[self.addresses["input_ids"]][: b * L * dt.itemsize].view(dt).reshape(b, L)
-        mask = cuda.memory[self.addresses["attention_mask"]][: b * L * dt.itemsize].view(dt).reshape(b, L)
-        dim = self.engine.spec["dim"]
-        out = np.zeros((b, dim), np.float32)
-        out[:, 0] = (ids * mask).sum(1)
-        out[:, 1] = mask.sum(1)
-        out[:, 2] = L
-        out[:, 3] = self.profile
-        cuda.memory[self.addresses["sentence_embedding"]][: out.nbytes] = out.reshape(-1).view(np.uint8)
-        return True
-
-
-class FakeTrt(types.ModuleType):
-    def __init__(self, cuda: FakeCuda, version: str = "10.3.0") -> None:
-        super().__init__("tensorrt")
-        self.cuda = cuda
-        self.__version__ = version
-        self.lock = threading.Lock()
-        self.refuse_profiles: set[int] = set()
-        self.refuse_addresses: set[str] = set()
-        self.float32 = "FLOAT"
-        self.TensorIOMode = types.SimpleNamespace(INPUT="INPUT", OUTPUT="OUTPUT")
-        self.ExecutionContextAllocationStrategy = types.SimpleNamespace(
-            STATIC="STATIC", ON_PROFILE_CHANGE="ON_PROFILE_CHANGE", USER_MANAGED="USER_MANAGED")
-        self.engines: list[FakeEngine] = []
-        self.built: list[dict[str, Any]] = []
-        trt = self
-
-        class Logger:
-            WARNING = 2
-
-            def __init__(self, level: int) -> None:
-                self.level = level
-
-        class Runtime:
-            def __init__(self, logger: Any) -> None:
-                pass
-
-            def deserialize_cuda_engine(self, data: bytes) -> FakeEngine:
-                trt.cuda.need_context()
-                engine = FakeEngine(trt, json.loads(data))
-                trt.engines.append(engine)
-                return engine
-
-        self.Logger, self.Runtime = Logger, Runtime
-        self._install_builder()
-
-    def _install_builder(self) -> None:
-        trt = self
-        self.MemoryPoolType = types.SimpleNamespace(WORKSPACE="WORKSPACE")
-        self.BuilderFlag = types.SimpleNamespace(FP16="FP16", OBEY_PRECISION_CONSTRAINTS="OBEY_PRECISION_CONSTRAINTS")
-
-        class Tensor:
-            def __init__(self, name: str, shape: tuple[int, ...]) -> None:
-                self.name, self.shape = name, shape
-
-        class Layer:
-            def __init__(self, name: str) -> None:
-                self.name, self.precision, self.num_outputs = name, "DEFAULT", 1
-                self.output_types: dict[int, str] = {}
-
-            def set_output_type(self, i: int, dtype: str) -> None:
-                self.output_types[i] = dtype
-
-        class Network:
-            # Layer names as the ONNX parser gives them: the export's node names.
-            LAYERS = ("embeddings_1_node", "layer0_attn_5_node", "pool_mask_u_88_node", "pool_mask_89_node",
-                      "masked_states_90_node", "pool_sum_91_node",
-                      "pool_count_92_node", "pool_count_c_93_node", "pooled_94_node", "norm_95_node",
-                      "norm_c_96_node", "sentence_embedding_node")
-
-            def __init__(self) -> None:
-                self.inputs = [Tensor("input_ids", (-1, -1)), Tensor("attention_mask", (-1, -1))]
-                self.outputs = [Tensor("sentence_embedding", (-1, DIM))]
-                self.num_inputs, self.num_outputs = 2, 1
-                self.layers = [Layer(n) for n in self.LAYERS]
-                self.num_layers = len(self.layers)
-
-            def get_layer(self, i: int) -> Layer:
-                return self.layers[i]
-
-            def get_input(self, i: int) -> Tensor:
-                return self.inputs[i]
-
-            def get_output(self, i: int) -> Tensor:
-                return self.outputs[i]
-
-        class OptProfile:
-            def __init__(self) -> None:
-                self.shapes: dict[str, tuple[Any, Any, Any]] = {}
-
-            def set_shape(self, name: str, mn: Any, opt: Any, mx: Any) -> None:
-                self.shapes[name] = (tuple(mn), tuple(opt), tuple(mx))
-
-        class Cache:
-            def __init__(self, data: bytes) -> None:
-                self.data = data
-
-            def serialize(self) -> bytes:
-                return self.data + b"+tuned"
-
-        class Config:
-            def __init__(self) -> None:
-                self.flags: set[str] = set()
-                self.pools: dict[str, int] = {}
-                self.profiles: list[OptProfile] = []
-                self.cache: Cache | None = None
-
-            def set_memory_pool_limit(self, pool: str, size: int) -> None:
-                self.pools[pool] = size
-
-            def set_flag(self, flag: str) -> None:
-                self.flags.add(flag)
-
-            def add_optimization_profile(self, p: OptProfile) -> int:
-                self.profiles.append(p)
-                return len(self.profiles) - 1
-
-            def create_timing_cache(self, data: bytes) -> Cache | None:
-                return None if data.startswith(b"corrupt") else Cache(data)  # like createTimingCache
-
-            def set_timing_cache(self, cache: Cache, ignore_mismatch: bool) -> bool:
-                if cache is None:  # pybind refuses None for the reference parameter
-                    raise TypeError("set_timing_cache(): incompatible function arguments")
-                self.cache = cache
-                return True
-
-            def get_timing_cache(self) -> Cache:
-                assert self.cache is not None
-                return self.cache
-
-        class Builder:
-            def __init__(self, logger: Any) -> None:
-                pass
-
-            def create_network(self, flags: int) -> Network:
-                assert flags == 0
-                return Network()
-
-            def create_builder_config(self) -> Config:
-                return Config()
-
-            def create_optimization_profile(self) -> OptProfile:
-                return OptProfile()
-
-            def build_serialized_network(self, network: Network, config: Config) -> bytes:
-                trt.built.append({"config": config, "network": network, "device": trt.cuda.current_device()})
-                profiles = []
-                for p in config.profiles:
-                    (mn, opt, mx) = p.shapes["input_ids"]
-                    assert p.shapes["attention_mask"] == p.shapes["input_ids"]
-                    profiles.append([mx[1], opt[0], mx[0]])
-                return json.dumps({"profiles": profiles, "dim": DIM, "input_dtype": "INT64"}).encode()
-
-        class OnnxParser:
-            def __init__(self, network: Network, logger: Any) -> None:
-                self.num_errors = 0
-
-            def parse_from_file(self, path: str) -> bool:
-                return Path(path).is_file()
-
-        self.Builder, self.OnnxParser = Builder, OnnxParser
-
-
+# ============================================================================ fake tensorrt + pycuda (tests/fakes/gpu.py)
 @pytest.fixture()
 def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> FakeTrt:
-    cuda = FakeCuda()
-    trt = FakeTrt(cuda)
-    pycuda = types.ModuleType("pycuda")
-    pycuda.driver = cuda  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "tensorrt", trt)
-    monkeypatch.setitem(sys.modules, "pycuda", pycuda)
-    monkeypatch.setitem(sys.modules, "pycuda.driver", cuda)
-    return trt
-
-
-def _tiny_onnx(path: Path) -> Path:
-    import onnx
-    from onnx import TensorProto, helper
-
-    graph = helper.make_graph(
-        [helper.make_node("Identity", ["input_ids"], ["sentence_embedding"])], "g",
-        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
-        [helper.make_tensor_value_info("sentence_embedding", TensorProto.INT64, ["b", "s"])])
-    model = helper.make_model(graph, producer_name="keyword-embedder", producer_version="0.1.0")
-    onnx.save(model, str(path))
-    return path
+    return install_fakes(monkeypatch)
 
 
 @pytest.fixture()
@@ -783,9 +384,10 @@ def test_backend_runs_each_bucket_on_its_own_context_and_thread(
     # 2 inputs x distinct batch sizes in a row (bucket 3's batches are all of 1: set once).
     assert [c.shape_calls for c in engine.contexts] == [4, 4, 4, 2, 4]
     backend.close()
-    # The build's and the backend's primary-context references both released; every device
-    # buffer and every page-locked host block (the arrays' .base) freed.
-    assert cuda.detached == 2 and cuda.memory == {} and cuda.host_live == set()
+    # The primary context retained once for the build and the backend, never detached (which
+    # would leave it current); every device buffer and page-locked host block (.base) freed.
+    assert cuda.retained == {0: 1} and cuda.detached == 0 and cuda.left_current == []
+    assert cuda.memory == {} and cuda.host_live == set()
 
 
 def test_context_refuses_batches_that_do_not_fit_and_foreign_threads(
@@ -989,10 +591,15 @@ def test_fp16_keeps_pooling_and_normalisation_in_fp32(built_plan: tuple[Path, Pa
     built = fake_gpu.built[0]
     assert "OBEY_PRECISION_CONSTRAINTS" in built["config"].flags
     fp32 = {layer.name for layer in built["network"].layers if layer.precision == "FLOAT"}
-    assert fp32 == {"masked_states_90_node", "pool_sum_91_node", "pool_count_92_node", "pool_count_c_93_node",
-                    "pooled_94_node", "norm_95_node", "norm_c_96_node", "sentence_embedding_node"}
+    named = {"masked_states_90_node", "pool_sum_91_node", "pool_count_92_node", "pool_count_c_93_node",
+             "pooled_94_node", "norm_95_node", "norm_c_96_node", "sentence_embedding_node"}
+    # Fix 5: also the layers the parser names otherwise: ReduceL2's square and root, the
+    # constants of the floors (named after their initializers) and the shuffles broadcasting them.
+    unnamed = {"count_min", "(Unnamed Layer* 93) [Shuffle]", "(Unnamed Layer* 95) [ElementWise]",
+               "(Unnamed Layer* 96) [Unary]", "norm_min", "(Unnamed Layer* 97) [Shuffle]"}
+    assert fp32 == named | unnamed  # the encoder's layers and the integer mask layers keep their types
     assert all(layer.output_types == {0: "FLOAT"} for layer in built["network"].layers if layer.name in fp32)
-    assert read_sidecar(built_plan[0]).extra["fp32_layers"] == 8
+    assert read_sidecar(built_plan[0]).extra["fp32_layers"] == 14
     # The names come from the real exporter: exactly its float pooling/normalisation nodes match.
     names = [n.name for n in build_model().graph.node]
     matched = [n for n in names if n.startswith(FP32_NODE_PREFIXES)]
@@ -1005,6 +612,89 @@ def test_an_fp32_build_sets_no_precision_constraints(tmp_path: Path, fake_gpu: F
     built = fake_gpu.built[0]
     assert built["config"].flags == set()
     assert {layer.precision for layer in built["network"].layers} == {"DEFAULT"}
+
+
+def test_the_fake_detach_leaves_the_context_current_as_pycuda_does(fake_gpu: FakeTrt) -> None:
+    """What fix 6 avoids: pycuda's detach() of a popped primary context pushes it, releases it, never pops."""
+    cuda = fake_gpu.cuda
+    ctx = cuda.Device(0).retain_primary_context()
+    ctx.push()
+    cuda.Context.pop()
+    ctx.detach()
+    assert cuda.left_current == [(threading.get_ident(), 0)] and cuda.retained == {0: 0}
+    with pytest.raises(RuntimeError, match="cannot detach from invalid context"):
+        ctx.detach()
+
+
+def test_the_primary_context_is_retained_once_per_process(tmp_path: Path, fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """Fix 6: one retain for every build and backend of the process, no detach, nothing left current."""
+    from worker.backends.tensorrt import TensorRTBackend
+
+    onnx_path = _tiny_onnx(tmp_path / "m.onnx")
+    plans = [tmp_path / "a.plan", tmp_path / "b.plan"]
+    for plan in plans:
+        build_engine(onnx_path, gpu, plan, log=lambda _m: None)
+    for plan in plans * 2:  # backends one after the other, as trt_check's gpu and mono plans
+        backend = TensorRTBackend(plan, gpu, onnx_path=onnx_path)
+        _run_in_thread(lambda b=backend: b.create_context(0).close())
+        backend.close()
+    failed_load = TensorRTBackend  # a load that fails after the retain leaves nothing behind either
+    fake_gpu.fail_deserialize = True
+    with pytest.raises(BackendError, match="could not deserialise"):
+        failed_load(plans[0], gpu, onnx_path=onnx_path)
+    cuda = fake_gpu.cuda
+    assert cuda.retained == {0: 1} and cuda.detached == 0 and cuda.left_current == [] and cuda.stack() == []
+
+
+def test_two_threads_starting_together_cannot_both_own_the_shared_memory(
+        built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """Fix 4b: the owner is claimed before the context is built, so a second thread is refused even mid-creation."""
+    from worker.backends.tensorrt import TensorRTBackend
+
+    backend = TensorRTBackend(built_plan[0], gpu, share_device_memory=True)
+    go = threading.Barrier(2)
+    outcome: dict[int, str] = {}
+
+    def dispatcher(i: int) -> None:
+        go.wait()  # the fake's create_execution_context takes 5 ms: both would pass an unclaimed check
+        try:
+            ctx = backend.create_context(i)
+        except BackendError as exc:
+            outcome[i] = str(exc)
+            return
+        outcome[i] = "created"
+        time.sleep(0.05)
+        ctx.close()
+
+    threads = [threading.Thread(target=dispatcher, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(outcome.values())[0] == "created" and "ONE dispatcher thread" in sorted(outcome.values())[1]
+    # Once the owner's last context closed, another thread may take over (one at a time).
+    _run_in_thread(lambda: backend.create_context(1).close())
+    backend.close()
+    assert fake_gpu.cuda.memory == {}
+
+
+def test_direct_replay_runs_a_serial_backend_from_one_thread(
+        built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """Fix 4a: the overhead guard's replay keeps to one thread when contexts must not run at once."""
+    from worker.backends.tensorrt import TensorRTBackend
+    from worker.benchmark.policies import replay_direct, run_bucketed
+    from worker.tokenize import Encoded
+
+    backend = TensorRTBackend(built_plan[0], gpu, share_device_memory=True)
+    lengths = [5, 12, 30, 60, 200, 7, 16, 3, 40]
+    encoded = [Encoded(ids=np.arange(1, n + 1, dtype=np.int64), length=n, truncated=False) for n in lengths]
+    run = run_bucketed(encoded, gpu, backend)
+    direct = replay_direct(encoded, run.formed, backend, threads=4)  # raised "ONE dispatcher thread" before
+    assert direct.n == len(lengths) and direct.batches == len(run.formed)
+    replay = fake_gpu.engines[0].contexts[-len({b.bucket for b in run.formed}):]
+    assert len({c.thread for c in replay}) == 1 and {c.profile for c in replay} == {b.bucket for b in run.formed}
+    backend.close()
+    assert fake_gpu.cuda.memory == {} and fake_gpu.cuda.host_live == set() and fake_gpu.cuda.stack() == []
 
 
 # ============================================================================ backend selection
@@ -1149,10 +839,20 @@ def test_load_backend_tensorrt_passes_plan_profile_and_onnx(monkeypatch: pytest.
     assert (loaded.settings.backend, loaded.settings.profile, loaded.settings.pad_to) == ("tensorrt", "gpu", "bucket")
 
 
-def test_load_backend_refuses_a_profile_short_of_the_model_max(tmp_path: Path) -> None:
+def test_load_backend_stretches_a_profile_short_of_the_model_max_or_refuses_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Nothing may be truncated below the model's own limit: the overflow bucket reaches it,
+    # within the profile's token budget (64 x 8 = 512 padded tokens: two items of 256).
     short = tmp_path / "p.toml"
     short.write_text('[profiles.cpu]\nbuckets = [{ max_len = 64, max_batch = 8 }]\n')
-    with pytest.raises(ProfileError, match="ends at 64 tokens but the model takes 256"):
+    _fake_ort(monkeypatch)
+    loaded = load_backend(Settings(profiles_file=str(short), onnx_path="/m/x.onnx"), find_spec=_spec(set()),
+                          has_gpu=lambda: False)
+    assert loaded.profile.bounds == (256,) and loaded.profile.batch_limit(0) == 2
+    assert "overflow bucket stretched from 64 to 256 tokens" in loaded.profile.description
+    short.write_text('[profiles.cpu]\ntoken_budget = 128\nbuckets = [{ max_len = 64, max_batch = 2 }]\n')
+    with pytest.raises(ProfileError, match="ends at 64 tokens, the model takes 256, and the bucket cannot be "
+                                           "stretched \\(its token_budget 128 cannot hold one\\)"):
         load_backend(Settings(profiles_file=str(short)), find_spec=_spec(set()), has_gpu=lambda: False)
 
 
@@ -1209,30 +909,7 @@ def test_build_engine_cli_rejects_an_unaligned_profile(tmp_path: Path, capsys: p
     assert rc == 2 and "multiple of 8" in capsys.readouterr().err
 
 
-# ============================================================================ benchmarks/gpu/trt_check.py (fakes)
-def test_trt_check_runs_every_stage_and_records_each(tmp_path: Path, fake_gpu: FakeTrt) -> None:
-    """The GPU script's flow on the fakes: it cannot show real numbers, only that every stage runs and reports."""
-    from benchmarks.gpu import trt_check
-
-    onnx_path = _tiny_onnx(tmp_path / "model.onnx")
-    rc = trt_check.main(tmp_path / "out", onnx=onnx_path, limit=200, rounds=1, budget_s=600)
-    out = tmp_path / "out"
-    summary = json.loads((out / "trt-check.json").read_text())
-    assert set(summary["stages"]) == {"build", "buckets", "parity", "bench", "mono"}
-    assert read_sidecar(out / "work" / "minilm-gpu.plan").profile_name == "gpu"
-    buckets = json.loads((out / "trt-buckets.json").read_text())
-    assert buckets["ok"] and [b["shape"] for b in buckets["buckets"]] == [[256, 8], [128, 16], [64, 32], [32, 64],
-                                                                          [8, 256]]
-    bench = json.loads((out / "trt-bench.json").read_text())
-    assert bench["n"] == 200 and set(bench["ratios"]) >= {"bucketed/monolithic", "bucketed/sorted"}
-    mono = json.loads((out / "trt-mono.json").read_text())
-    assert set(mono["ratios"]) == {"bucketed/monolithic"} and len(mono["rounds"]) == 1
-    # The fake plan returns token sums, not embeddings, and ONNX Runtime cannot load the tiny
-    # stand-in graph: parity must fail loudly, and the whole check with it.
-    assert summary["stages"]["parity"]["ok"] is False and summary["ok"] is False and rc == 1
-    assert fake_gpu.cuda.memory == {} and fake_gpu.cuda.host_live == set() and fake_gpu.cuda.stack() == []
-
-
+# ============================================================================ benchmarks/gpu/ (the whole check: tests/test_gpu_scripts.py)
 def test_cosines_of_rows() -> None:
     from benchmarks.gpu.trt_check import cosines
 

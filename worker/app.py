@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
 from kwe_core.errors import BackendError
+from kwe_core.model import ModelError, ModelInfo, Prompt
+from kwe_core.vectors import check_truncate_dim, default_int8_range
 from worker.backends.base import Backend
 from worker.config import Settings
+from worker.cost_model import CostModel
+from worker.kafka.messages import OutputCodec
 from worker.metrics import Metrics
 from worker.pipeline import Pipeline
 from worker.tokenize import KeywordTokenizer
@@ -36,6 +41,20 @@ class Assembled:
             log.warning("backend not closed cleanly", backend=self.backend.name, error=str(exc))
 
 
+def calibration_key(settings: Settings, info: ModelInfo) -> dict[str, Any]:
+    """What changes the price of a backend call, besides the backend and the machine (worker/calibration.py)."""
+    weights = info.weights_path.stat()
+    return {"model": str(info.model_dir), "weights": [weights.st_size, weights.st_mtime_ns], "onnx": settings.onnx_path,
+            "precision": settings.precision, "intra_op_threads": settings.intra_op_threads,
+            "spinning": settings.ort_allow_spinning, "dispatchers": settings.dispatchers}
+
+
+def cost_model(settings: Settings, info: ModelInfo, backend: Backend) -> CostModel | None:
+    from worker.calibration import cost_model_for
+
+    return cost_model_for(backend, calibration_key(settings, info))
+
+
 def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Assembled:
     """Loads the model's tokenizer and the backend the settings ask for, and wires the pipeline.
 
@@ -46,13 +65,36 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Ass
     from worker.backends.select import load_backend, model_info
 
     info = model_info(settings)
-    tokenizer = KeywordTokenizer.from_model(info)
+    prompt = Prompt.resolve(info, prompt=settings.prompt, prompt_name=settings.prompt_name)
+    codec = output_codec(settings, info, prompt)  # before the backend: a bad setting fails fast
+    tokenizer = KeywordTokenizer.from_model(info, prompt=prompt)
     loaded = load_backend(settings, model=info)
     backend, profile = loaded.backend, loaded.profile
     log.info("backend loaded", backend=backend.name, model=info.name, dim=backend.dim, profile=profile.name,
-             buckets=list(profile.bounds), max_len=tokenizer.max_len, pad_to=loaded.settings.pad_to)
+             buckets=list(profile.bounds), max_len=tokenizer.max_len, pad_to=loaded.settings.pad_to,
+             prompt_name=prompt.name, prompt=prompt.text or None, output_dim=codec.dim,
+             output_encoding=codec.encoding)
     metrics = metrics if metrics is not None else Metrics()
     metrics.set_backend_info(backend.name, info.name, profile.name)
+    costs = cost_model(loaded.settings, info, backend) if loaded.settings.merge_buckets else None
+    if costs is not None:
+        metrics.watch_costs(costs)
     pipeline = Pipeline(loaded.settings, tokenizer=tokenizer, backend=backend, profile=profile,
-                        model_name=info.name, metrics=metrics)
+                        model_name=info.name, metrics=metrics, costs=costs, codec=codec)
     return Assembled(pipeline, backend)
+
+
+def output_codec(settings: Settings, info: ModelInfo, prompt: Prompt) -> OutputCodec:
+    """The output records' codec: width (truncate_dim), encoding with its int8 range, the prompt."""
+    try:
+        check_truncate_dim(settings.truncate_dim, info.dim, source="setting 'truncate_dim'")
+    except ValueError as exc:
+        raise ModelError(f"{exc} ({info.model_dir})") from None
+    dim = settings.truncate_dim or info.dim
+    int8_range = None
+    if settings.output_encoding == "int8":
+        r = settings.int8_range or default_int8_range(dim)
+        int8_range = (-r, r)
+    return OutputCodec(model=info.name, dim=dim, encoding=settings.output_encoding,  # type: ignore[arg-type]
+                       truncate_dim=settings.truncate_dim, prompt_name=prompt.name, prompt=prompt.text,
+                       int8_range=int8_range)

@@ -40,6 +40,11 @@ Flush rules, for the buckets of one lane whose ready queue has room:
    oldest item is flushed at once instead of letting the engine idle until its deadline. Under
    load the dispatchers are never idle, so batches still fill; with a light load it trades
    larger batches for latency the engine had spare capacity for anyway.
+4. with a cost model (`costs`, the worker's merge_buckets setting): a batch of a bucket that is
+   not full (an eager or a due flush) takes whole neighbouring buckets along when one call
+   costs less than two at the measured prices, padded to the longest of them; never while any
+   bucket of the lane is full. The decision is worker/batch_policy.py's pure function; the
+   former only applies it, and every finished call refines the prices.
 """
 
 from __future__ import annotations
@@ -54,7 +59,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kwe_core.profiles import PAD_POLICIES, PadPolicy, Profile
-from worker.backends.base import Backend, InferenceContext
+from worker.backends.base import Backend, InferenceContext, requires_serial_dispatch
+from worker.batch_policy import BucketView, plan_merge
+from worker.cost_model import CostModel
 from worker.padding import pad_batch
 
 log = logging.getLogger(__name__)
@@ -86,6 +93,7 @@ class BatchStats:
     padded_tokens: int
     queue_wait_s: Sequence[float]  # per item: submit -> dispatch start
     backend_s: float
+    merged: int = 1  # length buckets whose items share this batch (worker/batch_policy.py)
 
     @property
     def padding_waste(self) -> float:
@@ -112,11 +120,12 @@ class _Bucket:
 
 @dataclass(slots=True)
 class _Batch:
-    bucket: int
+    bucket: int  # the longest bucket whose items it holds: its shape limits (and TensorRT context)
     items: list[_Item]
     input_ids: np.ndarray
     attention_mask: np.ndarray
     real_tokens: int
+    merged: int
 
 
 @dataclass(slots=True)
@@ -140,6 +149,7 @@ class Bucketer:
                  max_queue_delay_ms: float = 20.0, dispatchers: int = 1,
                  pad_to: PadPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic, eager: bool = True,
+                 costs: CostModel | None = None,
                  guard: Callable[[str, Callable[..., None]], Callable[..., None]] | None = None) -> None:
         if max_queue_delay_ms < 0:
             raise ValueError(f"max_queue_delay_ms must be >= 0, got {max_queue_delay_ms}")
@@ -162,6 +172,10 @@ class Bucketer:
         self._delay = max_queue_delay_ms / 1000.0
         self._clock = clock
         self._eager = eager
+        # The measured prices of a call: a partial batch takes neighbouring buckets along when one
+        # call costs less than two (worker/batch_policy.py), and every call refines them. None:
+        # every batch holds one bucket, as before.
+        self._costs = costs
 
         n_buckets = len(profile.buckets)
         # Which contexts each dispatcher thread creates, owns and runs, and whether it picks the
@@ -171,7 +185,7 @@ class Bucketer:
             if backend.max_contexts < n_buckets:
                 raise BucketerError(f"backend {backend.name} has {backend.max_contexts} contexts but profile "
                                     f"{profile.name!r} has {n_buckets} buckets; they must match one to one")
-            if getattr(backend, "requires_serial_dispatch", False):
+            if requires_serial_dispatch(backend):
                 # The contexts share one block of activation memory (TensorRT share_device_memory):
                 # no two may run at once, so ONE thread owns all of them, one lane for every bucket.
                 self._lanes = [_Lane(list(range(n_buckets)), 1)]
@@ -404,6 +418,28 @@ class Bucketer:
         self._queued -= len(taken)
         return taken
 
+    def _take_planned(self, b: _Bucket, lane: _Lane) -> tuple[_Bucket, list[_Item], int]:
+        """The next batch led by bucket b: b alone, or with the neighbours the policy merges in."""
+        if self._costs is None or len(lane.buckets) == 1 or self._is_full(b):
+            return b, self._take(b), 1
+        views = [BucketView(i, len(self._buckets[i].items), self._padded_len(self._buckets[i]),
+                            self._buckets[i].max_batch if self.pad_to == "longest" else self._buckets[i].limit,
+                            self._is_full(self._buckets[i]))
+                 for i in lane.buckets if self._buckets[i].items]
+        plan = plan_merge(b.index, views, self._costs.prices(), token_budget=self._budget)
+        if len(plan) == 1:
+            return b, self._take(b), 1
+        members = [self._buckets[i] for i in plan]
+        items = [it for m in members for it in m.items]
+        for m in members:
+            m.items.clear()
+            m.longest = 0
+        self._queued -= len(items)
+        return max(members, key=lambda m: m.bound), items, len(members)
+
+    def _padded_len(self, b: _Bucket) -> int:
+        return b.longest if self.pad_to == "longest" else b.bound
+
     # ------------------------------------------------------------------ threads
     def _form_loop(self) -> None:
         try:
@@ -417,10 +453,10 @@ class Bucketer:
                             break
                         self._form_cv.wait(wait)
                     lane = self._lanes[bucket.lane]
-                    items = self._take(bucket)
+                    target, items, merged = self._take_planned(bucket, lane)
                     lane.forming += 1
                 # Padding outside the lock: submitters and dispatchers are not held up by it.
-                batch = self._pad(bucket, items)
+                batch = self._pad(target, items, merged)
                 with self._lock:
                     lane.forming -= 1
                     lane.ready.append(batch)
@@ -431,10 +467,10 @@ class Bucketer:
                 self._ready_cv.notify_all()
                 self._idle_cv.notify_all()
 
-    def _pad(self, b: _Bucket, items: list[_Item]) -> _Batch:
+    def _pad(self, b: _Bucket, items: list[_Item], merged: int = 1) -> _Batch:
         rows = [it.ids for it in items]
         input_ids, mask = pad_batch(rows, b.bound if self.pad_to == "bucket" else None)
-        return _Batch(b.index, items, input_ids, mask, sum(len(r) for r in rows))
+        return _Batch(b.index, items, input_ids, mask, sum(len(r) for r in rows), merged)
 
     def _dispatch_loop(self, lane_no: int, ctx_ids: tuple[int, ...]) -> None:
         lane = self._lanes[lane_no]
@@ -502,9 +538,12 @@ class Bucketer:
             return
         end = self._clock()
         size, pad_len = batch.input_ids.shape
+        if self._costs is not None:
+            self._costs.observe(size, pad_len, end - start)
         stats = BatchStats(bucket=batch.bucket, bound=self._buckets[batch.bucket].bound, size=size,
                            pad_len=pad_len, real_tokens=batch.real_tokens, padded_tokens=size * pad_len,
-                           queue_wait_s=[start - it.t_submit for it in batch.items], backend_s=end - start)
+                           queue_wait_s=[start - it.t_submit for it in batch.items], backend_s=end - start,
+                           merged=batch.merged)
         try:
             self._on_complete(seqs, out, stats)
         except Exception:

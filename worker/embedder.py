@@ -15,18 +15,24 @@ texts already embedded, keyed by their token IDs after truncation: a repeat, in 
 a later one, is not run again, and gets bit for bit the vector computed the first time.
 `precision="int8"` runs the quantized graph (engines/quantize_int8.py, cached beside the fp32
 export; its quality against fp32 is in benchmarks/results/int8.md).
+
+Prompts and smaller vectors, as the Kafka worker's settings of the same names:
+
+    e5 = Embedder(model_dir, prompt_name="query")     # or prompt="query: "; default: the model's default_prompt_name
+    short = Embedder(truncate_dim=256).embed(texts)    # [N, 256], renormalised
+    bits = Embedder().quantize(vectors, "binary")      # uint8 [N, dim / 8], packed sign bits
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import cast
-from typing import get_args
+from typing import Literal, cast, get_args
 
 import numpy as np
 
-from kwe_core.model import ModelInfo, default_model_dir
+from kwe_core.model import PROMPT_AUTO, ModelInfo, Prompt, default_model_dir
+from kwe_core.vectors import check_truncate_dim, default_int8_range, pack_binary, quantize_int8, truncate
 from worker.backends.onnxruntime import OnnxRuntimeBackend
 from worker.backends.select import open_backend
 from worker.padding import pad_batch
@@ -39,7 +45,8 @@ class Embedder:
     def __init__(self, model_dir: str | Path | None = None, *, onnx_path: str | Path | None = None,
                  intra_op_threads: int = 0, batch_size: int = 64, token_budget: int = 4096,
                  optimize: bool = False, cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 precision: Precision = "fp32") -> None:
+                 precision: Precision = "fp32", prompt: str | None = None, prompt_name: str = PROMPT_AUTO,
+                 truncate_dim: int | None = None) -> None:
         if batch_size < 1:
             raise ValueError(f"Embedder: batch_size must be >= 1, got {batch_size}")
         if token_budget < 1:
@@ -51,7 +58,11 @@ class Embedder:
                              "onnx_path or optimize")
         self.info = ModelInfo.from_dir(model_dir if model_dir is not None else default_model_dir())
         self.model_dir = self.info.model_dir
-        self.tokenizer = KeywordTokenizer.from_model(self.info)
+        if truncate_dim is not None:
+            check_truncate_dim(truncate_dim, self.info.dim, source="Embedder: truncate_dim")
+        self.truncate_dim = truncate_dim or 0
+        self.prompt = Prompt.resolve(self.info, prompt=prompt, prompt_name=prompt_name)
+        self.tokenizer = KeywordTokenizer.from_model(self.info, prompt=self.prompt)
         # The plain graph by default: with ONNX Runtime's own session-time fusions (level ALL)
         # it measured ~10-15% faster than the offline-fused graph on this project's CPUs
         # (benchmarks/results/ort_grid.md); both match the reference equally.
@@ -62,12 +73,27 @@ class Embedder:
         self.batch_size = batch_size
         self.token_budget = token_budget
         self._context = self.backend.create_context(0)
-        self.cache: EmbeddingCache | None = (EmbeddingCache(cache_bytes, self.dim) if cache_bytes
+        self.cache: EmbeddingCache | None = (EmbeddingCache(cache_bytes, self.info.dim) if cache_bytes
                                               else None)
 
     @property
     def dim(self) -> int:
-        return self.info.dim
+        """The width of what embed returns: truncate_dim when set, else the model's."""
+        return self.truncate_dim or self.info.dim
+
+    @property
+    def int8_range(self) -> tuple[float, float]:
+        """The calibration range quantize(..., "int8") uses (the worker's default int8_range)."""
+        r = default_int8_range(self.dim)
+        return (-r, r)
+
+    def quantize(self, vectors: np.ndarray, encoding: Literal["int8", "binary"]) -> np.ndarray:
+        """int8 [N, dim] over `int8_range`, or uint8 [N, ceil(dim / 8)] packed sign bits (kwe_core.vectors)."""
+        if encoding == "int8":
+            return quantize_int8(vectors, *self.int8_range)
+        if encoding == "binary":
+            return pack_binary(vectors)
+        raise ValueError(f"Embedder.quantize: encoding must be 'int8' or 'binary', got {encoding!r}")
 
     @property
     def model_name(self) -> str:
@@ -81,10 +107,11 @@ class Embedder:
         """[N, dim] float32, row i the unit-norm embedding of texts[i]."""
         if isinstance(texts, str):
             raise TypeError("Embedder.embed takes a list of texts, not one string")
-        return self.embed_encoded(self.tokenizer.encode(texts))
+        return truncate(self.embed_encoded(self.tokenizer.encode(texts)), self.truncate_dim)
 
     def embed_encoded(self, encoded: Sequence[Encoded]) -> np.ndarray:
-        out = np.empty((len(encoded), self.dim), dtype=np.float32)
+        """[N, model dim] float32 of already tokenized texts (not truncated: the cache keeps full rows)."""
+        out = np.empty((len(encoded), self.info.dim), dtype=np.float32)
         if self.cache is None:
             self._run(encoded, out)
             return out
@@ -105,7 +132,7 @@ class Embedder:
             else:
                 out[i] = row
         if misses:
-            computed = np.empty((len(misses), self.dim), dtype=np.float32)
+            computed = np.empty((len(misses), self.info.dim), dtype=np.float32)
             self._run([encoded[i] for i in misses], computed)
             for i, row in zip(misses, computed):
                 # put() returns the vector already cached if another thread got there first.

@@ -16,7 +16,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal, Protocol
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
@@ -103,6 +103,12 @@ class Metrics:
         # scrape time (watch_cache), so the per-keyword path pays for no metric update.
         self._cache_stats: Callable[[], Any] | None = None
         r.register(_CacheCollector(lambda: self._cache_stats))
+        self.merged_batches = Counter(f"{PREFIX}merged_batches",
+                                      "Batches that hold more than one length bucket (worker/batch_policy.py), "
+                                      "by the bound they were padded in.", ["bucket"], registry=r)
+        # The cost model's prices, read from it at scrape time (watch_costs).
+        self._costs: Any = None
+        r.register(_CostCollector(lambda: self._costs))
         self.transactions = Counter(f"{PREFIX}transactions", "Exactly-once transactions, by outcome.",
                                     ["outcome"], registry=r)
         self.transaction_time = Histogram(f"{PREFIX}transaction_seconds",
@@ -110,6 +116,12 @@ class Metrics:
                                           buckets=TRANSACTION_BUCKETS, registry=r)
         self.backend_info = Info(f"{PREFIX}backend", "Inference backend, model and bucket profile in use.",
                                  registry=r)
+        # What /healthz answers, as a series (read at scrape time), so an alert sees a worker that is
+        # up but failing its liveness check; and process_start_time_seconds, whose changes count
+        # restarts where kube-state-metrics is not there (deploy/prometheus/alerts.yml).
+        self._live: LiveCheck = _always_alive
+        r.register(_HealthCollector(lambda: self._live))
+        ProcessCollector(registry=r)
         # Series that exist from the start read 0 instead of "no data", so rate() and
         # alerts on them work before the first event.
         for kind in REBALANCE_KINDS:
@@ -174,11 +186,22 @@ class Metrics:
         for seconds in stats.queue_wait_s:
             wait.observe(seconds)
         self.backend_time.labels(bucket=label).observe(stats.backend_s)
+        if stats.merged > 1:
+            self.merged_batches.labels(bucket=label).inc()
+
+    # --- cost model (worker.cost_model.CostModel) ------------------------------------------
+    def watch_costs(self, costs: Any) -> None:
+        """Export the prices of this CostModel (calibrated and live), read at scrape time."""
+        self._costs = costs
 
     # --- embedding cache (worker.cache.CacheObserver) -----------------------------------
     def watch_cache(self, stats: Callable[[], Any]) -> None:
         """Export the cache whose `stats()` (a worker.cache.CacheStats) is given, read at scrape time."""
         self._cache_stats = stats
+
+    def watch_liveness(self, live: LiveCheck) -> None:
+        """Export `live` (the /healthz check) as kwe_healthy, 1 or 0, read at scrape time."""
+        self._live = live
 
     # --- consumer group ------------------------------------------------------------------
     def set_lag(self, topic: str, partition: int, lag: int) -> None:
@@ -285,6 +308,48 @@ class _CacheCollector(Collector):
             value = float(getattr(stats, attr)) if stats is not None else 0.0
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(f"{PREFIX}{name}", help_text, value=value)
+
+
+class _CostCollector(Collector):
+    """kwe_cost_model_seconds{term, source}: the prices of a backend call; kwe_cost_model_slowdown:
+    what a call of 4 rows x 8 tokens costs now against the start-up calibration (1.0: as when idle)."""
+
+    def __init__(self, source: Callable[[], Any]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        costs = self._source()
+        if costs is None:
+            return
+        live, calibrated = costs.prices(), costs.calibrated
+        prices = GaugeMetricFamily(f"{PREFIX}cost_model_seconds",
+                                   "Backend call price t = fixed + per_row x B + per_token x B x L, by term, as "
+                                   "calibrated at start and as refined from live calls.", labels=["term", "source"])
+        for source, p in (("calibrated", calibrated), ("live", live)):
+            prices.add_metric(["fixed", source], p.fixed_s)
+            prices.add_metric(["per_row", source], p.per_row_s)
+            prices.add_metric(["per_token", source], p.per_token_s)
+        yield prices
+        reference = calibrated.cost(4, 8)
+        yield GaugeMetricFamily(f"{PREFIX}cost_model_slowdown",
+                                "A 4 x 8 call's live price over its calibrated (idle) price.",
+                                value=live.cost(4, 8) / reference if reference > 0 else 0.0)
+
+
+class _HealthCollector(Collector):
+    """kwe_healthy: 1 when the liveness check passes (/healthz 200), 0 when it fails or raises."""
+
+    def __init__(self, source: Callable[[], LiveCheck]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            alive = bool(self._source()()[0])
+        except Exception:  # noqa: BLE001 - a failing check is a failing worker, as on /healthz
+            alive = False
+        yield GaugeMetricFamily(f"{PREFIX}healthy", "1 when the liveness check passes (/healthz answers 200), "
+                                "0 when it fails (fatal error, dead thread, stalled commit point).",
+                                value=1.0 if alive else 0.0)
 
 
 # The readiness callable returns (ready, detail). The detail is either named checks
@@ -396,6 +461,7 @@ class MetricsServer:
     def __init__(self, metrics: Metrics, host: str, port: int, ready: ReadyCheck,
                  live: LiveCheck = _always_alive) -> None:
         self._metrics = metrics
+        metrics.watch_liveness(live)
         self._host = host
         self._requested_port = port
         self._ready = ready

@@ -35,6 +35,7 @@ from worker.acks import Acknowledger
 from worker.backends.isolating import IsolatingBackend
 from worker.cache import EmbeddingCache
 from worker.config import Settings
+from worker.cost_model import CostModel
 from worker.dead_letters import DeadLetters
 from worker.deadline import Deadline
 from worker.delivery import Delivery, delivery_kind
@@ -66,9 +67,10 @@ ABORT_S = 2.0
 
 class Pipeline:
     def __init__(self, settings: Settings, *, tokenizer: Any, backend: Any, profile: Any, model_name: str,
-                 metrics: Metrics | None = None, bucketer_factory: Any = None,
+                 metrics: Metrics | None = None, bucketer_factory: Any = None, costs: CostModel | None = None,
                  consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
-                 producer_factory: Callable[[dict[str, Any]], Any] = Producer) -> None:
+                 producer_factory: Callable[[dict[str, Any]], Any] = Producer,
+                 codec: OutputCodec | None = None) -> None:
         from worker.bucketing import Bucketer
 
         self.settings = settings
@@ -97,8 +99,9 @@ class Pipeline:
                                    revoke_wait_s=self._revoke_wait_s, group=settings.group_id, failures=failures,
                                    consumer_factory=consumer_factory)
         self._delivery: Delivery = kind.build(settings, self._committer, self._producer, self._member.client, self.latch,
-                                        lambda: len(self._inflight), self.metrics, self._commit_by)
-        codec = OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding)  # type: ignore[arg-type]
+                                              lambda: len(self._inflight), self.metrics, self._commit_by)
+        # worker.app.output_codec adds truncate_dim, the prompt and the int8 range.
+        codec = codec or OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding)  # type: ignore[arg-type]
         # Repeated keywords are answered from here without the model (0 bytes: off).
         cache = EmbeddingCache(settings.cache_bytes, backend.dim, observer=self.metrics) if settings.cache_bytes else None
         self._output = OutputStage(settings.output_topic, codec, self._producer, self._inflight, acks, dead_letters,
@@ -107,7 +110,7 @@ class Pipeline:
         self._bucketer = (bucketer_factory or Bucketer)(
             profile, IsolatingBackend(backend, canary), self._output.on_batch, on_error=self._output.on_batch_error,
             max_queue_delay_ms=settings.max_queue_delay_ms, dispatchers=settings.dispatchers,
-            pad_to=settings.pad_to, guard=lambda name, body: guarded(self.latch, name, body))
+            pad_to=settings.pad_to, costs=costs, guard=lambda name, body: guarded(self.latch, name, body))
         self._intake = Intake(settings, tokenizer, self._committer.tracker, self._inflight, self._bucketer.submit,
                               dead_letters, self.metrics, cache=cache, answer=self._output.on_cached)
         self.liveness = Liveness(self.latch, lambda: [self._output.thread, self._producer.thread,

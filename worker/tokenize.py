@@ -1,4 +1,8 @@
-"""Tokenisation as the reference does it: [CLS] text [SEP], cut at max_seq_length, no padding.
+"""Tokenisation as the reference does it: [CLS] prompt text [SEP], cut at max_seq_length, no padding.
+
+A prompt (kwe_core.model.Prompt: "query: " for e5, an instruction for bge) is put before
+each text before tokenisation, as sentence-transformers does, so it counts towards
+max_seq_length and is part of the token IDs, hence of the embedding cache's key.
 
 The packaged tokenizer.json switches on truncation at 128 and fixed padding to 128. Used as it
 stands, every keyword would cost 128 positions and long ones would be cut below the reference's
@@ -14,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from kwe_core.model import ModelError, ModelInfo
+from kwe_core.model import ModelError, ModelInfo, Prompt
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,8 @@ class Encoded:
 
 
 class KeywordTokenizer:
-    def __init__(self, tokenizer: Tokenizer, max_len: int, *, source: str = "<tokenizer>") -> None:
+    def __init__(self, tokenizer: Tokenizer, max_len: int, *, source: str = "<tokenizer>",
+                 prompt: Prompt | None = None) -> None:
         if max_len < 3:
             raise ValueError(f"{source}: max_len {max_len} cannot hold [CLS] x [SEP]")
         tokenizer.no_padding()
@@ -36,22 +41,28 @@ class KeywordTokenizer:
         self._max_len = max_len
         # Each overflow piece repeats the special tokens; subtracting them gives the full length.
         self._n_special = tokenizer.num_special_tokens_to_add(False)
+        self.prompt = prompt or Prompt()
+        # What every encoding holds besides the text: the special tokens and the prompt's own.
+        self._n_fixed = (len(tokenizer.encode(self.prompt.text, add_special_tokens=True).ids)
+                         if self.prompt.text else self._n_special)
 
     @classmethod
-    def from_model_dir(cls, path: str | Path, max_len: int | None = None) -> KeywordTokenizer:
-        return cls.from_model(ModelInfo.from_dir(path), max_len)
+    def from_model_dir(cls, path: str | Path, max_len: int | None = None, *,
+                       prompt: Prompt | None = None) -> KeywordTokenizer:
+        return cls.from_model(ModelInfo.from_dir(path), max_len, prompt=prompt)
 
     @classmethod
-    def from_model(cls, info: ModelInfo, max_len: int | None = None) -> KeywordTokenizer:
+    def from_model(cls, info: ModelInfo, max_len: int | None = None, *,
+                   prompt: Prompt | None = None) -> KeywordTokenizer:
         """The model's tokenizer, from a ModelInfo already read (the model folder is read once per start)."""
         limit = info.max_seq_length if max_len is None else max_len
-        if not 3 <= limit <= info.max_position_embeddings:
-            raise ModelError(f"{info.model_dir}: max_len {limit} must be in [3, {info.max_position_embeddings}]")
+        if not 3 <= limit <= info.max_tokens:
+            raise ModelError(f"{info.model_dir}: max_len {limit} must be in [3, {info.max_tokens}]")
         try:
             tokenizer = Tokenizer.from_file(str(info.tokenizer_path))
         except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
             raise ModelError(f"{info.tokenizer_path}: cannot load tokenizer ({exc})") from None
-        return cls(tokenizer, limit, source=str(info.tokenizer_path))
+        return cls(tokenizer, limit, source=str(info.tokenizer_path), prompt=prompt)
 
     @property
     def max_len(self) -> int:
@@ -59,12 +70,18 @@ class KeywordTokenizer:
 
     @property
     def special_tokens(self) -> int:
-        """Tokens every encoding has ([CLS], [SEP]): an encoding of no more has no text."""
-        return int(self._n_special)
+        """Tokens every encoding has ([CLS], [SEP], the prompt's): an encoding of no more has no text."""
+        return int(self._n_fixed)
 
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
+        # One text at a time on the calling thread, never encode_batch: that wakes the tokenizers'
+        # Rayon pool, whose threads spin between calls and took a core from the model under a
+        # trickle (issue 19: ~5 ms per call of 1-3 keywords on the poll thread; benchmarks/results/
+        # latency_diagnosis.md). Keywords are short: one at a time costs ~15 us each.
         out = []
-        for enc in self._tokenizer.encode_batch(list(texts), add_special_tokens=True):
+        encode = self._tokenizer.encode
+        prefix = self.prompt.text
+        for enc in (encode(prefix + text if prefix else text, add_special_tokens=True) for text in texts):
             ids = np.asarray(enc.ids, dtype=np.int64)
             overflow = sum(len(o.ids) - self._n_special for o in enc.overflowing)
             out.append(Encoded(ids=ids, length=len(ids) + overflow, truncated=overflow > 0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,15 +29,24 @@ def embed_through_bucketer(backend: Any, profile: Profile, rows: Sequence[np.nda
 
 
 def paired_bucketed(encoded: Sequence[Any], runs: dict[str, tuple[Any, Profile]], rounds: int,
-                    pairs: Sequence[tuple[str, str]], *, options: Any = None) -> dict[str, Any]:
-    """Each (backend, profile) through the real bucketer, order rotated per round; the paired ratios a/b."""
+                    pairs: Sequence[tuple[str, str]], *, options: Any = None,
+                    deadline: float | None = None) -> dict[str, Any]:
+    """Each (backend, profile) through the real bucketer, order rotated per round; the paired ratios a/b.
+
+    With a `deadline` (a time.monotonic() value), no round starts once the time a round took
+    would end past it; the first round always runs. `rounds_run` says how many did.
+    """
     from worker.benchmark.policies import BucketerOptions, run_bucketed
     from worker.benchmark.report import quartiles
 
     options = options or BucketerOptions()
     names = list(runs)
     per_round: list[dict[str, float]] = []
+    round_s = 0.0
     for r in range(rounds):
+        started = time.monotonic()
+        if per_round and deadline is not None and started + round_s > deadline:
+            break
         order = names[r % len(names):] + names[:r % len(names)]
         kw = {}
         for name in order:
@@ -46,6 +56,7 @@ def paired_bucketed(encoded: Sequence[Any], runs: dict[str, tuple[Any, Profile]]
             print(f"round {r + 1}/{rounds} {name}: {run.keywords_per_s:,.0f} kw/s, waste {run.padding_waste:.1%}",
                   flush=True)
         per_round.append(kw)
-    return {"rounds": per_round,
+        round_s = time.monotonic() - started
+    return {"rounds": per_round, "rounds_run": len(per_round), "rounds_asked": rounds,
             "keywords_per_s": {n: quartiles([k[n] for k in per_round]) for n in names},
             "ratios": {f"{a}/{b}": quartiles([k[a] / k[b] for k in per_round]) for a, b in pairs}}

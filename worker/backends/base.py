@@ -15,7 +15,7 @@ import numpy as np
 # Defined in the lowest layer because the engine build raises it too; every backend raises it.
 from kwe_core.errors import BackendError
 
-__all__ = ["Backend", "BackendError", "BackendName", "InferenceContext"]
+__all__ = ["Backend", "BackendError", "BackendName", "InferenceContext", "requires_serial_dispatch"]
 
 # The backends the worker can run on; the settings add "auto" (worker.config.BackendSetting).
 BackendName = Literal["onnxruntime", "tensorrt"]
@@ -47,3 +47,12 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def requires_serial_dispatch(backend: Backend) -> bool:
+    """Whether no two of the backend's contexts may run at once, so one thread must run them all.
+
+    An optional ability (TensorRT sharing one block of activation memory), absent on most
+    backends: read here, in one place, rather than with getattr at every caller.
+    """
+    return bool(getattr(backend, "requires_serial_dispatch", False))

@@ -122,7 +122,28 @@ def resolve_settings(settings: Settings, backend: BackendName, profile: Profile)
     runs after this (the pipeline, the bucketer) never sees the word "auto".
     """
     pad_to: PadPolicy = profile.pad_to if settings.pad_to == "auto" else settings.pad_to
-    return dataclasses.replace(settings, backend=backend, profile=profile.name, pad_to=pad_to)
+    return dataclasses.replace(settings, backend=backend, profile=profile.name, pad_to=pad_to,
+                               intra_op_threads=intra_op_threads(settings))
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which container CPU sets narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def intra_op_threads(settings: Settings, cores: int | None = None) -> int:
+    """The setting, or for 0 the cores divided among the dispatchers: each call gets its own cores.
+
+    One pool of every core shared by concurrent calls makes each call wait for pool threads
+    that other work (the broker, the poll and output threads) has descheduled; single-threaded
+    calls side by side have no such barrier (issue 19, benchmarks/results/latency_diagnosis.md).
+    """
+    if settings.intra_op_threads:
+        return settings.intra_op_threads
+    return max(1, (cores or usable_cores()) // settings.dispatchers)
 
 
 def model_info(settings: Settings) -> ModelInfo:
@@ -156,9 +177,12 @@ def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = 
         from worker.backends.onnxruntime import OnnxRuntimeBackend
 
         if not onnx_path and precision == "int8":
-            from engines.quantize_int8 import ensure_int8_onnx
+            from engines.quantize_int8 import QuantizeError, ensure_int8_onnx
 
-            onnx_path = ensure_int8_onnx(model.model_dir)
+            try:
+                onnx_path = ensure_int8_onnx(model.model_dir)
+            except QuantizeError as exc:  # e.g. a family the int8 recipe does not cover
+                raise BackendError(f"{model.model_dir}: {exc}") from exc
         elif not onnx_path:
             from engines.export_onnx import ensure_onnx
 
@@ -196,7 +220,7 @@ def load_backend(settings: Settings, *, model: ModelInfo | None = None,
     log.info("backend chosen", backend=choice.backend, reason=choice.reason, profile=profile.name)
     # trt_share_device_memory is not a setting yet (see docs/gpu.md); getattr so it works once added.
     backend = open_backend(choice.backend, model, profile, onnx_path=settings.onnx_path or None,
-                           engine_path=settings.engine_path or None, intra_op_threads=settings.intra_op_threads,
+                           engine_path=settings.engine_path or None, intra_op_threads=intra_op_threads(settings),
                            share_device_memory=bool(getattr(settings, "trt_share_device_memory", False)),
                            precision=settings.precision, allow_spinning=settings.ort_allow_spinning)
     return Loaded(resolve_settings(settings, choice.backend, profile), model, backend, profile)

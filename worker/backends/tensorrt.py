@@ -18,7 +18,8 @@ max_batch_i rows is an error (BackendError): the batch belongs to another bucket
 
 Threads and the CUDA context. TensorRT uses the CUDA runtime, which works in the device's
 *primary* context; pycuda uses the driver API, where a context is current per thread. The
-backend therefore retains the primary context once (so pycuda and TensorRT share it), and:
+backend therefore uses the primary context, retained once per process and never detached
+(engines/cuda_context.py), so that pycuda and TensorRT share it, and:
 - the backend's constructor and close() push/pop it around their own work;
 - `create_context(i)` must be called *from the dispatcher thread that will run context i*: it
   pushes the primary context on that thread (once per thread, reference-counted) and keeps it
@@ -337,7 +338,10 @@ class TensorRTContext:
         self._closed = True
         with self._backend._contexts_lock:
             self._backend._contexts.discard(self)
-        self._release()
+        try:
+            self._release()
+        finally:
+            self._backend._unclaim()
 
 
 class TensorRTBackend:
@@ -347,6 +351,7 @@ class TensorRTBackend:
                  share_device_memory: bool = False, device: int = 0) -> None:
         # Imported here: the module is importable (and its pure logic testable) without the gpu extra.
         from engines.build_engine import check_plan, import_gpu_extra, profile_shapes, read_sidecar
+        from engines.cuda_context import primary_context
 
         self.engine_path = Path(engine_path)
         self.profile = profile
@@ -362,11 +367,17 @@ class TensorRTBackend:
         _, gpu_name, cc = check_plan(self.engine_path, profile, cuda=cuda, tensorrt_version=str(trt.__version__),
                                      onnx_path=onnx_path, device=device, plan_bytes=plan_bytes)
 
-        self._cuda_ctx = cuda.Device(device).retain_primary_context()
+        # Retained once per process, never detached (engines/cuda_context.py says why).
+        self._cuda_ctx = primary_context(cuda, device)
         self._thread_ctx = _ThreadCudaContext(self._cuda_ctx, cuda)
         self._contexts: set[TensorRTContext] = set()
         self._contexts_lock = threading.Lock()  # dispatcher threads create/close concurrently
         self._create_lock = threading.Lock()  # one create_execution_context at a time
+        # share_device_memory: the one thread allowed to hold contexts, claimed at the first
+        # create_context and freed when its last context closes; _claims counts contexts open or
+        # being created (both under _contexts_lock).
+        self._serial_owner: int | None = None
+        self._claims = 0
         self._shared_memory: Any = None
         self._shared_memory_size = 0
         self._logger = trt.Logger(trt.Logger.WARNING)
@@ -405,7 +416,6 @@ class TensorRTBackend:
             self._engine = None
             self._runtime = None
             self._thread_ctx.leave()
-            self._cuda_ctx.detach()
             raise
         self._thread_ctx.leave()
         self.gpu_name, self.compute_capability = gpu_name, cc
@@ -419,17 +429,31 @@ class TensorRTBackend:
         with self._contexts_lock:
             if self.share_device_memory:
                 # One activation block for all contexts: a second thread would run concurrently
-                # and overwrite another context's activations, so refuse it loudly.
-                owners = {c._owner for c in self._contexts}
-                if owners and owners != {me}:
+                # and overwrite another context's activations, so refuse it loudly. The thread is
+                # claimed here, before the (slow) creation, so that two threads starting together
+                # cannot both find no owner.
+                if self._serial_owner not in (None, me):
                     raise BackendError(
                         "share_device_memory: every TensorRT context must be created and run on ONE "
                         "dispatcher thread (requires_serial_dispatch); context "
                         f"{index} was requested from a second thread")
-        ctx = TensorRTContext(self, index)
+                self._serial_owner = me
+            self._claims += 1
+        try:
+            ctx = TensorRTContext(self, index)
+        except BaseException:
+            self._unclaim()
+            raise
         with self._contexts_lock:
             self._contexts.add(ctx)
         return ctx
+
+    def _unclaim(self) -> None:
+        """A context closed (or failed to open): the last one frees the serial owner's claim."""
+        with self._contexts_lock:
+            self._claims -= 1
+            if self._claims == 0:
+                self._serial_owner = None
 
     def close(self) -> None:
         """Frees the engine and the shared block; contexts must have been closed on their own threads."""
@@ -447,4 +471,3 @@ class TensorRTBackend:
             self._runtime = None
         finally:
             self._thread_ctx.leave()
-            self._cuda_ctx.detach()

