@@ -467,6 +467,25 @@ def test_a_member_paused_by_flow_control_takes_new_partitions_paused() -> None:
     assert {tp.partition for tp in fake.paused} == {0, 1}
 
 
+class _Backend:
+    """A 2-dimensional backend whose every call first runs `before` (to hang it, or not)."""
+
+    name, dim, max_contexts = "fake", 2, None
+
+    def __init__(self, before: Any) -> None:
+        self._before = before
+
+    def create_context(self, index: int) -> Any:
+        return self
+
+    def run(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        self._before()
+        return np.zeros((len(ids), 2), dtype=np.float32)
+
+    def close(self) -> None:
+        pass
+
+
 def test_a_bug_in_the_bucketer_former_trips_the_latch_and_liveness_names_the_thread() -> None:
     """Finding 6: the former and dispatchers run guarded; a bug there stops the worker visibly
     (the latch), and /healthz names the dead thread, instead of all work stopping silently."""
@@ -475,23 +494,8 @@ def test_a_bug_in_the_bucketer_former_trips_the_latch_and_liveness_names_the_thr
     from worker.health import Liveness
     from worker.latch import guarded
 
-    class Backend:
-        name, dim, max_contexts = "fake", 2, None
-
-        def create_context(self, index: int) -> Any:
-            class Ctx:
-                def run(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-                    return np.zeros((len(ids), 2), dtype=np.float32)
-
-                def close(self) -> None:
-                    pass
-            return Ctx()
-
-        def close(self) -> None:
-            pass
-
     latch = FatalLatch()
-    b = Bucketer(Profile("t", (Bucket(8, 4, 4),), 10_000, "bucket"), Backend(), lambda *a: None,
+    b = Bucketer(Profile("t", (Bucket(8, 4, 4),), 10_000, "bucket"), _Backend(lambda: None), lambda *a: None,
                  on_error=lambda *a: None, max_queue_delay_ms=1.0,
                  guard=lambda name, body: guarded(latch, name, body))
     live = Liveness(latch, lambda: b.threads, lambda: 0.0, stall_timeout_s=30.0)
@@ -517,24 +521,11 @@ def test_a_bucketer_stop_returns_by_its_timeout_while_a_backend_call_hangs() -> 
     release = threading.Event()
     entered = threading.Event()
 
-    class Backend:
-        name, dim, max_contexts = "fake", 2, None
+    def hang() -> None:
+        entered.set()
+        release.wait(30)  # never returns in time
 
-        def create_context(self, index: int) -> Any:
-            class Ctx:
-                def run(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
-                    entered.set()
-                    release.wait(30)  # never returns in time
-                    return np.zeros((len(ids), 2), dtype=np.float32)
-
-                def close(self) -> None:
-                    pass
-            return Ctx()
-
-        def close(self) -> None:
-            pass
-
-    b = Bucketer(Profile("t", (Bucket(8, 4, 4),), 10_000, "bucket"), Backend(), lambda *a: None,
+    b = Bucketer(Profile("t", (Bucket(8, 4, 4),), 10_000, "bucket"), _Backend(hang), lambda *a: None,
                  on_error=lambda *a: None, max_queue_delay_ms=1.0)
     b.start()
     try:
