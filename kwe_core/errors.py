@@ -1,7 +1,16 @@
-"""Errors shared by the layers above: raised by the engine build and the runtime backends alike."""
+"""Errors shared by the layers above, and their one root.
+
+Every error raised on purpose to stop a command (a bad setting, model file, profile or backend,
+a worker failure) is a `KeywordEmbedderError`: its message is the one line the user reads, so
+a command catches this one type and maps it to that line and an exit code.
+"""
 
 from __future__ import annotations
 
 
-class BackendError(RuntimeError):
+class KeywordEmbedderError(Exception):
+    """The root of every error the user is meant to read; the message says what and why."""
+
+
+class BackendError(KeywordEmbedderError, RuntimeError):
     """The backend cannot be loaded or cannot run a batch; the message says which and why."""

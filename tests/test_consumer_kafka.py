@@ -7,7 +7,9 @@ from collections.abc import Callable
 
 from confluent_kafka import Producer
 
+from worker.deadline import Deadline
 from worker.config import Settings
+from worker.delivery import AtLeastOnce
 from worker.kafka.committer import Committer
 from worker.kafka.consumer import GroupMember, consumer_config
 from worker.latch import FatalLatch
@@ -31,7 +33,7 @@ def test_consume_returns_a_lone_record_without_waiting_out_the_timeout(
         kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str) -> None:
     topic = make_topic("lone", 1)
     member = _member(kafka_bootstrap, group_id)
-    member.subscribe(topic)
+    member.subscribe(topic, AtLeastOnce(member._committer))
     try:
         deadline = time.monotonic() + 30
         while not member._committer.tracker.partitions():
@@ -51,4 +53,4 @@ def test_consume_returns_a_lone_record_without_waiting_out_the_timeout(
         got += member.consume(20, 5.0)
         assert len(got) == 30 and len(member.consume(20, 0.5)) == 0
     finally:
-        member.close(10)
+        member.close(Deadline.after(10))

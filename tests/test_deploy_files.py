@@ -295,7 +295,8 @@ def test_cpu_dockerfile() -> None:
     assert "keyword-embedder export-onnx --output" in runs
     onnx = dockerfile_env(instructions)["KWE_ONNX_PATH"]
     assert f"export-onnx --output {onnx}" in runs
-    assert ("ENTRYPOINT", '["keyword-embedder", "run"]') in instructions
+    assert ("ENTRYPOINT", '["/usr/bin/tini", "--", "keyword-embedder", "run"]') in instructions
+    assert any(op == "RUN" and "install -y --no-install-recommends tini" in arg for op, arg in instructions)
 
 
 def _tensorrt_version_arg() -> str:
@@ -336,7 +337,8 @@ def test_gpu_dockerfile_and_entrypoint() -> None:
     instructions = dockerfile_instructions(DEPLOY / "docker" / "Dockerfile.gpu")
     entry = DEPLOY / "docker" / "gpu-entrypoint.sh"
     assert ("COPY", "deploy/docker/gpu-entrypoint.sh /usr/local/bin/gpu-entrypoint.sh") in instructions
-    assert ("ENTRYPOINT", '["/usr/local/bin/gpu-entrypoint.sh"]') in instructions
+    assert ("ENTRYPOINT", '["/usr/bin/tini", "--", "/usr/local/bin/gpu-entrypoint.sh"]') in instructions
+    assert any(op == "RUN" and " tini" in arg for op, arg in instructions)
     assert entry.stat().st_mode & 0o111, "gpu-entrypoint.sh is not executable"
     subprocess.run(["bash", "-n", str(entry)], check=True)
     script = entry.read_text(encoding="utf-8")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+from worker.deadline import Deadline
 from worker.backends.isolating import IsolatingContext, PartialBatchError
 from worker.errors import BackendBrokenError, DeliveryError, ThreadDiedError, WorkerError
 from worker.flow import FlowControl
@@ -106,7 +107,7 @@ def test_deliveries_are_acknowledged_on_the_delivery_thread_only() -> None:
     wrapper.start()
     for i in range(20):
         assert wrapper.produce("out", b"k", b"v", [], lambda i=i: acked.append(threading.current_thread().name))
-    assert wrapper.flush(5.0) == 0
+    assert wrapper.flush(Deadline.after(5.0)) == 0
     wrapper.stop(2.0)
     assert len(acked) == 20 and set(acked) == {"kwe-delivery"} == fake.poll_threads
     assert not latch.is_set()
@@ -257,7 +258,7 @@ def test_commit_until_retries_a_commit_refused_during_a_rebalance() -> None:
     fake.sync_errors = [KafkaException(KafkaError(KafkaError.ILLEGAL_GENERATION)),
                         KafkaException(KafkaError(KafkaError.REBALANCE_IN_PROGRESS))]
     served: list[float] = []
-    assert c.commit_until(time.monotonic() + 5.0, served.append)
+    assert c.commit_until(Deadline.after(5.0), served.append)
     assert len(served) == 2 and part.committed == 1
 
 
@@ -374,7 +375,7 @@ def test_liveness_fails_on_a_fatal_error_a_dead_thread_or_a_stall() -> None:
     latch = FatalLatch()
     stalled = [0.0]
     done = threading.Thread(target=lambda: None, name="kwe-output")
-    live = Liveness(latch, [done], lambda: stalled[0], stall_timeout_s=30.0)
+    live = Liveness(latch, lambda: [done], lambda: stalled[0], stall_timeout_s=30.0)
     assert live() == (True, "ok")  # not started yet: not dead
     stalled[0] = 31.0
     ok, reason = live()
@@ -408,8 +409,12 @@ class FakeGroupConsumer(FakeConsumer):
     def assignment(self) -> list[TopicPartition]:
         return list(self.assigned)
 
+    def subscribe(self, topics: list[str], **callbacks: Any) -> None:
+        pass
+
 
 def _member(wait_s: float) -> tuple[Any, Committer, FakeGroupConsumer, FatalLatch]:
+    from worker.delivery import AtLeastOnce
     from worker.kafka.consumer import GroupMember
     from worker.metrics import Metrics
 
@@ -418,6 +423,7 @@ def _member(wait_s: float) -> tuple[Any, Committer, FakeGroupConsumer, FatalLatc
     made: list[FakeGroupConsumer] = []
     member = GroupMember({}, committer, latch, Metrics(), revoke_wait_s=lambda: wait_s,
                          consumer_factory=lambda cfg: made.append(FakeGroupConsumer(cfg)) or made[0])
+    member.subscribe("t", AtLeastOnce(committer))
     return member, committer, made[0], latch
 
 
@@ -459,3 +465,75 @@ def test_a_member_paused_by_flow_control_takes_new_partitions_paused() -> None:
     member.set_paused(True)
     member._on_assign(fake, [TopicPartition("t", 1)])
     assert {tp.partition for tp in fake.paused} == {0, 1}
+
+
+class _Backend:
+    """A 2-dimensional backend whose every call first runs `before` (to hang it, or not)."""
+
+    name, dim, max_contexts = "fake", 2, None
+
+    def __init__(self, before: Any) -> None:
+        self._before = before
+
+    def create_context(self, index: int) -> Any:
+        return self
+
+    def run(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        self._before()
+        return np.zeros((len(ids), 2), dtype=np.float32)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_bug_in_the_bucketer_former_trips_the_latch_and_liveness_names_the_thread() -> None:
+    """Finding 6: the former and dispatchers run guarded; a bug there stops the worker visibly
+    (the latch), and /healthz names the dead thread, instead of all work stopping silently."""
+    from kwe_core.profiles import Bucket, Profile
+    from worker.bucketing import Bucketer
+    from worker.health import Liveness
+    from worker.latch import guarded
+
+    latch = FatalLatch()
+    b = Bucketer(Profile("t", (Bucket(8, 4, 4),), 10_000, "bucket"), _Backend(lambda: None), lambda *a: None,
+                 on_error=lambda *a: None, max_queue_delay_ms=1.0,
+                 guard=lambda name, body: guarded(latch, name, body))
+    live = Liveness(latch, lambda: b.threads, lambda: 0.0, stall_timeout_s=30.0)
+
+    def bug(bucket: Any, items: Any) -> Any:
+        raise KeyError("a bug while padding")
+
+    b._pad = bug  # type: ignore[method-assign]
+    b.start()
+    assert live() == (True, "ok")
+    b.submit(0, np.arange(1, 5, dtype=np.int64))
+    assert latch.wait(5.0), "the former's exception did not reach the latch"
+    assert isinstance(latch.error, ThreadDiedError) and "kwe-bucket-former" in str(latch.error)
+    ok, why = live()
+    assert not ok
+    b.stop(drain=False, timeout=0.5)
+
+
+def test_a_bucketer_stop_returns_by_its_timeout_while_a_backend_call_hangs() -> None:
+    from kwe_core.profiles import Bucket, Profile
+    from worker.bucketing import Bucketer
+
+    release = threading.Event()
+    entered = threading.Event()
+
+    def hang() -> None:
+        entered.set()
+        release.wait(30)  # never returns in time
+
+    b = Bucketer(Profile("t", (Bucket(8, 4, 4),), 10_000, "bucket"), _Backend(hang), lambda *a: None,
+                 on_error=lambda *a: None, max_queue_delay_ms=1.0)
+    b.start()
+    try:
+        b.submit(0, np.arange(1, 5, dtype=np.int64))
+        assert entered.wait(5.0)
+        start = time.monotonic()
+        b.stop(drain=True, timeout=0.3)
+        assert time.monotonic() - start < 0.3 + 0.5 + 0.3
+        assert all(t.daemon for t in b.threads)  # cannot hold the process at exit either
+    finally:
+        release.set()

@@ -142,6 +142,56 @@ def test_a_backend_failing_once_dead_letters_no_good_keyword(
     assert committed_offsets(kafka_bootstrap, group_id, names[0], 2) == end_offsets(kafka_bootstrap, names[0], 2)
 
 
+@pytest.mark.parametrize("guarantee", ["at-least-once", "exactly-once"])
+def test_a_hung_backend_bounds_the_stop_by_the_deadline_and_a_second_signal_by_2_s(
+        kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, loaded: tuple[Any, Any, Any],
+        guarantee: str) -> None:
+    """Finding 5: a backend call that never returns. One stop request ends within
+    shutdown_timeout_s + 2 s (exit 0 at-least-once has nothing finished past the hang... the
+    worker exits whatever the backend does); a second one ends it within 2 s of itself."""
+    names = topics(make_topic, 2)
+    produce_queries(kafka_bootstrap, names[0], load_queries(0, 300))
+    hang = threading.Event()
+    worker, faulty = in_process(loaded, kafka_bootstrap, names, group_id,
+                                lambda call, _ids: call > 2 and not hang.wait(120),
+                                processing_guarantee=guarantee, shutdown_timeout_s=8.0)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 60
+        while faulty._calls < 3:  # the dispatcher is inside the hung (third) call
+            assert time.monotonic() < deadline, "the backend was never called"
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        worker.pipeline.request_stop()
+        time.sleep(1.0)
+        worker.pipeline.request_stop()  # the second signal
+        t1 = time.monotonic()
+        code = worker.join(10.0)
+        assert time.monotonic() - t1 < 2.0 + 0.5, f"exited {time.monotonic() - t1:.1f} s after the second signal"
+        assert code == 130
+        # One signal only: bounded by the deadline.
+        names2 = topics(make_topic, 2)
+        produce_queries(kafka_bootstrap, names2[0], load_queries(300, 300))
+        hang2 = threading.Event()
+        worker2, faulty2 = in_process(loaded, kafka_bootstrap, names2, group_id + "-2",
+                                      lambda call, _ids: call > 2 and not hang2.wait(120),
+                                      processing_guarantee=guarantee, shutdown_timeout_s=4.0)
+        worker2.start()
+        try:
+            deadline = time.monotonic() + 60
+            while faulty2._calls < 3:
+                assert time.monotonic() < deadline, "the backend was never called"
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            worker2.pipeline.request_stop()
+            worker2.join(15.0)
+            assert time.monotonic() - t0 < 4.0 + 2.0, f"exited {time.monotonic() - t0:.1f} s after the signal"
+        finally:
+            hang2.set()
+    finally:
+        hang.set()
+
+
 def test_a_poison_keyword_is_dead_lettered_alone(
         kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, loaded: tuple[Any, Any, Any]) -> None:
     names = topics(make_topic, 1)

@@ -10,71 +10,13 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+from tests.fakes.transactions import ABORTABLE, FENCED, RETRIABLE, FakeTxnProducer
 from worker.errors import WorkerError
 from worker.kafka.offsets import OffsetTracker
-from worker.kafka.transactions import (TransactionFencedError, TransactionHungError, Transactions, drained_waiter,
+from worker.kafka.transactions import (TransactionError, TransactionFencedError, TransactionHungError, Transactions, drained_waiter,
                                        kind_of, transactional_config, transactional_id)
 from worker.latch import FatalLatch
 
-FENCED = KafkaError(KafkaError._FENCED, "Producer fenced by newer instance", fatal=True)
-ABORTABLE = KafkaError(KafkaError._STATE, "Transaction error requires abort", txn_requires_abort=True)
-RETRIABLE = KafkaError(KafkaError._TIMED_OUT, "Timed out", retriable=True)
-
-
-class FakeTxnProducer:
-    """librdkafka's transactional producer, as far as the loop can tell."""
-
-    def __init__(self) -> None:
-        self.state = "uninit"
-        self.calls: list[str] = []
-        self.open: list[str] = []  # records of the open transaction
-        self.visible: list[str] = []  # records of committed transactions
-        self.offsets: dict[tuple[str, int], int] = {}  # committed through transactions
-        self.pending_offsets: dict[tuple[str, int], int] = {}
-        self.errors: dict[str, list[KafkaError]] = {}
-        self.fenced = False
-
-    def _enter(self, call: str) -> None:
-        self.calls.append(call)
-        if self.fenced:
-            raise KafkaException(FENCED)
-        queued = self.errors.get(call)
-        if queued:
-            err = queued.pop(0)
-            if err.fatal():
-                self.fenced = True
-            raise KafkaException(err)
-
-    def init_transactions(self, timeout: float) -> None:
-        self._enter("init")
-        self.state = "ready"
-
-    def begin_transaction(self) -> None:
-        assert self.state == "ready", f"begin in state {self.state}"
-        self._enter("begin")
-        self.state = "in_txn"
-
-    def produce(self, record: str) -> None:
-        if self.state != "in_txn":
-            raise KafkaException(KafkaError(KafkaError._STATE, "no transaction in progress"))
-        self.open.append(record)
-
-    def send_offsets_to_transaction(self, positions: list[TopicPartition], group_metadata: Any,
-                                    timeout: float) -> None:
-        assert self.state == "in_txn" and group_metadata == "group-metadata"
-        self._enter("send_offsets")
-        self.pending_offsets.update({(tp.topic, tp.partition): tp.offset for tp in positions})
-
-    def commit_transaction(self, timeout: float) -> None:
-        assert self.state == "in_txn"
-        self._enter("commit")
-        self.visible += self.open
-        self.offsets.update(self.pending_offsets)
-        self.open, self.pending_offsets, self.state = [], {}, "ready"
-
-    def abort_transaction(self, timeout: float) -> None:
-        self._enter("abort")
-        self.open, self.pending_offsets, self.state = [], {}, "ready"
 
 
 class FakeConsumer:
@@ -285,12 +227,43 @@ def test_a_revoke_that_cannot_wait_aborts_and_drops_what_finishes_later() -> Non
     assert not loop.latch.is_set()
 
 
-def test_records_stuck_in_flight_at_an_abort_stop_the_member() -> None:
+def test_records_stuck_in_flight_at_an_abort_stop_the_member_which_aborts_on_the_way_out() -> None:
     loop = Loop()
     loop.consume(0, 1)
     assert not loop.txn.on_revoke(lambda timeout_s: False, 0.1)
-    assert isinstance(loop.latch.error, TransactionFencedError) and "in flight" in str(loop.latch.error)
+    # Not fenced (finding 4): the member stops, and its shutdown still aborts the transaction,
+    # so read_committed readers are not held back until transaction_timeout_ms.
+    assert isinstance(loop.latch.error, TransactionError) and "in flight" in str(loop.latch.error)
+    assert not isinstance(loop.latch.error, TransactionFencedError)
     assert "abort" not in loop.producer.calls  # a late produce could otherwise land in the next one
+    stopped: list[bool] = []
+    loop.txn.finish(lambda timeout_s: False, 0.0, stop_writes=lambda: stopped.append(True))
+    assert stopped == [True] and loop.producer.calls[-1] == "abort" and loop.txn.state == "idle"
+
+
+def test_an_abort_that_fails_without_fencing_is_not_reported_as_fenced() -> None:
+    loop = Loop()
+    loop.consume(0, 1)
+    loop.finish(0, 1)
+    loop.producer.errors["abort"] = [ABORTABLE] * 5
+    loop.txn.abort_and_rewind("test")
+    assert isinstance(loop.latch.error, TransactionError) and "could not be aborted" in str(loop.latch.error)
+
+
+def test_a_revoke_served_during_the_final_drain_closes_the_transaction_and_finish_leaves_it() -> None:
+    """Finding 2: the shutdown's drain serves the group; a revoke inside it commits the
+    transaction; finish must not commit again (commit_transaction with none open is a state error)."""
+    loop = Loop()
+    loop.consume(0, 1)
+    loop.finish(0, 1)
+
+    def drain_with_a_revoke(timeout_s: float) -> bool:
+        assert loop.txn.on_revoke(lambda t: True, 1.0)  # the nested rebalance callback
+        return True
+
+    loop.txn.finish(drain_with_a_revoke, 1.0)
+    assert loop.producer.calls.count("commit") == 1 and loop.producer.visible == ["out-0-1"]
+    assert not loop.latch.is_set() and loop.txn.state == "idle"
 
 
 def test_lost_partitions_abort_a_young_transaction_once_drained() -> None:
@@ -400,3 +373,32 @@ def test_a_transactional_call_that_hangs_stops_the_member() -> None:
     assert isinstance(loop.latch.error, TransactionHungError)
     assert "send_offsets_to_transaction" in str(loop.latch.error)
     assert "commit" not in loop.producer.calls and loop.producer.visible == []
+
+
+def test_records_purged_by_an_abort_are_not_delivery_errors() -> None:
+    """Finding 3: abort_transaction purges the producer's queue; the delivery reports of the purged
+    records (_PURGE_QUEUE, _PURGE_INFLIGHT) must not stop the worker as failed writes, and after
+    the shutdown's abort nothing more is written."""
+    from worker.kafka.producer import OutputProducer
+
+    class Client:
+        def __init__(self, config: dict[str, Any]) -> None:
+            self.reports: list[Any] = []
+
+        def produce(self, topic: str, key: Any, value: Any, headers: Any, on_delivery: Any) -> None:
+            self.reports.append(on_delivery)
+
+    latch = FatalLatch()
+    producer = OutputProducer({}, latch, producer_factory=Client)
+    acked: list[int] = []
+    for i in range(3):
+        assert producer.produce("out", b"k", b"v", [], lambda i=i: acked.append(i))
+    client = producer.client
+    client.reports[0](KafkaError(KafkaError._PURGE_QUEUE), None)
+    client.reports[1](KafkaError(KafkaError._PURGE_INFLIGHT), None)
+    assert not latch.is_set() and acked == [] and producer.purged == 2
+    producer.interrupt()
+    assert not producer.produce("out", b"k", b"v", [], lambda: acked.append(9))
+    assert len(client.reports) == 3
+    client.reports[2](KafkaError(KafkaError._MSG_TIMED_OUT), None)  # a real failure still stops it
+    assert latch.is_set() and "could not write" in str(latch.error)

@@ -66,6 +66,9 @@ from worker.padding import pad_batch
 
 log = logging.getLogger(__name__)
 
+# stop(timeout=): how long past its timeout it waits for the threads to end.
+JOIN_GRACE_S = 0.5
+
 OnComplete = Callable[[Sequence[int], np.ndarray, "BatchStats"], None]
 OnError = Callable[[Sequence[int], BaseException], None]
 
@@ -146,7 +149,8 @@ class Bucketer:
                  max_queue_delay_ms: float = 20.0, dispatchers: int = 1,
                  pad_to: PadPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic, eager: bool = True,
-                 costs: CostModel | None = None) -> None:
+                 costs: CostModel | None = None,
+                 guard: Callable[[str, Callable[..., None]], Callable[..., None]] | None = None) -> None:
         if max_queue_delay_ms < 0:
             raise ValueError(f"max_queue_delay_ms must be >= 0, got {max_queue_delay_ms}")
         if dispatchers < 1:
@@ -162,6 +166,9 @@ class Bucketer:
         self._backend = backend
         self._on_complete = on_complete
         self._on_error = on_error
+        # Wraps each thread's body (the worker: report an exception to the fatal latch instead
+        # of the thread dying silently, worker.latch.guarded).
+        self._guard = guard or (lambda name, body: body)
         self._delay = max_queue_delay_ms / 1000.0
         self._clock = clock
         self._eager = eager
@@ -222,8 +229,11 @@ class Bucketer:
         for lane_no, lane in enumerate(self._lanes):
             for _ in range(lane.threads):
                 ctx_ids = self._thread_contexts[len(self._threads)]
-                t = threading.Thread(target=self._dispatch_loop, args=(lane_no, ctx_ids),
-                                     name=f"kwe-dispatch-{ctx_ids[0]}")
+                name = f"kwe-dispatch-{ctx_ids[0]}"
+                # Daemon: a backend call that never returns must not hold the process at exit
+                # (stop() waits for it only until its timeout).
+                t = threading.Thread(target=self._guard(name, self._dispatch_loop), args=(lane_no, ctx_ids),
+                                     name=name, daemon=True)
                 self._threads.append(t)
         self._live_dispatchers = len(self._threads)
         for t in self._threads:
@@ -239,7 +249,8 @@ class Bucketer:
                 t.join()
             raise BucketerError(f"cannot create backend contexts: {self._start_errors[0]!r}") \
                 from self._start_errors[0]
-        former = threading.Thread(target=self._form_loop, name="kwe-bucket-former")
+        former = threading.Thread(target=self._guard("kwe-bucket-former", self._form_loop),
+                                  name="kwe-bucket-former", daemon=True)
         self._threads.insert(0, former)
         former.start()
 
@@ -269,6 +280,11 @@ class Bucketer:
                     self._is_full(bucket) or (was_empty and lane.idle > len(lane.ready) + lane.forming))):
                 self._form_cv.notify()
 
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The former and dispatcher threads, once started (for the liveness probe)."""
+        return list(self._threads)
+
     def pending(self) -> int:
         """Items submitted and not yet completed or errored."""
         with self._lock:
@@ -292,6 +308,7 @@ class Bucketer:
         once. Batches already running on the backend cannot be interrupted; they finish and are
         delivered before stop() returns, so no callback ever runs after it.
         """
+        join_by = None if timeout is None else time.monotonic() + timeout + JOIN_GRACE_S
         with self._lock:
             if not self._started:
                 self._stopping = True
@@ -314,7 +331,11 @@ class Bucketer:
                     self._form_cv.notify_all()
                     self._ready_cv.notify_all()
         for t in self._threads:
-            t.join()
+            t.join(None if join_by is None else max(0.0, join_by - time.monotonic()))
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck:
+            log.warning("bucketer threads still running at stop (a backend call that does not return): %s",
+                        ", ".join(stuck))
         with self._lock:
             dropped = [it.seq for b in self._buckets for it in b.items]
             dropped += [it.seq for lane in self._lanes for batch in lane.ready for it in batch.items]

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from worker import __version__
 
@@ -59,11 +60,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.parse_args(argv)  # prints --help/--version or the error for an unknown command
         return 2
     name, rest = argv[0], argv[1:]
-    module = importlib.import_module(f"worker.commands.{available[name][0]}")
-    parser = argparse.ArgumentParser(prog=f"keyword-embedder {name}", description=available[name][1])
+    if name == "run":
+        # Before the command's heavy imports: as PID 1 a signal without a handler is dropped.
+        from worker.stop_signals import StopDuringStartup, StopSignals, startup_stopped_message
+
+        signals = StopSignals()
+        try:
+            return _command(name, available[name], rest, signals)
+        except StopDuringStartup as stop:
+            print(startup_stopped_message(str(stop)), file=sys.stderr)
+            return 0
+    return _command(name, available[name], rest, None)
+
+
+def _command(name: str, entry: tuple[str, str], rest: list[str], signals: Any) -> int:
+    module = importlib.import_module(f"worker.commands.{entry[0]}")
+    parser = argparse.ArgumentParser(prog=f"keyword-embedder {name}", description=entry[1])
     module.configure(parser)
-    args = parser.parse_args(rest)
     try:
+        args = parser.parse_args(rest)
+        if signals is not None:
+            return int(module.main(args, signals) or 0)
         return int(module.main(args) or 0)
     except KeyboardInterrupt:
         return 130

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+from kwe_core.errors import KeywordEmbedderError
 from kwe_core.profiles import PadPolicy
 from worker.backends.base import BackendName
 from worker.kafka.messages import InputFormat, OutputEncoding
@@ -157,7 +158,7 @@ CLIENT_SETTINGS = ("kafka_config", "kafka_config_file", "security_protocol", "sa
 Precision = Literal["fp32", "int8"]
 
 
-class SettingsError(ValueError):
+class SettingsError(KeywordEmbedderError, ValueError):
     """A setting has an invalid value; the message names the setting and its source."""
 
 

@@ -6,8 +6,10 @@ the user reads (which topic, which setting, what failed), so it is written for t
 
 from __future__ import annotations
 
+from kwe_core.errors import KeywordEmbedderError
 
-class WorkerError(RuntimeError):
+
+class WorkerError(KeywordEmbedderError, RuntimeError):
     """The worker cannot go on; the message says why."""
 
 

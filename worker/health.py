@@ -16,7 +16,8 @@ from worker.latch import FatalLatch
 @dataclass
 class Liveness:
     latch: FatalLatch
-    threads: Sequence[threading.Thread]
+    # Called at each probe: some threads (the bucketer's) only exist once the worker started.
+    threads: Callable[[], Sequence[threading.Thread]]
     stalled_for: Callable[[], float]
     stall_timeout_s: float
 
@@ -24,7 +25,7 @@ class Liveness:
         error = self.latch.error
         if error is not None:
             return False, f"fatal error: {error}"
-        dead = [t.name for t in self.threads if t.ident is not None and not t.is_alive()]
+        dead = [t.name for t in self.threads() if t.ident is not None and not t.is_alive()]
         if dead:
             return False, f"worker thread(s) ended: {', '.join(dead)}"
         stalled = self.stalled_for()

@@ -26,7 +26,7 @@ from worker.dead_letters import DeadLetters
 from worker.inflight import InFlight, InFlightTable
 from worker.kafka.headers import read_headers
 from worker.kafka.messages import Keyword, Rejection, decode_input
-from worker.kafka.offsets import OffsetTracker, PartitionOffsets
+from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets
 from worker.metrics import Metrics
 
 log = structlog.get_logger(__name__)
@@ -87,10 +87,13 @@ class Intake:
         offset = msg.offset()
         try:
             part.track(offset)
-        except ValueError as exc:
-            # Re-fetched after an offset reset: already in flight or done here.
-            log.warning("skipping a re-fetched message", error=str(exc))
-            return None
+        except OffsetWentBack as exc:
+            # Not a re-fetch: the lower offsets are new records (a recreated topic, a truncated
+            # log). The partition starts over from here; nothing is skipped.
+            log.warning("partition offsets went back: the input log was reset (topic recreated or "
+                        "truncated); the records from here on are processed as new", error=str(exc))
+            part = self._tracker.restart(part.topic, part.partition)
+            part.track(offset)
         ts_type, ts = msg.timestamp()
         headers = read_headers(msg)  # never msg.headers(): a header name need not be UTF-8
         nbytes = len(msg.key() or b"") + len(msg.value() or b"") + headers.size

@@ -25,6 +25,7 @@ from worker.backends.isolating import PartialBatchError
 from worker.bucketing import BatchStats
 from worker.cache import EmbeddingCache
 from worker.dead_letters import DeadLetters
+from worker.deadline import Deadline
 from worker.errors import BackendBrokenError, WorkerError
 from worker.inflight import InFlight, InFlightTable
 from worker.kafka.messages import OutputCodec, Rejection
@@ -75,12 +76,13 @@ class OutputStage:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout_s: float) -> None:
+    def stop(self, deadline: Deadline) -> None:
         """Produces everything queued so far, then ends the thread (no batch may follow)."""
         self._queue.put(None)
-        self._thread.join(max(0.0, timeout_s))
+        while self._thread.is_alive() and not deadline.expired():
+            self._thread.join(min(0.05, deadline.left()))
         if self._thread.is_alive():
-            log.warning("output thread did not finish in time", timeout_s=round(timeout_s, 3))
+            log.warning("output thread did not finish in time")
 
     # ------------------------------------------------------------------ dispatcher threads
     def on_batch(self, seqs: Sequence[int], rows: np.ndarray, stats: BatchStats) -> None:

@@ -10,19 +10,19 @@ Threads and what each one owns:
 Cross-thread state: the in-flight table (one lock), each partition's offsets (one lock each),
 and the fatal latch, which every thread reports to and the poll thread watches.
 
-Delivery (processing_guarantee): at-least-once by default. An input offset is committed only after its output (or its
-dead-letter record) is acknowledged, and never past a partition's lowest unfinished offset.
+Delivery (processing_guarantee) is a `Delivery` (worker/delivery.py), called at fixed points of
+the loop; this module never asks which guarantee runs. At-least-once (default): an input offset
+is committed only after its output (or its dead-letter record) is acknowledged, and never past
+a partition's lowest unfinished offset. Exactly-once: outputs, dead letters and offsets commit
+in one transaction, closed only once nothing consumed into it is in flight.
 A fatal error anywhere stops the worker with that error and exit code 1; nothing past the
 failed record is committed. Shutdown (SIGTERM) drains, flushes, commits and leaves the group
-within one deadline (shutdown_timeout_s); a second signal aborts at once.
-In exactly-once mode the committer's commits are replaced by the transaction loop
-(worker/kafka/transactions.py), which runs on the poll thread too: outputs, dead letters and
-offsets commit in one transaction, closed only once nothing consumed into it is in flight.
+within one `Deadline` (shutdown_timeout_s), which every step re-reads; a second signal aborts
+and shortens it to 2 s for all of them.
 """
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +37,8 @@ from worker.cache import EmbeddingCache
 from worker.config import Settings
 from worker.cost_model import CostModel
 from worker.dead_letters import DeadLetters
+from worker.deadline import Deadline
+from worker.delivery import Delivery, delivery_kind
 from worker.errors import ThreadDiedError, WorkerError
 from worker.flow import FlowControl
 from worker.health import Liveness
@@ -47,8 +49,7 @@ from worker.kafka.consumer import GroupMember, consumer_config
 from worker.kafka.errors import FailurePolicy
 from worker.kafka.messages import OutputCodec
 from worker.kafka.producer import OutputProducer, producer_config
-from worker.kafka.transactions import Transactions, drained_waiter, transactional_config
-from worker.latch import FatalLatch
+from worker.latch import FatalLatch, guarded
 from worker.metrics import Metrics
 from worker.output import OutputStage
 
@@ -60,6 +61,8 @@ CANARY_TEXT = "keyword embedder canary"
 # after those for leaving the group.
 AFTER_DRAIN_S = 6.0
 LEAVE_S = 3.0
+# A second stop request: everything still running gets at most this long.
+ABORT_S = 2.0
 
 
 class Pipeline:
@@ -75,7 +78,10 @@ class Pipeline:
         self.latch = FatalLatch()
         self._stop = threading.Event()
         self._abort = threading.Event()
-        self._deadline: float | None = None
+        # The one shutdown deadline; its views end earlier by what later steps need.
+        self.deadline = Deadline()
+        self._drain_by = self.deadline.before(AFTER_DRAIN_S)
+        self._commit_by = self.deadline.before(LEAVE_S)
         self.left_group = True
 
         self._inflight = InFlightTable()
@@ -83,29 +89,17 @@ class Pipeline:
         self._flow = FlowControl(settings.max_in_flight, settings.max_in_flight_bytes,
                                  drain_target_s=max(1.0, settings.shutdown_timeout_s / 3))
         failures = FailurePolicy()
-        self.exactly_once = settings.processing_guarantee == "exactly-once"
-        pconfig = producer_config(settings)
-        if self.exactly_once:
-            pconfig = transactional_config(pconfig, group=settings.group_id,
-                                           member=settings.member_id or socket.gethostname(),
-                                           transaction_timeout_ms=settings.transaction_timeout_ms)
-        self._producer = OutputProducer(pconfig, self.latch, failures=failures, producer_factory=producer_factory)
+        kind = delivery_kind(settings)
+        self._producer = OutputProducer(kind.producer_config(producer_config(settings), settings), self.latch,
+                                        failures=failures, producer_factory=producer_factory)
         self._acks = acks = Acknowledger(self._inflight, self.metrics)
         dead_letters = DeadLetters(settings.dead_letter_topic, settings.dead_letter_max_bytes, self._producer, acks)
         self._committer = Committer(None, interval_s=settings.commit_interval_ms / 1000.0)
         self._member = GroupMember(consumer_config(settings), self._committer, self.latch, self.metrics,
                                    revoke_wait_s=self._revoke_wait_s, group=settings.group_id, failures=failures,
-                                   consumer_factory=consumer_factory,
-                                   revoke_commit=self._revoke_commit if self.exactly_once else None,
-                                   on_lost=self._on_lost if self.exactly_once else None)
-        self._txn: Transactions | None = None
-        if self.exactly_once:
-            self._txn = Transactions(self._producer.client, self._member.client, self._committer.tracker,
-                                     self.latch, lambda: len(self._inflight),
-                                     interval_s=settings.transaction_interval_ms / 1000.0,
-                                     transaction_timeout_s=settings.transaction_timeout_ms / 1000.0,
-                                     on_outcome=self.metrics.observe_transaction,
-                                     on_progress=self._committer.progressed)
+                                   consumer_factory=consumer_factory)
+        self._delivery: Delivery = kind.build(settings, self._committer, self._producer, self._member.client, self.latch,
+                                              lambda: len(self._inflight), self.metrics, self._commit_by)
         # worker.app.output_codec adds truncate_dim, the prompt and the int8 range.
         codec = codec or OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding)  # type: ignore[arg-type]
         # Repeated keywords are answered from here without the model (0 bytes: off).
@@ -116,10 +110,11 @@ class Pipeline:
         self._bucketer = (bucketer_factory or Bucketer)(
             profile, IsolatingBackend(backend, canary), self._output.on_batch, on_error=self._output.on_batch_error,
             max_queue_delay_ms=settings.max_queue_delay_ms, dispatchers=settings.dispatchers,
-            pad_to=settings.pad_to, costs=costs)
+            pad_to=settings.pad_to, costs=costs, guard=lambda name, body: guarded(self.latch, name, body))
         self._intake = Intake(settings, tokenizer, self._committer.tracker, self._inflight, self._bucketer.submit,
                               dead_letters, self.metrics, cache=cache, answer=self._output.on_cached)
-        self.liveness = Liveness(self.latch, [self._output.thread, self._producer.thread],
+        self.liveness = Liveness(self.latch, lambda: [self._output.thread, self._producer.thread,
+                                                      *self._bucketer.threads],
                                  self._committer.stalled_for, settings.stall_timeout_s)
 
     # ------------------------------------------------------------------ state for probes
@@ -135,36 +130,19 @@ class Pipeline:
 
     def request_stop(self) -> None:
         """First call: drain, commit and leave within shutdown_timeout_s. Second call: abort now."""
-        now = time.monotonic()
         if self._stop.is_set():
             self._abort.set()
             self._producer.interrupt()
-            self._deadline = min(self._deadline or now, now + 2.0)
+            self.deadline.shorten(ABORT_S)
             log.warning("second stop request: aborting without draining")
             return
-        self._deadline = now + self.settings.shutdown_timeout_s
+        self.deadline.start(self.settings.shutdown_timeout_s)
         self._stop.set()
-
-    def _left(self, reserve: float = 0.0) -> float:
-        assert self._deadline is not None
-        return max(0.0, self._deadline - reserve - time.monotonic())
 
     def _revoke_wait_s(self) -> float:
         if self._abort.is_set() or self.latch.is_set():
             return 0.0
-        if self._stop.is_set():
-            return min(self.settings.revoke_timeout_s, self._left(AFTER_DRAIN_S))
-        return self.settings.revoke_timeout_s
-
-    # ------------------------------------------------------------------ exactly-once hooks
-    def _revoke_commit(self, parts: Any, left_s: float) -> bool:
-        # Inside the rebalance callback: no consume, so plain sleeps while the pipeline drains.
-        assert self._txn is not None
-        return self._txn.on_revoke(drained_waiter(lambda: len(self._inflight), time.sleep), left_s)
-
-    def _on_lost(self) -> None:
-        assert self._txn is not None
-        self._txn.lost()
+        return min(self.settings.revoke_timeout_s, self._drain_by.left())
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
@@ -177,9 +155,8 @@ class Pipeline:
                  dead_letter_topic=s.dead_letter_topic, max_in_flight=s.max_in_flight,
                  max_in_flight_bytes=s.max_in_flight_bytes)
         try:
-            if self._txn is not None:
-                self._txn.init()
-            self._member.subscribe(s.input_topic)
+            self._delivery.start()
+            self._member.subscribe(s.input_topic, self._delivery)
             while not self._stop.is_set() and not self.latch.is_set():
                 self._poll_once()
             if not self.latch.is_set() and not self._abort.is_set():
@@ -190,8 +167,8 @@ class Pipeline:
             self.latch.trip(ThreadDiedError(f"the poll thread failed: {exc!r}"))
             log.exception("poll thread failed")
         finally:
-            if self._deadline is None:  # stopping on a fatal error: the same deadline applies
-                self._deadline = time.monotonic() + s.shutdown_timeout_s
+            # Stopping on a fatal error: the same deadline applies (a no-op after a stop request).
+            self.deadline.start(s.shutdown_timeout_s)
             self._shutdown()
         error = self.latch.error
         if error is not None:
@@ -203,57 +180,43 @@ class Pipeline:
         pending = self._committer.uncommitted()
         self._flow.observe(time.monotonic(), self._acks.embedded_count + self._acks.dead_lettered_count,
                            busy=pending > 0)
-        paused = self._flow.update(pending, self._inflight.bytes)
-        if self._txn is not None:
-            self._txn.step(flow_paused=paused)
-            paused = paused or self._txn.closing
-        self._member.set_paused(paused, reason="flow control" if not self._txn or not self._txn.closing
-                                else "closing a transaction")
+        pause = self._delivery.poll_step(flow_paused=self._flow.update(pending, self._inflight.bytes))
+        if pause is not None:
+            self._member.set_paused(True, reason=pause)
+        else:
+            self._member.set_paused(False)
         self.metrics.set_in_flight(pending)
-        msgs = self._member.consume(self._flow.room(pending) if not paused else 1, 0.05)
+        msgs = self._member.consume(self._flow.room(pending) if pause is None else 1, 0.05)
         if msgs:
-            if self._txn is not None:
-                self._txn.ensure_open()
+            self._delivery.before_intake()
             self._intake.handle(msgs)
-        if self._txn is None:
-            self._committer.maybe_commit()
 
     # ------------------------------------------------------------------ shutdown
     def _drain(self) -> None:
         """Stop taking new keywords, finish what is in flight, commit it."""
         self._member.pause_all()
         start = time.monotonic()
-        log.info("draining", in_flight=self.in_flight(), timeout_s=round(self._left(AFTER_DRAIN_S), 3))
-        while self.in_flight() and self._left(AFTER_DRAIN_S) > 0 and not self._abort.is_set() \
+        log.info("draining", in_flight=self.in_flight(), timeout_s=round(self._drain_by.left(), 3))
+        while self.in_flight() and not self._drain_by.expired() and not self._abort.is_set() \
                 and not self.latch.is_set():
             # Keep serving the group (heartbeats, commit callbacks) while paused.
             self._member.serve(0.05)
-            if self._txn is None:
-                self._committer.maybe_commit()
+            self._delivery.drain_step()
         log.info("drained", in_flight=self.in_flight(), seconds=round(time.monotonic() - start, 3))
 
     def _shutdown(self) -> None:
         clean = not self._abort.is_set() and not self.latch.is_set()
-        never_run = self._bucketer.stop(drain=clean, timeout=max(0.1, self._left(AFTER_DRAIN_S)) if clean else 0.5)
-        self._output.stop(self._left(LEAVE_S) if clean else 0.5)
+        never_run = self._bucketer.stop(drain=clean, timeout=max(0.1, self._drain_by.left()) if clean else 0.5)
+        self._output.stop(self._commit_by if clean else Deadline.after(0.5))
         if clean:
-            unacked = self._producer.flush(self._left(LEAVE_S))
+            unacked = self._producer.flush(self._commit_by)
             if unacked:
                 log.warning("records still unacknowledged at the deadline", records=unacked)
-        # Finished work is committed even after a fatal error: each partition commits only up to
-        # its lowest unfinished offset, and the failed record is never finished.
-        if self._txn is not None:
-            # Committed if it drained, else aborted: an open transaction would hold back
-            # read_committed readers until transaction_timeout_ms.
-            self._txn.finish(drained_waiter(lambda: len(self._inflight), self._member.serve),
-                             self._left(LEAVE_S) if clean else 0.0)
-        elif not self._abort.is_set():
-            self._committer.commit_until(self._deadline - LEAVE_S if self._deadline else 0.0, self._member.serve)
-        self.left_group = self._member.close(self._left())
+        self._delivery.finish(self._commit_by, self._member.serve, drained=clean, aborted=self._abort.is_set())
+        self.left_group = self._member.close(self.deadline)
         self._producer.stop(timeout_s=1.0)
         log.info("worker stopped", consumed=self._intake.consumed, produced=self._acks.embedded_count,
                  dead_lettered=self._acks.dead_lettered_count, in_flight=self.in_flight(),
                  dropped_after_revoke=self._output.dropped, never_run=len(never_run or []),
                  left_group=self.left_group, processing_guarantee=self.settings.processing_guarantee,
-                 transactions_committed=self._txn.committed if self._txn else None,
-                 transactions_aborted=self._txn.aborted if self._txn else None)
+                 purged_by_abort=self._producer.purged, **self._delivery.summary())

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
-from collections.abc import Callable
-from types import FrameType
+from typing import Any
 
 import structlog
 
-from worker.config import SettingsError, add_setting_flags, load_settings
+from worker.config import add_setting_flags, load_settings
+from worker.stop_signals import StopDuringStartup, StopSignals, startup_stopped_message
 from worker.logs import configure_logging
 
 
@@ -24,82 +23,42 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_setting_flags(parser)
 
 
-class StopDuringStartup(BaseException):
-    """A stop signal arrived before the worker ran: unwind start-up and exit cleanly.
-
-    A BaseException so that no `except Exception` on the start-up path swallows it.
-    """
-
-
-class StopSignals:
-    """SIGTERM/SIGINT: during start-up they unwind it; once running they call `on_stop`."""
-
-    def __init__(self) -> None:
-        self.on_stop: Callable[[], None] | None = None
-        signal.signal(signal.SIGTERM, self._handle)
-        signal.signal(signal.SIGINT, self._handle)
-
-    def _handle(self, signum: int, _frame: FrameType | None) -> None:
-        name = signal.Signals(signum).name
-        structlog.get_logger("worker.run").info("stop requested", signal=name)
-        if self.on_stop is None:
-            raise StopDuringStartup(name)
-        self.on_stop()
-
-
-def main(args: argparse.Namespace) -> int:
-    signals = StopSignals()
+def main(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
+    # Installed by worker.cli before this module's imports; here only when called directly.
+    signals = signals if signals is not None else StopSignals()
     try:
         return _main(args, signals)
     except StopDuringStartup as stop:
-        print(f"keyword-embedder run: stopped by {stop} during start-up", file=sys.stderr)
+        print(startup_stopped_message(str(stop)), file=sys.stderr)
+        return 0
+    except BaseException:
+        # A signal that landed inside a C call (librdkafka) surfaces as another exception
+        # (a SystemError from a callback): start-up was stopped, not broken.
+        name = signals.stopped_during_startup()
+        if name is None:
+            raise
+        print(startup_stopped_message(name), file=sys.stderr)
         return 0
 
 
 def _main(args: argparse.Namespace, signals: StopSignals) -> int:
-    try:
-        settings = load_settings(args)
-    except SettingsError as exc:
-        print(f"keyword-embedder run: {exc}", file=sys.stderr)
-        return 2
-    from worker.kafka.client_config import client_config, secret_values
+    from kwe_core.errors import KeywordEmbedderError
 
-    try:
-        # Read the config and password files now: a bad one stops the worker before the model loads.
-        client_config(settings)
-    except SettingsError as exc:
-        print(f"keyword-embedder run: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(settings.log_format, settings.log_level, secrets=secret_values(settings))
     log = structlog.get_logger("worker.run")
-
-    # Before the model loads: a missing topic or permission stops the worker within seconds.
-    from worker.kafka.client_config import admin_config
-    from worker.kafka.errors import PreflightError
-    from worker.kafka.preflight import check_topics
-
     try:
-        check_topics(admin_config(settings), settings)
-    except PreflightError as exc:
-        log.error("cannot start the worker", error=str(exc))
-        print(f"keyword-embedder run: {exc}", file=sys.stderr)
-        return 2
-
-    from kwe_core.errors import BackendError
-    from kwe_core.model import ModelError
-    from kwe_core.profiles import ProfileError
-    from worker.app import build_pipeline
-    from worker.metrics import Metrics, MetricsServer
-
-    metrics = Metrics()
-    try:
-        assembled = build_pipeline(settings, metrics=metrics)
-    except (ModelError, BackendError, ProfileError) as exc:
-        log.error("cannot start the worker", error=str(exc))
+        assembled, metrics, settings = _start(args)
+    except KeywordEmbedderError as exc:
+        if signals.stopped_during_startup():
+            raise StopDuringStartup(signals.requested) from None  # the stop, not a failure
+        # Every start-up failure (a setting, the Kafka check, the model, profile or backend):
+        # one line, exit 2.
+        if structlog.is_configured():  # not before the settings that say how to log are read
+            log.error("cannot start the worker", error=str(exc))
         print(f"keyword-embedder run: {exc}", file=sys.stderr)
         return 2
     pipeline = assembled.pipeline
     signals.on_stop = pipeline.request_stop
+    from worker.metrics import MetricsServer
 
     server = None
     if settings.metrics_port:
@@ -121,3 +80,25 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _start(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """Settings, the Kafka check and the model: raises a KeywordEmbedderError on what stops start-up."""
+    settings = load_settings(args)
+    from worker.kafka.client_config import client_config, secret_values
+
+    # Read the config and password files now: a bad one stops the worker before the model loads.
+    client_config(settings)
+    configure_logging(settings.log_format, settings.log_level, secrets=secret_values(settings))
+
+    # Before the model loads: a missing topic or permission stops the worker within seconds.
+    from worker.kafka.client_config import admin_config
+    from worker.kafka.preflight import check_topics
+
+    check_topics(admin_config(settings), settings)
+
+    from worker.app import build_pipeline
+    from worker.metrics import Metrics
+
+    metrics = Metrics()
+    return build_pipeline(settings, metrics=metrics), metrics, settings

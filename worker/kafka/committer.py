@@ -21,6 +21,7 @@ from typing import Any
 import structlog
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+from worker.deadline import Deadline
 from worker.kafka.offsets import OffsetTracker, PartitionOffsets
 from worker.kafka.throttle import ThrottledLog
 
@@ -151,17 +152,17 @@ class Committer:
             return False
         return self._confirm(result or []) and len(result or []) == len(offsets)
 
-    def commit_until(self, deadline: float, serve: Callable[[float], None]) -> bool:
-        """Commits all finished work, retrying until confirmed or `deadline` (a clock() time).
+    def commit_until(self, deadline: Deadline, serve: Callable[[float], None]) -> bool:
+        """Commits all finished work, retrying until confirmed or the deadline (re-read each
+        attempt, so a second signal shortens it).
 
         Between attempts `serve` polls the consumer, so a member that must rejoin (the commit
         was refused with a stale generation during a rebalance) can do so and commit again.
         """
         while True:
-            left = deadline - self._clock()
-            if self.commit_sync(self.tracker.partitions(), max(0.0, min(left, 5.0))):
+            if self.commit_sync(self.tracker.partitions(), deadline.capped(5.0)):
                 return True
-            if deadline - self._clock() <= 0.2:
+            if deadline.left() <= 0.2:
                 return False
             serve(0.1)
 

@@ -12,12 +12,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
 from worker.config import Settings
+from worker.deadline import Deadline
 from worker.kafka.client_config import client_config
 from worker.errors import WorkerError
 from worker.kafka.committer import Committer
@@ -77,17 +78,24 @@ class _Owned:
         return self._committer.tracker.get(topic, partition) is not None
 
 
+class Rebalances(Protocol):
+    """What the processing guarantee does when partitions go (worker/delivery.py)."""
+
+    def on_revoke(self, parts: list[PartitionOffsets], wait_s: float) -> bool:
+        """Inside the revoke callback: commit the finished work of `parts` (waiting at most
+        wait_s for more to finish); True when committed or nothing was left to commit."""
+        ...
+
+    def on_lost(self) -> None: ...
+
+
 class GroupMember:
     def __init__(self, config: dict[str, Any], committer: Committer, latch: FatalLatch, metrics: Metrics, *,
                  revoke_wait_s: Callable[[], float], group: str = "", failures: FailurePolicy | None = None,
-                 consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
-                 revoke_commit: Callable[[list[PartitionOffsets], float], bool] | None = None,
-                 on_lost: Callable[[], None] | None = None) -> None:
+                 consumer_factory: Callable[[dict[str, Any]], Any] = Consumer) -> None:
         self._committer = committer
-        # Exactly-once: the transaction loop commits (or aborts) on a revoke instead of the
-        # committer, given the revoked partitions and the time left; and hears of lost ones.
-        self._revoke_commit = revoke_commit
-        self._lost_hook = on_lost
+        # What the processing guarantee does on a revoke and a loss (set by `subscribe`).
+        self._rebalances: Rebalances | None = None
         self._group = group
         # Authentication, TLS and ACL errors: which stop the worker, with which message.
         self._failures = failures if failures is not None else FailurePolicy()
@@ -106,7 +114,8 @@ class GroupMember:
         return self._consumer
 
     # ------------------------------------------------------------------ consuming
-    def subscribe(self, topic: str) -> None:
+    def subscribe(self, topic: str, rebalances: Rebalances) -> None:
+        self._rebalances = rebalances
         self._consumer.subscribe([topic], on_assign=self._on_assign, on_revoke=self._on_revoke,
                                  on_lost=self._on_lost)
 
@@ -118,7 +127,19 @@ class GroupMember:
         # what else is already fetched without waiting.
         msgs = self._consumer.consume(num_messages=1, timeout=timeout_s)
         if msgs and max_records > 1:
-            msgs += self._consumer.consume(num_messages=max_records - 1, timeout=0)
+            tracker = self._committer.tracker
+            epoch = tracker.epoch
+            more = self._consumer.consume(num_messages=max_records - 1, timeout=0)
+            if tracker.epoch != epoch:
+                # A rebalance callback ran inside the second call (its op was queued behind the
+                # records of the first): a partition rewound or re-assigned there starts fetching
+                # again from its committed offset, so a record of the first call is from before
+                # the rewind. Tracked by the fresh state, it would make the re-fetched records
+                # below it look like duplicates (librdkafka's seek barrier only purges records
+                # gathered by the same call). It is fetched again; drop it here.
+                msgs = [m for m in msgs if m.error() is not None
+                        or not tracker.replaced_since(m.topic(), m.partition(), epoch)]
+            msgs += more
         out = []
         for msg in msgs:
             err = msg.error()
@@ -168,21 +189,23 @@ class GroupMember:
 
     def _on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         parts = self._committer.owned(partitions)
-        wait_s = 0.0 if self._latch.is_set() else max(0.0, self._revoke_wait_s())
-        deadline = time.monotonic() + wait_s
-        while any(p.unfinished() for p in parts) and time.monotonic() < deadline and not self._latch.is_set():
+        start = time.monotonic()
+
+        def left() -> float:
+            # Re-read each turn: a stop request or a second signal shortens the wait under way.
+            return 0.0 if self._latch.is_set() else max(0.0, start + self._revoke_wait_s() - time.monotonic())
+
+        while any(p.unfinished() for p in parts) and left() > 0:
             time.sleep(0.01)
         unfinished = sum(p.unfinished() for p in parts)
         # Commit what is finished while this generation still owns the partitions; after a
         # fatal error nothing more is committed (the failed record may sit below finished ones
         # of another partition, but never below these: each partition commits only up to its
         # own lowest unfinished offset).
-        if self._latch.is_set():
+        if self._latch.is_set() or self._rebalances is None:
             committed = True
-        elif self._revoke_commit is not None:
-            committed = self._revoke_commit(parts, max(0.0, deadline - time.monotonic()))
         else:
-            committed = self._committer.commit_sync(parts, timeout_s=5.0, in_callback=True)
+            committed = self._rebalances.on_revoke(parts, left())
         self._committer.forget(partitions)
         for tp in partitions:
             self._metrics.forget_partition(tp.topic, tp.partition)
@@ -192,8 +215,8 @@ class GroupMember:
 
     def _on_lost(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         # Lost, not revoked: another member may already own them, so commit nothing.
-        if self._lost_hook is not None:
-            self._lost_hook()
+        if self._rebalances is not None:
+            self._rebalances.on_lost()
         self._committer.forget(partitions)
         for tp in partitions:
             self._metrics.forget_partition(tp.topic, tp.partition)
@@ -224,9 +247,9 @@ class GroupMember:
             self._consumer.pause(assignment)
         self._paused = True
 
-    def close(self, timeout_s: float) -> bool:
+    def close(self, deadline: Deadline) -> bool:
         """Leaves the group (revoking, and so committing, what is still assigned); False if it
-        did not finish within timeout_s (the caller then exits without waiting for it)."""
+        did not finish by the deadline (the caller then exits without waiting for it)."""
         done = threading.Event()
 
         def leave() -> None:
@@ -238,7 +261,7 @@ class GroupMember:
                 done.set()
 
         threading.Thread(target=leave, name="kwe-consumer-close", daemon=True).start()
-        if not done.wait(max(0.0, timeout_s)):
-            log.warning("leaving the group did not finish in time; exiting without it", timeout_s=round(timeout_s, 3))
+        if not deadline.wait(done):
+            log.warning("leaving the group did not finish in time; exiting without it")
             return False
         return True

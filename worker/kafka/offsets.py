@@ -20,6 +20,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 
+class OffsetWentBack(ValueError):
+    """A partition's offsets went back within one assignment: its log was reset under us."""
+
+
 @dataclass(eq=False)
 class PartitionOffsets:
     topic: str
@@ -38,8 +42,12 @@ class PartitionOffsets:
     def track(self, offset: int) -> None:
         with self._lock:
             if self._next is not None and offset < self._next:
-                # A re-fetch after a seek/reset: everything from here on is seen again.
-                raise ValueError(f"{self.topic}[{self.partition}]: offset {offset} tracked out of order "
+                # The position went back with no new assignment and no rewind (both give a fresh
+                # state, and records fetched before them are dropped: GroupMember.consume):
+                # librdkafka reset it (auto.offset.reset) because the log no longer holds it.
+                # The input topic was deleted and recreated, or an unclean leader election
+                # truncated the partition: the lower offsets hold new records.
+                raise OffsetWentBack(f"{self.topic}[{self.partition}]: offset {offset} tracked out of order "
                                  f"(next expected >= {self._next})")
             if self._first is None:
                 self._first = offset
@@ -121,6 +129,19 @@ class OffsetTracker:
         self._parts: dict[tuple[str, int], PartitionOffsets] = {}
         self._epoch = 0
 
+    @property
+    def epoch(self) -> int:
+        """Grows with every change of any partition's state (assignment, rewind, revoke)."""
+        with self._lock:
+            return self._epoch
+
+    def replaced_since(self, topic: str, partition: int, epoch: int) -> bool:
+        """Whether the partition's state was replaced (or dropped) after `epoch`: a record fetched
+        before then belongs to the old state and must not be tracked by the new one."""
+        with self._lock:
+            state = self._parts.get((topic, partition))
+            return state is None or state.epoch > epoch
+
     def assign(self, topic: str, partition: int) -> PartitionOffsets:
         with self._lock:
             self._epoch += 1
@@ -131,8 +152,20 @@ class OffsetTracker:
             self._parts[(topic, partition)] = state
             return state
 
+    def restart(self, topic: str, partition: int) -> PartitionOffsets:
+        """A fresh state for a partition whose log went back under us (see `track`): unlike
+        `assign`, the old state is not marked revoked, so its records still in flight are
+        written (they were real records); its offsets, of a log that is gone, are never
+        committed."""
+        with self._lock:
+            self._epoch += 1
+            state = PartitionOffsets(topic, partition, self._epoch)
+            self._parts[(topic, partition)] = state
+            return state
+
     def revoke(self, topic: str, partition: int) -> PartitionOffsets | None:
         with self._lock:
+            self._epoch += 1
             state = self._parts.pop((topic, partition), None)
         if state is not None:
             state.revoked = True

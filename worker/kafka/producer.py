@@ -29,6 +29,7 @@ import structlog
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from worker.config import Settings
+from worker.deadline import Deadline
 from worker.kafka.client_config import client_config
 from worker.kafka.errors import FailurePolicy, KafkaSetupError
 from worker.errors import DeliveryError, ThreadDiedError
@@ -39,6 +40,9 @@ log = structlog.get_logger(__name__)
 
 # An outage shorter than this is ridden out by librdkafka's own retries.
 MESSAGE_TIMEOUT_MS = 3_600_000
+# Delivery reports of records an abort_transaction purged from the queue: not failures (the
+# records belonged to the aborted transaction, their input offsets stay unfinished).
+PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 # How long a caller sleeps between produce() attempts while the local queue is full.
 BUFFER_WAIT_S = 0.005
 
@@ -86,6 +90,8 @@ class OutputProducer:
         self._stop = threading.Event()
         # Set when the worker aborts: callers waiting for queue room give up instead.
         self._interrupt = threading.Event()
+        # Records purged by an aborted transaction (delivery thread only).
+        self.purged = 0
         self._thread = threading.Thread(target=guarded(latch, "kwe-delivery", self._serve), name="kwe-delivery")
 
     @property
@@ -109,6 +115,9 @@ class OutputProducer:
         """
         def delivered(err: KafkaError | None, msg: Message) -> None:
             if err is not None:
+                if err.code() in PURGED:
+                    self.purged += 1
+                    return
                 self._refused(topic, err, "could not write to topic")
                 return
             self._failures.connected()
@@ -118,11 +127,13 @@ class OutputProducer:
                 self._latch.trip(ThreadDiedError(f"delivery accounting failed for topic {topic!r}: {exc!r}"))
 
         while True:
+            if self._interrupt.is_set():
+                return False
             try:
                 self._producer.produce(topic, key=key, value=value, headers=headers, on_delivery=delivered)
                 return True
             except BufferError:
-                if self._interrupt.is_set() or self._latch.is_set():
+                if self._latch.is_set():
                     return False
                 self._interrupt.wait(BUFFER_WAIT_S)
             except KafkaException as exc:
@@ -157,18 +168,19 @@ class OutputProducer:
         else:
             self._errors.warn("producer error", err)
 
-    def flush(self, timeout_s: float) -> int:
-        """Waits up to timeout_s for outstanding records; returns how many are still unacknowledged.
+    def flush(self, deadline: Deadline) -> int:
+        """Waits until the deadline for outstanding records; returns how many are still unacknowledged.
 
         Waits on the queue length instead of calling Producer.flush, which would serve delivery
         callbacks on this thread too; they belong to the delivery thread.
         """
-        deadline = time.monotonic() + max(0.0, timeout_s)
-        while len(self._producer) and time.monotonic() < deadline and self._thread.is_alive():
+        while len(self._producer) and not deadline.expired() and self._thread.is_alive():
             time.sleep(0.01)
         return len(self._producer)
 
     def interrupt(self) -> None:
+        """Nothing more is written: produce() returns False from now on (an abort, or the
+        exactly-once shutdown's abort of the open transaction, after which a write would fail)."""
         self._interrupt.set()
 
     def stop(self, timeout_s: float) -> None:

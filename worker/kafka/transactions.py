@@ -38,6 +38,7 @@ from typing import Any, Literal, Protocol
 import structlog
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+from worker.deadline import Deadline
 from worker.errors import WorkerError
 from worker.kafka.offsets import OffsetTracker, PartitionOffsets
 from worker.latch import FatalLatch
@@ -54,6 +55,12 @@ HANG_MARGIN_S = 5.0
 
 class TransactionFencedError(WorkerError):
     """A newer member took over this member's transactional id, or its transaction timed out."""
+
+
+class TransactionError(WorkerError):
+    """A transaction could neither be completed nor aborted cleanly, and this member was not
+    fenced: it stops, and aborts the open transaction on the way out (best effort), so
+    read_committed readers are not held back until transaction_timeout_ms."""
 
 
 class TransactionHungError(WorkerError):
@@ -123,6 +130,8 @@ class Transactions:
     on_progress: Callable[[], None] = lambda: None
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
+    # The shutdown deadline (infinite until a stop): no transactional call, retry or wait runs past it.
+    stop: Deadline = field(default_factory=Deadline)
     state: State = "idle"
     began_at: float = 0.0
     committed: int = 0
@@ -130,19 +139,24 @@ class Transactions:
     _abort_reason: str | None = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ lifecycle
-    def init(self, timeout_s: float = 30.0) -> None:
-        """Fences an older incarnation of this member and aborts its open transaction."""
+    def init(self, timeout_s: float = 30.0) -> bool:
+        """Fences an older incarnation of this member and aborts its open transaction. False when
+        a stop came first (each try is short, so a SIGTERM during it is honoured within a second)."""
         deadline = self.clock() + timeout_s
         while True:
+            if self.stop.started:
+                log.info("stopped before transactions were initialised")
+                return False
             try:
-                self.producer.init_transactions(max(1.0, deadline - self.clock()))
-                return
+                self.producer.init_transactions(max(0.5, min(1.0, deadline - self.clock())))
+                return True
             except KafkaException as exc:
                 if kind_of(exc) == "retry" and self.clock() < deadline:
                     log.warning("init_transactions failed; retrying", error=str(exc.args[0]))
                     self.sleep(0.5)
                     continue
-                raise TransactionFencedError(f"could not initialise transactions: {exc.args[0]}") from exc
+                error = TransactionFencedError if kind_of(exc) == "fatal" else TransactionError
+                raise error(f"could not initialise transactions: {exc.args[0]}") from exc
 
     @property
     def closing(self) -> bool:
@@ -196,8 +210,13 @@ class Transactions:
     def _offsets(self) -> list[tuple[PartitionOffsets, int]]:
         return [(p, off) for p in self.tracker.partitions() if (off := p.to_commit()) is not None]
 
-    def _bounded(self, what: str, fn: Callable[[], None]) -> None:
-        """Runs a blocking transactional call, at most timeout_s + HANG_MARGIN_S.
+    def _timeout(self) -> float:
+        """librdkafka's timeout for the next call: its own, within the shutdown deadline."""
+        return max(0.1, min(self.timeout_s, self.stop.left()))
+
+    def _bounded(self, what: str, fn: Callable[[], None], grace_s: float = 0.2) -> None:
+        """Runs a blocking transactional call, at most timeout_s + HANG_MARGIN_S, and at most
+        grace_s past the shutdown deadline (re-read while waiting: a second signal shortens it).
 
         librdkafka's own timeout does not always hold: after a hard broker restart,
         send_offsets_to_transaction blocked for minutes (measured), holding the poll thread and
@@ -215,7 +234,17 @@ class Transactions:
 
         helper = threading.Thread(target=call, name="kwe-txn-call", daemon=True)
         helper.start()
-        helper.join(self.timeout_s + HANG_MARGIN_S)
+        end = time.monotonic() + self.timeout_s + HANG_MARGIN_S
+        while helper.is_alive():
+            now = time.monotonic()
+            end = min(end, now + self.stop.left() + grace_s)
+            if now >= end:
+                break
+            helper.join(min(0.05, end - now))
+        if not answer and not helper.is_alive():
+            helper.join()
+        if not answer and self.stop.expired():
+            raise TransactionHungError(f"{what} did not return before the shutdown deadline")
         if not answer:
             raise TransactionHungError(f"{what} did not return within {self.timeout_s + HANG_MARGIN_S:.0f} s "
                                        "(the transaction coordinator does not answer); stopping so that a "
@@ -233,7 +262,7 @@ class Transactions:
                 return "fatal"
             except KafkaException as exc:
                 kind = kind_of(exc)
-                if kind == "retry" and attempt + 1 < RETRIES:
+                if kind == "retry" and attempt + 1 < RETRIES and not self.stop.expired():
                     log.warning("transactional call failed; retrying", call=what, error=str(exc.args[0]))
                     self.sleep(0.1 * (attempt + 1))
                     continue
@@ -255,11 +284,11 @@ class Transactions:
         if positions:
             metadata = self.consumer.consumer_group_metadata()
             result = self._call("send_offsets_to_transaction",
-                                lambda: self.producer.send_offsets_to_transaction(positions, metadata, self.timeout_s))
+                                lambda: self.producer.send_offsets_to_transaction(positions, metadata, self._timeout()))
             if result == "ok":
-                result = self._call("commit_transaction", lambda: self.producer.commit_transaction(self.timeout_s))
+                result = self._call("commit_transaction", lambda: self.producer.commit_transaction(self._timeout()))
         else:
-            result = self._call("commit_transaction", lambda: self.producer.commit_transaction(self.timeout_s))
+            result = self._call("commit_transaction", lambda: self.producer.commit_transaction(self._timeout()))
         if result == "abort":
             self.abort_and_rewind("the transaction could not be committed")
             return False
@@ -282,12 +311,16 @@ class Transactions:
         rewind: list[TopicPartition] = []
         for p in self.tracker.partitions():
             start = p.committed if p.committed is not None else p.first
+            if start is None:
+                # Nothing of this partition went into the transaction: its state and fetch
+                # position stay (a record already fetched for it is still the next one).
+                continue
             self.tracker.assign(p.topic, p.partition)
-            if start is not None:
-                rewind.append(TopicPartition(p.topic, p.partition, start))
-        if self._call("abort_transaction", lambda: self.producer.abort_transaction(self.timeout_s)) != "ok":
+            rewind.append(TopicPartition(p.topic, p.partition, start))
+        if self._call("abort_transaction", lambda: self.producer.abort_transaction(self._timeout())) != "ok":
+            # "fatal" tripped the latch already (fenced, or hung); otherwise the abort failed on its own.
             if not self.latch.is_set():
-                self.latch.trip(TransactionFencedError(f"the transaction could not be aborted ({reason})"))
+                self.latch.trip(TransactionError(f"the transaction could not be aborted ({reason})"))
             return
         for tp in rewind:
             try:
@@ -327,44 +360,60 @@ class Transactions:
         # Records still in flight would be produced into the next transaction otherwise: mark
         # their offset state revoked (the output stage drops them) and wait for the rest.
         for p in self.tracker.partitions():
-            p.revoked = True
-        if not wait_drained(self.timeout_s):
-            self.latch.trip(TransactionFencedError(
+            if p.first is not None:  # the ones `abort_and_rewind` gives fresh state
+                p.revoked = True
+        if not wait_drained(min(self.timeout_s, self.stop.left())):
+            if self.stop.started:
+                # Stopping: `finish` aborts it (stopping all writes first), within the deadline.
+                self._abort_reason = reason
+                return
+            self.latch.trip(TransactionError(
                 f"the transaction could not be aborted cleanly ({reason}): records stayed in flight"))
             return
         self.abort_and_rewind(reason)
 
-    def finish(self, wait_drained: Callable[[float], bool], wait_s: float) -> None:
+    def finish(self, wait_drained: Callable[[float], bool], wait_s: float,
+               stop_writes: Callable[[], None] = lambda: None) -> None:
         """Shutdown: commit if everything drains within wait_s, else abort, so no open transaction
         holds back read_committed readers until it times out. After a fatal error: abort, best
         effort (a fenced producer cannot; the broker or the successor aborts it)."""
         if self.state == "idle":
             return
-        if not self.latch.is_set() and self._abort_reason is None and wait_drained(wait_s):
+        drained = not self.latch.is_set() and self._abort_reason is None and wait_drained(wait_s)
+        if self.state == "idle":
+            # A revoke served while waiting (the group rebalanced during the drain) closed it.
+            return
+        if drained:
             self.commit()
             return
         if isinstance(self.latch.error, TransactionFencedError):
             return  # a zombie does not abort (see `lost`): its successor or the broker does
+        # Whatever is still in flight is not written after the abort (it would fail: no
+        # transaction is open), and records it purges are not delivery errors (producer.PURGED).
+        stop_writes()
         try:
             # No rewind and no wait for what is in flight: no later transaction follows, so a
             # straggler cannot be produced into one.
-            self._bounded("abort_transaction", lambda: self.producer.abort_transaction(min(self.timeout_s, 2.0)))
+            self._bounded("abort_transaction", lambda: self.producer.abort_transaction(min(self._timeout(), 2.0)),
+                          grace_s=1.0)
             self._finish("aborted")
         except (KafkaException, TransactionHungError) as exc:
             log.info("open transaction not aborted on the way out", error=str(exc))
 
 
 def wait_until(check: Callable[[], bool], serve: Callable[[float], None], timeout_s: float,
-               clock: Callable[[], float] = time.monotonic) -> bool:
-    """Serves the group (or sleeps) until check() holds or timeout_s passes."""
+               clock: Callable[[], float] = time.monotonic, stop: Deadline | None = None) -> bool:
+    """Serves the group (or sleeps) until check() holds, timeout_s passes or `stop` expires."""
     deadline = clock() + max(0.0, timeout_s)
     while not check():
-        if clock() >= deadline:
+        if clock() >= deadline or (stop is not None and stop.expired()):
             return False
         serve(0.01)
     return True
 
 
-def drained_waiter(in_flight: Callable[[], int], serve: Callable[[float], None]) -> Callable[[float], bool]:
-    """A wait_drained for `Transactions`: until nothing is in flight, at most the given seconds."""
-    return lambda timeout_s: wait_until(lambda: in_flight() == 0, serve, timeout_s)
+def drained_waiter(in_flight: Callable[[], int], serve: Callable[[float], None],
+                   stop: Deadline | None = None) -> Callable[[float], bool]:
+    """A wait_drained for `Transactions`: until nothing is in flight, at most the given seconds
+    (and never past `stop`, re-read while waiting)."""
+    return lambda timeout_s: wait_until(lambda: in_flight() == 0, serve, timeout_s, stop=stop)

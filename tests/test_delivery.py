@@ -1,0 +1,159 @@
+"""The two `Delivery` implementations, transition by transition, on fakes (worker/delivery.py
+has the state tables)."""
+
+from __future__ import annotations
+
+from confluent_kafka import TopicPartition
+
+from tests.fakes.transactions import FakeTxnProducer
+from worker.deadline import Deadline
+from worker.delivery import AtLeastOnce, ExactlyOnce
+from worker.kafka.committer import Committer
+from worker.kafka.transactions import Transactions
+from worker.latch import FatalLatch
+
+
+class CommitConsumer:
+    """The consumer as the committer uses it: commits answered at once (sync) or recorded (async)."""
+
+    def __init__(self) -> None:
+        self.commits: list[tuple[list[tuple[int, int]], bool]] = []
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool) -> list[TopicPartition] | None:
+        self.commits.append(([(tp.partition, tp.offset) for tp in offsets], asynchronous))
+        return None if asynchronous else offsets
+
+    def consumer_group_metadata(self) -> str:
+        return "group-metadata"
+
+    def seek(self, tp: TopicPartition) -> None:
+        pass
+
+
+def _at_least_once() -> tuple[AtLeastOnce, Committer, CommitConsumer]:
+    consumer = CommitConsumer()
+    committer = Committer(consumer, interval_s=0.0)
+    committer.assign([TopicPartition("in", 0)])
+    return AtLeastOnce(committer), committer, consumer
+
+
+def _finished(committer: Committer, *offsets: int) -> None:
+    part = committer.tracker.get("in", 0)
+    assert part is not None
+    for off in offsets:
+        part.track(off)
+        part.done(off)
+
+
+def test_at_least_once_commits_on_each_step_on_revoke_and_at_finish() -> None:
+    d, committer, consumer = _at_least_once()
+    assert d.phase == "created"
+    d.start()
+    assert d.phase == "running"
+    _finished(committer, 0, 1)
+    assert d.poll_step(flow_paused=False) is None
+    assert consumer.commits[-1] == ([(0, 2)], True)  # asynchronous, at the interval
+    assert d.poll_step(flow_paused=True) == "flow control"
+    d.before_intake()  # nothing to open
+    _finished(committer, 2)
+    part = committer.tracker.get("in", 0)
+    assert part is not None and d.on_revoke([part], 0.0)
+    assert consumer.commits[-1] == ([(0, 3)], False)  # synchronous, inside the callback
+    _finished(committer, 3)
+    d.finish(Deadline.after(1.0), lambda s: None, drained=True, aborted=False)
+    assert consumer.commits[-1] == ([(0, 4)], False) and d.phase == "finished"
+    n = len(consumer.commits)
+    d.finish(Deadline.after(1.0), lambda s: None, drained=True, aborted=False)
+    assert len(consumer.commits) == n  # finished: no more commits
+
+
+def test_at_least_once_commits_nothing_at_finish_after_an_abort() -> None:
+    d, committer, consumer = _at_least_once()
+    d.start()
+    _finished(committer, 0)
+    d.finish(Deadline.after(1.0), lambda s: None, drained=False, aborted=True)
+    assert consumer.commits == [] and d.phase == "finished"
+
+
+class _Eos:
+    def __init__(self) -> None:
+        self.producer = FakeTxnProducer()
+        self.consumer = CommitConsumer()
+        self.committer = Committer(self.consumer, interval_s=0.0)
+        self.committer.assign([TopicPartition("in", 0)])
+        self.in_flight: set[int] = set()
+        self.stop = Deadline()
+        self.latch = FatalLatch()
+        self.stopped_writes = 0
+        self.txn = Transactions(self.producer, self.consumer, self.committer.tracker, self.latch,
+                                lambda: len(self.in_flight), interval_s=3600.0, sleep=lambda s: None, stop=self.stop)
+
+        def stop_writes() -> None:
+            self.stopped_writes += 1
+
+        self.d = ExactlyOnce(self.txn, lambda: len(self.in_flight), stop_writes)
+
+    def consume(self, *offsets: int) -> None:
+        self.d.before_intake()
+        part = self.committer.tracker.get("in", 0)
+        assert part is not None
+        for off in offsets:
+            part.track(off)
+            self.in_flight.add(off)
+
+    def finish_all(self) -> None:
+        part = self.committer.tracker.get("in", 0)
+        assert part is not None
+        for off in sorted(self.in_flight):
+            self.producer.produce(f"out-{off}")
+            part.done(off)
+        self.in_flight.clear()
+
+
+def test_exactly_once_opens_on_intake_pauses_while_closing_and_commits_once_drained() -> None:
+    e = _Eos()
+    e.d.start()
+    assert e.d.phase == "running" and e.producer.calls == ["init"]
+    assert e.d.poll_step(flow_paused=False) is None
+    e.consume(0, 1)
+    assert e.txn.state == "open"
+    assert e.d.poll_step(flow_paused=True) == "closing a transaction"  # closes instead of pausing only
+    e.finish_all()
+    assert e.d.poll_step(flow_paused=False) is None and e.txn.committed == 1
+    assert e.producer.visible == ["out-0", "out-1"] and e.producer.offsets == {("in", 0): 2}
+    e.d.drain_step()  # nothing: the transaction closes at finish
+    e.consume(2)
+    e.finish_all()
+    e.d.finish(Deadline.after(1.0), lambda s: None, drained=True, aborted=False)
+    assert e.txn.committed == 2 and e.d.phase == "finished" and e.d.summary() == {
+        "transactions_committed": 2, "transactions_aborted": 0}
+
+
+def test_exactly_once_finish_undrained_stops_writes_then_aborts() -> None:
+    e = _Eos()
+    e.d.start()
+    e.consume(0)
+    e.stop.start(0.5)
+    e.d.finish(e.stop, lambda s: None, drained=True, aborted=False)  # 0 stays in flight
+    assert e.stopped_writes == 1 and e.producer.calls[-1] == "abort" and e.txn.aborted == 1
+    assert not e.latch.is_set()
+
+
+def test_exactly_once_start_stopped_before_init_completes_leaves_nothing_to_finish() -> None:
+    e = _Eos()
+    e.stop.start(5.0)  # a SIGTERM during start-up
+    e.d.start()
+    assert e.d.phase == "created" and e.producer.calls == []
+    e.d.finish(e.stop, lambda s: None, drained=True, aborted=False)
+    assert e.producer.calls == [] and e.d.phase == "finished"
+
+
+def test_exactly_once_lost_partitions_abort_a_young_transaction() -> None:
+    e = _Eos()
+    e.d.start()
+    e.consume(0)
+    e.d.on_lost()
+    assert e.d.poll_step(flow_paused=False) == "closing a transaction"
+    e.in_flight.clear()  # finished, output dropped
+    e.d.poll_step(flow_paused=False)
+    assert e.producer.calls[-1] == "abort"

@@ -1,0 +1,171 @@
+"""Exactly-once rewinds on the poll thread, with a fake consumer that serves rebalance ops in
+queue order the way librdkafka does (tests/fakes/consumer.py): the group member, the committer's
+offset state, intake and the transaction loop are the real ones.
+
+The case of the review (finding 1): a revoke op queued behind prefetched records runs inside the
+*second* consume() call of one poll, while the list already holds a record X from the first; the
+revoke aborts the open transaction and rewinds the partition that stays. X must not be tracked
+by the rewound partition's fresh state, or the re-fetched records below it are skipped as
+duplicates and never committed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tests.fakes.consumer import FakeGroupConsumer
+from tests.fakes.transactions import FakeTxnProducer
+from worker.acks import Acknowledger
+from worker.config import Settings
+from worker.dead_letters import DeadLetters
+from worker.delivery import ExactlyOnce
+from worker.inflight import InFlightTable
+from worker.intake import Intake
+from worker.kafka.committer import Committer
+from worker.kafka.consumer import GroupMember
+from worker.kafka.transactions import Transactions
+from worker.latch import FatalLatch
+from worker.metrics import Metrics
+
+
+@dataclass
+class _Encoded:
+    ids: list[int]
+    length: int
+    truncated: bool = False
+
+
+class _Tokenizer:
+    special_tokens = 2
+
+    def encode(self, texts: list[str]) -> list[_Encoded]:
+        return [_Encoded([101, len(t), 102], 3) for t in texts]
+
+
+class Member:
+    """One exactly-once member's poll thread over the fake consumer; `submitted` is what the
+    bucketer would have, and `finish_all` plays the rest of the pipeline (output produced into
+    the open transaction and acknowledged, or dropped when its partition state was revoked)."""
+
+    def __init__(self, partitions: int = 2, records: int = 20) -> None:
+        self.latch = FatalLatch()
+        self.metrics = Metrics()
+        self.inflight = InFlightTable()
+        self.acks = Acknowledger(self.inflight, self.metrics)
+        self.producer = FakeTxnProducer()
+        self.committer = Committer(None, interval_s=1.0)
+        self.fake: FakeGroupConsumer | None = None
+
+        def make(config: dict[str, Any]) -> FakeGroupConsumer:
+            self.fake = FakeGroupConsumer(config, partitions=partitions, records=records)
+            return self.fake
+
+        self.member = GroupMember({}, self.committer, self.latch, self.metrics, revoke_wait_s=lambda: 0.0,
+                                  consumer_factory=make)
+        self.txn = Transactions(self.producer, self.member.client, self.committer.tracker, self.latch,
+                                lambda: len(self.inflight), interval_s=3600.0, sleep=lambda s: None)
+        self.delivery = ExactlyOnce(self.txn, lambda: len(self.inflight), lambda: None)
+        self.submitted: list[int] = []
+        self.intake = Intake(Settings(input_format="raw"), _Tokenizer(), self.committer.tracker, self.inflight,
+                             lambda seq, ids: self.submitted.append(seq),
+                             DeadLetters("dlq", 1 << 20, None, self.acks),  # type: ignore[arg-type]
+                             self.metrics)
+        self.delivery.start()
+        self.member.subscribe("in", self)
+
+    @property
+    def consumer(self) -> FakeGroupConsumer:
+        assert self.fake is not None
+        return self.fake
+
+    def on_lost(self) -> None:
+        self.delivery.on_lost()
+
+    def on_revoke(self, parts: Any, left_s: float) -> bool:
+        """The member's rebalance listener: ExactlyOnce's, with the rest of the pipeline draining."""
+        # The revoke cannot wait (revoke_timeout_s=0): the transaction aborts once the pipeline drained.
+        def drained(timeout_s: float) -> bool:
+            if timeout_s > 0:  # given time, what is in flight finishes (its outputs dropped: revoked)
+                self.finish_all()
+            return len(self.inflight) == 0
+        return self.txn.on_revoke(drained, left_s)
+
+    def poll(self, max_records: int = 8) -> None:
+        msgs = self.member.consume(max_records, 0.0)
+        if msgs:
+            self.delivery.before_intake()
+            self.intake.handle(msgs)
+
+    def finish_all(self) -> None:
+        for seq in list(self.submitted):
+            rec = self.inflight.get(seq)
+            if rec is not None and not rec.part.revoked:
+                self.producer.produce(rec.qid)
+            self.acks.embedded(seq)()
+        self.submitted.clear()
+
+
+def test_a_rewind_inside_the_second_consume_call_drops_the_record_of_the_first() -> None:
+    m = Member(partitions=2, records=20)
+    m.consumer.assign_op([0, 1])()
+    m.poll(max_records=4)  # p0@0..3 into the open transaction, in flight
+    assert m.txn.state == "open" and len(m.inflight) == 4
+    # The next fetch holds p0@4.. then p1; a revoke of p1 is queued behind the first record, so it
+    # runs inside the second call of the next poll, with p0@4 (X) already returned by the first.
+    m.consumer.queue_op(m.consumer.revoke([1]), behind=1)
+    m.poll(max_records=8)
+    assert m.txn.aborted == 1 and m.consumer.seeks == [(0, 0)]  # aborted, p0 rewound to where it began
+    for _ in range(10):
+        m.poll(max_records=8)
+        m.finish_all()
+    m.txn.step(flow_paused=True)
+    m.txn.step(flow_paused=True)
+    assert m.txn.committed == 1 and not m.latch.is_set()
+    assert sorted(m.producer.visible, key=lambda k: int(k.split("-")[1])) == [f"0-{o}" for o in range(20)]
+    assert m.producer.offsets == {("in", 0): 20}
+
+
+def test_records_of_a_partition_not_rewound_are_kept() -> None:
+    """Only partitions whose state the second call replaced lose their first-call records: a
+    partition with nothing in the aborted transaction keeps its fetch position and its record."""
+    m = Member(partitions=3, records=5)
+    m.consumer.assign_op([0, 1, 2])()
+    m.consumer.paused = {1, 2}
+    m.poll(max_records=5)  # p0@0..4 open, in flight
+    m.consumer.paused = set()
+    m.consumer.queue.clear()
+    m.consumer._fetch()  # p1@0..4, p2@0..4 queued
+    m.consumer.queue_op(m.consumer.revoke([2]), behind=1)  # behind p1@0
+    m.poll(max_records=20)
+    assert m.txn.aborted == 1 and m.consumer.seeks == [(0, 0)]
+    for _ in range(5):
+        m.poll(max_records=20)
+        m.finish_all()
+    m.txn.step(flow_paused=True)
+    m.txn.step(flow_paused=True)
+    assert sorted(m.producer.visible) == sorted([f"0-{o}" for o in range(5)] + [f"1-{o}" for o in range(5)])
+    assert m.producer.offsets == {("in", 0): 5, ("in", 1): 5}
+
+
+def test_offsets_that_go_back_without_a_rewind_are_new_records_not_duplicates() -> None:
+    """Finding 7: the input topic recreated under the worker (or a log truncated): librdkafka
+    resets the position to the new log's start, with no new assignment and no seek of ours. The
+    lower offsets hold new records: processed and committed, never skipped."""
+    m = Member(partitions=1, records=10)
+    m.consumer.assign_op([0])()
+    for _ in range(3):
+        m.poll(max_records=20)
+        m.finish_all()
+    m.txn.step(flow_paused=True)
+    assert m.txn.committed == 1 and m.producer.offsets == {("in", 0): 10}
+    # Recreated with 4 records; the fetch at 10 is out of range and resets to the start (0).
+    m.consumer.logs[0] = [f"new-{o}".encode() for o in range(4)]
+    m.consumer.fetch_at[0] = 0
+    m.consumer.queue.clear()
+    for _ in range(3):
+        m.poll(max_records=20)
+        m.finish_all()
+    m.txn.step(flow_paused=True)
+    assert m.txn.committed == 2 and not m.latch.is_set()
+    assert m.producer.visible.count("0-0") == 2 and len(m.producer.visible) == 14
+    assert m.producer.offsets == {("in", 0): 4}
