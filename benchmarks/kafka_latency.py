@@ -44,8 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.fresh_keywords import FreshKeywords, default_sources  # noqa: E402
 from benchmarks.kafka_vs_offline import cpu_seconds  # noqa: E402
-from tests.kafka_tools import WorkerProcess, http_get  # noqa: E402
+from tests.kafka_tools import WorkerProcess, http_get, produce_queries  # noqa: E402
 from worker.kafka.admin import ensure_topics  # noqa: E402
 
 LEVELS = (0.5, 0.8)
@@ -175,18 +174,8 @@ def _collect(reader: Consumer, into: dict[str, int], prefix: str, want: int, tim
 
 def backlog_round(side: Side, rows: list[tuple[str, str]], bootstrap: str, tag: str) -> dict[str, float]:
     """Publish `rows` at once; the whole-backlog and the steady rate (keywords/s) of the embeddings."""
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": True})
     t0_ms = time.time() * 1000
-    for qid, text in rows:
-        key = f"{tag}{qid}"
-        while True:
-            try:
-                producer.produce(side.topics[0], key=key.encode(), value=orjson.dumps({"id": key, "text": text}))
-                break
-            except BufferError:
-                producer.poll(0.01)
-        producer.poll(0)
-    producer.flush(60)
+    produce_queries(bootstrap, side.topics[0], [(f"{tag}{qid}", text) for qid, text in rows])
     _collect(side.out_reader, side.out_ts, tag, len(rows), 600)
     times = np.sort(np.array([side.out_ts.pop(f"{tag}{q}") for q, _ in rows if f"{tag}{q}" in side.out_ts],
                              dtype=np.float64))

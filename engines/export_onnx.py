@@ -434,12 +434,17 @@ def _set_metadata(model: onnx.ModelProto, info: ModelInfo, *, optimize: bool) ->
         model.metadata_props.add(key=key, value=value)
 
 
-def default_cache_dir() -> Path:
+def cache_root() -> Path:
+    """The project's user cache: $KWE_CACHE_DIR, else $XDG_CACHE_HOME (or ~/.cache)/keyword-embedder."""
     env = os.environ.get(ENV_CACHE_DIR)
     if env:
-        return Path(env).expanduser() / "onnx"
+        return Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "keyword-embedder" / "onnx"
+    return Path(base) / "keyword-embedder"
+
+
+def default_cache_dir() -> Path:
+    return cache_root() / "onnx"
 
 
 @contextlib.contextmanager

@@ -91,8 +91,10 @@ def cache_key(parts: dict[str, Any]) -> str:
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "keyword-embedder" / "cost-models"
+    """Beside the ONNX exports, under the same user cache ($KWE_CACHE_DIR or the XDG cache)."""
+    from engines.export_onnx import cache_root
+
+    return cache_root() / "cost-models"
 
 
 def load_or_measure(run: Run, key_parts: dict[str, Any], *, cache_dir: Path | None = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 import time
@@ -179,17 +180,20 @@ def calibrate(args: argparse.Namespace, fail) -> int:  # noqa: ANN001
     from kwe_core.errors import BackendError
     from kwe_core.model import ModelError, ModelInfo, default_model_dir
     from worker.app import calibration_key
-    from worker.backends.select import open_backend
+    from worker.backends.select import intra_op_threads, open_backend
     from worker.calibration import backend_key, cache_key, default_cache_dir, load_or_measure
     from worker.cost_model import fit
 
     if args.backend == "tensorrt":
         return fail("--calibrate is for onnxruntime: on TensorRT context i serves bucket i only, so batches "
                     "never merge buckets and the worker measures no cost model")
+    # The thread count as the worker resolves it (0: the cores divided among the dispatchers), so
+    # the key, and the layout measured, are the worker's own.
     settings = _worker_settings(args)
+    settings = dataclasses.replace(settings, intra_op_threads=intra_op_threads(settings))
     try:
         info = ModelInfo.from_dir(args.model_dir or default_model_dir())
-        backend = open_backend("onnxruntime", info, onnx_path=args.onnx, intra_op_threads=args.threads,
+        backend = open_backend("onnxruntime", info, onnx_path=args.onnx, intra_op_threads=settings.intra_op_threads,
                                allow_spinning=settings.ort_allow_spinning)
     except (ModelError, BackendError) as exc:
         return fail(exc)
@@ -203,7 +207,7 @@ def calibrate(args: argparse.Namespace, fail) -> int:  # noqa: ANN001
     finally:
         backend.close()
     prices = fit(samples)
-    print(f"cost model of onnxruntime, {args.threads or 'all'} intra-op thread(s), {args.dispatchers} dispatcher(s), "
+    print(f"cost model of onnxruntime, {settings.intra_op_threads} intra-op thread(s), {args.dispatchers} dispatcher(s), "
           f"measured in {seconds:.1f} s")
     print(f"  t(B, L) = {1000 * prices.fixed_s:.3f} ms + {1000 * prices.per_row_s:.4f} ms x B "
           f"+ {1000 * prices.per_token_s:.5f} ms x B x L")
