@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,6 +186,21 @@ class TopicReader:
 
     def ids(self) -> set[str]:
         return {r.key for r in self.records if r.key is not None}
+
+    def key_counts(self) -> Counter[str | None]:
+        """How many records of the topic carry each key: a record this reader saw twice (a
+        re-fetch after its own connection to a restarted broker broke) counts once."""
+        seen = {(r.partition, r.offset): r.key for r in self.records}
+        return Counter(seen.values())
+
+    @property
+    def rereads(self) -> int:
+        """Records this reader received more than once (the same partition and offset)."""
+        return len(self.records) - len({(r.partition, r.offset) for r in self.records})
+
+    def where(self, key: str) -> list[tuple[int, int, int]]:
+        """(partition, offset, timestamp ms) of every record with `key`, in reading order."""
+        return [(r.partition, r.offset, r.timestamp_ms) for r in self.records if r.key == key]
 
     def wait_for(self, expected: set[str], timeout: float, *, alive: Sequence[WorkerProcess] = ()) -> None:
         deadline = time.monotonic() + timeout

@@ -93,7 +93,7 @@ def chaos(broker: tuple[str, dict[str, str]], tmp: Path, guarantee: str) -> tupl
     queries = load_queries(0, QUERIES)
     group = Members(bootstrap, names, f"g-{tag}", tmp,
                     ["--processing-guarantee", guarantee, "--intra-op-threads", "1",
-                     "--transaction-timeout-ms", "20000"])
+                     "--transaction-timeout-ms", "20000", "--log-level", "debug"])
     out = TopicReader(bootstrap, names[1], f"r-{tag}", isolation="read_committed")
     dlq = TopicReader(bootstrap, names[2], f"d-{tag}", isolation="read_committed")
     third = QUERIES // 3
@@ -132,7 +132,12 @@ def chaos(broker: tuple[str, dict[str, str]], tmp: Path, guarantee: str) -> tupl
         group.kill_all()
         out.close()
         dlq.close()
-    ids = Counter(r.key for r in out.records)
+    ids = out.key_counts()
+    if out.rereads:
+        print(f"\n{guarantee}: the reader received {out.rereads} records twice (same partition and offset; not "
+              "duplicates on the topic)")
+    for key in [k for k, n in ids.items() if n > 1][:5]:
+        print(f"{guarantee}: ID {key} on the output topic at (partition, offset, timestamp ms) {out.where(key)}")
     assert set(ids) == {q for q, _ in queries}, "IDs missing or unexpected on the output topic"
     bad = Counter((r.value["source"]["partition"], r.value["source"]["offset"]) for r in dlq.records)
     assert len(bad) == BAD, f"{len(bad)} distinct bad records dead-lettered, {BAD} expected"
@@ -145,6 +150,11 @@ def test_exactly_once_chaos_every_id_and_every_bad_record_once(broker: tuple[str
     dups = sum(n - 1 for n in ids.values())
     print(f"\nexactly-once: {len(ids)} IDs, {dups} duplicates, {sum(bad.values()) - len(bad)} duplicate dead "
           f"letters; member restarts after exiting on their own: {group.restarts}")
+    if dups:
+        for member, w in group.workers.items():
+            story = [line for line in w.log().splitlines()
+                     if any(word in line for word in ("transaction", "revoked", "assigned", "lost", "fatal", "rewound"))]
+            print(f"--- {member}: rebalances and transactions\n" + "\n".join(story[-40:]))
     assert dups == 0, f"duplicates on the output topic: {[k for k, n in ids.items() if n > 1][:5]}"
     assert all(n == 1 for n in bad.values())
     committed = sum(e.get("transactions_committed") or 0 for w in group.workers.values()

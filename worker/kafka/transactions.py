@@ -299,6 +299,7 @@ class Transactions:
             p.confirm_commit(off)
         if offsets:
             self.on_progress()
+        log.debug("transaction committed", offsets=[f"{p.topic}[{p.partition}]@{off}" for p, off in offsets])
         self._finish("committed")
         return True
 
