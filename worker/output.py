@@ -28,7 +28,8 @@ from worker.dead_letters import DeadLetters
 from worker.deadline import Deadline
 from worker.errors import BackendBrokenError, WorkerError
 from worker.inflight import InFlight, InFlightTable
-from worker.kafka.messages import OutputCodec, Rejection
+from worker.kafka.messages import Rejection, ValueEncoder
+from worker.kafka.propagation import Propagation
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch, guarded
 from worker.metrics import Metrics
@@ -53,10 +54,12 @@ class _Failed:
 
 
 class OutputStage:
-    def __init__(self, topic: str, codec: OutputCodec, producer: OutputProducer, inflight: InFlightTable,
+    def __init__(self, topic: str, codec: ValueEncoder, producer: OutputProducer, inflight: InFlightTable,
                  acks: Acknowledger, dead_letters: DeadLetters, metrics: Metrics, latch: FatalLatch, *,
-                 cache: EmbeddingCache[int] | None = None) -> None:
+                 cache: EmbeddingCache[int] | None = None, propagation: Propagation | None = None) -> None:
         self._topic = topic
+        # pass_headers / trace context; None when both are off (no per-record header work).
+        self._propagation = propagation if propagation is not None and propagation.active else None
         self._cache = cache
         self._codec = codec
         self._producer = producer
@@ -130,10 +133,12 @@ class OutputStage:
                   for seq, rec in live]
         t1 = time.monotonic()
         self._metrics.observe_hop("encode", t1 - t0)
+        propagation = self._propagation
         for (seq, rec), value in zip(live, values):
             rec.msg = None  # produced from here on: the input bytes are no longer needed
             rec.t_produced = time.monotonic()
-            if not self._producer.produce(self._topic, rec.qid.encode("utf-8"), value, headers,
+            out_headers = headers if propagation is None else propagation.output_headers(headers, rec.headers)
+            if not self._producer.produce(self._topic, rec.qid.encode("utf-8"), value, out_headers,
                                           self._acks.embedded(seq)):
                 return
         self._metrics.observe_hop("produce_call", time.monotonic() - t1)
