@@ -156,7 +156,10 @@ class RegistryOutput:
         self._url = settings.schema_registry_url
         self.schema_path = schema_file(self._fmt, codec.encoding)
         schema_str = self.schema_path.read_text(encoding="utf-8")
-        conf = {**_serdes_conf(settings), "auto.register.schemas": settings.schema_auto_register}
+        # normalize.schemas: the lookup (auto-register off) matches the registered schema by its
+        # canonical form, not its text, so a copy registered compact or re-indented is found.
+        conf = {**_serdes_conf(settings), "auto.register.schemas": settings.schema_auto_register,
+                "normalize.schemas": True}
         self._serialize: Callable[[dict[str, object], SerializationContext], bytes | None]
         if self._fmt == "avro":
             self._serialize = AvroSerializer(client, schema_str, conf=conf)
