@@ -179,7 +179,10 @@ def test_a_registry_outage_mid_run_loses_nothing(kafka_bootstrap: str, own_regis
     reader = TopicReader(kafka_bootstrap, out, group_id + "-r", decode=lambda v: v)
     try:
         reader.wait_for({q for q, _ in queries[:200]}, 300, alive=[w])
-        own_registry.stop()
+        own_registry.stop()  # registry.sh stop: returns once its JVM is gone
+        status = subprocess.run(["bash", str(ROOT / "deploy" / "local" / "registry.sh"), "status"],
+                                env=own_registry.env, capture_output=True, text=True)
+        assert status.returncode == 1 and status.stdout.strip() == "not running"
         # Schemas seen before the outage are cached: the stream keeps flowing.
         produce(kafka_bootstrap, inp, second)
         reader.wait_for({q for q, _ in queries}, 120, alive=[w])
