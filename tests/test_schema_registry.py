@@ -200,3 +200,41 @@ def test_the_password_is_redacted_and_read_from_its_file(tmp_path) -> None:  # t
                  schema_registry_password_file=str(secret), schema_registry_ca_location="/ca.pem")
     assert client_conf(s)["basic.auth.user.info"] == "key:s3cret" and client_conf(s)["ssl.ca.location"] == "/ca.pem"
     assert "hunter2" not in repr(Settings(schema_registry_url="https://sr", schema_registry_password="hunter2"))
+
+
+def test_the_shipped_proto_files_are_the_messages_the_worker_builds() -> None:
+    from worker.kafka.protobuf_schemas import MESSAGES, proto_source
+
+    for name in MESSAGES:
+        assert (SCHEMA_DIR / f"{name}.proto").read_text() == proto_source(name), name
+
+
+@pytest.mark.parametrize("encoding", ["float-list", "binary"])
+def test_protobuf_output_and_input_round_trip(schema_registry: str, encoding: str) -> None:
+    from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer, ProtobufSerializer
+
+    from kwe_core.vectors import pack_binary
+    from worker.kafka.protobuf_schemas import message_class
+
+    topic = _topic()
+    settings = _settings(schema_registry, topic, output_format="protobuf", input_format="protobuf",
+                         schema_auto_register=True, output_encoding=encoding)
+    out = RegistryOutput(settings, OutputCodec(model="m", dim=DIM, encoding=encoding),  # type: ignore[arg-type]
+                         registry_client(settings))
+    out.check(DIM)
+    reader = ProtobufDeserializer(message_class(out.schema_path.stem), {},
+                                  SchemaRegistryClient({"url": schema_registry}))
+    got = reader(out.value("q-3", _vec(2), 9, False), _ctx(topic))
+    assert got.id == "q-3" and got.tokens == 9 and got.dim == DIM and got.prompt_name == ""
+    if encoding == "float-list":
+        assert np.allclose(list(got.embedding), _vec(2), atol=1e-7)
+    else:
+        assert got.embedding == pack_binary(_vec(2)).tobytes()
+    keyword = message_class("keyword")
+    value = ProtobufSerializer(keyword, SchemaRegistryClient({"url": schema_registry}))(
+        keyword(id="p-1", text="pizza near me"), _ctx(topic + "-in"))
+    decode = RegistryInput(settings, registry_client(settings))
+    assert decode(topic, None, value, [], 0) == Keyword("p-1", "pizza near me")
+    assert decode(topic, None, ProtobufSerializer(keyword, SchemaRegistryClient({"url": schema_registry}))(
+        keyword(id="p-2"), _ctx(topic + "-in")), [], 0).reason == "empty_text"  # type: ignore[union-attr]
+    assert decode(topic, None, b"\x00\x00\x00\x00\x01\xff\xff", [], 0).reason == "schema_error"  # type: ignore[union-attr]

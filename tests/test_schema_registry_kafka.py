@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -119,18 +120,34 @@ def test_avro_in_and_out_with_dead_letters_headers_and_trace_context(
     assert dl.headers["tenant"] == b"acme" and dl.headers["kwe-dlq-reason"] == b"schema_error"
 
 
-def test_json_schema_in_and_out(kafka_bootstrap: str, schema_registry: str, make_topic: Callable[..., str],
-                                group_id: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("fmt", ["json-schema", "protobuf"])
+def test_json_schema_and_protobuf_in_and_out(kafka_bootstrap: str, schema_registry: str,
+                                             make_topic: Callable[..., str], group_id: str, tmp_path: Path,
+                                             fmt: str) -> None:
+    from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer, ProtobufSerializer
+
+    from worker.kafka.protobuf_schemas import message_class
+
     inp, out, dlq = make_topic("kw", 1), make_topic("emb", 1), make_topic("dlq", 1)
     client = SchemaRegistryClient({"url": schema_registry})
-    ser = JSONSerializer((SCHEMA_DIR / "keyword.schema.json").read_text(), client)
+    reader_client = SchemaRegistryClient({"url": schema_registry})
+    deser: Callable[[bytes, SerializationContext], Any]
+    if fmt == "json-schema":
+        json_ser = JSONSerializer((SCHEMA_DIR / "keyword.schema.json").read_text(), client)
+        ser: Callable[[str, str], bytes] = lambda q, t: json_ser({"id": q, "text": t}, _ctx(inp))  # noqa: E731
+        deser = JSONDeserializer(None, schema_registry_client=reader_client)
+    else:
+        keyword = message_class("keyword")
+        proto_ser = ProtobufSerializer(keyword, client)
+        ser = lambda q, t: proto_ser(keyword(id=q, text=t), _ctx(inp))  # noqa: E731
+        proto = ProtobufDeserializer(message_class("embedding-floats"), {}, reader_client)
+        deser = lambda v, ctx: {"embedding": list(proto(v, ctx).embedding), "model": proto(v, ctx).model}  # noqa: E731
     queries = load_queries(300, 100)
-    produce(kafka_bootstrap, inp, [(q.encode(), ser({"id": q, "text": t}, _ctx(inp))) for q, t in queries])
+    produce(kafka_bootstrap, inp, [(q.encode(), ser(q, t)) for q, t in queries])
     w = WorkerProcess(kafka_bootstrap, inp, out, dlq, group_id, tmp_path / "worker.log",
-                      ("--input-format", "json-schema", "--output-format", "json-schema",
+                      ("--input-format", fmt, "--output-format", fmt,
                        "--schema-registry-url", schema_registry, "--schema-auto-register", "true"))
     w.start()
-    deser = JSONDeserializer(None, schema_registry_client=SchemaRegistryClient({"url": schema_registry}))
     reader = TopicReader(kafka_bootstrap, out, group_id + "-r", decode=lambda v: deser(v, _ctx(out)))
     try:
         reader.wait_for({q for q, _ in queries}, 300, alive=[w])

@@ -33,11 +33,13 @@ from confluent_kafka.schema_registry import (SchemaRegistryClient, record_subjec
 from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 from confluent_kafka.schema_registry.json_schema import JSONDeserializer, JSONSerializer
+from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer, ProtobufSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from worker.config import Settings
 from worker.errors import SchemaRegistryFailure
 from worker.kafka.messages import (Headers, Keyword, OutputCodec, Rejection, check_size, keyword_from_object)
+from worker.kafka.protobuf_schemas import message_class
 
 try:  # confluent-kafka's registry client speaks HTTP through httpx2 (Python 3.10+) or httpx
     from httpx2 import TransportError
@@ -64,6 +66,8 @@ def schema_file(fmt: str, encoding: str) -> Path:
         return SCHEMA_DIR / ("embedding-floats.avsc" if encoding == "float-list" else "embedding-bytes.avsc")
     if fmt == "json-schema":
         return SCHEMA_DIR / "embedding.schema.json"
+    if fmt == "protobuf":
+        return SCHEMA_DIR / ("embedding-floats.proto" if encoding == "float-list" else "embedding-bytes.proto")
     raise ValueError(f"no output schema for format {fmt!r}")
 
 
@@ -128,6 +132,9 @@ class RegistryInput:
             self._deserialize = AvroDeserializer(client, conf=conf)
         elif fmt == "json-schema":
             self._deserialize = JSONDeserializer(None, schema_registry_client=client, conf=conf)
+        elif fmt == "protobuf":
+            keyword = ProtobufDeserializer(message_class("keyword"), conf, client)
+            self._deserialize = lambda value, ctx: _proto_dict(keyword(value, ctx))
         else:
             raise ValueError(f"input_format {fmt!r} is not a registry format this worker reads")
 
@@ -163,10 +170,15 @@ class RegistryOutput:
         self._serialize: Callable[[dict[str, object], SerializationContext], bytes | None]
         if self._fmt == "avro":
             self._serialize = AvroSerializer(client, schema_str, conf=conf)
+        elif self._fmt == "protobuf":
+            embedding = message_class(self.schema_path.stem)
+            proto = ProtobufSerializer(embedding, client, conf)
+            self._serialize = lambda record, ctx: proto(
+                embedding(**{k: v for k, v in record.items() if v is not None}), ctx)
         else:
             self._serialize = JSONSerializer(schema_str, client, conf=conf)
         self._ctx = SerializationContext(settings.output_topic, MessageField.VALUE)
-        self._bytes = self._fmt == "avro"  # JSON has no bytes: base64 as in the JSON output
+        self._bytes = self._fmt != "json-schema"  # JSON has no bytes: base64 as in the JSON output
 
     @property
     def headers(self) -> Headers:
@@ -207,6 +219,11 @@ class RegistryOutput:
                     f"incompatible with the output subject's schema ({describe(exc)})") from None
             raise SchemaRegistryFailure(f"output_format={self._fmt}: cannot reach the Schema Registry at "
                                         f"{self._url} ({describe(exc)})") from None
+
+
+def _proto_dict(message: Any) -> dict[str, object] | None:
+    """The id and text of a decoded Keyword message (proto3 strings: "" when unset)."""
+    return None if message is None else {"id": message.id, "text": message.text}
 
 
 def check_reachable(settings: Settings, client: SchemaRegistryClient) -> None:
