@@ -75,3 +75,34 @@ def test_a_record_without_headers_gets_the_shared_list_and_off_is_inactive() -> 
 def test_find_traceparent_matches_the_name_case_insensitively() -> None:
     tp = find_traceparent(InputHeaders([("TraceParent", TP)]))
     assert tp is not None and tp.span_id == "00f067aa0ba902b7"
+
+
+def test_the_default_path_imports_no_registry_or_otel_code_and_a_missing_extra_is_one_clear_error() -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    script = """
+import sys
+for name in ("fastavro", "opentelemetry", "google.protobuf.descriptor_pool"):
+    sys.modules[name] = None  # as if the extras were not installed: importing them raises ImportError
+import worker.cli, worker.app, worker.pipeline, worker.output
+from worker.config import Settings, SettingsError
+from worker.app import registry_formats
+from worker.tracing import batch_spans
+from worker.kafka.messages import OutputCodec
+codec = OutputCodec(model="m", dim=4, encoding="float-list")
+assert registry_formats(Settings(), codec) == (codec, None)
+for call in (lambda: registry_formats(Settings(output_format="avro", schema_registry_url="http://sr"), codec),
+             lambda: batch_spans("http://collector:4318", model="m")):
+    try:
+        call()
+    except SettingsError as exc:
+        print(exc)
+"""
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.strip().splitlines()
+    assert "need the registry extra" in lines[0] and "keyword-embedder[registry]" in lines[0]
+    assert "needs the otel extra" in lines[1] and "keyword-embedder[otel]" in lines[1]

@@ -11,7 +11,7 @@ from kwe_core.errors import BackendError
 from kwe_core.model import ModelError, ModelInfo, Prompt
 from kwe_core.vectors import check_truncate_dim, default_int8_range
 from worker.backends.base import Backend
-from worker.config import Settings
+from worker.config import Settings, SettingsError
 from worker.cost_model import CostModel
 from worker.intake import Decode
 from worker.kafka.messages import REGISTRY_FORMATS, OutputCodec, ValueEncoder, parse_output_fields
@@ -109,7 +109,12 @@ def registry_formats(settings: Settings, codec: OutputCodec) -> tuple[ValueEncod
     decoder, or confluent-kafka's registry serdes (imported only then: the registry extra)."""
     if settings.output_format not in REGISTRY_FORMATS and settings.input_format not in REGISTRY_FORMATS:
         return codec, None
-    from worker.kafka.schema_registry import RegistryInput, RegistryOutput, check_reachable, registry_client
+    try:
+        from worker.kafka.schema_registry import RegistryInput, RegistryOutput, check_reachable, registry_client
+    except ImportError as exc:
+        raise SettingsError(f"input_format={settings.input_format}, output_format={settings.output_format}: the "
+                            f"Schema Registry formats need the registry extra (pip install "
+                            f"'keyword-embedder[registry]'); missing: {exc.name or exc}") from None
 
     client = registry_client(settings)
     encoder: ValueEncoder = codec

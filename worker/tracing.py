@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from worker.config import SettingsError
 from worker.kafka.propagation import TraceParent
 
 SPAN_NAME = "keyword-embedder embed"
@@ -59,14 +60,18 @@ class BatchSpans:
 def batch_spans(endpoint: str, *, model: str, exporter: Any = None, service_name: str = "keyword-embedder") -> BatchSpans:
     """A BatchSpans exporting over OTLP/HTTP to `endpoint` (the collector's base URL; /v1/traces is
     added unless the URL has a path), or to `exporter` (tests pass an in-memory one)."""
-    from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import SpanLimits, TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import SpanLimits, TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+        if exporter is None:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError as exc:
+        raise SettingsError(f"setting 'otel_exporter_otlp_endpoint': span export needs the otel extra (pip install "
+                            f"'keyword-embedder[otel]'); missing: {exc.name or exc}") from None
     if exporter is None:
         from urllib.parse import urlsplit
-
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         url = endpoint if urlsplit(endpoint).path not in ("", "/") else endpoint.rstrip("/") + "/v1/traces"
         exporter = OTLPSpanExporter(endpoint=url, timeout=5)
