@@ -378,3 +378,21 @@ def test_output_fields_are_checked_with_the_settings() -> None:
         Settings(output_fields=("-model",), output_format="avro", schema_registry_url="http://sr")
     with pytest.raises(SettingsError, match="needs schema_registry_url"):
         Settings(input_format="avro")
+
+
+def test_output_fields_make_a_qdrant_point_the_query_id_as_a_uuid_and_a_constant_collection() -> None:
+    import uuid
+
+    from worker.kafka.messages import parse_output_fields
+
+    fields = parse_output_fields(["embedding=vector", "id=query_id", "uuid=id", "+collection_name=keywords",
+                                  "-model", "-encoding", "-dim", "-tokens", "-truncated"])
+    record = orjson.loads(OutputCodec(model="m", dim=2, encoding="float-list", fields=fields).value(
+        "q-1", np.array([0.6, 0.8], np.float32), 4, False))
+    assert record == {"query_id": "q-1", "vector": pytest.approx([0.6, 0.8]),
+                      "id": str(uuid.uuid5(uuid.NAMESPACE_URL, "q-1")), "collection_name": "keywords"}
+    assert uuid.UUID(record["id"]).version == 5
+    with pytest.raises(ValueError, match="two output fields would be named 'id'"):
+        parse_output_fields(["uuid=id"])
+    with pytest.raises(ValueError, match="expected \\+name=value"):
+        parse_output_fields(["+collection_name"])

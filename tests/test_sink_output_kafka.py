@@ -5,6 +5,7 @@ continues in a child traceparent. Nothing of this touches a record without heade
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,7 +31,9 @@ def test_renamed_fields_passed_headers_and_trace_context_reach_embeddings_and_de
     records.append((b"blank", orjson.dumps({"id": "blank", "text": "   "}), headers))
     produce(kafka_bootstrap, inp, records)
     w = WorkerProcess(kafka_bootstrap, inp, out, dlq, group_id, tmp_path / "worker.log",
-                      ("--output-fields", "embedding=vector,-model,-encoding",
+                      # A Qdrant point, as its sink connector reads one: collection_name, a UUID id, vector.
+                      ("--output-fields", "embedding=vector,id=query_id,uuid=id,+collection_name=keywords",
+                       "--output-fields=-model,-encoding",  # with "=": argparse reads a leading - as a flag
                        "--pass-headers", "tenant", "--pass-headers", "correlation-id,kwe-dim"))
     w.start()
     reader = TopicReader(kafka_bootstrap, out, group_id + "-r")
@@ -46,7 +49,10 @@ def test_renamed_fields_passed_headers_and_trace_context_reach_embeddings_and_de
         dead.close()
     by_id = {r.key: r for r in reader.records}
     with_headers, without = by_id[queries[1][0]], by_id[queries[0][0]]
-    assert set(with_headers.value) == {"id", "vector", "dim", "tokens", "truncated"}
+    assert set(with_headers.value) == {"query_id", "vector", "dim", "tokens", "truncated", "id", "collection_name"}
+    assert with_headers.value["query_id"] == with_headers.key == queries[1][0]
+    assert with_headers.value["id"] == str(uuid.uuid5(uuid.NAMESPACE_URL, queries[1][0]))
+    assert with_headers.value["collection_name"] == "keywords"
     assert len(with_headers.value["vector"]) == 384
     assert abs(float(np.linalg.norm(with_headers.value["vector"])) - 1.0) < 1e-4
     assert with_headers.headers["tenant"] == b"acme" and with_headers.headers["correlation-id"] == b"c-42"

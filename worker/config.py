@@ -237,9 +237,10 @@ class Settings:
                                            "float-list, as bytes for the other encodings; JSON Schema: as in "
                                            "the JSON output).")
     output_fields: tuple[str, ...] = _setting(
-        None, "Rename or drop fields of the JSON output for a sink that reads named fields: 'embedding=vector' "
-        "renames, '-model' drops; repeat the flag or comma-separate. JSON output only. README, Sink-ready "
-        "output.", default_factory=tuple)
+        None, "Shape the JSON output for a sink connector that reads named fields: 'embedding=vector' renames, "
+        "'-model' drops, 'uuid=id' writes the query ID as a UUID (uuid5, URL namespace) under that name, "
+        "'+collection_name=keywords' adds a constant; repeat the flag (--output-fields=-model: with '=' when it "
+        "starts with '-') or comma-separate. JSON output only. README, Sink-ready output.", default_factory=tuple)
     pass_headers: tuple[str, ...] = _setting(
         None, "Input header names copied onto each embedding (repeat the flag or comma-separate; '*': all). "
         "Never a kwe-* header: the worker's own are not overwritten. Dead letters carry all input headers "
