@@ -140,7 +140,8 @@ class OutputStage:
         for (seq, rec), value in zip(live, values):
             rec.msg = None  # produced from here on: the input bytes are no longer needed
             rec.t_produced = time.monotonic()
-            out_headers = headers if propagation is None else propagation.output_headers(headers, rec.headers)
+            out_headers = (headers if propagation is None or not rec.headers.headers
+                           else propagation.output_headers(headers, rec.headers))
             if not self._producer.produce(self._topic, rec.qid.encode("utf-8"), value, out_headers,
                                           self._acks.embedded(seq)):
                 return

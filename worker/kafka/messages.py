@@ -215,6 +215,7 @@ class OutputCodec:
     fields: FieldMap = field(default_factory=lambda: FieldMap())  # output_fields (JSON only)
     _headers: Headers = field(init=False, repr=False, compare=False)
     _extra: dict[str, object] = field(init=False, repr=False, compare=False)
+    _shaped: bool = field(init=False, repr=False, compare=False)  # output_fields set (read per record)
 
     def __post_init__(self) -> None:
         if self.truncate_dim and self.truncate_dim != self.dim:
@@ -235,6 +236,7 @@ class OutputCodec:
                 headers.append((H_PROMPT_NAME, self.prompt_name.encode("utf-8")))
         object.__setattr__(self, "_headers", headers)
         object.__setattr__(self, "_extra", extra)
+        object.__setattr__(self, "_shaped", bool(self.fields))
 
     @property
     def headers(self) -> Headers:
@@ -264,7 +266,7 @@ class OutputCodec:
 
     def value(self, qid: str, vec: np.ndarray, tokens: int, truncated: bool) -> bytes:
         record = self.record(qid, vec, tokens, truncated)
-        if self.fields:
+        if self._shaped:
             record = apply_output_fields(record, self.fields)
         return orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY)
 
