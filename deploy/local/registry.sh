@@ -28,12 +28,8 @@ api="/apis/ccompat/v7"
 die() { echo "registry.sh: $*" >&2; exit 1; }
 log() { echo "registry.sh: $*" >&2; }
 
-need_java() {
-  command -v java >/dev/null 2>&1 || die "Java 17+ is required but 'java' is not on PATH (Debian: apt-get install openjdk-17-jre-headless)"
-  local v
-  v="$(java -version 2>&1 | head -n1 | sed -E 's/.*version "([0-9]+).*/\1/')"
-  [[ "$v" =~ ^[0-9]+$ ]] && (( v >= 17 )) || die "Java 17+ is required, found: $(java -version 2>&1 | head -n1)"
-}
+# need_java, port_busy, free_port, stop_and_wait
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 # The app is unpacked once per version and kept: a second start needs no network.
 app_dir() { echo "$home/apicurio-registry-app-$version"; }
@@ -62,17 +58,6 @@ resolve_app() {
   touch "$tmp/.complete"
   rm -rf "$dir"; mv "$tmp" "$dir"; rm -f "$tmp.log"
   echo "$dir"
-}
-
-port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-
-free_port() {
-  local p
-  for _ in $(seq 1 200); do
-    p=$(( 20000 + RANDOM % 40000 ))
-    port_busy "$p" || { echo "$p"; return; }
-  done
-  die "no free port found on 127.0.0.1"
 }
 
 running_pid() {
@@ -139,14 +124,7 @@ cmd_stop() {
     log "no registry of ours is running"
     return 0
   fi
-  kill -TERM "$pid" 2>/dev/null || true
-  local deadline=$(( SECONDS + 30 ))
-  while kill -0 "$pid" 2>/dev/null; do
-    if (( SECONDS >= deadline )); then log "registry did not stop in 30 s; killing it"; kill -KILL "$pid" 2>/dev/null || true; fi
-    sleep 0.2
-  done
-  rm -f "$pidfile"
-  log "registry stopped (pid $pid)"
+  stop_and_wait "$pid" "$pidfile" registry
 }
 
 cmd_status() {
