@@ -44,8 +44,9 @@ resolve_app() {
   rm -rf "$tmp"; mkdir -p "$tmp"
   # dependency:copy and then tar, not dependency:unpack: Maven's unarchiver misreads this archive's
   # PAX headers (it writes them out as 28-byte files in place of the jars).
-  if ! mvn -q -B dependency:copy -Dartifact="io.apicurio:apicurio-registry-app:$version:tar.gz:all" \
-      -DoutputDirectory="$tmp" >"$tmp.log" 2>&1; then
+  # From inside $tmp: without a pom, Maven's project folder is the working directory.
+  if ! (cd "$tmp" && mvn -q -B dependency:copy -Dartifact="io.apicurio:apicurio-registry-app:$version:tar.gz:all" \
+      -DoutputDirectory="$tmp" >"$tmp.log" 2>&1); then
     tail -n 30 "$tmp.log" >&2
     rm -rf "$tmp"
     die "Maven could not fetch io.apicurio:apicurio-registry-app:$version:tar.gz:all (see above)"
