@@ -41,7 +41,7 @@ test: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash deploy/local/with-kafka.sh $(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: install
-	$(PY) -m pytest -m "not kafka" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not kafka and not registry" $(PYTEST_ARGS)
 
 # The batching benchmark of the README (offline, no Kafka); BENCH_DATA defaults to the shared query file.
 BENCH_DATA ?= ../shared/data/queries/terabyte05-efficiency.tsv
