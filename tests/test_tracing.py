@@ -71,3 +71,49 @@ def test_spans_are_exported_over_otlp_http_to_the_endpoint() -> None:
     (span,) = [s for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans]
     assert span.name == SPAN_NAME and len(span.links) == 3
     assert span.links[0].trace_id == (1).to_bytes(16, "big") and span.links[0].span_id == (101).to_bytes(8, "big")
+
+
+def test_a_failing_tracer_never_stops_the_output_stage() -> None:
+    import numpy as np
+
+    from worker.inflight import InFlight, InFlightTable
+    from worker.kafka.headers import InputHeaders
+    from worker.kafka.offsets import PartitionOffsets
+    from worker.latch import FatalLatch
+    from worker.metrics import Metrics
+    from worker.output import OutputStage, _Finished
+
+    class Spans:
+        calls = 0
+
+        def record(self, *args: Any, **kwargs: Any) -> None:
+            type(self).calls += 1
+            raise RuntimeError("exporter bug")
+
+    class Producer:
+        keys: list[bytes] = []
+
+        def produce(self, topic: str, key: bytes, value: bytes, headers: Any, on_delivered: Any) -> bool:
+            self.keys.append(key)
+            return True
+
+    class Acks:
+        def embedded(self, seq: int) -> Any:
+            return lambda: None
+
+    class Codec:
+        headers: list[Any] = []
+
+        def value(self, qid: str, vec: Any, tokens: int, truncated: bool) -> bytes:
+            return b"{}"
+
+    table = InFlightTable()
+    latch = FatalLatch()
+    stage = OutputStage("out", Codec(), Producer(), table, Acks(), None, Metrics(), latch,  # type: ignore[arg-type]
+                        spans=Spans())  # type: ignore[arg-type]
+    part = PartitionOffsets("in", 0, 0)
+    for seq in range(2):
+        table.add(seq, InFlight(part, seq, f"q-{seq}", 3, False, None, 10, None,
+                                InputHeaders([("traceparent", PARENTS[0].header())])))  # type: ignore[union-attr]
+        stage._emit(_Finished([seq], np.zeros((1, 4), np.float32), None))
+    assert Producer.keys == [b"q-0", b"q-1"] and Spans.calls == 2 and not latch.is_set()

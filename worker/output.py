@@ -61,6 +61,7 @@ class OutputStage:
                  spans: BatchSpans | None = None) -> None:
         self._topic = topic
         self._spans = spans  # one OpenTelemetry span per batch; None: no export
+        self._trace_failed = False  # a span failed once (logged once; output thread only)
         # pass_headers / trace context; None when both are off (no per-record header work).
         self._propagation = propagation if propagation is not None and propagation.active else None
         self._cache = cache
@@ -148,7 +149,12 @@ class OutputStage:
         t2 = time.monotonic()
         self._metrics.observe_hop("produce_call", t2 - t1)
         if self._spans is not None and live:
-            self._trace(item, live, t2)
+            try:
+                self._trace(item, live, t2)
+            except Exception as exc:  # noqa: BLE001 - tracing is an observer: it never stops the stream
+                if not self._trace_failed:
+                    log.warning("batch span not recorded; tracing goes on without it", error=repr(exc))
+                self._trace_failed = True
 
     def _trace(self, item: _Finished, live: list[tuple[int, InFlight]], end: float) -> None:
         """The batch's span: from its oldest keyword's submit (or its queueing here, for cache hits)
