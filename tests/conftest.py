@@ -21,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
 KAFKA_SH = ROOT / "deploy" / "local" / "kafka.sh"
+REGISTRY_SH = ROOT / "deploy" / "local" / "registry.sh"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -28,6 +29,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         names = getattr(item, "fixturenames", ())
         if "kafka_bootstrap" in names or "kafka_secure" in names:
             item.add_marker(pytest.mark.kafka)
+        if "schema_registry" in names or "own_registry" in names:
+            item.add_marker(pytest.mark.registry)
 
 
 @pytest.fixture(scope="session")
@@ -123,3 +126,50 @@ def own_broker(tmp_path: Path) -> Iterator[tuple[str, dict[str, str]]]:
         yield out.stdout.strip().splitlines()[-1].split("=", 1)[1], env
     finally:
         subprocess.run(["bash", str(KAFKA_SH), "stop"], env=env, capture_output=True, check=False)
+
+
+def start_registry(env: dict[str, str] | None = None) -> str:
+    """deploy/local/registry.sh start; returns its SCHEMA_REGISTRY_URL."""
+    out = subprocess.run(["bash", str(REGISTRY_SH), "start"], check=True, capture_output=True, text=True, env=env)
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("SCHEMA_REGISTRY_URL="), out.stdout + out.stderr
+    return line.split("=", 1)[1]
+
+
+@pytest.fixture(scope="session")
+def schema_registry() -> Iterator[str]:
+    """A real Confluent-compatible Schema Registry (Apicurio): SCHEMA_REGISTRY_URL when set (.ci/run
+    sets it), otherwise started by this session with deploy/local/registry.sh and stopped at its end."""
+    given = os.environ.get("SCHEMA_REGISTRY_URL")
+    if given:
+        yield given
+        return
+    was_running = subprocess.run(["bash", str(REGISTRY_SH), "status"], capture_output=True).returncode == 0
+    url = start_registry()
+    try:
+        yield url
+    finally:
+        if not was_running:
+            subprocess.run(["bash", str(REGISTRY_SH), "stop"], check=False)
+
+
+@dataclass
+class OwnRegistry:
+    """A registry of the test's own, which the test may stop (an outage must not hit the shared one)."""
+
+    url: str
+    env: dict[str, str]
+
+    def stop(self) -> None:
+        subprocess.run(["bash", str(REGISTRY_SH), "stop"], env=self.env, capture_output=True, check=False)
+
+
+@pytest.fixture()
+def own_registry(tmp_path: Path) -> Iterator[OwnRegistry]:
+    env = {**os.environ, "KWE_REGISTRY_RUN": str(tmp_path / "registry")}
+    env.pop("REGISTRY_PORT", None)
+    reg = OwnRegistry(start_registry(env), env)
+    try:
+        yield reg
+    finally:
+        reg.stop()

@@ -11,7 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,14 +130,16 @@ class WorkerProcess:
         return out
 
 
-def produce(bootstrap: str, topic: str, records: Iterable[tuple[bytes | None, bytes | None]],
+def produce(bootstrap: str, topic: str,
+            records: Iterable[tuple[bytes | None, bytes | None] | tuple[bytes | None, bytes | None, Any]],
             config: Mapping[str, str] | None = None) -> int:
+    """Produces (key, value) or (key, value, headers) records; returns how many."""
     p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20, "enable.idempotence": True, **(config or {})})
     n = 0
-    for key, value in records:
+    for key, value, *rest in records:
         while True:
             try:
-                p.produce(topic, key=key, value=value)
+                p.produce(topic, key=key, value=value, headers=rest[0] if rest else None)
                 break
             except BufferError:
                 p.poll(0.05)
@@ -165,8 +167,10 @@ class Record:
 class TopicReader:
     """Reads a topic from the beginning with its own group; keeps every record, duplicates included."""
 
-    def __init__(self, bootstrap: str, topic: str, group: str, *, isolation: str = "read_committed") -> None:
+    def __init__(self, bootstrap: str, topic: str, group: str, *, isolation: str = "read_committed",
+                 decode: Callable[[bytes], Any] = orjson.loads) -> None:
         self.records: list[Record] = []
+        self._decode = decode  # the value's decoder (a Schema Registry deserialiser, ...)
         self._c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "auto.offset.reset": "earliest",
                             "enable.auto.commit": False, "isolation.level": isolation})
         self._c.subscribe([topic])
@@ -179,7 +183,7 @@ class TopicReader:
                 if m.error():
                     continue
                 ts = m.timestamp()[1]
-                self.records.append(Record(m.key().decode() if m.key() is not None else None, orjson.loads(m.value()),
+                self.records.append(Record(m.key().decode() if m.key() is not None else None, self._decode(m.value()),
                                            dict(m.headers() or []), m.partition(), m.offset(), ts))
                 got += 1
         return got

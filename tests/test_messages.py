@@ -336,3 +336,63 @@ def test_dead_letter_example_in_the_schema_is_what_the_code_writes() -> None:
                              timestamp_ms=1764400000000, key=key, value=value,
                              headers=InputHeaders.of([("trace-id", b"abc123"), (b"\xffsrc", b"x")]), max_bytes=1024)
     assert orjson.loads(rec.value) == cut
+
+
+# ------------------------------------------------------------------ output_fields
+
+
+def test_output_fields_rename_and_drop_in_the_records_order() -> None:
+    from worker.kafka.messages import parse_output_fields
+
+    fields = parse_output_fields(["embedding=vector", "-model", " -tokens "])
+    codec = OutputCodec(model="m", dim=2, encoding="float-list", fields=fields)
+    record = orjson.loads(codec.value("q-1", np.array([0.6, 0.8], np.float32), 4, False))
+    assert list(record) == ["id", "vector", "encoding", "dim", "truncated"]
+    assert record["vector"] == pytest.approx([0.6, 0.8])
+    plain = orjson.loads(OutputCodec(model="m", dim=2, encoding="float-list").value(
+        "q-1", np.array([0.6, 0.8], np.float32), 4, False))
+    assert list(plain) == ["id", "embedding", "encoding", "dim", "model", "tokens", "truncated"]
+
+
+@pytest.mark.parametrize(("items", "error"), [
+    (["vector=embedding"], "'vector' is not an output field"),
+    (["embedding"], "expected field=new_name"),
+    (["embedding="], "write -embedding to drop"),
+    (["embedding=v", "-embedding"], "named twice"),
+    (["embedding=id"], "two output fields would be named 'id'"),
+])
+def test_output_fields_refuse_what_cannot_be_meant(items: list[str], error: str) -> None:
+    from worker.kafka.messages import parse_output_fields
+
+    with pytest.raises(ValueError, match=error):
+        parse_output_fields(items)
+
+
+def test_output_fields_are_checked_with_the_settings() -> None:
+    from worker.config import Settings, SettingsError
+
+    assert Settings(output_fields=("embedding=vector", "id=point_id")).output_fields == ("embedding=vector", "id=point_id")
+    with pytest.raises(SettingsError, match="output_fields.*not an output field"):
+        Settings(output_fields=("vec=x",))
+    with pytest.raises(SettingsError, match="JSON output"):
+        Settings(output_fields=("-model",), output_format="avro", schema_registry_url="http://sr")
+    with pytest.raises(SettingsError, match="needs schema_registry_url"):
+        Settings(input_format="avro")
+
+
+def test_output_fields_make_a_qdrant_point_the_query_id_as_a_uuid_and_a_constant_collection() -> None:
+    import uuid
+
+    from worker.kafka.messages import parse_output_fields
+
+    fields = parse_output_fields(["embedding=vector", "id=query_id", "uuid=id", "+collection_name=keywords",
+                                  "-model", "-encoding", "-dim", "-tokens", "-truncated"])
+    record = orjson.loads(OutputCodec(model="m", dim=2, encoding="float-list", fields=fields).value(
+        "q-1", np.array([0.6, 0.8], np.float32), 4, False))
+    assert record == {"query_id": "q-1", "vector": pytest.approx([0.6, 0.8]),
+                      "id": str(uuid.uuid5(uuid.NAMESPACE_URL, "q-1")), "collection_name": "keywords"}
+    assert uuid.UUID(record["id"]).version == 5
+    with pytest.raises(ValueError, match="two output fields would be named 'id'"):
+        parse_output_fields(["uuid=id"])
+    with pytest.raises(ValueError, match="expected \\+name=value"):
+        parse_output_fields(["+collection_name"])

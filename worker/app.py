@@ -11,9 +11,10 @@ from kwe_core.errors import BackendError
 from kwe_core.model import ModelError, ModelInfo, Prompt
 from kwe_core.vectors import check_truncate_dim, default_int8_range
 from worker.backends.base import Backend
-from worker.config import Settings
+from worker.config import Settings, SettingsError
 from worker.cost_model import CostModel
-from worker.kafka.messages import OutputCodec
+from worker.intake import Decode
+from worker.kafka.messages import REGISTRY_FORMATS, OutputCodec, ValueEncoder, parse_output_fields
 from worker.metrics import Metrics
 from worker.pipeline import Pipeline
 from worker.tokenize import KeywordTokenizer
@@ -67,6 +68,9 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Ass
     info = model_info(settings)
     prompt = Prompt.resolve(info, prompt=settings.prompt, prompt_name=settings.prompt_name)
     codec = output_codec(settings, info, prompt)  # before the backend: a bad setting fails fast
+    # Before the backend too: a registry that is down, or an output schema that is not
+    # registered, stops the worker in seconds (SchemaRegistryFailure).
+    encoder, decode = registry_formats(settings, codec)
     tokenizer = KeywordTokenizer.from_model(info, prompt=prompt)
     loaded = load_backend(settings, model=info)
     backend, profile = loaded.backend, loaded.profile
@@ -80,7 +84,7 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Ass
     if costs is not None:
         metrics.watch_costs(costs)
     pipeline = Pipeline(loaded.settings, tokenizer=tokenizer, backend=backend, profile=profile,
-                        model_name=info.name, metrics=metrics, costs=costs, codec=codec)
+                        model_name=info.name, metrics=metrics, costs=costs, codec=encoder, decode=decode)
     return Assembled(pipeline, backend)
 
 
@@ -97,4 +101,32 @@ def output_codec(settings: Settings, info: ModelInfo, prompt: Prompt) -> OutputC
         int8_range = (-r, r)
     return OutputCodec(model=info.name, dim=dim, encoding=settings.output_encoding,  # type: ignore[arg-type]
                        truncate_dim=settings.truncate_dim, prompt_name=prompt.name, prompt=prompt.text,
-                       int8_range=int8_range)
+                       int8_range=int8_range, fields=parse_output_fields(settings.output_fields))
+
+
+def registry_formats(settings: Settings, codec: OutputCodec) -> tuple[ValueEncoder, Decode | None]:
+    """The output encoder and input decoder the formats ask for: the JSON codec and the built-in
+    decoder, or confluent-kafka's registry serdes (imported only then: the registry extra)."""
+    if settings.output_format not in REGISTRY_FORMATS and settings.input_format not in REGISTRY_FORMATS:
+        return codec, None
+    try:
+        from worker.kafka.schema_registry import RegistryInput, RegistryOutput, check_reachable, registry_client
+    except ImportError as exc:
+        raise SettingsError(f"input_format={settings.input_format}, output_format={settings.output_format}: the "
+                            f"Schema Registry formats need the registry extra (pip install "
+                            f"'keyword-embedder[registry]'); missing: {exc.name or exc}") from None
+
+    client = registry_client(settings)
+    encoder: ValueEncoder = codec
+    decode: Decode | None = None
+    if settings.input_format in REGISTRY_FORMATS:
+        check_reachable(settings, client)
+        decode = RegistryInput(settings, client)
+    if settings.output_format in REGISTRY_FORMATS:
+        output = RegistryOutput(settings, codec, client)
+        output.check(codec.dim)
+        encoder = output
+    log.info("schema registry", url=settings.schema_registry_url, input_format=settings.input_format,
+             output_format=settings.output_format, subject_strategy=settings.schema_subject_strategy,
+             auto_register=settings.schema_auto_register)
+    return encoder, decode

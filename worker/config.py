@@ -23,7 +23,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 from kwe_core.errors import KeywordEmbedderError
 from kwe_core.profiles import PadPolicy
 from worker.backends.base import BackendName
-from worker.kafka.messages import InputFormat, OutputEncoding
+from worker.kafka.messages import (REGISTRY_FORMATS, InputFormat, OutputEncoding, OutputFormat, parse_output_fields)
 from worker.logs import LogFormat, LogLevel
 from worker.redact import MASK, is_secret_key
 from worker.cache import DEFAULT_CACHE_BYTES
@@ -156,6 +156,7 @@ CLIENT_SETTINGS = ("kafka_config", "kafka_config_file", "security_protocol", "sa
 
 
 Precision = Literal["fp32", "int8"]
+SubjectStrategy = Literal["topic", "record", "topic-record"]
 
 
 class SettingsError(KeywordEmbedderError, ValueError):
@@ -225,8 +226,47 @@ class Settings:
                                            "at most this long after a member dies without a successor.",
                                            minimum=1000)
     # --- Messages ----------------------------------------------------------------------
-    input_format: InputFormat = _setting("json", "Input value format: 'json' ({\"id\", \"text\"}) or 'raw' "
-                                         "(UTF-8 text, query ID in the message key).")
+    input_format: InputFormat = _setting("json", "Input value format: 'json' ({\"id\", \"text\"}), 'raw' "
+                                         "(UTF-8 text, query ID in the message key), or a Schema Registry "
+                                         "format ('avro', 'json-schema', 'protobuf': a record with string fields "
+                                         "id and text, any schema the registry holds; needs "
+                                         "schema_registry_url and the registry extra). README, Schema Registry.")
+    output_format: OutputFormat = _setting("json", "Output value format: 'json' (schemas/output.schema.json), or "
+                                           "a Schema Registry format ('avro', 'json-schema', 'protobuf') with the "
+                                           "schemas in schemas/registry/ (the embedding as a list of floats for "
+                                           "float-list, as bytes for the other encodings; JSON Schema: as in "
+                                           "the JSON output).")
+    output_fields: tuple[str, ...] = _setting(
+        None, "Shape the JSON output for a sink connector that reads named fields: 'embedding=vector' renames, "
+        "'-model' drops, 'uuid=id' writes the query ID as a UUID (uuid5, URL namespace) under that name, "
+        "'+collection_name=keywords' adds a constant; repeat the flag (--output-fields=-model: with '=' when it "
+        "starts with '-') or comma-separate. JSON output only. README, Sink-ready output.", default_factory=tuple)
+    pass_headers: tuple[str, ...] = _setting(
+        None, "Input header names copied onto each embedding (repeat the flag or comma-separate; '*': all). "
+        "Never a kwe-* header: the worker's own are not overwritten. Dead letters carry all input headers "
+        "already (README, Headers and trace context).", default_factory=tuple)
+    trace_context: bool = _setting(True, "W3C Trace Context: an input record's traceparent (and tracestate) "
+                                   "header gives its embedding and dead letter a child traceparent (same "
+                                   "trace, new span ID). Records without one cost nothing.")
+    otel_exporter_otlp_endpoint: str = _setting(
+        "", "OTLP/HTTP endpoint (e.g. http://collector:4318) to export one span per batch, linked to each "
+        "keyword's parent trace context; empty: no export. Needs the otel extra.")
+    # --- Schema Registry -----------------------------------------------------------------
+    schema_registry_url: str = _setting("", "Confluent-compatible Schema Registry URL (Confluent, Redpanda, "
+                                        "Apicurio's /apis/ccompat/v7, Karapace) for the registry formats.")
+    schema_registry_username: str = _setting("", "Schema Registry basic-auth user (or API key).")
+    schema_registry_password: str = _setting("", "Schema Registry basic-auth password (or API secret). Prefer "
+                                             "schema_registry_password_file. Never printed.", secret=True)
+    schema_registry_password_file: str = _setting("", "File whose content (trailing newline stripped) is the "
+                                                  "Schema Registry password; read at start.")
+    schema_registry_ca_location: str = _setting("", "PEM file of the CA that signed the registry's certificate; "
+                                                "empty: the system's CAs.")
+    schema_auto_register: bool = _setting(False, "Register the output schema when its subject lacks it. Off: "
+                                          "the schema must be registered already (what production registries "
+                                          "expect); the worker refuses to start otherwise.")
+    schema_subject_strategy: SubjectStrategy = _setting(
+        "topic", "Subject naming: 'topic' (<topic>-value), 'record' (the record's full name), "
+        "'topic-record' (<topic>-<record name>), as confluent-kafka's strategies.")
     output_encoding: OutputEncoding = _setting("float-list", "Embedding encoding in the output value: a JSON "
                                                "list of floats, base64 little-endian float32/float16, 'int8' "
                                                "(base64 of one signed byte per dimension over int8_range, stated "
@@ -364,6 +404,20 @@ class Settings:
                                 f"{max_request - RECORD_FRAMING_BYTES}")
         if self.sasl_password and self.sasl_password_file:
             raise SettingsError("settings 'sasl_password' and 'sasl_password_file' are both set: keep one")
+        if self.schema_registry_password and self.schema_registry_password_file:
+            raise SettingsError("settings 'schema_registry_password' and 'schema_registry_password_file' are both "
+                                "set: keep one")
+        for name in ("input_format", "output_format"):
+            if getattr(self, name) in REGISTRY_FORMATS and not self.schema_registry_url:
+                raise SettingsError(f"setting {name!r}: {getattr(self, name)} needs schema_registry_url")
+        if self.output_fields:
+            if self.output_format != "json":
+                raise SettingsError("setting 'output_fields': it renames fields of the JSON output; with "
+                                    f"output_format={self.output_format} the registered schema names them")
+            try:
+                parse_output_fields(self.output_fields)
+            except ValueError as exc:
+                raise SettingsError(f"setting 'output_fields': {exc}") from None
 
     def __repr__(self) -> str:
         # Settings end up in logs and tracebacks: the repr never shows a secret.
@@ -460,10 +514,14 @@ def _coerce(name: str, raw: Any, source: str) -> Any:
     try:
         if kind is tuple:
             if isinstance(raw, str):
+                if name != "kafka_config":  # a list of names: header names, output fields
+                    return tuple(part.strip() for part in raw.split(",") if part.strip())
                 return split_kafka_config(raw)
             if isinstance(raw, (list, tuple)) and all(isinstance(x, str) for x in raw):
+                if name != "kafka_config":  # `--pass-headers a,b --pass-headers c`
+                    return tuple(part.strip() for x in raw for part in x.split(",") if part.strip())
                 return tuple(raw)
-            if isinstance(raw, dict):
+            if isinstance(raw, dict) and name == "kafka_config":
                 # A TOML table: [kafka_config] with "security.protocol" = "SASL_SSL" lines.
                 # Numbers and booleans are written as librdkafka expects its strings.
                 return tuple(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in raw.items())
@@ -500,7 +558,8 @@ def add_setting_flags(parser: argparse.ArgumentParser, only: Sequence[str] | Non
         kind = _field_type(f)
         help_text = f"{f.metadata['help']} [env {env_name(f.name)}]"
         if kind is tuple:
-            parser.add_argument(flag_name(f.name), dest=f.name, action="append", metavar="KEY=VALUE",
+            parser.add_argument(flag_name(f.name), dest=f.name, action="append",
+                                metavar="KEY=VALUE" if f.name == "kafka_config" else "NAME",
                                 default=None, help=help_text)
         else:
             parser.add_argument(flag_name(f.name), *FLAG_ALIASES.get(f.name, ()), dest=f.name, default=None,

@@ -23,3 +23,7 @@ class BackendBrokenError(WorkerError):
 
 class ThreadDiedError(WorkerError):
     """A worker thread ended with an exception (a bug): stop with what it raised."""
+
+
+class SchemaRegistryFailure(WorkerError):
+    """The Schema Registry cannot be reached, refuses the worker, or lacks the output schema."""

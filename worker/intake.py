@@ -25,7 +25,7 @@ from worker.config import Settings
 from worker.dead_letters import DeadLetters
 from worker.inflight import InFlight, InFlightTable
 from worker.kafka.headers import read_headers
-from worker.kafka.messages import Keyword, Rejection, decode_input
+from worker.kafka.messages import Headers, Keyword, Rejection, decode_input
 from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets
 from worker.metrics import Metrics
 
@@ -34,13 +34,19 @@ log = structlog.get_logger(__name__)
 Submit = Callable[[int, np.ndarray], None]
 # Records answered from the embedding cache: their seqs and rows, handed to the output stage.
 Answer = Callable[[list[int], np.ndarray], None]
+# A registry format's decoder (worker/kafka/schema_registry.py's RegistryInput):
+# (topic, key, value, headers, headers' bytes) -> the keyword or why not. It raises a WorkerError
+# when the registry, not the record, fails: that stops the worker without committing the record.
+Decode = Callable[[str, bytes | None, bytes | None, Headers, int], Keyword | Rejection]
 
 
 class Intake:
     def __init__(self, settings: Settings, tokenizer: Any, tracker: OffsetTracker, inflight: InFlightTable,
                  submit: Submit, dead_letters: DeadLetters, metrics: Metrics, *,
-                 cache: EmbeddingCache[int] | None = None, answer: Answer | None = None) -> None:
+                 cache: EmbeddingCache[int] | None = None, answer: Answer | None = None,
+                 decode: Decode | None = None) -> None:
         self._settings = settings
+        self._decode = decode  # None: json or raw, decoded here
         self._tokenizer = tokenizer
         self._tracker = tracker
         self._inflight = inflight
@@ -71,8 +77,11 @@ class Intake:
             if rec.timestamp_ms is not None and rec.timestamp_ms > 0:
                 in_topic.append((now_ms - rec.timestamp_ms) / 1000.0)
             seq = next(self._seq)
-            decoded = decode_input(msg.key(), msg.value(), fmt=s.input_format,  # type: ignore[arg-type]
-                                   max_bytes=s.max_message_bytes, headers_bytes=rec.headers.size)
+            if self._decode is None:
+                decoded = decode_input(msg.key(), msg.value(), fmt=s.input_format,  # type: ignore[arg-type]
+                                       max_bytes=s.max_message_bytes, headers_bytes=rec.headers.size)
+            else:
+                decoded = self._decode(msg.topic(), msg.key(), msg.value(), rec.headers.headers, rec.headers.size)
             if isinstance(decoded, Rejection):
                 self._reject(seq, rec, decoded)
             else:

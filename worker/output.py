@@ -28,10 +28,12 @@ from worker.dead_letters import DeadLetters
 from worker.deadline import Deadline
 from worker.errors import BackendBrokenError, WorkerError
 from worker.inflight import InFlight, InFlightTable
-from worker.kafka.messages import OutputCodec, Rejection
+from worker.kafka.messages import Rejection, ValueEncoder
+from worker.kafka.propagation import Propagation, find_traceparent
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch, guarded
 from worker.metrics import Metrics
+from worker.tracing import BatchSpans, epoch_ns
 
 log = structlog.get_logger(__name__)
 
@@ -53,10 +55,15 @@ class _Failed:
 
 
 class OutputStage:
-    def __init__(self, topic: str, codec: OutputCodec, producer: OutputProducer, inflight: InFlightTable,
+    def __init__(self, topic: str, codec: ValueEncoder, producer: OutputProducer, inflight: InFlightTable,
                  acks: Acknowledger, dead_letters: DeadLetters, metrics: Metrics, latch: FatalLatch, *,
-                 cache: EmbeddingCache[int] | None = None) -> None:
+                 cache: EmbeddingCache[int] | None = None, propagation: Propagation | None = None,
+                 spans: BatchSpans | None = None) -> None:
         self._topic = topic
+        self._spans = spans  # one OpenTelemetry span per batch; None: no export
+        self._trace_failed = False  # a span failed once (logged once; output thread only)
+        # pass_headers / trace context; None when both are off (no per-record header work).
+        self._propagation = propagation if propagation is not None and propagation.active else None
         self._cache = cache
         self._codec = codec
         self._producer = producer
@@ -130,13 +137,39 @@ class OutputStage:
                   for seq, rec in live]
         t1 = time.monotonic()
         self._metrics.observe_hop("encode", t1 - t0)
+        propagation = self._propagation
         for (seq, rec), value in zip(live, values):
             rec.msg = None  # produced from here on: the input bytes are no longer needed
             rec.t_produced = time.monotonic()
-            if not self._producer.produce(self._topic, rec.qid.encode("utf-8"), value, headers,
+            out_headers = (headers if propagation is None or not rec.headers.headers
+                           else propagation.output_headers(headers, rec.headers))
+            if not self._producer.produce(self._topic, rec.qid.encode("utf-8"), value, out_headers,
                                           self._acks.embedded(seq)):
                 return
-        self._metrics.observe_hop("produce_call", time.monotonic() - t1)
+        t2 = time.monotonic()
+        self._metrics.observe_hop("produce_call", t2 - t1)
+        if self._spans is not None and live:
+            try:
+                self._trace(item, live, t2)
+            except Exception as exc:  # noqa: BLE001 - tracing is an observer: it never stops the stream
+                if not self._trace_failed:
+                    log.warning("batch span not recorded; tracing goes on without it", error=repr(exc))
+                self._trace_failed = True
+
+    def _trace(self, item: _Finished, live: list[tuple[int, InFlight]], end: float) -> None:
+        """The batch's span: from its oldest keyword's submit (or its queueing here, for cache hits)
+        to the last produce call, linked to each keyword's trace context."""
+        assert self._spans is not None
+        parents = [tp for _, rec in live if (tp := find_traceparent(rec.headers)) is not None]
+        stats = item.stats
+        start = item.t_done or end
+        attributes: dict[str, object] = {}
+        if stats is not None and item.t_done:
+            start = item.t_done - stats.backend_s - max(stats.queue_wait_s, default=0.0)
+            attributes = {"kwe.batch.bucket": stats.bound, "kwe.batch.pad_len": stats.pad_len,
+                          "kwe.batch.backend_s": stats.backend_s}
+        self._spans.record(parents, size=len(live), start_ns=epoch_ns(start), end_ns=epoch_ns(end),
+                           cached=item.cached, attributes=attributes)
 
     def _row(self, item: _Finished, i: int, rec: InFlight) -> np.ndarray:
         row = item.rows[i]

@@ -43,15 +43,17 @@ from worker.errors import ThreadDiedError, WorkerError
 from worker.flow import FlowControl
 from worker.health import Liveness
 from worker.inflight import InFlightTable
-from worker.intake import Intake
+from worker.intake import Decode, Intake
 from worker.kafka.committer import Committer
 from worker.kafka.consumer import GroupMember, consumer_config
 from worker.kafka.errors import FailurePolicy
-from worker.kafka.messages import OutputCodec
+from worker.kafka.messages import OutputCodec, ValueEncoder
+from worker.kafka.propagation import Propagation
 from worker.kafka.producer import OutputProducer, producer_config
 from worker.latch import FatalLatch, guarded
 from worker.metrics import Metrics
 from worker.output import OutputStage
+from worker.tracing import BatchSpans
 
 log = structlog.get_logger(__name__)
 
@@ -70,7 +72,8 @@ class Pipeline:
                  metrics: Metrics | None = None, bucketer_factory: Any = None, costs: CostModel | None = None,
                  consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
                  producer_factory: Callable[[dict[str, Any]], Any] = Producer,
-                 codec: OutputCodec | None = None) -> None:
+                 codec: ValueEncoder | None = None, decode: Decode | None = None,
+                 spans: BatchSpans | None = None) -> None:
         from worker.bucketing import Bucketer
 
         self.settings = settings
@@ -100,19 +103,28 @@ class Pipeline:
                                    consumer_factory=consumer_factory)
         self._delivery: Delivery = kind.build(settings, self._committer, self._producer, self._member.client, self.latch,
                                               lambda: len(self._inflight), self.metrics, self._commit_by)
-        # worker.app.output_codec adds truncate_dim, the prompt and the int8 range.
+        # worker.app.output_codec adds truncate_dim, the prompt and the int8 range (and
+        # worker.app.output_encoder the registry formats); decode is a registry format's decoder.
         codec = codec or OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding)  # type: ignore[arg-type]
+        # One span per batch when an OTLP endpoint is set (the otel extra, imported only then).
+        if spans is None and settings.otel_exporter_otlp_endpoint:
+            from worker.tracing import batch_spans
+
+            spans = batch_spans(settings.otel_exporter_otlp_endpoint, model=model_name)
+        self._spans = spans
         # Repeated keywords are answered from here without the model (0 bytes: off).
         cache = EmbeddingCache(settings.cache_bytes, backend.dim, observer=self.metrics) if settings.cache_bytes else None
         self._output = OutputStage(settings.output_topic, codec, self._producer, self._inflight, acks, dead_letters,
-                                   self.metrics, self.latch, cache=cache)
+                                   self.metrics, self.latch, cache=cache,
+                                   propagation=Propagation.of(settings.pass_headers, settings.trace_context),
+                                   spans=spans)
         canary = tokenizer.encode([CANARY_TEXT])[0].ids
         self._bucketer = (bucketer_factory or Bucketer)(
             profile, IsolatingBackend(backend, canary), self._output.on_batch, on_error=self._output.on_batch_error,
             max_queue_delay_ms=settings.max_queue_delay_ms, dispatchers=settings.dispatchers,
             pad_to=settings.pad_to, costs=costs, guard=lambda name, body: guarded(self.latch, name, body))
         self._intake = Intake(settings, tokenizer, self._committer.tracker, self._inflight, self._bucketer.submit,
-                              dead_letters, self.metrics, cache=cache, answer=self._output.on_cached)
+                              dead_letters, self.metrics, cache=cache, answer=self._output.on_cached, decode=decode)
         self.liveness = Liveness(self.latch, lambda: [self._output.thread, self._producer.thread,
                                                       *self._bucketer.threads],
                                  self._committer.stalled_for, settings.stall_timeout_s)
@@ -215,6 +227,10 @@ class Pipeline:
         self._delivery.finish(self._commit_by, self._member.serve, drained=clean, aborted=self._abort.is_set())
         self.left_group = self._member.close(self.deadline)
         self._producer.stop(timeout_s=1.0)
+        if self._spans is not None:
+            # Spans of what was produced, exported within what is left (a collector that is
+            # down costs at most this, never the commit, which is done).
+            self._spans.close(timeout_s=max(0.5, min(2.0, self.deadline.left())))
         log.info("worker stopped", consumed=self._intake.consumed, produced=self._acks.embedded_count,
                  dead_lettered=self._acks.dead_lettered_count, in_flight=self.in_flight(),
                  dropped_after_revoke=self._output.dropped, never_run=len(never_run or []),

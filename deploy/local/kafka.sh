@@ -48,12 +48,8 @@ portfile="$run/broker.port"
 die() { echo "kafka.sh: $*" >&2; exit 1; }
 log() { echo "kafka.sh: $*" >&2; }
 
-need_java() {
-  command -v java >/dev/null 2>&1 || die "Java 17+ is required but 'java' is not on PATH (Debian: apt-get install openjdk-17-jre-headless)"
-  local v
-  v="$(java -version 2>&1 | head -n1 | sed -E 's/.*version "([0-9]+).*/\1/')"
-  [[ "$v" =~ ^[0-9]+$ ]] && (( v >= 17 )) || die "Java 17+ is required, found: $(java -version 2>&1 | head -n1)"
-}
+# need_java, port_busy, free_port, stop_and_wait
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 # The jars are resolved once per pom.xml content and kept: a second start needs no network.
 libs_dir() {
@@ -77,17 +73,6 @@ resolve_libs() {
   touch "$tmp/.complete"
   rm -rf "$dir"; mv "$tmp" "$dir"; rm -f "$tmp.log"
   echo "$dir"
-}
-
-port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
-
-free_port() {
-  local p
-  for _ in $(seq 1 200); do
-    p=$(( 20000 + RANDOM % 40000 ))
-    port_busy "$p" || { echo "$p"; return; }
-  done
-  die "no free port found on 127.0.0.1"
 }
 
 running_pid() {
@@ -421,14 +406,7 @@ cmd_stop() {
     log "no broker of ours is running"
     return 0
   fi
-  kill -TERM "$pid" 2>/dev/null || true
-  local deadline=$(( SECONDS + 30 ))
-  while kill -0 "$pid" 2>/dev/null; do
-    if (( SECONDS >= deadline )); then log "broker did not stop in 30 s; killing it"; kill -KILL "$pid" 2>/dev/null || true; fi
-    sleep 0.2
-  done
-  rm -f "$pidfile"
-  log "broker stopped (pid $pid)"
+  stop_and_wait "$pid" "$pidfile" broker
 }
 
 cmd_status() {

@@ -15,7 +15,8 @@ from typing import Any
 import orjson
 
 from worker.kafka.headers import InputHeaders
-from worker.kafka.messages import H_REASON, H_SRC_OFFSET, H_SRC_PARTITION, H_SRC_TOPIC, Headers, Rejection
+from worker.kafka.messages import (H_REASON, H_SRC_OFFSET, H_SRC_PARTITION, H_SRC_TOPIC, OWN_HEADER_PREFIX, Headers,
+                                   Rejection)
 
 
 def _b64(data: bytes | None) -> str | None:
@@ -114,7 +115,10 @@ def dead_letter_record(rejection: Rejection, *, topic: str, partition: int, offs
             "notes": notes,
         }
         out_key = key if key_kept is None else None  # a cut key is not the record's key any more
-        out_headers = (list(hdrs.headers) if keep_headers else []) + own_headers
+        # The input's headers come along (pass-through), except any named like the worker's own:
+        # those stay only in the value's "headers", so they cannot shadow the reason or source.
+        passed = [(n, v) for n, v in hdrs.headers if not n.lower().startswith(OWN_HEADER_PREFIX)]
+        out_headers = (passed if keep_headers else []) + own_headers
         return DeadLetter(out_key, orjson.dumps(record), out_headers)
 
     whole = build(None, None, True)

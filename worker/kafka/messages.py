@@ -10,17 +10,27 @@ from __future__ import annotations
 
 import base64
 import unicodedata
+import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 import orjson
 
 from kwe_core.vectors import (dequantize_int8, pack_binary, quantize_int8, truncate, unpack_binary)
 
-InputFormat = Literal["json", "raw"]
+# The Schema Registry formats (worker/kafka/schema_registry.py): confluent-kafka's serdes, the
+# registry's wire format (magic byte, schema ID, payload).
+RegistryFormat = Literal["avro", "json-schema", "protobuf"]
+REGISTRY_FORMATS: tuple[str, ...] = ("avro", "json-schema", "protobuf")
+InputFormat = Literal["json", "raw", "avro", "json-schema", "protobuf"]
+OutputFormat = Literal["json", "avro", "json-schema", "protobuf"]
 OutputEncoding = Literal["float-list", "base64-f32", "base64-f16", "int8", "binary"]
 Headers = list[tuple[str, bytes | None]]
+
+# The worker's own headers all start with this; an input header of that name is never copied
+# onto an output or dead letter (pass_headers), so it cannot shadow the worker's.
+OWN_HEADER_PREFIX = "kwe-"
 
 # Header names, also in schemas/*.json.
 H_MODEL = "kwe-model"
@@ -49,16 +59,15 @@ class Rejection:
 
 def decode_input(key: bytes | None, value: bytes | None, *, fmt: InputFormat, max_bytes: int,
                  headers_bytes: int = 0) -> Keyword | Rejection:
-    """Decodes and validates one input record; `max_bytes` bounds key + value + headers together."""
-    if value is None:
-        return Rejection("null_value", "the message has no value (tombstone)")
-    key_bytes = len(key) if key is not None else 0
-    total = key_bytes + len(value) + headers_bytes
-    if total > max_bytes:
-        parts = {"key": key_bytes, "value": len(value), "headers": headers_bytes}
-        largest = max(parts, key=parts.__getitem__)
-        return Rejection("oversized", f"record is {total} bytes (key {key_bytes}, value {len(value)}, headers "
-                                      f"{headers_bytes}; largest: {largest}), above max_message_bytes={max_bytes}")
+    """Decodes and validates one input record; `max_bytes` bounds key + value + headers together.
+
+    The registry formats are decoded by worker/kafka/schema_registry.py, which runs
+    `check_size` first and `keyword_from_object` on what the registry's deserialiser returns.
+    """
+    rejection = check_size(key, value, max_bytes=max_bytes, headers_bytes=headers_bytes)
+    if rejection is not None:
+        return rejection
+    assert value is not None
     try:
         raw_text = value.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -75,6 +84,25 @@ def decode_input(key: bytes | None, value: bytes | None, *, fmt: InputFormat, ma
         obj = orjson.loads(value)
     except orjson.JSONDecodeError as exc:
         return Rejection("malformed_json", f"value is not JSON ({exc})")
+    return keyword_from_object(obj)
+
+
+def check_size(key: bytes | None, value: bytes | None, *, max_bytes: int, headers_bytes: int = 0) -> Rejection | None:
+    """The checks every input format shares: a value, and key + value + headers within max_bytes."""
+    if value is None:
+        return Rejection("null_value", "the message has no value (tombstone)")
+    key_bytes = len(key) if key is not None else 0
+    total = key_bytes + len(value) + headers_bytes
+    if total > max_bytes:
+        parts = {"key": key_bytes, "value": len(value), "headers": headers_bytes}
+        largest = max(parts, key=parts.__getitem__)
+        return Rejection("oversized", f"record is {total} bytes (key {key_bytes}, value {len(value)}, headers "
+                                      f"{headers_bytes}; largest: {largest}), above max_message_bytes={max_bytes}")
+    return None
+
+
+def keyword_from_object(obj: object) -> Keyword | Rejection:
+    """The keyword of a decoded {"id", "text"} object (JSON, or a registry format's record)."""
     if not isinstance(obj, dict):
         return Rejection("not_an_object", f"value is a JSON {type(obj).__name__}, expected an object")
     if "id" not in obj:
@@ -131,15 +159,7 @@ def encode_embedding(vec: np.ndarray, encoding: OutputEncoding,
     """
     if encoding == "float-list":
         return np.ascontiguousarray(vec, dtype=np.float32)
-    if encoding == "int8":
-        if int8_range is None:
-            raise ValueError("the int8 encoding needs its calibration range")
-        raw = quantize_int8(vec, *int8_range).tobytes()
-    elif encoding == "binary":
-        raw = pack_binary(vec).tobytes()
-    else:
-        raw = vec.astype("<f4" if encoding == "base64-f32" else "<f2").tobytes()
-    return base64.b64encode(raw).decode("ascii")
+    return base64.b64encode(embedding_bytes(vec, encoding, int8_range)).decode("ascii")
 
 
 def decode_embedding(value: list[float] | str, encoding: OutputEncoding, *, dim: int | None = None,
@@ -165,6 +185,16 @@ def decode_embedding(value: list[float] | str, encoding: OutputEncoding, *, dim:
     return np.frombuffer(raw, dtype=dtype).astype(np.float32)
 
 
+class ValueEncoder(Protocol):
+    """What the output stage needs of a codec: the shared headers and one value per embedding
+    (OutputCodec for JSON; worker/kafka/schema_registry.py's RegistryOutput for the registry formats)."""
+
+    @property
+    def headers(self) -> Headers: ...
+
+    def value(self, qid: str, vec: np.ndarray, tokens: int, truncated: bool) -> bytes: ...
+
+
 @dataclass(frozen=True)
 class OutputCodec:
     """Encodes embeddings for one model, prompt, width and encoding.
@@ -182,8 +212,10 @@ class OutputCodec:
     prompt_name: str | None = None
     prompt: str = ""
     int8_range: tuple[float, float] | None = None  # required by (and only written for) int8
+    fields: FieldMap = field(default_factory=lambda: FieldMap())  # output_fields (JSON only)
     _headers: Headers = field(init=False, repr=False, compare=False)
     _extra: dict[str, object] = field(init=False, repr=False, compare=False)
+    _shaped: bool = field(init=False, repr=False, compare=False)  # output_fields set (read per record)
 
     def __post_init__(self) -> None:
         if self.truncate_dim and self.truncate_dim != self.dim:
@@ -204,17 +236,24 @@ class OutputCodec:
                 headers.append((H_PROMPT_NAME, self.prompt_name.encode("utf-8")))
         object.__setattr__(self, "_headers", headers)
         object.__setattr__(self, "_extra", extra)
+        object.__setattr__(self, "_shaped", bool(self.fields))
 
     @property
     def headers(self) -> Headers:
         return list(self._headers)
 
-    def value(self, qid: str, vec: np.ndarray, tokens: int, truncated: bool) -> bytes:
+    def record(self, qid: str, vec: np.ndarray, tokens: int, truncated: bool, *,
+               raw_bytes: bool = False) -> dict[str, object]:
+        """The output record as a dict, before output_fields. The embedding is what encode_embedding
+        gives (a float32 array for float-list), or with `raw_bytes` the bytes behind the base64 of the
+        other encodings (the registry formats write them as `bytes`)."""
         if self.truncate_dim:
             vec = truncate(vec, self.truncate_dim)
-        record = {
+        record: dict[str, object] = {
             "id": qid,
-            "embedding": encode_embedding(vec, self.encoding, self.int8_range),
+            "embedding": (embedding_bytes(vec, self.encoding, self.int8_range)
+                          if raw_bytes and self.encoding != "float-list"
+                          else encode_embedding(vec, self.encoding, self.int8_range)),
             "encoding": self.encoding,
             "dim": self.dim,
             "model": self.model,
@@ -223,4 +262,108 @@ class OutputCodec:
         }
         if self._extra:
             record.update(self._extra)
+        return record
+
+    def value(self, qid: str, vec: np.ndarray, tokens: int, truncated: bool) -> bytes:
+        record = self.record(qid, vec, tokens, truncated)
+        if self._shaped:
+            record = apply_output_fields(record, self.fields)
         return orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+# The fields of the JSON output record (schemas/output.schema.json), for output_fields; `uuid`
+# is written only when output_fields names it: the query ID as a UUID (uuid5 in UUID_NAMESPACE),
+# for stores whose point IDs must be UUIDs (Qdrant, Weaviate).
+OUTPUT_FIELDS = ("id", "embedding", "encoding", "dim", "model", "tokens", "truncated", "int8_range", "prompt_name")
+UUID_FIELD = "uuid"
+UUID_NAMESPACE = uuid.NAMESPACE_URL  # uuid.uuid5(uuid.NAMESPACE_URL, query_id)
+
+
+@dataclass(frozen=True)
+class FieldMap:
+    """output_fields, parsed: renames and drops of the record's fields, the query ID as a UUID
+    under a name, and constant string fields added at the end."""
+
+    renames: tuple[tuple[str, str | None], ...] = ()  # (field, new name, or None to drop it)
+    uuid_name: str | None = None
+    constants: tuple[tuple[str, str], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.renames or self.uuid_name or self.constants)
+
+
+def parse_output_fields(items: tuple[str, ...] | list[str]) -> FieldMap:
+    """output_fields items: `field=new_name` renames a field, `-field` drops it, `uuid=name` adds the
+    query ID as a UUID under that name, `+name=value` adds a constant string field.
+
+    Raises ValueError naming the item when a field is unknown, named twice, or two fields of the
+    record would end up with one name.
+    """
+    renames: list[tuple[str, str | None]] = []
+    constants: list[tuple[str, str]] = []
+    uuid_name: str | None = None
+    for item in items:
+        item = item.strip()
+        if item.startswith("+"):
+            name, sep, value = item[1:].partition("=")
+            if not sep or not name.strip():
+                raise ValueError(f"{item!r}: expected +name=value (a constant field)")
+            constants.append((name.strip(), value.strip()))
+            continue
+        if item.startswith("-"):
+            name, new = item[1:].strip(), None
+        elif "=" in item:
+            name, _, new_name = item.partition("=")
+            name, new = name.strip(), new_name.strip()
+            if not new:
+                raise ValueError(f"{item!r}: the new name is empty (write -{name} to drop the field)")
+        else:
+            raise ValueError(f"{item!r}: expected field=new_name (rename), -field (drop) or +name=value (constant)")
+        if name == UUID_FIELD and new is not None:
+            if uuid_name is not None:
+                raise ValueError(f"{item!r}: field {name!r} is named twice")
+            uuid_name = new
+            continue
+        if name not in OUTPUT_FIELDS:
+            raise ValueError(f"{item!r}: {name!r} is not an output field (one of {', '.join(OUTPUT_FIELDS)}, or "
+                             f"{UUID_FIELD}=name)")
+        if any(name == seen for seen, _ in renames):
+            raise ValueError(f"{item!r}: field {name!r} is named twice")
+        renames.append((name, new))
+    mapping = dict(renames)
+    kept = [mapping.get(f, f) for f in OUTPUT_FIELDS if mapping.get(f, f) is not None]
+    kept += [uuid_name] if uuid_name else []
+    kept += [name for name, _ in constants]
+    clash = sorted({n for n in kept if kept.count(n) > 1})
+    if clash:
+        raise ValueError(f"two output fields would be named {clash[0]!r}")
+    return FieldMap(tuple(renames), uuid_name, tuple(constants))
+
+
+def apply_output_fields(record: dict[str, object], fields: FieldMap) -> dict[str, object]:
+    """The record with output_fields applied: renames and drops in the record's order, then the
+    UUID field, then the constants."""
+    mapping = dict(fields.renames)
+    out: dict[str, object] = {}
+    for name, value in record.items():
+        new = mapping.get(name, name)
+        if new is not None:
+            out[new] = value
+    if fields.uuid_name:
+        out[fields.uuid_name] = str(uuid.uuid5(UUID_NAMESPACE, str(record["id"])))
+    for name, value in fields.constants:
+        out[name] = value
+    return out
+
+
+def embedding_bytes(vec: np.ndarray, encoding: OutputEncoding, int8_range: tuple[float, float] | None = None) -> bytes:
+    """The bytes whose base64 encode_embedding writes for the byte encodings (not float-list)."""
+    if encoding == "int8":
+        if int8_range is None:
+            raise ValueError("the int8 encoding needs its calibration range")
+        return quantize_int8(vec, *int8_range).tobytes()
+    if encoding == "binary":
+        return pack_binary(vec).tobytes()
+    if encoding == "float-list":
+        raise ValueError("float-list has no byte form")
+    return vec.astype("<f4" if encoding == "base64-f32" else "<f2").tobytes()

@@ -1,0 +1,240 @@
+"""Schema Registry formats in-process, against the real registry (Apicurio, deploy/local/registry.sh).
+
+The worker's encoder and decoder (worker/kafka/schema_registry.py) are confluent-kafka's own
+serdes; these tests check what the worker adds: the shipped schemas register and round-trip,
+a reader needs nothing but the registry URL, the start check refuses a missing or incompatible
+schema and an unreachable registry, and each decode failure lands where it should (a
+schema_error dead letter for the record's fault, a stop for the registry's). Through Kafka and a
+worker process: tests/test_schema_registry_kafka.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastavro", reason="the registry extra is not installed (pip install -e '.[registry]')")
+
+from confluent_kafka.schema_registry import Schema, SchemaRegistryClient  # noqa: E402
+from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer  # noqa: E402
+from confluent_kafka.schema_registry.error import SchemaRegistryError  # noqa: E402
+from confluent_kafka.schema_registry.json_schema import JSONDeserializer, JSONSerializer  # noqa: E402
+from confluent_kafka.serialization import MessageField, SerializationContext  # noqa: E402
+
+from kwe_core.vectors import default_int8_range, dequantize_int8  # noqa: E402
+from tests.kafka_tools import free_port  # noqa: E402
+from worker.config import Settings  # noqa: E402
+from worker.errors import SchemaRegistryFailure  # noqa: E402
+from worker.kafka.messages import Keyword, OutputCodec, Rejection  # noqa: E402
+from worker.kafka.schema_registry import (SCHEMA_DIR, RegistryInput, RegistryOutput, check_reachable,  # noqa: E402
+                                          registry_client, registry_fault, schema_file)
+
+DIM = 384
+
+
+def _vec(seed: int = 0) -> np.ndarray:
+    v = np.random.default_rng(seed).standard_normal(DIM).astype(np.float32)
+    return v / np.linalg.norm(v)
+
+
+def _topic() -> str:
+    return f"sr-{uuid.uuid4().hex[:10]}"
+
+
+def _settings(url: str, topic: str, **kw: object) -> Settings:
+    return Settings(schema_registry_url=url, output_topic=topic, input_topic=topic, **kw)  # type: ignore[arg-type]
+
+
+def _ctx(topic: str) -> SerializationContext:
+    return SerializationContext(topic, MessageField.VALUE)
+
+
+@pytest.mark.parametrize("encoding", ["float-list", "base64-f32", "int8"])
+def test_avro_output_registers_and_a_reader_with_only_the_url_gets_the_vector(schema_registry: str,
+                                                                             encoding: str) -> None:
+    topic = _topic()
+    r = default_int8_range(DIM)
+    codec = OutputCodec(model="all-MiniLM-L6-v2", dim=DIM, encoding=encoding,  # type: ignore[arg-type]
+                        int8_range=(-r, r) if encoding == "int8" else None)
+    settings = _settings(schema_registry, topic, output_format="avro", schema_auto_register=True,
+                         output_encoding=encoding)
+    out = RegistryOutput(settings, codec, registry_client(settings))
+    out.check(DIM)
+    value = out.value("q-1", _vec(), 7, False)
+    assert value[0] == 0  # the registry's wire format: magic byte, then the schema ID
+    got = AvroDeserializer(SchemaRegistryClient({"url": schema_registry}))(value, _ctx(topic))
+    assert got["id"] == "q-1" and got["tokens"] == 7 and got["dim"] == DIM and got["encoding"] == encoding
+    if encoding == "float-list":
+        assert np.allclose(got["embedding"], _vec(), atol=1e-7)
+    elif encoding == "base64-f32":
+        assert isinstance(got["embedding"], bytes)  # raw bytes in Avro, not base64 text
+        assert np.array_equal(np.frombuffer(got["embedding"], "<f4"), _vec())
+    else:
+        assert got["int8_range"] == [-r, r]
+        back = dequantize_int8(np.frombuffer(got["embedding"], np.int8), -r, r)
+        assert np.abs(back - _vec()).max() <= 2 * r / 255
+    registered = SchemaRegistryClient({"url": schema_registry}).get_latest_version(f"{topic}-value")
+    fields = {f["name"]: f["type"] for f in json.loads(registered.schema.schema_str)["fields"]}
+    assert fields["embedding"] == ({"type": "array", "items": "float"} if encoding == "float-list" else "bytes")
+
+
+def test_json_schema_output_validates_and_reads_back(schema_registry: str) -> None:
+    topic = _topic()
+    codec = OutputCodec(model="m", dim=DIM, encoding="base64-f16")
+    settings = _settings(schema_registry, topic, output_format="json-schema", schema_auto_register=True,
+                         output_encoding="base64-f16")
+    out = RegistryOutput(settings, codec, registry_client(settings))
+    out.check(DIM)
+    got = JSONDeserializer(None, schema_registry_client=SchemaRegistryClient({"url": schema_registry}))(
+        out.value("q-2", _vec(1), 5, True), _ctx(topic))
+    assert got["id"] == "q-2" and got["truncated"] is True
+    assert np.allclose(np.frombuffer(base64.b64decode(got["embedding"]), "<f2"), _vec(1), atol=1e-3)
+
+
+def test_without_auto_register_the_output_schema_must_exist(schema_registry: str) -> None:
+    topic = _topic()
+    codec = OutputCodec(model="m", dim=DIM, encoding="float-list")
+    settings = _settings(schema_registry, topic, output_format="avro")  # schema_auto_register off: the default
+    client = registry_client(settings)
+    out = RegistryOutput(settings, codec, client)
+    with pytest.raises(SchemaRegistryFailure, match="not registered.*schema_auto_register"):
+        out.check(DIM)
+    assert f"{topic}-value" not in client.get_subjects()  # nothing registered behind the user's back
+    # Registered by its owner (as the README shows): the worker uses it.
+    client.register_schema(f"{topic}-value", Schema(schema_file("avro", "float-list").read_text(), "AVRO"))
+    out = RegistryOutput(settings, codec, client)
+    out.check(DIM)
+    assert AvroDeserializer(client)(out.value("q", _vec(), 3, False), _ctx(topic))["id"] == "q"
+
+
+def test_an_incompatible_output_schema_is_refused_by_the_registry(schema_registry: str) -> None:
+    topic = _topic()
+    client = SchemaRegistryClient({"url": schema_registry})
+    old = {"type": "record", "name": "Embedding", "namespace": "dev.keyword_embedder",
+           "fields": [{"name": "id", "type": "string"}, {"name": "embedding", "type": "string"}]}
+    client.register_schema(f"{topic}-value", Schema(json.dumps(old), "AVRO"))
+    client.set_compatibility(f"{topic}-value", "BACKWARD")
+    settings = _settings(schema_registry, topic, output_format="avro", schema_auto_register=True)
+    out = RegistryOutput(settings, OutputCodec(model="m", dim=DIM, encoding="float-list"), registry_client(settings))
+    with pytest.raises(SchemaRegistryFailure, match="incompatible") as err:
+        out.check(DIM)
+    assert "409" in str(err.value)
+    assert len(client.get_versions(f"{topic}-value")) == 1
+
+
+def test_the_record_strategy_names_the_subject_after_the_record(schema_registry: str) -> None:
+    topic = _topic()
+    settings = _settings(schema_registry, topic, output_format="avro", schema_auto_register=True,
+                         schema_subject_strategy="topic-record")
+    RegistryOutput(settings, OutputCodec(model="m", dim=DIM, encoding="float-list"), registry_client(settings)).check(DIM)
+    assert f"{topic}-dev.keyword_embedder.Embedding" in SchemaRegistryClient({"url": schema_registry}).get_subjects()
+
+
+def test_input_decoding_sorts_record_faults_from_registry_faults(schema_registry: str) -> None:
+    topic = _topic()
+    client = SchemaRegistryClient({"url": schema_registry})
+    ser = AvroSerializer(client, (SCHEMA_DIR / "keyword.avsc").read_text())
+    good = ser({"id": "q-7", "text": "cheap flights"}, _ctx(topic))
+    settings = _settings(schema_registry, topic, input_format="avro")
+    check_reachable(settings, registry_client(settings))
+    decode = RegistryInput(settings, registry_client(settings))
+    assert decode(topic, None, good, [], 0) == Keyword("q-7", "cheap flights")
+    # Not the registry's wire format.
+    bad = decode(topic, None, b'{"id": "q", "text": "json"}', [], 0)
+    assert isinstance(bad, Rejection) and bad.reason == "schema_error" and "magic byte" in bad.detail
+    # A schema ID the registry does not have: the registry's own message.
+    bad = decode(topic, None, b"\x00" + (987654).to_bytes(4, "big") + b"\x02x", [], 0)
+    assert isinstance(bad, Rejection) and bad.reason == "schema_error" and "987654" in bad.detail and "404" in bad.detail
+    # Bytes that do not decode with the (real) writer schema.
+    bad = decode(topic, None, good[:5] + b"\xff\xff\xff", [], 0)
+    assert isinstance(bad, Rejection) and bad.reason == "schema_error"
+    # A registered record without the fields: the same checks as JSON input.
+    other = AvroSerializer(client, json.dumps({"type": "record", "name": "Other", "fields": [
+        {"name": "id", "type": "string"}, {"name": "n", "type": "int"}]}))({"id": "q", "n": 1}, _ctx(topic + "-o"))
+    assert decode(topic, None, other, [], 0) == Rejection("missing_text", "the object has no 'text'")
+    # Size and tombstone checks come first, without a registry call.
+    assert decode(topic, None, None, [], 0).reason == "null_value"  # type: ignore[union-attr]
+    assert decode(topic, None, good, [], 20000).reason == "oversized"  # type: ignore[union-attr]
+
+
+def test_json_schema_input_decodes(schema_registry: str) -> None:
+    topic = _topic()
+    client = SchemaRegistryClient({"url": schema_registry})
+    ser = JSONSerializer((SCHEMA_DIR / "keyword.schema.json").read_text(), client)
+    settings = _settings(schema_registry, topic, input_format="json-schema")
+    decode = RegistryInput(settings, registry_client(settings))
+    assert decode(topic, None, ser({"id": "j", "text": "weather"}, _ctx(topic)), [], 0) == Keyword("j", "weather")
+    assert decode(topic, None, b"\x00\x00\x00", [], 0).reason == "schema_error"  # type: ignore[union-attr]
+
+
+def test_an_unreachable_registry_stops_instead_of_dead_lettering() -> None:
+    url = f"http://127.0.0.1:{free_port()}/apis/ccompat/v7"
+    settings = _settings(url, "t", input_format="avro", output_format="avro")
+    client = registry_client(settings)
+    with pytest.raises(SchemaRegistryFailure, match="cannot reach the Schema Registry"):
+        check_reachable(settings, client)
+    with pytest.raises(SchemaRegistryFailure, match="cannot reach the Schema Registry"):
+        RegistryOutput(settings, OutputCodec(model="m", dim=DIM, encoding="float-list"), client).check(DIM)
+    decode = RegistryInput(settings, client)
+    with pytest.raises(SchemaRegistryFailure, match="stopping without committing"):
+        decode("t", None, b"\x00\x00\x00\x00\x05\x02x\x02y", [], 0)
+
+
+def test_registry_faults_are_told_from_record_faults() -> None:
+    assert registry_fault(SchemaRegistryError(503, 50301, "down"))
+    assert registry_fault(SchemaRegistryError(401, 40101, "unauthorized"))
+    assert not registry_fault(SchemaRegistryError(404, 40403, "schema not found"))
+    assert not registry_fault(ValueError("bad bytes"))
+
+
+def test_the_password_is_redacted_and_read_from_its_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from worker.kafka.schema_registry import client_conf
+
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret\n")
+    s = Settings(schema_registry_url="https://sr", schema_registry_username="key",
+                 schema_registry_password_file=str(secret), schema_registry_ca_location="/ca.pem")
+    assert client_conf(s)["basic.auth.user.info"] == "key:s3cret" and client_conf(s)["ssl.ca.location"] == "/ca.pem"
+    assert "hunter2" not in repr(Settings(schema_registry_url="https://sr", schema_registry_password="hunter2"))
+
+
+def test_the_shipped_proto_files_are_the_messages_the_worker_builds() -> None:
+    from worker.kafka.protobuf_schemas import MESSAGES, proto_source
+
+    for name in MESSAGES:
+        assert (SCHEMA_DIR / f"{name}.proto").read_text() == proto_source(name), name
+
+
+@pytest.mark.parametrize("encoding", ["float-list", "binary"])
+def test_protobuf_output_and_input_round_trip(schema_registry: str, encoding: str) -> None:
+    from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer, ProtobufSerializer
+
+    from kwe_core.vectors import pack_binary
+    from worker.kafka.protobuf_schemas import message_class
+
+    topic = _topic()
+    settings = _settings(schema_registry, topic, output_format="protobuf", input_format="protobuf",
+                         schema_auto_register=True, output_encoding=encoding)
+    out = RegistryOutput(settings, OutputCodec(model="m", dim=DIM, encoding=encoding),  # type: ignore[arg-type]
+                         registry_client(settings))
+    out.check(DIM)
+    reader = ProtobufDeserializer(message_class(out.schema_path.stem), {},
+                                  SchemaRegistryClient({"url": schema_registry}))
+    got = reader(out.value("q-3", _vec(2), 9, False), _ctx(topic))
+    assert got.id == "q-3" and got.tokens == 9 and got.dim == DIM and got.prompt_name == ""
+    if encoding == "float-list":
+        assert np.allclose(list(got.embedding), _vec(2), atol=1e-7)
+    else:
+        assert got.embedding == pack_binary(_vec(2)).tobytes()
+    keyword = message_class("keyword")
+    value = ProtobufSerializer(keyword, SchemaRegistryClient({"url": schema_registry}))(
+        keyword(id="p-1", text="pizza near me"), _ctx(topic + "-in"))
+    decode = RegistryInput(settings, registry_client(settings))
+    assert decode(topic, None, value, [], 0) == Keyword("p-1", "pizza near me")
+    assert decode(topic, None, ProtobufSerializer(keyword, SchemaRegistryClient({"url": schema_registry}))(
+        keyword(id="p-2"), _ctx(topic + "-in")), [], 0).reason == "empty_text"  # type: ignore[union-attr]
+    assert decode(topic, None, b"\x00\x00\x00\x00\x01\xff\xff", [], 0).reason == "schema_error"  # type: ignore[union-attr]
