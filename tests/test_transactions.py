@@ -348,50 +348,21 @@ def test_the_transactional_config() -> None:
         == 60_000
 
 
-def test_a_transactional_call_that_hangs_stops_the_member() -> None:
+def commit_with_a_slow_call(transaction_timeout_s: float, blocks_s: float) -> Loop:
+    """One record's transaction closed while send_offsets_to_transaction blocks `blocks_s` past its
+    own timeout (0.05 s + a 0.1 s margin), as librdkafka's did after a broker restart."""
     import threading
+
+    import worker.kafka.transactions as txmod
 
     loop = Loop()
     loop.txn.timeout_s = 0.05
-    loop.txn.transaction_timeout_s = 0.2  # hangs past half of it: the broker may abort it soon
+    loop.txn.transaction_timeout_s = transaction_timeout_s
     release = threading.Event()
     real = loop.producer.send_offsets_to_transaction
 
-    def hang(positions: Any, metadata: Any, timeout: float) -> None:
-        release.wait(10)  # blocks past its own timeout, as librdkafka's did after a broker restart
-        real(positions, metadata, timeout)
-
-    loop.producer.send_offsets_to_transaction = hang  # type: ignore[method-assign]
-    import worker.kafka.transactions as txmod
-    old_margin, txmod.HANG_MARGIN_S = txmod.HANG_MARGIN_S, 0.1
-    try:
-        loop.consume(0, 1)
-        loop.finish(0, 1)
-        loop.txn.step(flow_paused=True)
-    finally:
-        txmod.HANG_MARGIN_S = old_margin
-        release.set()
-    assert isinstance(loop.latch.error, TransactionHungError)
-    assert "send_offsets_to_transaction" in str(loop.latch.error)
-    assert "commit" not in loop.producer.calls and loop.producer.visible == []
-
-
-def test_a_call_slower_than_its_timeout_is_waited_for_while_the_transaction_is_young() -> None:
-    """A coordinator moving to another broker (its node killed) blocked send_offsets_to_transaction
-    past timeout_s + HANG_MARGIN_S on a three-broker cluster, and the member stopped (exit 1). While
-    the transaction is younger than half transaction_timeout_s the broker cannot have aborted it:
-    the call is waited for and the transaction commits."""
-    import threading
-
-    import worker.kafka.transactions as txmod
-
-    loop = Loop()
-    loop.txn.timeout_s = 0.05
-    loop.txn.transaction_timeout_s = 4.0  # half: 2 s, far more than the call takes
-    real = loop.producer.send_offsets_to_transaction
-
     def slow(positions: Any, metadata: Any, timeout: float) -> None:
-        threading.Event().wait(0.6)  # past timeout_s + margin (0.15 s)
+        release.wait(blocks_s)
         real(positions, metadata, timeout)
 
     loop.producer.send_offsets_to_transaction = slow  # type: ignore[method-assign]
@@ -402,6 +373,23 @@ def test_a_call_slower_than_its_timeout_is_waited_for_while_the_transaction_is_y
         loop.txn.step(flow_paused=True)
     finally:
         txmod.HANG_MARGIN_S = old_margin
+        release.set()
+    return loop
+
+
+def test_a_transactional_call_that_hangs_stops_the_member() -> None:
+    loop = commit_with_a_slow_call(transaction_timeout_s=0.2, blocks_s=10)  # past half the transaction's timeout
+    assert isinstance(loop.latch.error, TransactionHungError)
+    assert "send_offsets_to_transaction" in str(loop.latch.error)
+    assert "commit" not in loop.producer.calls and loop.producer.visible == []
+
+
+def test_a_call_slower_than_its_timeout_is_waited_for_while_the_transaction_is_young() -> None:
+    """A coordinator moving to another broker (its node killed) blocked send_offsets_to_transaction
+    past timeout_s + HANG_MARGIN_S on a three-broker cluster, and the member stopped (exit 1). While
+    the transaction is younger than half transaction_timeout_s the broker cannot have aborted it:
+    the call is waited for and the transaction commits."""
+    loop = commit_with_a_slow_call(transaction_timeout_s=4.0, blocks_s=0.6)  # half: 2 s
     assert loop.latch.error is None
     assert "commit" in loop.producer.calls and loop.producer.visible == ["out-0-1"]
 

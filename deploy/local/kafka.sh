@@ -109,13 +109,14 @@ port_range_top() {
 
 port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
+# A free port on 127.0.0.1, or wherever BUSY (a function: port_busy, node_busy) looks.
 free_port() {
-  local p top; top="$(port_range_top)"
+  local busy="${1:-port_busy}" p top; top="$(port_range_top)"
   for _ in $(seq 1 200); do
     p=$(( 20000 + RANDOM % (top - 20000) ))
-    port_busy "$p" || { echo "$p"; return; }
+    "$busy" "$p" || { echo "$p"; return; }
   done
-  die "no free port found on 127.0.0.1"
+  die "no free port found"
 }
 
 running_pid() {
@@ -476,14 +477,6 @@ host="${KAFKA_HOST:-127.0.0.1}"
 netns="${KWE_KAFKA_NETNS:-}"
 in_ns() { if [[ -n "$netns" ]]; then ip netns exec "$netns" "$@"; else "$@"; fi; }
 node_busy() { in_ns bash -c "exec 3<>/dev/tcp/$host/$1" 2>/dev/null; }
-node_free_port() {
-  local p top; top="$(port_range_top)"
-  for _ in $(seq 1 200); do
-    p=$(( 20000 + RANDOM % (top - 20000) ))
-    node_busy "$p" || { echo "$p"; return; }
-  done
-  die "no free port found on $host"
-}
 node_dir() { echo "$run/node-$1"; }
 node_pid() {
   local f; f="$(node_dir "$1")/broker.pid"
@@ -590,8 +583,8 @@ cluster_start() {
   for i in $(seq 1 "$n"); do
     mkdir -p "$(node_dir "$i")"
     local p c
-    p="$(node_free_port)"; while [[ "$used" == *" $p "* ]]; do p="$(node_free_port)"; done; used+="$p "
-    c="$(node_free_port)"; while [[ "$used" == *" $c "* ]]; do c="$(node_free_port)"; done; used+="$c "
+    p="$(free_port node_busy)"; while [[ "$used" == *" $p "* ]]; do p="$(free_port node_busy)"; done; used+="$p "
+    c="$(free_port node_busy)"; while [[ "$used" == *" $c "* ]]; do c="$(free_port node_busy)"; done; used+="$c "
     echo "$p" >"$(node_dir "$i")/broker.port"; echo "$c" >"$(node_dir "$i")/controller.port"
     voters+=("$i@$host:$c")
   done
