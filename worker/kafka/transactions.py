@@ -51,6 +51,7 @@ Outcome = Literal["committed", "aborted"]
 RETRIES = 5
 # How much longer than its own timeout a transactional call may block before the member stops.
 HANG_MARGIN_S = 5.0
+NUDGE_EVERY_S = 2.0
 
 
 class TransactionFencedError(WorkerError):
@@ -132,6 +133,12 @@ class Transactions:
     sleep: Callable[[float], None] = time.sleep
     # The shutdown deadline (infinite until a stop): no transactional call, retry or wait runs past it.
     stop: Deadline = field(default_factory=Deadline)
+    # Called every NUDGE_EVERY_S while a transactional call is blocked past timeout_s: a metadata
+    # request, so that librdkafka learns of brokers that came back. librdkafka re-evaluates a
+    # cached coordinator only on a broker state change, and one whose broker left the metadata
+    # (KRaft fences a killed broker) is never re-evaluated otherwise: send_offsets_to_transaction
+    # then blocks past its timeout (librdkafka issues 5456 and 5511; measured here: 28 s and more).
+    nudge: Callable[[], None] = lambda: None
     state: State = "idle"
     began_at: float = 0.0
     committed: int = 0
@@ -245,13 +252,21 @@ class Transactions:
         helper = threading.Thread(target=call, name="kwe-txn-call", daemon=True)
         helper.start()
         patience = self._patience()
-        end = time.monotonic() + patience
+        began = time.monotonic()
+        end = began + patience
+        nudged = began + self.timeout_s
         while helper.is_alive():
             now = time.monotonic()
             end = min(end, now + self.stop.left() + grace_s)
             if now >= end:
                 break
-            helper.join(min(0.05, end - now))
+            if now >= nudged:
+                nudged = now + NUDGE_EVERY_S
+                try:
+                    self.nudge()
+                except Exception as exc:  # noqa: BLE001 - a hint to librdkafka; the wait goes on regardless
+                    log.debug("metadata refresh during a blocked transactional call failed", error=str(exc))
+            helper.join(min(0.05, max(0.0, end - now)))
         if not answer and not helper.is_alive():
             helper.join()
         if not answer and self.stop.expired():
