@@ -57,18 +57,30 @@ def missing_access(topic: str, needs: Collection[Access], operations: list[AclOp
 ATTEMPT_S = 2.5
 
 
+# A cluster that answered (DescribeCluster) but not yet the topic checks gets this many times the
+# budget: the ~9 s in which a killed broker is still named as the controller overlap all of it.
+ANSWERED_BUDGET_FACTOR = 3.0
+
+
 class _Unreachable(Exception):
-    """This attempt got no answer (timeout, transport error); another may."""
+    """This attempt got no answer (timeout, transport error); another may. `answered`: the cluster
+    itself answered this attempt (only a later request went unanswered)."""
+
+    def __init__(self, answered: bool = False) -> None:
+        super().__init__()
+        self.answered = answered
 
 
 def check_topics(admin_config: Mapping[str, Any], settings: Settings, timeout_s: float = 10.0) -> None:
     """Raises PreflightError naming every missing topic or permission; returns within ~timeout_s.
 
     Attempts of at most ATTEMPT_S, each with a fresh client, until one is answered or the time is
-    up: one broker of several being down must not stop a member from starting.
+    up (ANSWERED_BUDGET_FACTOR times longer once the cluster has answered at all): one broker of
+    several being down must not stop a member from starting.
     """
     bootstrap = str(admin_config.get("bootstrap.servers", settings.bootstrap_servers))
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
     last_error: list[KafkaError] = []
 
     def on_error(err: KafkaError) -> None:
@@ -88,12 +100,14 @@ def check_topics(admin_config: Mapping[str, Any], settings: Settings, timeout_s:
         attempt_end = min(deadline, time.monotonic() + ATTEMPT_S)
         try:
             problems = _attempt(admin, settings, attempt_end, last_error)
-        except _Unreachable:
+        except _Unreachable as exc:
             admin.poll(0)  # error_cb runs only when the client is polled
+            if exc.answered:
+                deadline = max(deadline, started + ANSWERED_BUDGET_FACTOR * timeout_s)
             if time.monotonic() < deadline - 0.2:
                 continue
             why = f" (last error: {last_error[0].str()})" if last_error else ""
-            raise PreflightError([f"cannot reach the Kafka cluster at {bootstrap} within {timeout_s:g} s{why}"]) \
+            raise PreflightError([f"cannot reach the Kafka cluster at {bootstrap} within {deadline - started:.3g} s{why}"]) \
                 from None
         if problems:
             raise PreflightError(problems)
@@ -125,7 +139,7 @@ def _attempt(admin: AdminClient, settings: Settings, deadline: float, last_error
         try:
             description = futures[topic].result(timeout=left() + 1)
         except concurrent.futures.TimeoutError:
-            raise _Unreachable() from None
+            raise _Unreachable(answered=True) from None
         except KafkaException as exc:
             err: KafkaError = exc.args[0]
             if err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
@@ -134,7 +148,7 @@ def _attempt(admin: AdminClient, settings: Settings, deadline: float, last_error
                 # Not even DESCRIBE, which READ and WRITE both imply.
                 problems += [f"not authorised to {a} topic '{topic}'" for a in sorted(access)]
             elif err.code() in _UNREACHABLE:
-                raise _Unreachable() from None
+                raise _Unreachable(answered=True) from None
             else:
                 problems.append(f"cannot describe topic '{topic}': {err.str()}")
             continue
