@@ -123,8 +123,7 @@ class ExactlyOnce:
         txn = Transactions(producer.client, consumer, committer.tracker, latch, in_flight,
                            interval_s=settings.transaction_interval_ms / 1000.0,
                            transaction_timeout_s=settings.transaction_timeout_ms / 1000.0,
-                           on_outcome=metrics.observe_transaction, on_progress=committer.progressed, stop=stop,
-                           nudge=lambda: producer.client.list_topics(settings.output_topic, timeout=1.0))
+                           on_outcome=metrics.observe_transaction, on_progress=committer.progressed, stop=stop)
         return cls(txn, in_flight, producer.interrupt)
 
     @staticmethod

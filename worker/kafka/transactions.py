@@ -51,7 +51,6 @@ Outcome = Literal["committed", "aborted"]
 RETRIES = 5
 # How much longer than its own timeout a transactional call may block before the member stops.
 HANG_MARGIN_S = 5.0
-NUDGE_EVERY_S = 2.0
 
 
 class TransactionFencedError(WorkerError):
@@ -133,12 +132,6 @@ class Transactions:
     sleep: Callable[[float], None] = time.sleep
     # The shutdown deadline (infinite until a stop): no transactional call, retry or wait runs past it.
     stop: Deadline = field(default_factory=Deadline)
-    # Called every NUDGE_EVERY_S while a transactional call is blocked past timeout_s: a metadata
-    # request, so that librdkafka learns of brokers that came back. librdkafka re-evaluates a
-    # cached coordinator only on a broker state change, and one whose broker left the metadata
-    # (KRaft fences a killed broker) is never re-evaluated otherwise: send_offsets_to_transaction
-    # then blocks past its timeout (librdkafka issues 5456 and 5511; measured here: 28 s and more).
-    nudge: Callable[[], None] = lambda: None
     state: State = "idle"
     began_at: float = 0.0
     committed: int = 0
@@ -221,18 +214,8 @@ class Transactions:
         """librdkafka's timeout for the next call: its own, within the shutdown deadline."""
         return max(0.1, min(self.timeout_s, self.stop.left()))
 
-    def _patience(self) -> float:
-        """How long a transactional call may block: timeout_s + HANG_MARGIN_S, or longer while the
-        open transaction is younger than half transaction_timeout_s. A coordinator that moves (its
-        broker killed: ~9 s until KRaft fences it, then an election and the coordinator's load)
-        blocks send_offsets_to_transaction for longer than timeout_s (measured: over 15 s on a
-        three-broker cluster), and the broker cannot abort the transaction before its timeout, so
-        waiting costs nothing but time; the half is the bound the lost-partitions path keeps too."""
-        young = self.transaction_timeout_s / 2 - (self.clock() - self.began_at) if self.state != "idle" else 0.0
-        return max(self.timeout_s + HANG_MARGIN_S, young)
-
     def _bounded(self, what: str, fn: Callable[[], None], grace_s: float = 0.2) -> None:
-        """Runs a blocking transactional call, at most _patience() seconds, and at most
+        """Runs a blocking transactional call, at most timeout_s + HANG_MARGIN_S, and at most
         grace_s past the shutdown deadline (re-read while waiting: a second signal shortens it).
 
         librdkafka's own timeout does not always hold: after a hard broker restart,
@@ -251,28 +234,19 @@ class Transactions:
 
         helper = threading.Thread(target=call, name="kwe-txn-call", daemon=True)
         helper.start()
-        patience = self._patience()
-        began = time.monotonic()
-        end = began + patience
-        nudged = began + self.timeout_s
+        end = time.monotonic() + self.timeout_s + HANG_MARGIN_S
         while helper.is_alive():
             now = time.monotonic()
             end = min(end, now + self.stop.left() + grace_s)
             if now >= end:
                 break
-            if now >= nudged:
-                nudged = now + NUDGE_EVERY_S
-                try:
-                    self.nudge()
-                except Exception as exc:  # noqa: BLE001 - a hint to librdkafka; the wait goes on regardless
-                    log.debug("metadata refresh during a blocked transactional call failed", error=str(exc))
-            helper.join(min(0.05, max(0.0, end - now)))
+            helper.join(min(0.05, end - now))
         if not answer and not helper.is_alive():
             helper.join()
         if not answer and self.stop.expired():
             raise TransactionHungError(f"{what} did not return before the shutdown deadline")
         if not answer:
-            raise TransactionHungError(f"{what} did not return within {patience:.0f} s "
+            raise TransactionHungError(f"{what} did not return within {self.timeout_s + HANG_MARGIN_S:.0f} s "
                                        "(the transaction coordinator does not answer); stopping so that a "
                                        "restarted member aborts the open transaction")
         if answer[0] is not None:
