@@ -60,12 +60,14 @@ class WorkerProcess:
     metrics_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     root: Path = ROOT  # the checkout whose worker runs (`python -m` imports from the working directory)
+    prefix: Sequence[str] = ()  # e.g. ("ip", "netns", "exec", NS): the worker runs in a network namespace
+    host: str = "127.0.0.1"  # where its metrics server listens and is probed
 
     def start(self) -> WorkerProcess:
-        cmd = [sys.executable, "-m", "worker.cli", "run", "--bootstrap-servers", self.bootstrap,
+        cmd = [*self.prefix, sys.executable, "-m", "worker.cli", "run", "--bootstrap-servers", self.bootstrap,
                "--input-topic", self.input_topic, "--output-topic", self.output_topic,
                "--dead-letter-topic", self.dead_letter_topic, "--group-id", self.group,
-               "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1",
+               "--metrics-port", str(self.metrics_port), "--metrics-host", self.host,
                "--log-format", "json", *self.extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KWE_")}
         log = self.log_path.open("ab")
@@ -75,7 +77,7 @@ class WorkerProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}"
+        return f"http://{self.host}:{self.metrics_port}"
 
     def probe(self, path: str) -> int | None:
         try:

@@ -8,15 +8,26 @@ need_java() {
   [[ "$v" =~ ^[0-9]+$ ]] && (( v >= 17 )) || die "Java 17+ is required, found: $(java -version 2>&1 | head -n1)"
 }
 
+# Ports below the kernel's ephemeral range: a client that keeps reconnecting to a stopped broker's
+# port inside that range can be given that very port as its source port and connect to itself (TCP
+# simultaneous open); the restarted broker then fails with "Address already in use".
+port_range_top() {
+  local low
+  low="$(cut -f1 /proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || true)"
+  [[ "$low" =~ ^[0-9]+$ ]] && (( low > 21000 )) || low=32768
+  echo "$low"
+}
+
 port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
+# A free port on 127.0.0.1, or wherever BUSY (a function: port_busy, kafka.sh's node_busy) looks.
 free_port() {
-  local p
+  local busy="${1:-port_busy}" p top; top="$(port_range_top)"
   for _ in $(seq 1 200); do
-    p=$(( 20000 + RANDOM % 40000 ))
-    port_busy "$p" || { echo "$p"; return; }
+    p=$(( 20000 + RANDOM % (top - 20000) ))
+    "$busy" "$p" || { echo "$p"; return; }
   done
-  die "no free port found on 127.0.0.1"
+  die "no free port found"
 }
 
 # Stops the process of `pidfile` (SIGTERM, SIGKILL after 30 s) and waits until it is gone.

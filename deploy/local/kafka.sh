@@ -11,6 +11,14 @@
 #                                  --down-for keeps it down that long first (an outage)
 #   deploy/local/kafka.sh libs     print the classpath folder (resolving the jars first)
 #
+#   --brokers N (with start): a cluster of N KRaft nodes (combined broker+controller, node ids 1..N,
+#   one static controller quorum) in $KWE_KAFKA_RUN/node-I, with default.replication.factor=N
+#   (at most 3), min.insync.replicas=2 and the internal topics (offsets, transactions) replicated the
+#   same way. Its last line is KAFKA_BOOTSTRAP_SERVERS=HOST:P1,HOST:P2,...; 'status' lists each node,
+#   'stop' stops them all; 'restart --node I [--hard] [--down-for S]' restarts one node on its own
+#   ports with its own data (the others keep serving). A run folder holds either one broker or one
+#   cluster: give the cluster a KWE_KAFKA_RUN of its own.
+#
 #   --secure (with start, stop, status, restart): a second, secured broker of its own: one SASL_SSL
 #   listener (SCRAM-SHA-512 users made at format time, a local CA and broker certificate), an mTLS
 #   controller listener, the StandardAuthorizer with the README's ACLs; all on 127.0.0.1. Its start
@@ -27,16 +35,26 @@
 #   KWE_KAFKA_SECURE_RUN  the secured broker's folder (default: "$KWE_KAFKA_RUN-secure", i.e. beside the
 #                      plain one); its client files are in $KWE_KAFKA_SECURE_RUN/client
 #   KAFKA_SECURE_PORT  the secured broker's SASL_SSL port (default: a free one)
-#   KAFKA_HEAP_OPTS    JVM heap (default: -Xms256m -Xmx768m)
+#   KAFKA_HEAP_OPTS    JVM heap (default: -Xms256m -Xmx768m; a cluster's nodes: -Xms128m -Xmx384m each)
+#   KAFKA_HOST         the address a cluster's nodes listen on and advertise (default 127.0.0.1)
+#   KWE_KAFKA_NETNS    a network namespace (made by the caller, 'ip netns add') that a cluster's nodes
+#                      and this script's probes run in; with KAFKA_HOST set to an address of that
+#                      namespace, clients elsewhere reach the cluster only over the links given to it
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 home="${KWE_KAFKA_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/keyword-embedder/kafka}"
 run="${KWE_KAFKA_RUN:-$home/run}"
 secure=0
+brokers=0
 args=()
-for a in "$@"; do
-  if [[ "$a" == "--secure" ]]; then secure=1; else args+=("$a"); fi
+while (( $# )); do
+  case "$1" in
+    --secure) secure=1 ;;
+    --brokers) brokers="${2:?--brokers needs a count}"; shift ;;
+    *) args+=("$1") ;;
+  esac
+  shift
 done
 set -- "${args[@]+"${args[@]}"}"
 if (( secure )); then
@@ -419,11 +437,215 @@ cmd_status() {
   fi
 }
 
+# ---------------------------------------------------------------------------------- cluster
+# N combined broker+controller nodes, each in $run/node-I with its own ports and data. The nodes
+# run in $KWE_KAFKA_NETNS when set (the caller made it); so do the probes of this script.
+host="${KAFKA_HOST:-127.0.0.1}"
+netns="${KWE_KAFKA_NETNS:-}"
+in_ns() { if [[ -n "$netns" ]]; then ip netns exec "$netns" "$@"; else "$@"; fi; }
+node_busy() { in_ns bash -c "exec 3<>/dev/tcp/$host/$1" 2>/dev/null; }
+node_dir() { echo "$run/node-$1"; }
+node_pid() {
+  local f; f="$(node_dir "$1")/broker.pid"
+  [[ -f "$f" ]] || return 1
+  local pid; pid="$(cat "$f")"
+  [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null && grep -q "kafka.Kafka" "/proc/$pid/cmdline" 2>/dev/null && echo "$pid"
+}
+cluster_nodes() { cat "$run/cluster.nodes"; }
+cluster_bootstrap() {
+  local i out=()
+  for i in $(seq 1 "$(cluster_nodes)"); do out+=("$host:$(cat "$(node_dir "$i")/broker.port")"); done
+  (IFS=,; echo "${out[*]}")
+}
+
+# The broker ids a node's metadata answer lists (live, unfenced brokers), through the admin client.
+live_ids() {
+  local bootstrap="$1" libs; libs="$(libs_dir)"
+  in_ns timeout 30 java -Xmx128m -XX:TieredStopAtLevel=1 -XX:+UseSerialGC -cp "$libs/*" \
+    -Dlog4j2.configurationFile="$run/log4j2-tools.properties" \
+    org.apache.kafka.tools.BrokerApiVersionsCommand --bootstrap-server "$bootstrap" 2>/dev/null \
+    | sed -nE 's/.*\(id: ([0-9]+) .*/\1/p' | sort -n | tr '\n' ' '
+}
+
+# Waits until a metadata answer from BOOTSTRAP lists every id in WANT (space separated).
+wait_live() {
+  local bootstrap="$1" want="$2" what="$3" deadline=$(( SECONDS + 120 )) got id ok
+  while :; do
+    got=" $(live_ids "$bootstrap" || true) "; ok=1
+    for id in $want; do [[ "$got" == *" $id "* ]] || ok=0; done
+    (( ok )) && return 0
+    (( SECONDS < deadline )) || die "$what: brokers$got answer, [$want] expected, after 120 s (logs in $run/node-*)"
+    sleep 1
+  done
+}
+
+write_node_config() {
+  local i="$1" n="$2" voters="$3" dir; dir="$(node_dir "$i")"
+  local rf=$(( n < 3 ? n : 3 )) isr=$(( n < 3 ? 1 : 2 ))
+  mkdir -p "$dir/data"
+  cat >"$dir/server.properties" <<PROPS
+process.roles=broker,controller
+node.id=$i
+controller.quorum.voters=$voters
+listeners=PLAINTEXT://$host:$(cat "$dir/broker.port"),CONTROLLER://$host:$(cat "$dir/controller.port")
+advertised.listeners=PLAINTEXT://$host:$(cat "$dir/broker.port")
+controller.listener.names=CONTROLLER
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+inter.broker.listener.name=PLAINTEXT
+log.dirs=$dir/data
+num.partitions=1
+default.replication.factor=$rf
+min.insync.replicas=$isr
+offsets.topic.replication.factor=$rf
+offsets.topic.num.partitions=6
+transaction.state.log.replication.factor=$rf
+transaction.state.log.min.isr=$isr
+transaction.state.log.num.partitions=6
+share.coordinator.state.topic.replication.factor=$rf
+share.coordinator.state.topic.min.isr=$isr
+group.initial.rebalance.delay.ms=0
+auto.create.topics.enable=false
+unclean.leader.election.enable=false
+log.retention.hours=24
+log.segment.bytes=67108864
+# A small, shared box: few threads per node.
+num.network.threads=2
+num.io.threads=2
+num.replica.fetchers=1
+background.threads=2
+PROPS
+}
+
+launch_node() {
+  local i="$1" libs="$2" dir pid; dir="$(node_dir "$i")"
+  local pre=(); [[ -n "$netns" ]] && pre=(ip netns exec "$netns")
+  # shellcheck disable=SC2086
+  setsid "${pre[@]}" java ${KAFKA_HEAP_OPTS:--Xms128m -Xmx384m} -XX:+UseSerialGC -XX:TieredStopAtLevel=1 \
+    -Djava.awt.headless=true -Dkafka.logs.dir="$dir" -Dlog4j2.configurationFile="$run/log4j2.properties" \
+    -cp "$libs/*" kafka.Kafka "$dir/server.properties" >>"$dir/stdout.log" 2>&1 < /dev/null &
+  pid=$!
+  echo "$pid" >"$dir/broker.pid"
+}
+
+cluster_start() {
+  (( secure )) && die "--brokers and --secure together are not supported"
+  need_java
+  local n="$brokers" i libs cluster voters=() bootstrap
+  if [[ -f "$run/cluster.nodes" ]] && (( $(cluster_nodes) == n )); then
+    local all=1
+    for i in $(seq 1 "$n"); do node_pid "$i" >/dev/null || all=0; done
+    if (( all )); then
+      log "reusing the $n-node cluster already running in $run"
+      echo "KAFKA_BOOTSTRAP_SERVERS=$(cluster_bootstrap)"; return 0
+    fi
+  fi
+  [[ -f "$run/cluster.nodes" ]] && cluster_stop
+  cmd_stop >/dev/null 2>&1 || true   # a single broker in the same folder
+  libs="$(resolve_libs)"
+  rm -rf "$run"; mkdir -p "$run"
+  echo "$n" >"$run/cluster.nodes"
+  write_configs 0 0   # the log4j2 files; the single broker's server.properties is removed below
+  rm -f "$run/server.properties"; rmdir "$run/data" 2>/dev/null || true
+  local used=" "
+  for i in $(seq 1 "$n"); do
+    mkdir -p "$(node_dir "$i")"
+    local p c
+    p="$(free_port node_busy)"; while [[ "$used" == *" $p "* ]]; do p="$(free_port node_busy)"; done; used+="$p "
+    c="$(free_port node_busy)"; while [[ "$used" == *" $c "* ]]; do c="$(free_port node_busy)"; done; used+="$c "
+    echo "$p" >"$(node_dir "$i")/broker.port"; echo "$c" >"$(node_dir "$i")/controller.port"
+    voters+=("$i@$host:$c")
+  done
+  cluster="$(java -cp "$libs/*" -Dlog4j2.configurationFile="$run/log4j2-tools.properties" kafka.tools.StorageTool random-uuid)"
+  for i in $(seq 1 "$n"); do
+    write_node_config "$i" "$n" "$(IFS=,; echo "${voters[*]}")"
+  done
+  # Formatting is a JVM each: side by side.
+  local pids=() failed=0 pid
+  for i in $(seq 1 "$n"); do
+    java -Xmx128m -XX:TieredStopAtLevel=1 -cp "$libs/*" -Dlog4j2.configurationFile="$run/log4j2-tools.properties" \
+      kafka.tools.StorageTool format -t "$cluster" -c "$(node_dir "$i")/server.properties" \
+      >"$(node_dir "$i")/format.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+  (( failed )) && { cat "$run"/node-*/format.log >&2; die "formatting the KRaft storage failed"; }
+  log "starting a $n-node Apache Kafka cluster on $host${netns:+ (network namespace $netns)}"
+  for i in $(seq 1 "$n"); do launch_node "$i" "$libs"; done
+  bootstrap="$(cluster_bootstrap)"
+  if ! ( wait_live "$bootstrap" "$(seq 1 "$n" | tr '\n' ' ')" "cluster start" ); then
+    for i in $(seq 1 "$n"); do tail -n 20 "$(node_dir "$i")/server.log" >&2 2>/dev/null || true; done
+    cluster_stop; die "the cluster did not start"
+  fi
+  log "cluster ready: $n brokers (logs in $run/node-*)"
+  echo "KAFKA_BOOTSTRAP_SERVERS=$bootstrap"
+}
+
+stop_node() {
+  local i="$1" signal="${2:-TERM}" pid deadline
+  pid="$(node_pid "$i")" || { rm -f "$(node_dir "$i")/broker.pid"; return 0; }
+  kill "-$signal" "$pid" 2>/dev/null || true
+  deadline=$(( SECONDS + 30 ))
+  while kill -0 "$pid" 2>/dev/null; do
+    if (( SECONDS >= deadline )); then log "node $i did not stop in 30 s; killing it"; kill -KILL "$pid" 2>/dev/null || true; fi
+    sleep 0.2
+  done
+  rm -f "$(node_dir "$i")/broker.pid"
+  log "node $i stopped (SIG$signal, pid $pid)"
+}
+
+cluster_stop() {
+  local i n; n="$(cluster_nodes)"
+  # SIGTERM to all at once (a controlled shutdown one by one would move every leader twice), then wait.
+  for i in $(seq 1 "$n"); do
+    local pid; if pid="$(node_pid "$i")"; then kill -TERM "$pid" 2>/dev/null || true; fi
+  done
+  for i in $(seq 1 "$n"); do stop_node "$i"; done
+}
+
+cluster_status() {
+  local i n pid up=0; n="$(cluster_nodes)"
+  for i in $(seq 1 "$n"); do
+    if pid="$(node_pid "$i")"; then
+      echo "node $i: running, pid $pid, $host:$(cat "$(node_dir "$i")/broker.port")"; up=$((up + 1))
+    else
+      echo "node $i: not running ($host:$(cat "$(node_dir "$i")/broker.port"))"
+    fi
+  done
+  echo "KAFKA_BOOTSTRAP_SERVERS=$(cluster_bootstrap)"
+  (( up > 0 )) || return 1
+}
+
+cluster_restart() {
+  local node="" signal=TERM down=0 n i others=""
+  while (( $# )); do
+    case "$1" in
+      --node) node="${2:?--node needs a node id}"; shift ;;
+      --hard) signal=KILL ;;
+      --down-for) down="${2:?--down-for needs seconds}"; shift ;;
+      *) die "restart: unknown option $1" ;;
+    esac
+    shift
+  done
+  n="$(cluster_nodes)"
+  [[ "$node" =~ ^[0-9]+$ ]] && (( node >= 1 && node <= n )) || die "restart: --node 1..$n is required for a cluster"
+  stop_node "$node" "$signal"
+  while node_busy "$(cat "$(node_dir "$node")/broker.port")"; do sleep 0.2; done
+  sleep "$down"
+  log "starting node $node again on $host:$(cat "$(node_dir "$node")/broker.port") with its data"
+  launch_node "$node" "$(resolve_libs)"
+  wait_live "$host:$(cat "$(node_dir "$node")/broker.port")" "$node" "restart of node $node"
+  log "node $node is back"
+  echo "KAFKA_BOOTSTRAP_SERVERS=$(cluster_bootstrap)"
+}
+
+is_cluster() { [[ -f "$run/cluster.nodes" ]] && (( ! secure )); }
+
 case "${1:-}" in
-  start) cmd_start ;;
-  stop) cmd_stop ;;
-  status) cmd_status ;;
-  restart) need_java; shift; cmd_restart "$@" ;;
+  start) if (( brokers > 1 )); then cluster_start; else cmd_start; fi ;;
+  stop) if is_cluster; then cluster_stop; else cmd_stop; fi ;;
+  status) if is_cluster; then cluster_status; else cmd_status; fi ;;
+  restart) need_java; shift; if is_cluster; then cluster_restart "$@"; else cmd_restart "$@"; fi ;;
   libs) need_java; resolve_libs ;;
-  *) echo "usage: $0 start|stop|status|restart [--hard] [--down-for S]|libs [--secure]" >&2; exit 2 ;;
+  *) echo "usage: $0 start [--brokers N]|stop|status|restart [--node I] [--hard] [--down-for S]|libs [--secure]" >&2
+     exit 2 ;;
 esac

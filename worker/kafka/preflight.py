@@ -50,10 +50,37 @@ def missing_access(topic: str, needs: Collection[Access], operations: list[AclOp
             if _NEEDS[access] not in allowed and AclOperation.ALL not in allowed]
 
 
+# One attempt's share of the budget. A cluster with a broker just gone (killed, not yet fenced:
+# KRaft takes broker.session.timeout.ms, 9 s) still names it in its metadata, and librdkafka sends
+# DescribeTopics to the "controller" a broker reports, which may be that broker: the request then
+# waits for it until its timeout. A fresh client asks again and is given a live one.
+ATTEMPT_S = 2.5
+
+
+# A cluster that answered (DescribeCluster) but not yet the topic checks gets this many times the
+# budget: the ~9 s in which a killed broker is still named as the controller overlap all of it.
+ANSWERED_BUDGET_FACTOR = 3.0
+
+
+class _Unreachable(Exception):
+    """This attempt got no answer (timeout, transport error); another may. `answered`: the cluster
+    itself answered this attempt (only a later request went unanswered)."""
+
+    def __init__(self, answered: bool = False) -> None:
+        super().__init__()
+        self.answered = answered
+
+
 def check_topics(admin_config: Mapping[str, Any], settings: Settings, timeout_s: float = 10.0) -> None:
-    """Raises PreflightError naming every missing topic or permission; returns within ~timeout_s."""
+    """Raises PreflightError naming every missing topic or permission; returns within ~timeout_s.
+
+    Attempts of at most ATTEMPT_S, each with a fresh client, until one is answered or the time is
+    up (ANSWERED_BUDGET_FACTOR times longer once the cluster has answered at all): one broker of
+    several being down must not stop a member from starting.
+    """
     bootstrap = str(admin_config.get("bootstrap.servers", settings.bootstrap_servers))
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
     last_error: list[KafkaError] = []
 
     def on_error(err: KafkaError) -> None:
@@ -62,21 +89,37 @@ def check_topics(admin_config: Mapping[str, Any], settings: Settings, timeout_s:
         if err.code() != KafkaError._ALL_BROKERS_DOWN or not last_error:
             last_error[:] = [err]
 
-    def unreachable() -> PreflightError:
-        admin.poll(0)  # error_cb runs only when the client is polled
-        why = f" (last error: {last_error[0].str()})" if last_error else ""
-        return PreflightError([f"cannot reach the Kafka cluster at {bootstrap} within {timeout_s:g} s{why}"])
+    # Connection failures are reported in the message; librdkafka's own per-retry lines
+    # (20 a second against a closed port) are noise here. An explicit log_level wins.
+    config = {"log_level": 2, **admin_config, "error_cb": on_error}
+    while True:
+        try:
+            admin = AdminClient(config)
+        except (KafkaException, ValueError, TypeError) as exc:
+            raise PreflightError([f"invalid Kafka client configuration: {exc}"]) from None
+        attempt_end = min(deadline, time.monotonic() + ATTEMPT_S)
+        try:
+            problems = _attempt(admin, settings, attempt_end, last_error)
+        except _Unreachable as exc:
+            admin.poll(0)  # error_cb runs only when the client is polled
+            if exc.answered:
+                deadline = max(deadline, started + ANSWERED_BUDGET_FACTOR * timeout_s)
+            if time.monotonic() < deadline - 0.2:
+                continue
+            why = f" (last error: {last_error[0].str()})" if last_error else ""
+            raise PreflightError([f"cannot reach the Kafka cluster at {bootstrap} within {deadline - started:.3g} s{why}"]) \
+                from None
+        if problems:
+            raise PreflightError(problems)
+        return
+
+
+def _attempt(admin: AdminClient, settings: Settings, deadline: float, last_error: list[KafkaError]) -> list[str]:
+    """One round of the checks with one client, by `deadline`; raises _Unreachable without an answer."""
 
     def left() -> float:
         return max(0.1, deadline - time.monotonic())
 
-    # Connection failures are reported in the message; librdkafka's own per-retry lines
-    # (20 a second against a closed port) are noise here. An explicit log_level wins.
-    config = {"log_level": 2, **admin_config, "error_cb": on_error}
-    try:
-        admin = AdminClient(config)
-    except (KafkaException, ValueError, TypeError) as exc:
-        raise PreflightError([f"invalid Kafka client configuration: {exc}"]) from None
     cluster = admin.describe_cluster(request_timeout=left())
     while not cluster.done() and time.monotonic() < deadline:
         admin.poll(0.1)  # serves error_cb: a wrong password or an untrusted certificate ends the wait at once
@@ -86,7 +129,7 @@ def check_topics(admin_config: Mapping[str, Any], settings: Settings, timeout_s:
     try:
         cluster.result(timeout=left() + 1)
     except (KafkaException, concurrent.futures.TimeoutError):
-        raise unreachable() from None
+        raise _Unreachable() from None
 
     needs = required_access(settings)
     futures = admin.describe_topics(TopicCollection(list(needs)), include_authorized_operations=True,
@@ -96,7 +139,7 @@ def check_topics(admin_config: Mapping[str, Any], settings: Settings, timeout_s:
         try:
             description = futures[topic].result(timeout=left() + 1)
         except concurrent.futures.TimeoutError:
-            raise unreachable() from None
+            raise _Unreachable(answered=True) from None
         except KafkaException as exc:
             err: KafkaError = exc.args[0]
             if err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
@@ -105,15 +148,14 @@ def check_topics(admin_config: Mapping[str, Any], settings: Settings, timeout_s:
                 # Not even DESCRIBE, which READ and WRITE both imply.
                 problems += [f"not authorised to {a} topic '{topic}'" for a in sorted(access)]
             elif err.code() in _UNREACHABLE:
-                raise unreachable() from None
+                raise _Unreachable(answered=True) from None
             else:
                 problems.append(f"cannot describe topic '{topic}': {err.str()}")
             continue
         problems += missing_access(topic, access, description.authorized_operations)
     if not problems:
         problems += _dead_letter_size_problems(admin, settings, left())
-    if problems:
-        raise PreflightError(problems)
+    return problems
 
 
 def _dead_letter_size_problems(admin: AdminClient, settings: Settings, timeout_s: float) -> list[str]:

@@ -1,0 +1,238 @@
+"""Cluster-grade faults against a real three-broker KRaft cluster (deploy/local/kafka.sh start --brokers 3:
+replication factor 3, min.insync.replicas=2, internal topics the same).
+
+One at-least-once and one exactly-once stream run side by side (open-loop load, two members each)
+through a sequence of faults, each measured on its own: the leader of a busy input partition
+SIGKILLed and kept down 20 s; a rolling restart of the three nodes; the group coordinator's node
+killed while a member joins and leaves; the transaction coordinator's node killed mid-transaction;
+two nodes down at once (below min.insync.replicas, and below the controller quorum; at-least-once
+only: no transaction can end without a quorum). Then a worker in
+a network namespace of its own loses its link to the cluster for longer than its session, and works
+through a slow, lossy link. Every ID must arrive; exactly-once has no duplicates for a read_committed
+reader; at-least-once prints its duplicates; each fault's recovery time (throughput back to 80% of
+what it was before) is measured and printed (and appended to $KWE_CLUSTER_REPORT when set).
+
+The cluster runs in a network namespace when the machine allows one (the cut-network test needs
+it and is skipped, naming what is missing, when it does not); otherwise on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster_tools import Cluster, Net, NetUnavailable, Stream, fault, start_cluster
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.cluster]
+
+RATE = 100.0  # keywords/s per stream: well under what two members do, so recovery shows as a rate
+RECOVERY_GOAL_S = 30.0
+EXACTLY_ONCE_RECOVERY_BOUND_S = 60.0  # a member's hung-call bound (15 s) + its restart on a loaded box
+DUPLICATES_GOAL = 0.02  # at-least-once: duplicates per fault, as a share of the stream
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[Net | str]:
+    """The namespaces and links, or why they cannot be made here."""
+    try:
+        made = Net.create()
+    except NetUnavailable as exc:
+        yield str(exc)
+        return
+    try:
+        yield made
+    finally:
+        made.remove()
+
+
+@pytest.fixture(scope="module")
+def cluster(net: Net | str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    yield from start_cluster(tmp_path_factory.mktemp("cluster") / "run", net if isinstance(net, Net) else None)
+
+
+def check(streams: list[Stream]) -> None:
+    """Every ID arrived (Stream.finish asserted it); the per-fault goals."""
+    for st in streams:
+        print("\n" + st.report())
+        assert not st.failed_deliveries, st.failed_deliveries[:3]
+        for f in st.faults:
+            assert f.lost == 0, f"{st.guarantee}, {f.name}: {f.lost} IDs lost"
+            if st.guarantee == "exactly-once":
+                assert f.duplicates == 0, f"{st.guarantee}, {f.name}: {f.duplicates} duplicates"
+            else:
+                assert f.duplicates <= DUPLICATES_GOAL * len(st.sent), f"{f.name}: {f.duplicates} duplicates"
+            # Exactly-once members still exit on a coordinator move (TransactionHungError, see
+            # known_exactly_once_exit) and are restarted: their recovery is bounded, not yet the goal.
+            goal = RECOVERY_GOAL_S if st.guarantee == "at-least-once" else EXACTLY_ONCE_RECOVERY_BOUND_S
+            assert f.recovery_s is not None and f.recovery_s <= goal, \
+                f"{st.guarantee}, {f.name}: throughput not back within {goal} s ({f.recovery_s})"
+
+
+def test_topics_the_worker_creates_take_the_clusters_replication(cluster: Cluster) -> None:
+    from worker.kafka.admin import ensure_topics
+
+    name = f"rf-{time.monotonic_ns()}"
+    assert ensure_topics(cluster.bootstrap, {name: 2}) == [name]
+    assert {p: len(r) for p, r in cluster.replicas(name).items()} == {0: 3, 1: 3}
+
+
+def test_a_member_starts_while_a_node_it_still_sees_in_the_metadata_is_down(cluster: Cluster) -> None:
+    """The start-up check must not stop a member because one of three brokers is down. For ~9 s
+    after a SIGKILL (broker.session.timeout.ms) the cluster still lists the dead node and may name
+    it as the 'controller' that librdkafka sends DescribeTopics to; one 10 s attempt then timed out
+    and the member exited 2 ("cannot reach the Kafka cluster"), which the join-while-the-coordinator-
+    is-down fault below found. Every check in that window must pass now."""
+    from worker.config import Settings
+    from worker.kafka.admin import ensure_topics
+    from worker.kafka.client_config import admin_config
+    from worker.kafka.preflight import check_topics
+
+    tag = f"pre{time.monotonic_ns() % 10**6}"
+    topics = {f"kw-{tag}": 3, f"emb-{tag}": 3, f"dlq-{tag}": 1}
+    ensure_topics(cluster.bootstrap, topics)
+    s = Settings(bootstrap_servers=cluster.bootstrap, input_topic=f"kw-{tag}", output_topic=f"emb-{tag}",
+                 dead_letter_topic=f"dlq-{tag}", group_id=f"g-{tag}")
+    check_topics(admin_config(s), s)
+    node = cluster.leader(f"kw-{tag}", 0)
+    back = cluster.restart(node, hard=True, down_for=12)
+    time.sleep(0.5)
+    times = []
+    end = time.monotonic() + 8.0  # inside the window before the controller fences the dead node
+    while time.monotonic() < end:
+        t = time.monotonic()
+        check_topics(admin_config(s), s)
+        times.append(round(time.monotonic() - t, 1))
+    out, _ = back.communicate(timeout=240)
+    assert back.returncode == 0, out
+    print(f"\nstart-up checks with node {node} just killed: {len(times)} passed, seconds each: {times}")
+    cluster.wait_in_sync()
+
+
+@pytest.mark.timeout(1200)
+def test_leader_kill_rolling_restart_coordinators_and_two_nodes_down_under_both_guarantees(
+        cluster: Cluster, tmp_path: Path) -> None:
+    alo = Stream(cluster, f"alo{time.monotonic_ns() % 10**6}", "at-least-once", tmp_path, rate=RATE)
+    eos = Stream(cluster, f"eos{time.monotonic_ns() % 10**6}", "exactly-once", tmp_path, rate=RATE,
+                 extra=["--transaction-timeout-ms", "60000"])
+    streams = [alo, eos]
+    try:
+        for st in streams:
+            st.member("m1")
+            st.member("m2")
+        for st in streams:
+            st.start()
+
+        def leader_down() -> str:
+            node = cluster.leader(alo.topics[0], 0)
+            cluster.restart_now(node, hard=True, down_for=20)
+            return f"node {node} (leader of the input's partition 0) SIGKILLed, back after 20 s"
+
+        fault(streams, "leader of a busy partition SIGKILLed, 20 s down", leader_down)
+        cluster.wait_in_sync()
+
+        def rolling() -> str:
+            for node in (1, 2, 3):
+                cluster.restart_now(node)
+                cluster.wait_in_sync()
+            return "SIGTERM, restart, wait for every replica in sync; nodes 1, 2, 3"
+
+        fault(streams, "rolling restart of the three nodes", rolling)
+
+        def group_coordinator() -> str:
+            node = cluster.group_coordinator(alo.group)
+            eos_node = cluster.group_coordinator(eos.group)
+            joining = [st.member("m3") for st in streams]
+            cluster.restart_now(node, hard=True, down_for=10)
+            for w in joining:
+                w.wait_ready(180)
+            for st in streams:
+                st.leave("m3")
+            return (f"node {node} SIGKILLed for 10 s (coordinator of the at-least-once group; of the "
+                    f"exactly-once group: node {eos_node}) while m3 joins, then m3 leaves")
+
+        fault(streams, "group coordinator's node killed, members join and leave", group_coordinator)
+        cluster.wait_in_sync()
+
+        def transaction_coordinator() -> str:
+            node = cluster.transaction_coordinator(eos.transactional_id("m1"))
+            cluster.restart_now(node, hard=True, down_for=10)
+            return f"node {node} (transaction coordinator of exactly-once m1) SIGKILLed mid-transaction, 10 s down"
+
+        fault(streams, "transaction coordinator's node killed", transaction_coordinator)
+        cluster.wait_in_sync()
+
+        # Two nodes down stops the controller quorum too: no transaction can end. The exactly-once
+        # stream ends here (every ID, read_committed, once); the outage runs under at-least-once.
+        eos.finish()
+
+        def two_down() -> str:
+            first = cluster.leader(alo.topics[0], 0)
+            second = next(n for n in (1, 2, 3) if n != first)
+            members = [w for n, w in alo.members.items() if n not in alo.leaving]
+            back = cluster.restart(first, hard=True, down_for=20)
+            later = cluster.restart(second, hard=True, down_for=30)
+            t0 = time.monotonic()
+            unhealthy: list[str] = []
+            seen_at_5s: int | None = None
+            while back.poll() is None:
+                for w in members:
+                    code = w.probe("/healthz")
+                    if code != 200:
+                        unhealthy.append(f"{w.log_path.name}: {code} at {time.monotonic() - t0:.0f} s")
+                if time.monotonic() - t0 > 5 and seen_at_5s is None:
+                    seen_at_5s = len(alo.arrivals)
+                time.sleep(1.0)
+            assert back.returncode == 0, back.communicate()[0]
+            during = len(alo.arrivals) - (seen_at_5s if seen_at_5s is not None else len(alo.arrivals))
+            assert not unhealthy, f"/healthz not 200 before stall_timeout_s (60 s): {unhealthy[:5]}"
+            out, _ = later.communicate(timeout=240)
+            assert later.returncode == 0, out
+            return (f"nodes {first}+{second} SIGKILLed; {first} back after 20 s, {second} after 30 s; outputs "
+                    f"seen from 5 s after the kill to the first return: {during}; /healthz 200 throughout")
+
+        fault([alo], "two nodes down (below min.insync.replicas)", two_down)
+        alo.finish()
+    finally:
+        for st in streams:
+            st.close()
+    check(streams)
+
+
+def test_a_cut_network_and_a_slow_lossy_link(cluster: Cluster, net: Net | str, tmp_path: Path) -> None:
+    if not isinstance(net, Net):
+        pytest.skip(f"network namespaces unavailable: {net}")
+    st = Stream(cluster, f"net{time.monotonic_ns() % 10**6}", "at-least-once", tmp_path, rate=RATE)
+    try:
+        far = st.member("far", prefix=net.in_worker_ns(), host=net.worker_host)
+        st.member("near")
+        st.start()
+
+        def cut() -> str:
+            net.cut()
+            time.sleep(25)  # past the members' session timeout (10 s): the group moves on without it
+            net.restore()
+            return "the far member's link down 25 s (session.timeout.ms 10 s), then up"
+
+        fault([st], "network cut for longer than the session", cut)
+        far.wait_ready(120)
+
+        def slow_lossy() -> str:
+            net.slow("1mbit")
+            why_not = net.lossy(3)
+            time.sleep(25)
+            dropped = net.dropped()
+            net.clear()
+            lossy = f"nftables dropping 3% of packets both ways ({dropped} dropped)" if why_not is None \
+                else f"no packet loss: {why_not}"
+            return f"the far member's egress at 1 Mbit/s (tc tbf) and {lossy}, 25 s"
+
+        fault([st], "slow, lossy link under load", slow_lossy)
+        st.finish()
+    finally:
+        net.clear()
+        net.restore()
+        st.close()
+    check([st])
