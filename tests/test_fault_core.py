@@ -178,6 +178,71 @@ def test_a_bug_in_acknowledging_stops_the_worker_instead_of_killing_the_delivery
     assert isinstance(latch.error, ThreadDiedError)
 
 
+# ------------------------------------------------- exactly-once: a failed write fails the transaction
+def _transactional(latch: FatalLatch) -> tuple[OutputProducer, FakeProducer, list[str]]:
+    wrapper, fake = _producer(latch)
+    failed: list[str] = []
+    wrapper.fail_writes_into(failed.append)
+    return wrapper, fake, failed
+
+
+def test_exactly_once_a_failed_delivery_fails_the_transaction_not_the_worker() -> None:
+    latch = FatalLatch()
+    wrapper, fake, failed = _transactional(latch)
+    fake.fail_with = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
+    given_up: list[int] = []
+    wrapper.start()
+    assert wrapper.produce("out", b"k", b"v", [], lambda: None, lambda: given_up.append(1) is None)
+    deadline = time.monotonic() + 5
+    while not failed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    wrapper.stop(2.0)
+    assert not latch.is_set() and given_up == [1] and wrapper.given_up == 1
+    assert len(failed) == 1 and "'out'" in failed[0] and "MSG_SIZE_TOO_LARGE" in failed[0]
+
+
+def test_exactly_once_a_produce_refused_by_an_abortable_transaction_is_given_up_and_the_batch_goes_on() -> None:
+    latch = FatalLatch()
+    wrapper, fake, failed = _transactional(latch)
+    fake.refuse = KafkaError(KafkaError._STATE, "Operation not valid in state AbortableError")
+    released: list[int] = []
+    for i in range(3):
+        assert wrapper.produce("out", b"k", b"v", [], lambda: None, lambda i=i: released.append(i) is None)
+    assert released == [0, 1, 2] and len(failed) == 3 and not latch.is_set()
+
+
+def test_exactly_once_a_failed_write_of_an_already_aborted_transaction_fails_nothing() -> None:
+    latch = FatalLatch()
+    wrapper, fake, failed = _transactional(latch)
+    fake.refuse = KafkaError(KafkaError._STATE)
+    assert wrapper.produce("out", b"k", b"v", [], lambda: None, lambda: False)  # its state was replaced
+    assert failed == [] and not latch.is_set() and wrapper.given_up == 1
+
+
+@pytest.mark.parametrize("err", [KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED),
+                                 KafkaError(KafkaError._FENCED, "fenced", fatal=True)])
+def test_exactly_once_a_missing_acl_or_a_fatal_error_still_stops_the_worker(err: KafkaError) -> None:
+    latch = FatalLatch()
+    wrapper, fake, failed = _transactional(latch)
+    fake.refuse = err
+    assert not wrapper.produce("out", b"k", b"v", [], lambda: None, lambda: True)
+    assert latch.is_set() and failed == []
+
+
+def test_a_record_purged_by_an_abort_leaves_the_in_flight_table() -> None:
+    latch = FatalLatch()
+    wrapper, fake = _producer(latch)
+    fake.fail_with = KafkaError(KafkaError._PURGE_QUEUE)
+    released: list[int] = []
+    wrapper.start()
+    wrapper.produce("out", b"k", b"v", [], lambda: None, lambda: released.append(1) is None)
+    deadline = time.monotonic() + 5
+    while not released and time.monotonic() < deadline:
+        time.sleep(0.01)
+    wrapper.stop(2.0)
+    assert released == [1] and wrapper.purged == 1 and not latch.is_set()
+
+
 # ---------------------------------------------------------------------------- committer
 class FakeConsumer:
     def __init__(self) -> None:

@@ -402,3 +402,115 @@ def test_records_purged_by_an_abort_are_not_delivery_errors() -> None:
     assert len(client.reports) == 3
     client.reports[2](KafkaError(KafkaError._MSG_TIMED_OUT), None)  # a real failure still stops it
     assert latch.is_set() and "could not write" in str(latch.error)
+
+
+# ------------------------------------------------- a failed write (exactly-once)
+class Gate:
+    """The producer's write gate, recording what the transaction loop did while holding it."""
+
+    def __init__(self, producer: FakeTxnProducer) -> None:
+        self.producer = producer
+        self.held_for: list[list[str]] = []
+
+    def __enter__(self) -> None:
+        self._start = len(self.producer.calls)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.held_for.append(self.producer.calls[self._start:])
+
+
+def _failing_loop() -> tuple[Loop, Gate]:
+    loop = Loop()
+    gate = Gate(loop.producer)
+    loop.txn.write_gate = gate
+    return loop, gate
+
+
+def test_a_failed_write_aborts_at_once_without_waiting_for_the_records_librdkafka_holds() -> None:
+    from worker.kafka import transactions
+
+    loop, gate = _failing_loop()
+    loop.consume(0, 0, 1)
+    loop.consume(1, 5)
+    loop.finish(0, 0)
+    old = {p.partition: p for p in loop.tracker.partitions()}
+    loop.txn.write_failed("could not write to topic 'out': Broker: Message size too large")
+    assert loop.txn.closing  # intake pauses at once
+    loop.txn.step(flow_paused=False)  # records (0, 1) and (1, 5) are still in flight
+    assert loop.producer.calls[-1] == "abort" and gate.held_for == [["abort"]]
+    assert loop.producer.visible == [] and loop.txn.aborted == 1
+    assert sorted(loop.consumer.seeks) == [("in", 0, 0), ("in", 1, 5)]
+    assert all(p.revoked for p in old.values())  # the stragglers are dropped by the output stage
+    # Intake waits before the retry, then the next transaction commits and the count starts again.
+    assert loop.txn.closing
+    loop.clock.now += transactions.WRITE_RETRY_BACKOFF_S
+    assert not loop.txn.closing
+    loop.in_flight.clear()
+    loop.consume(0, 0, 1)
+    for key in list(loop.in_flight):
+        loop.finish(*key)
+    loop.clock.now += 2
+    loop.txn.step(flow_paused=False)
+    assert loop.producer.visible == ["out-0-0", "out-0-1"] and loop.producer.offsets == {("in", 0): 2}
+    assert loop.txn._write_failures_in_row == 0
+
+
+def test_writes_failing_transaction_after_transaction_stop_the_member_with_backoff_between() -> None:
+    from worker.kafka import transactions
+
+    loop, _ = _failing_loop()
+    waits = []
+    for attempt in range(transactions.WRITE_FAILURES):
+        loop.in_flight.clear()
+        loop.consume(0, 0)
+        loop.txn.write_failed(f"could not write to topic 'out': attempt {attempt}")
+        before = loop.clock.now
+        loop.txn.step(flow_paused=False)
+        if loop.latch.is_set():
+            break
+        while loop.txn.closing:
+            loop.clock.now += 0.25
+        waits.append(loop.clock.now - before)
+    assert waits == [0.5, 1.0, 2.0, 4.0]
+    assert isinstance(loop.latch.error, TransactionError)
+    assert "5 transactions in a row" in str(loop.latch.error) and "attempt 4" in str(loop.latch.error)
+    assert loop.producer.visible == []
+
+
+def test_a_failure_reported_as_the_last_record_leaves_makes_the_commit_abort() -> None:
+    loop, _ = _failing_loop()
+    loop.consume(0, 0, 1)
+    loop.finish(0, 0)
+    loop.clock.now = 1
+    loop.txn.step(flow_paused=False)  # closing: waits for (0, 1)
+    assert loop.txn.state == "closing"
+    loop.txn.write_failed("could not write to topic 'out': Local: Erroneous state")
+    loop.in_flight.clear()  # the failed record was given up: nothing in flight any more
+    assert loop.txn.commit() is False
+    assert loop.producer.calls[-1] == "abort" and loop.producer.visible == [] and loop.producer.offsets == {}
+
+
+def test_a_failure_reported_with_no_transaction_open_fails_nothing() -> None:
+    loop, _ = _failing_loop()
+    loop.txn.write_failed("a straggler of an aborted transaction")
+    loop.txn.step(flow_paused=False)
+    assert not loop.txn.closing and "abort" not in loop.producer.calls
+    loop.consume(0, 0)
+    loop.finish(0, 0)
+    loop.clock.now = 1
+    loop.txn.step(flow_paused=False)
+    assert loop.producer.visible == ["out-0-0"]
+
+
+def test_a_revoke_with_a_failed_write_aborts_instead_of_stopping_the_member() -> None:
+    loop, _ = _failing_loop()
+    loop.consume(0, 0, 1)
+    loop.txn.write_failed("could not write to topic 'out': Broker: Out of order sequence number")
+    waited: list[float] = []
+
+    def never_drains(seconds: float) -> bool:  # librdkafka holds the failed transaction's records
+        waited.append(seconds)
+        return False
+
+    assert loop.txn.on_revoke(never_drains, 10.0) is False
+    assert not loop.latch.is_set() and loop.producer.calls[-1] == "abort" and loop.txn.state == "idle"

@@ -38,6 +38,16 @@ class Acknowledger:
                 self._metrics.observe_end_to_end(rec.timestamp_ms)
         return ack
 
+    def given_up(self, seq: int) -> Callable[[], bool]:
+        """The record will never be delivered (purged by an abort, or exactly-once: its write
+        failed the transaction, which is aborted and the record consumed again). It leaves the
+        in-flight table with its offset not done; True if it belonged to a live offset state (the
+        open transaction), False if that state was already replaced (an aborted transaction's)."""
+        def release() -> bool:
+            rec = self._inflight.finish(seq)
+            return rec is not None and not rec.part.revoked
+        return release
+
     def dead_lettered(self, seq: int, reason: str) -> Callable[[], None]:
         def ack() -> None:
             rec = self._inflight.finish(seq)

@@ -35,4 +35,4 @@ class DeadLetters:
         log.debug("dead-lettering", reason=rejection.reason, topic=msg.topic(), partition=msg.partition(),
                   offset=msg.offset())
         return self._producer.produce(self._topic, record.key, record.value, record.headers,
-                                      self._acks.dead_lettered(seq, rejection.reason))
+                                      self._acks.dead_lettered(seq, rejection.reason), self._acks.given_up(seq))

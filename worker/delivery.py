@@ -123,7 +123,10 @@ class ExactlyOnce:
         txn = Transactions(producer.client, consumer, committer.tracker, latch, in_flight,
                            interval_s=settings.transaction_interval_ms / 1000.0,
                            transaction_timeout_s=settings.transaction_timeout_ms / 1000.0,
-                           on_outcome=metrics.observe_transaction, on_progress=committer.progressed, stop=stop)
+                           on_outcome=metrics.observe_transaction, on_progress=committer.progressed, stop=stop,
+                           write_gate=producer.write_gate)
+        # A failed write fails the transaction (aborted, its records consumed again), not the worker.
+        producer.fail_writes_into(txn.write_failed)
         return cls(txn, in_flight, producer.interrupt)
 
     @staticmethod

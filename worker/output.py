@@ -118,10 +118,13 @@ class OutputStage:
         while (item := self._queue.get()) is not None:
             if self._latch.is_set():
                 continue  # stopping on an error: nothing more is produced, so nothing past it commits
-            if isinstance(item, _Finished):
-                self._emit(item)
-            else:
-                self._fail(item)
+            # The gate: an exactly-once abort cannot fall between choosing a batch's live
+            # records and producing them (worker/kafka/producer.py).
+            with self._producer.write_gate:
+                if isinstance(item, _Finished):
+                    self._emit(item)
+                else:
+                    self._fail(item)
 
     def _emit(self, item: _Finished) -> None:
         t0 = time.monotonic()
@@ -144,7 +147,7 @@ class OutputStage:
             out_headers = (headers if propagation is None or not rec.headers.headers
                            else propagation.output_headers(headers, rec.headers))
             if not self._producer.produce(self._topic, rec.qid.encode("utf-8"), value, out_headers,
-                                          self._acks.embedded(seq)):
+                                          self._acks.embedded(seq), self._acks.given_up(seq)):
                 return
         t2 = time.monotonic()
         self._metrics.observe_hop("produce_call", t2 - t1)

@@ -15,6 +15,18 @@ that reaches a delivery callback is final (the topic is gone, not authorised, th
 large, or the outage outlasted the timeout): the worker stops on it, and the record's input
 offset is never committed. Producing a fresh copy instead would duplicate records, reorder a
 compacted key and retry errors that cannot succeed.
+
+Exactly-once is the exception (`fail_writes_into`): a failed write fails its transaction, not the
+worker. librdkafka has then made the transaction abortable (an OUT_OF_ORDER_SEQUENCE_NUMBER after
+a broker restart, a record the broker refused): it sends nothing more of it, and a produce into it
+fails with _STATE. The record is given up (its in-flight slot released, its offset left
+unfinished), the transaction loop aborts at once and consumes the records again, so nothing is
+written twice; it bounds how often (worker/kafka/transactions.py). Authorisation and missing-topic
+errors, and fatal ones (fenced), still stop the worker.
+
+`write_gate`: the output thread holds it while it takes a batch's live records and produces them;
+the transaction loop holds it while it replaces the offset state and aborts, so no record of an
+aborted transaction can be produced after the abort, into the next one.
 """
 
 from __future__ import annotations
@@ -90,8 +102,13 @@ class OutputProducer:
         self._stop = threading.Event()
         # Set when the worker aborts: callers waiting for queue room give up instead.
         self._interrupt = threading.Event()
+        # Exactly-once: where a failed write goes instead of the latch (set once, before start).
+        self._fail_transaction: Callable[[str], None] | None = None
+        self.write_gate = threading.Lock()
         # Records purged by an aborted transaction (delivery thread only).
         self.purged = 0
+        # Records given up after a failed write (exactly-once; any producing thread, a count only).
+        self.given_up = 0
         self._thread = threading.Thread(target=guarded(latch, "kwe-delivery", self._serve), name="kwe-delivery")
 
     @property
@@ -103,22 +120,31 @@ class OutputProducer:
         """The librdkafka producer, for the transactional calls (poll thread only)."""
         return self._producer
 
+    def fail_writes_into(self, fail_transaction: Callable[[str], None]) -> None:
+        """Exactly-once: a failed write calls `fail_transaction(reason)`, from the thread that saw
+        it, instead of stopping the worker. Set before `start`."""
+        self._fail_transaction = fail_transaction
+
     def start(self) -> None:
         self._thread.start()
 
     def produce(self, topic: str, key: bytes | None, value: bytes, headers: Headers,
-                on_delivered: Callable[[], None]) -> bool:
+                on_delivered: Callable[[], None], on_given_up: Callable[[], bool] = lambda: False) -> bool:
         """Queues one record; `on_delivered` runs on the delivery thread once the broker has it.
 
         False when the record was not queued (the worker is stopping on an error, or aborting):
-        its input offset then stays unfinished and is never committed.
+        its input offset then stays unfinished and is never committed. `on_given_up` releases a
+        record that will never be delivered: purged by an abort, or (exactly-once) its write
+        failed its transaction; it returns whether the record still belonged to the open
+        transaction. produce() returns True for a record given up so: it is accounted for.
         """
         def delivered(err: KafkaError | None, msg: Message) -> None:
             if err is not None:
                 if err.code() in PURGED:
                     self.purged += 1
+                    on_given_up()
                     return
-                self._refused(topic, err, "could not write to topic")
+                self._refused(topic, err, "could not write to topic", on_given_up)
                 return
             self._failures.connected()
             try:
@@ -138,16 +164,24 @@ class OutputProducer:
                 self._interrupt.wait(BUFFER_WAIT_S)
             except KafkaException as exc:
                 # Refused before queueing: too large for the producer's limit, unknown topic, not
-                # authorised (known from metadata), ... None of these succeed on a retry.
-                self._refused(topic, exc.args[0], "cannot write to topic")
-                return False
+                # authorised (known from metadata), a transaction already failed (_STATE), ...
+                # None of these succeed on a retry of the same call.
+                return self._refused(topic, exc.args[0], "cannot write to topic", on_given_up)
 
-    def _refused(self, topic: str, err: KafkaError, what: str) -> None:
+    def _refused(self, topic: str, err: KafkaError, what: str, on_given_up: Callable[[], bool]) -> bool:
+        """A failed write; True when it only failed the open transaction (exactly-once)."""
         reason = self._failures.decide(err, topic=topic, op="write")
         if reason is not None:
             self._latch.trip(KafkaSetupError(reason))
-        else:
+            return False
+        if self._fail_transaction is None or err.fatal():
             self._latch.trip(DeliveryError(f"{what} {topic!r}: {describe(err)}"))
+            return False
+        self.given_up += 1
+        if on_given_up():
+            # A record of an already aborted transaction (its state was replaced) fails nothing.
+            self._fail_transaction(f"{what} {topic!r}: {describe(err)}")
+        return True
 
     def _serve(self) -> None:
         try:

@@ -21,6 +21,15 @@ Errors of the transactional calls, as librdkafka classifies them:
 - fatal (fenced by a newer member with the same transactional.id, or by the broker after the
   transaction timeout): the latch trips, nothing more is written, the worker exits non-zero.
 
+A failed write (worker/kafka/producer.py: a delivery error, or a produce refused with _STATE once
+librdkafka made the transaction abortable) arrives through `write_failed` from the thread that saw
+it. The next `step` (or a commit about to happen) aborts and rewinds at once, without waiting for
+the pipeline to drain: librdkafka sends nothing more of an abortable transaction, so its queued
+records would only come back when abort_transaction purges them. The abort holds the producer's
+write gate, so no record of the aborted transaction is produced after it. Intake then waits
+0.5, 1, 2 and 4 s before the next tries; the fifth failed transaction in a row stops the worker
+(a write that keeps failing is not transient: a record the topic refuses, for instance).
+
 Threads: everything here runs on the poll thread (including the rebalance callbacks, which
 librdkafka serves inside consume). The output and delivery threads only produce and
 acknowledge; `begin` happens before any record of a transaction is consumed and `commit`/`abort`
@@ -32,6 +41,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -51,6 +61,9 @@ Outcome = Literal["committed", "aborted"]
 RETRIES = 5
 # How much longer than its own timeout a transactional call may block before the member stops.
 HANG_MARGIN_S = 5.0
+# Transactions failed by a write, in a row, before the member stops; the wait before each retry.
+WRITE_FAILURES = 5
+WRITE_RETRY_BACKOFF_S = 0.5
 
 
 class TransactionFencedError(WorkerError):
@@ -132,11 +145,19 @@ class Transactions:
     sleep: Callable[[float], None] = time.sleep
     # The shutdown deadline (infinite until a stop): no transactional call, retry or wait runs past it.
     stop: Deadline = field(default_factory=Deadline)
+    # Held while the offset state is replaced and the transaction aborted (the producer's write gate).
+    write_gate: AbstractContextManager[Any] = field(default_factory=nullcontext)
     state: State = "idle"
     began_at: float = 0.0
     committed: int = 0
     aborted: int = 0
     _abort_reason: str | None = field(default=None, repr=False)
+    # A failed write, reported from the output or delivery thread (behind _write_lock).
+    _write_failure: str | None = field(default=None, repr=False)
+    _write_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # Transactions failed by a write since the last commit, and when intake may resume.
+    _write_failures_in_row: int = field(default=0, repr=False)
+    _resume_at: float = field(default=0.0, repr=False)
 
     # ------------------------------------------------------------------ lifecycle
     def init(self, timeout_s: float = 30.0) -> bool:
@@ -160,8 +181,33 @@ class Transactions:
 
     @property
     def closing(self) -> bool:
-        """Intake must stay paused: the open transaction waits for its records to finish."""
-        return self.state == "closing" or self._abort_reason is not None
+        """Intake must stay paused: the open transaction waits for its records to finish, or a
+        failed write's abort, or the wait before its retry."""
+        with self._write_lock:
+            failed = self._write_failure is not None
+        return (self.state == "closing" or self._abort_reason is not None or failed
+                or self.clock() < self._resume_at)
+
+    def write_failed(self, reason: str) -> None:
+        """Any thread: a write of the open transaction failed; it is aborted at the next step."""
+        with self._write_lock:
+            if self._write_failure is None:
+                self._write_failure = reason
+
+    def _take_write_failure(self) -> str | None:
+        with self._write_lock:
+            reason, self._write_failure = self._write_failure, None
+        return reason
+
+    def _abort_failed_write(self, reason: str) -> None:
+        """Aborts and rewinds now (see the module docstring), or stops after WRITE_FAILURES in a row."""
+        self._write_failures_in_row += 1
+        if self._write_failures_in_row >= WRITE_FAILURES:
+            self.latch.trip(TransactionError(
+                f"writes failed {self._write_failures_in_row} transactions in a row; the last: {reason}"))
+            return
+        self.abort_and_rewind(reason)
+        self._resume_at = self.clock() + WRITE_RETRY_BACKOFF_S * 2 ** (self._write_failures_in_row - 1)
 
     def ensure_open(self) -> None:
         """Called with consumed records before intake sees them: they belong to an open transaction."""
@@ -195,7 +241,14 @@ class Transactions:
     def step(self, *, flow_paused: bool) -> None:
         """One poll-loop turn: start closing when the interval is up or intake would pause
         anyway; commit once drained; abort when asked to."""
-        if self.state == "idle" or self.latch.is_set():
+        if self.latch.is_set():
+            return
+        if self.state == "idle":
+            # A failure reported for an already aborted transaction's record fails nothing here.
+            self._take_write_failure()
+            return
+        if (failed := self._take_write_failure()) is not None:
+            self._abort_failed_write(failed)
             return
         if self._abort_reason is not None:
             if self.in_flight() == 0:
@@ -279,6 +332,10 @@ class Transactions:
     def commit(self) -> bool:
         """Sends the offsets and commits; everything consumed must be finished. True if committed."""
         assert self.in_flight() == 0, "a transaction is committed only when nothing is in flight"
+        if (failed := self._take_write_failure()) is not None:
+            # Reported before its record left the in-flight table, so seen here at the latest.
+            self._abort_failed_write(failed)
+            return False
         offsets = self._offsets()
         positions = [TopicPartition(p.topic, p.partition, off) for p, off in offsets]
         if positions:
@@ -299,6 +356,7 @@ class Transactions:
             p.confirm_commit(off)
         if offsets:
             self.on_progress()
+        self._write_failures_in_row = 0
         log.debug("transaction committed", offsets=[f"{p.topic}[{p.partition}]@{off}" for p, off in offsets])
         self._finish("committed")
         return True
@@ -310,15 +368,17 @@ class Transactions:
         a record of the aborted transaction is dropped instead of produced into the next one.
         """
         rewind: list[TopicPartition] = []
-        for p in self.tracker.partitions():
-            start = p.committed if p.committed is not None else p.first
-            if start is None:
-                # Nothing of this partition went into the transaction: its state and fetch
-                # position stay (a record already fetched for it is still the next one).
-                continue
-            self.tracker.assign(p.topic, p.partition)
-            rewind.append(TopicPartition(p.topic, p.partition, start))
-        if self._call("abort_transaction", lambda: self.producer.abort_transaction(self._timeout())) != "ok":
+        with self.write_gate:
+            for p in self.tracker.partitions():
+                start = p.committed if p.committed is not None else p.first
+                if start is None:
+                    # Nothing of this partition went into the transaction: its state and fetch
+                    # position stay (a record already fetched for it is still the next one).
+                    continue
+                self.tracker.assign(p.topic, p.partition)
+                rewind.append(TopicPartition(p.topic, p.partition, start))
+            aborted = self._call("abort_transaction", lambda: self.producer.abort_transaction(self._timeout()))
+        if aborted != "ok":
             # "fatal" tripped the latch already (fenced, or hung); otherwise the abort failed on its own.
             if not self.latch.is_set():
                 self.latch.trip(TransactionError(f"the transaction could not be aborted ({reason})"))
@@ -354,6 +414,10 @@ class Transactions:
             return False
         if self._abort_reason is None and wait_drained(wait_s):
             return self.commit()
+        if (failed := self._take_write_failure()) is not None:
+            # Its records wait in librdkafka until the abort: they would never drain.
+            self._abort_failed_write(failed)
+            return False
         self._abort_after_drain(wait_drained, "partitions revoked before the transaction finished")
         return False
 
@@ -364,6 +428,9 @@ class Transactions:
             if p.first is not None:  # the ones `abort_and_rewind` gives fresh state
                 p.revoked = True
         if not wait_drained(min(self.timeout_s, self.stop.left())):
+            if (failed := self._take_write_failure()) is not None:
+                self._abort_failed_write(failed)
+                return
             if self.stop.started:
                 # Stopping: `finish` aborts it (stopping all writes first), within the deadline.
                 self._abort_reason = reason
