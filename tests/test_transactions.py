@@ -13,8 +13,9 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from tests.fakes.transactions import ABORTABLE, FENCED, RETRIABLE, FakeTxnProducer
 from worker.errors import WorkerError
 from worker.kafka.offsets import OffsetTracker
-from worker.kafka.transactions import (TransactionError, TransactionFencedError, TransactionHungError, Transactions, drained_waiter,
-                                       kind_of, transactional_config, transactional_id)
+from worker.kafka.transactions import (WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, TransactionError, TransactionFencedError,
+                                       TransactionHungError, Transactions, drained_waiter, kind_of, transactional_config,
+                                       transactional_id)
 from worker.latch import FatalLatch
 
 
@@ -427,8 +428,6 @@ def _failing_loop() -> tuple[Loop, Gate]:
 
 
 def test_a_failed_write_aborts_at_once_without_waiting_for_the_records_librdkafka_holds() -> None:
-    from worker.kafka import transactions
-
     loop, gate = _failing_loop()
     loop.consume(0, 0, 1)
     loop.consume(1, 5)
@@ -443,7 +442,7 @@ def test_a_failed_write_aborts_at_once_without_waiting_for_the_records_librdkafk
     assert all(p.revoked for p in old.values())  # the stragglers are dropped by the output stage
     # Intake waits before the retry, then the next transaction commits and the count starts again.
     assert loop.txn.closing
-    loop.clock.now += transactions.WRITE_RETRY_BACKOFF_S
+    loop.clock.now += WRITE_RETRY_BACKOFF_S
     assert not loop.txn.closing
     loop.in_flight.clear()
     loop.consume(0, 0, 1)
@@ -456,11 +455,9 @@ def test_a_failed_write_aborts_at_once_without_waiting_for_the_records_librdkafk
 
 
 def test_writes_failing_transaction_after_transaction_stop_the_member_with_backoff_between() -> None:
-    from worker.kafka import transactions
-
     loop, _ = _failing_loop()
     waits = []
-    for attempt in range(transactions.WRITE_FAILURES):
+    for attempt in range(WRITE_FAILURES):
         loop.in_flight.clear()
         loop.consume(0, 0)
         loop.txn.write_failed(f"could not write to topic 'out': attempt {attempt}")

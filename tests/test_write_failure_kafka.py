@@ -70,7 +70,7 @@ def test_a_refused_write_aborts_its_transaction_and_the_stream_goes_on(
     stopped = worker.events("worker stopped")[-1]
     print(f"\ntransactions aborted on the refused writes: {len(aborts(worker))}; committed: "
           f"{stopped['transactions_committed']}")
-    assert stopped["transactions_committed"] > 0
+    assert stopped["transactions_committed"] > 0 and stopped["writes_given_up"] > 0
 
 
 def test_a_write_refused_for_good_stops_the_member_after_bounded_retries_committing_nothing(

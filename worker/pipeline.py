@@ -235,4 +235,4 @@ class Pipeline:
                  dead_lettered=self._acks.dead_lettered_count, in_flight=self.in_flight(),
                  dropped_after_revoke=self._output.dropped, never_run=len(never_run or []),
                  left_group=self.left_group, processing_guarantee=self.settings.processing_guarantee,
-                 purged_by_abort=self._producer.purged, **self._delivery.summary())
+                 purged_by_abort=self._producer.purged, writes_given_up=self._producer.given_up, **self._delivery.summary())

@@ -199,6 +199,13 @@ class Transactions:
             reason, self._write_failure = self._write_failure, None
         return reason
 
+    def _aborted_on_failed_write(self) -> bool:
+        """If a write failed the open transaction: aborts it now and returns True."""
+        if (reason := self._take_write_failure()) is None:
+            return False
+        self._abort_failed_write(reason)
+        return True
+
     def _abort_failed_write(self, reason: str) -> None:
         """Aborts and rewinds now (see the module docstring), or stops after WRITE_FAILURES in a row."""
         self._write_failures_in_row += 1
@@ -247,8 +254,7 @@ class Transactions:
             # A failure reported for an already aborted transaction's record fails nothing here.
             self._take_write_failure()
             return
-        if (failed := self._take_write_failure()) is not None:
-            self._abort_failed_write(failed)
+        if self._aborted_on_failed_write():
             return
         if self._abort_reason is not None:
             if self.in_flight() == 0:
@@ -332,9 +338,8 @@ class Transactions:
     def commit(self) -> bool:
         """Sends the offsets and commits; everything consumed must be finished. True if committed."""
         assert self.in_flight() == 0, "a transaction is committed only when nothing is in flight"
-        if (failed := self._take_write_failure()) is not None:
+        if self._aborted_on_failed_write():
             # Reported before its record left the in-flight table, so seen here at the latest.
-            self._abort_failed_write(failed)
             return False
         offsets = self._offsets()
         positions = [TopicPartition(p.topic, p.partition, off) for p, off in offsets]
@@ -414,9 +419,8 @@ class Transactions:
             return False
         if self._abort_reason is None and wait_drained(wait_s):
             return self.commit()
-        if (failed := self._take_write_failure()) is not None:
+        if self._aborted_on_failed_write():
             # Its records wait in librdkafka until the abort: they would never drain.
-            self._abort_failed_write(failed)
             return False
         self._abort_after_drain(wait_drained, "partitions revoked before the transaction finished")
         return False
@@ -428,8 +432,7 @@ class Transactions:
             if p.first is not None:  # the ones `abort_and_rewind` gives fresh state
                 p.revoked = True
         if not wait_drained(min(self.timeout_s, self.stop.left())):
-            if (failed := self._take_write_failure()) is not None:
-                self._abort_failed_write(failed)
+            if self._aborted_on_failed_write():
                 return
             if self.stop.started:
                 # Stopping: `finish` aborts it (stopping all writes first), within the deadline.
