@@ -327,7 +327,6 @@ class Stream:
         self.arrivals: list[tuple[str, float]] = []
         self.faults: list[FaultResult] = []
         self.fault_running: str | None = None
-        self.exits: list[tuple[str, str, str]] = []  # member, fault, its error: exactly-once restarts
         self.failed_deliveries: list[str] = []
         self._stop = threading.Event()  # the load stops
         self._done = threading.Event()  # the tail stops
@@ -351,23 +350,22 @@ class Stream:
         assert code == 0, f"{name} exited {code} when asked to leave:\n{self.members[name].log()[-3000:]}"
 
     def check_members(self) -> None:
-        """A member that exits on its own fails the test, except in exactly-once for the two exits
-        known and not fixed here (`known_exactly_once_exit`): that member is restarted with its
-        identity, as Kubernetes would, and the exit is recorded and printed; a second exit of one
-        member in one fault (a crash loop) fails."""
+        """A member that exits on its own fails the test, in both guarantees. (Exactly-once members
+        used to exit when a coordinator's node was SIGKILLed and a transactional call hung inside
+        librdkafka, issues 5456 and 5511; a new producer now takes over in the process:
+        worker/kafka/transactions.py `take_over`, counted by `take_overs`.)"""
         for name, w in list(self.members.items()):
             assert w.proc is not None
             if name in self.leaving or w.proc.poll() is None:
                 continue
-            fatal = w.events("fatal error; the worker stops")[-1:]
-            fault = self.faults[-1].name if self.faults else "(before the faults)"
-            fault = fault if self.fault_running is None else self.fault_running
-            again = any(n == name and f == fault for n, f, _ in self.exits)
-            if self.guarantee != "exactly-once" or not fatal or not known_exactly_once_exit(fatal[0]) or again:
-                raise AssertionError(f"member {name} exited on its own ({w.proc.returncode}) in "
-                                     f"{self.guarantee}:\n{w.log()[-4000:]}")
-            self.exits.append((name, fault, f"{fatal[0].get('kind')}: {fatal[0].get('error', '')}"))
-            self.member(name, prefix=w.prefix, host=w.host)
+            raise AssertionError(f"member {name} exited on its own ({w.proc.returncode}) in "
+                                 f"{self.guarantee}:\n{w.log()[-4000:]}")
+
+    def take_overs(self) -> list[str]:
+        """Each exactly-once take-over of a hung producer, as '<member>: <partitions rewound>'."""
+        return [f"{name}: {e.get('partitions')} (hung commit landed for {e.get('hung_commit_landed_for')})"
+                for name, w in self.members.items()
+                for e in w.events("a new producer took over; partitions rewound to their committed offsets")]
 
     def transactional_id(self, member: str) -> str:
         from worker.kafka.transactions import transactional_id
@@ -506,23 +504,13 @@ class Stream:
         lines = [f.line(self.guarantee, ids) for f in self.measure()]
         lines.append(f"{self.guarantee:<13} | stream: {ids} IDs at {self.rate:g}/s, {len(counts)} arrived, "
                      f"{sum(counts.values()) - len(counts)} duplicates{(' e.g. ' + ', '.join(dups[:5])) if dups else ''}")
-        lines += [f"{self.guarantee:<13} | member {n} exited during '{f}' and was restarted: {e}" for n, f, e in self.exits]
+        lines += [f"{self.guarantee:<13} | a new producer took over from a hung one in {t}" for t in self.take_overs()]
         text = "\n".join(lines)
         path = os.environ.get("KWE_CLUSTER_REPORT")
         if path:
             with open(path, "a", encoding="utf-8") as f:
                 f.write(text + "\n")
         return text
-
-
-def known_exactly_once_exit(fatal: dict[str, object]) -> bool:
-    """The exit of an exactly-once member that these tests saw on a cluster and that is not fixed
-    (the closing note of issue 21 has the logs): TransactionHungError, send_offsets_to_transaction
-    still blocked after the worker's patience when the group or transaction coordinator's node was
-    SIGKILLed (librdkafka issues 5456, 5511). A write into a transaction librdkafka made abortable
-    (OUT_OF_ORDER_SEQUENCE_NUMBER after a node restart, then _STATE) used to stop the member too; it
-    now aborts and rewinds (tests/test_write_failure_kafka.py), so that exit fails the test."""
-    return str(fatal.get("kind")) == "TransactionHungError"
 
 
 def fault(streams: Sequence[Stream], name: str, action: Callable[[], str | None]) -> None:

@@ -30,7 +30,6 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.cluster]
 
 RATE = 100.0  # keywords/s per stream: well under what two members do, so recovery shows as a rate
 RECOVERY_GOAL_S = 30.0
-EXACTLY_ONCE_RECOVERY_BOUND_S = 60.0  # a member's hung-call bound (15 s) + its restart on a loaded box
 DUPLICATES_GOAL = 0.02  # at-least-once: duplicates per fault, as a share of the stream
 
 
@@ -64,11 +63,8 @@ def check(streams: list[Stream]) -> None:
                 assert f.duplicates == 0, f"{st.guarantee}, {f.name}: {f.duplicates} duplicates"
             else:
                 assert f.duplicates <= DUPLICATES_GOAL * len(st.sent), f"{f.name}: {f.duplicates} duplicates"
-            # Exactly-once members still exit on a coordinator move (TransactionHungError, see
-            # known_exactly_once_exit) and are restarted: their recovery is bounded, not yet the goal.
-            goal = RECOVERY_GOAL_S if st.guarantee == "at-least-once" else EXACTLY_ONCE_RECOVERY_BOUND_S
-            assert f.recovery_s is not None and f.recovery_s <= goal, \
-                f"{st.guarantee}, {f.name}: throughput not back within {goal} s ({f.recovery_s})"
+            assert f.recovery_s is not None and f.recovery_s <= RECOVERY_GOAL_S, \
+                f"{st.guarantee}, {f.name}: throughput not back within {RECOVERY_GOAL_S} s ({f.recovery_s})"
 
 
 def test_topics_the_worker_creates_take_the_clusters_replication(cluster: Cluster) -> None:

@@ -602,3 +602,40 @@ def test_a_bucketer_stop_returns_by_its_timeout_while_a_backend_call_hangs() -> 
         assert all(t.daemon for t in b.threads)  # cannot hold the process at exit either
     finally:
         release.set()
+
+
+def test_a_replaced_client_is_not_polled_its_errors_are_muted_and_it_is_retired_once_its_call_returns() -> None:
+    """Exactly-once take-over (issue 21): a new librdkafka producer replaces one whose
+    transactional call hung. The old one's fenced error must not stop the worker, its queued
+    reports must not run, and it is dropped once the thread blocked in it is done."""
+    latch = FatalLatch()
+    made: list[FakeProducer] = []
+
+    def factory(config: dict[str, Any]) -> FakeProducer:
+        made.append(FakeProducer(config))
+        return made[-1]
+
+    wrapper = OutputProducer({"transactional.id": "t"}, latch, producer_factory=factory, poll_interval_s=0.01)
+    old = made[0]
+    assert wrapper.produce("out", b"k", b"old", [], lambda: None)  # never reported: the old one is not polled
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, args=(10,))
+    stuck.start()
+    new = wrapper.replace_client(stuck)
+    assert new is made[1] is wrapper.client and new.config["transactional.id"] == "t"
+    wrapper.start()
+    acked: list[str] = []
+    assert wrapper.produce("out", b"k", b"new", [], lambda: acked.append("new"))
+    assert wrapper.flush(Deadline.after(5.0)) == 0 and acked == ["new"]
+    old.config["error_cb"](KafkaError(KafkaError._FENCED, "fenced by its successor", fatal=True))
+    assert not latch.is_set() and len(old.pending) == 1 and old.poll_threads == set()
+    assert wrapper.abandoned == 1 and wrapper.replaced == 1
+    release.set()
+    stuck.join(5)
+    deadline = time.monotonic() + 5
+    while wrapper.abandoned and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert wrapper.abandoned == 0
+    new.config["error_cb"](KafkaError(KafkaError._FENCED, "fenced", fatal=True))  # the current one still counts
+    assert latch.is_set() and "fenced" in str(latch.error)
+    wrapper.stop(2.0)

@@ -5,6 +5,7 @@ retriable() and txn_requires_abort() say what librdkafka would."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,12 +24,22 @@ from worker.latch import FatalLatch
 class FakeConsumer:
     def __init__(self) -> None:
         self.seeks: list[tuple[str, int, int]] = []
+        # What the group coordinator answers to committed(): the offsets the producers committed.
+        self.group_offsets: Callable[[], dict[tuple[str, int], int]] = dict
+        self.committed_errors: list[KafkaError] = []
 
     def consumer_group_metadata(self) -> str:
         return "group-metadata"
 
     def seek(self, tp: TopicPartition) -> None:
         self.seeks.append((tp.topic, tp.partition, tp.offset))
+
+    def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
+        if self.committed_errors:
+            raise KafkaException(self.committed_errors.pop(0))
+        known = self.group_offsets()
+        return [TopicPartition(tp.topic, tp.partition, known.get((tp.topic, tp.partition), -1001))
+                for tp in partitions]
 
 
 class Clock:
@@ -511,3 +522,209 @@ def test_a_revoke_with_a_failed_write_aborts_instead_of_stopping_the_member() ->
 
     assert loop.txn.on_revoke(never_drains, 10.0) is False
     assert not loop.latch.is_set() and loop.producer.calls[-1] == "abort" and loop.txn.state == "idle"
+
+
+# ------------------------------------------------- a hung call: a new producer takes over
+class Stuck:
+    """Makes one call of a fake producer block (as librdkafka's did after a coordinator's node was
+    SIGKILLed, past its own timeout) until released; `after` runs the real call first (a commit
+    that reached the coordinator although the call never returned)."""
+
+    def __init__(self, producer: FakeTxnProducer, name: str, *, after: bool = False) -> None:
+        import threading
+
+        self.release = threading.Event()
+        real = getattr(producer, name)
+
+        def blocked(*args: Any) -> None:
+            if after:
+                real(*args)
+            self.release.wait(10)
+            if not after:
+                real(*args)
+
+        setattr(producer, name, blocked)
+
+
+@pytest.fixture
+def short_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+    import worker.kafka.transactions as txmod
+
+    monkeypatch.setattr(txmod, "HANG_MARGIN_S", 0.1)
+
+
+class TakeOverLoop(Loop):
+    """A Loop whose transaction loop can replace its producer: each replacement is a new fake
+    producer; the group coordinator's committed offsets are what any of them committed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.producers = [self.producer]
+        self.stuck: list[Any] = []
+        self.forgotten: list[int] = []
+        self.consumer.group_offsets = lambda: {k: v for p in self.producers for k, v in p.offsets.items()}
+        self.txn.timeout_s = 0.05
+        self.txn.replace_producer = self.replace
+        self.txn.forget_revoked = self.forget
+
+    def replace(self, stuck: Any) -> FakeTxnProducer:
+        self.stuck.append(stuck)
+        self.producer = FakeTxnProducer()
+        self.producers.append(self.producer)
+        return self.producer
+
+    def forget(self) -> int:
+        gone = [k for k, part in self.in_flight.items() if part.revoked]
+        for k in gone:
+            del self.in_flight[k]
+        self.forgotten.append(len(gone))
+        return len(gone)
+
+
+def test_a_hung_send_offsets_is_taken_over_by_a_new_producer_and_the_records_are_consumed_again(
+        short_hang: None) -> None:
+    """Issue 21: a coordinator's node SIGKILLed, send_offsets_to_transaction never returns. The
+    member does not exit: a new producer takes over (init_transactions fences the old one and
+    aborts its transaction), and the partitions go back to the group's committed offsets."""
+    loop = TakeOverLoop()
+    old = loop.producer
+    stuck = Stuck(old, "send_offsets_to_transaction")
+    try:
+        loop.consume(0, 5, 6)
+        loop.finish(0, 5)
+        loop.finish(0, 6)
+        loop.txn.step(flow_paused=True)
+        assert not loop.latch.is_set(), loop.latch.error
+        assert len(loop.producers) == 2 and loop.stuck[0].is_alive()  # still blocked in the old one
+        new = loop.producer
+        assert new.calls == ["init"] and loop.txn.producer is new
+        assert loop.consumer.seeks == [("in", 0, 5)]  # nothing committed: back to where it began
+        assert loop.outcomes[-1][0] == "taken_over" and loop.txn.taken_over == 1 and loop.txn.state == "idle"
+        # The records are consumed again and committed once, through the new producer.
+        loop.consume(0, 5, 6)
+        loop.finish(0, 5)
+        loop.finish(0, 6)
+        loop.txn.step(flow_paused=True)
+        assert new.visible == ["out-0-5", "out-0-6"] and new.offsets == {("in", 0): 7}
+        assert old.visible == [] and loop.txn.committed == 1
+    finally:
+        stuck.release.set()
+
+
+def test_a_hung_commit_that_landed_is_not_redone(short_hang: None) -> None:
+    """The commit reached the coordinator but the call never returned: the group's committed offset
+    (read after the new producer's init, which waits for the old transaction to complete) is past
+    the records, so the rewind goes there and nothing is produced twice."""
+    loop = TakeOverLoop()
+    old = loop.producer
+    stuck = Stuck(old, "commit_transaction", after=True)
+    try:
+        loop.consume(0, 5, 6)
+        loop.consume(1, 9)
+        for p, off in [(0, 5), (0, 6), (1, 9)]:
+            loop.finish(p, off)
+        loop.txn.step(flow_paused=True)
+        assert not loop.latch.is_set(), loop.latch.error
+        assert old.visible == ["out-0-5", "out-0-6", "out-1-9"]
+        assert sorted(loop.consumer.seeks) == [("in", 0, 7), ("in", 1, 10)]
+        assert loop.txn.committed == 0 and loop.txn.taken_over == 1
+    finally:
+        stuck.release.set()
+
+
+def test_a_hung_abort_with_records_in_flight_forgets_them_and_rewinds(short_hang: None) -> None:
+    """A failed write aborts at once, with records still in flight; if that abort hangs, the records
+    handed to the old producer will never be reported: they are forgotten (their offset state is
+    revoked) and consumed again from where the transaction began."""
+    loop = TakeOverLoop()
+    stuck = Stuck(loop.producer, "abort_transaction")
+    try:
+        loop.consume(0, 5, 6, 7)
+        loop.finish(0, 5)
+        loop.txn.write_failed("cannot write to topic 'out': Broker: Message size too large")
+        loop.txn.step(flow_paused=False)
+        assert not loop.latch.is_set(), loop.latch.error
+        assert loop.forgotten == [2] and loop.in_flight == {}
+        assert loop.consumer.seeks == [("in", 0, 5)]
+        assert loop.outcomes[-1][0] == "taken_over"
+    finally:
+        stuck.release.set()
+
+
+def test_while_earlier_hung_calls_still_block_the_member_stops(short_hang: None,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each take-over leaves a librdkafka client blocked in its call: past STUCK_CALLS of them the
+    member stops (its restart frees them) instead of piling up clients."""
+    import worker.kafka.transactions as txmod
+
+    monkeypatch.setattr(txmod, "STUCK_CALLS", 1)
+    loop = TakeOverLoop()
+    first = Stuck(loop.producer, "send_offsets_to_transaction")
+    try:
+        loop.consume(0, 5)
+        loop.finish(0, 5)
+        loop.txn.step(flow_paused=True)
+        assert not loop.latch.is_set() and loop.txn.taken_over == 1
+        second = Stuck(loop.producer, "send_offsets_to_transaction")
+        try:
+            loop.consume(0, 5)
+            loop.finish(0, 5)
+            loop.txn.step(flow_paused=True)
+        finally:
+            second.release.set()
+    finally:
+        first.release.set()
+    assert isinstance(loop.latch.error, TransactionHungError)
+    assert "send_offsets_to_transaction did not return" in str(loop.latch.error)
+    assert "restarted member aborts" in str(loop.latch.error) and len(loop.producers) == 2
+
+
+def test_the_committed_offsets_are_read_again_while_the_group_coordinator_moves(short_hang: None) -> None:
+    loop = TakeOverLoop()
+    stuck = Stuck(loop.producer, "send_offsets_to_transaction")
+    loop.consumer.committed_errors = [KafkaError(KafkaError._TIMED_OUT, "Timed out"),
+                                      KafkaError(KafkaError.NOT_COORDINATOR, "Not coordinator")]
+    try:
+        loop.consume(0, 5)
+        loop.finish(0, 5)
+        loop.txn.step(flow_paused=True)
+    finally:
+        stuck.release.set()
+    assert not loop.latch.is_set(), loop.latch.error
+    assert loop.consumer.committed_errors == [] and loop.consumer.seeks == [("in", 0, 5)]
+
+
+def test_a_new_producer_that_cannot_fence_the_old_one_stops_the_member(short_hang: None) -> None:
+    loop = TakeOverLoop()
+    stuck = Stuck(loop.producer, "send_offsets_to_transaction")
+    real_replace = loop.replace
+
+    def replace(call: Any) -> FakeTxnProducer:
+        new = real_replace(call)
+        new.errors["init"] = [FENCED]  # another incarnation with this transactional id took over
+        return new
+
+    loop.txn.replace_producer = replace
+    try:
+        loop.consume(0, 5)
+        loop.finish(0, 5)
+        loop.txn.step(flow_paused=True)
+    finally:
+        stuck.release.set()
+    assert isinstance(loop.latch.error, TransactionHungError)
+    assert "could not take over" in str(loop.latch.error) and loop.consumer.seeks == []
+
+
+def test_a_hung_call_while_stopping_is_not_taken_over(short_hang: None) -> None:
+    """During shutdown no new producer is made: the deadline is short, and the restarted member's
+    init aborts what was left open."""
+    loop = TakeOverLoop()
+    stuck = Stuck(loop.producer, "send_offsets_to_transaction")
+    try:
+        loop.consume(0, 5)
+        loop.finish(0, 5)
+        loop.txn.stop.start(5.0)
+        loop.txn.step(flow_paused=True)
+    finally:
+        stuck.release.set()
+    assert isinstance(loop.latch.error, TransactionHungError) and loop.stuck == []

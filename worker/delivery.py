@@ -40,6 +40,7 @@ from typing import Any, Literal, Protocol
 
 from worker.config import Settings
 from worker.deadline import Deadline
+from worker.inflight import InFlightTable
 from worker.kafka.committer import Committer
 from worker.kafka.offsets import PartitionOffsets
 from worker.kafka.producer import OutputProducer
@@ -73,7 +74,7 @@ class AtLeastOnce:
 
     @classmethod
     def build(cls, settings: Settings, committer: Committer, producer: OutputProducer, consumer: Any,
-              latch: FatalLatch, in_flight: Callable[[], int], metrics: Metrics, stop: Deadline) -> AtLeastOnce:
+              latch: FatalLatch, in_flight: InFlightTable, metrics: Metrics, stop: Deadline) -> AtLeastOnce:
         return cls(committer)
 
     @staticmethod
@@ -119,15 +120,18 @@ class ExactlyOnce:
 
     @classmethod
     def build(cls, settings: Settings, committer: Committer, producer: OutputProducer, consumer: Any,
-              latch: FatalLatch, in_flight: Callable[[], int], metrics: Metrics, stop: Deadline) -> ExactlyOnce:
-        txn = Transactions(producer.client, consumer, committer.tracker, latch, in_flight,
+              latch: FatalLatch, in_flight: InFlightTable, metrics: Metrics, stop: Deadline) -> ExactlyOnce:
+        count = in_flight.__len__
+        txn = Transactions(producer.client, consumer, committer.tracker, latch, count,
                            interval_s=settings.transaction_interval_ms / 1000.0,
                            transaction_timeout_s=settings.transaction_timeout_ms / 1000.0,
                            on_outcome=metrics.observe_transaction, on_progress=committer.progressed, stop=stop,
-                           write_gate=producer.write_gate)
+                           write_gate=producer.write_gate,
+                           # A hung transactional call: a new producer takes over (librdkafka 5456/5511).
+                           replace_producer=producer.replace_client, forget_revoked=in_flight.drop_revoked)
         # A failed write fails the transaction (aborted, its records consumed again), not the worker.
         producer.fail_writes_into(txn.write_failed)
-        return cls(txn, in_flight, producer.interrupt)
+        return cls(txn, count, producer.interrupt)
 
     @staticmethod
     def producer_config(config: dict[str, Any], settings: Settings) -> dict[str, Any]:
@@ -167,7 +171,8 @@ class ExactlyOnce:
         self.phase = "finished"
 
     def summary(self) -> dict[str, Any]:
-        return {"transactions_committed": self.txn.committed, "transactions_aborted": self.txn.aborted}
+        return {"transactions_committed": self.txn.committed, "transactions_aborted": self.txn.aborted,
+                "producers_taken_over": self.txn.taken_over}
 
 
 def delivery_kind(settings: Settings) -> type[AtLeastOnce] | type[ExactlyOnce]:

@@ -84,6 +84,16 @@ class InFlightTable:
                 live.append((seq, rec))
         return live, dropped
 
+    def drop_revoked(self) -> int:
+        """Removes every record of a revoked offset state; returns how many. For records handed to
+        a producer that was replaced (worker/kafka/producer.py `replace_client`): their reports
+        will never come, and their partitions are consumed again."""
+        with self._lock:
+            gone = [seq for seq, rec in self._items.items() if rec.part.revoked]
+            for seq in gone:
+                self._bytes -= self._items.pop(seq).nbytes
+        return len(gone)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)

@@ -128,7 +128,7 @@ class Metrics:
             self.rebalances.labels(kind=kind)
         for hop in HOPS:
             self.hop.labels(hop=hop)
-        for outcome in ("committed", "aborted"):
+        for outcome in ("committed", "aborted", "taken_over"):
             self.transactions.labels(outcome=outcome)
 
     def observe_transaction(self, outcome: str, seconds: float) -> None:

@@ -102,7 +102,7 @@ class Pipeline:
                                    revoke_wait_s=self._revoke_wait_s, group=settings.group_id, failures=failures,
                                    consumer_factory=consumer_factory)
         self._delivery: Delivery = kind.build(settings, self._committer, self._producer, self._member.client, self.latch,
-                                              lambda: len(self._inflight), self.metrics, self._commit_by)
+                                              self._inflight, self.metrics, self._commit_by)
         # worker.app.output_codec adds truncate_dim, the prompt and the int8 range (and
         # worker.app.output_encoder the registry formats); decode is a registry format's decoder.
         codec = codec or OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding)  # type: ignore[arg-type]

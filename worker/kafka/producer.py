@@ -27,6 +27,14 @@ errors, and fatal ones (fenced), still stop the worker.
 `write_gate`: the output thread holds it while it takes a batch's live records and produces them;
 the transaction loop holds it while it replaces the offset state and aborts, so no record of an
 aborted transaction can be produced after the abort, into the next one.
+
+`replace_client` (exactly-once, under the write gate): a transactional call hung inside librdkafka
+(a coordinator's node died; worker/kafka/transactions.py `take_over`). A new librdkafka producer
+with the same configuration takes over, and its init_transactions fences the old one. The old one
+is abandoned, not closed: a thread is still blocked inside it. It is never polled again, so none
+of its callbacks run (its records' reports, its fenced error), and its error callback is muted in
+case one already queued runs. Once the blocked call returns, the delivery thread hands the old
+client to a short-lived thread that drops the last reference (librdkafka's destroy can block).
 """
 
 from __future__ import annotations
@@ -97,7 +105,15 @@ class OutputProducer:
         # Authentication, TLS and ACL errors: which stop the worker, with which message.
         self._failures = failures if failures is not None else FailurePolicy()
         self._errors = ThrottledLog()
-        self._producer = producer_factory({**config, "error_cb": self._on_error})
+        self._config = config
+        self._factory = producer_factory
+        # Which client is current: the error callback of a replaced one is ignored.
+        self._generation = 0
+        self._producer = self._new_client()
+        # Replaced clients, each with the thread still blocked inside it (delivery thread retires them).
+        self._abandoned: list[tuple[Any, threading.Thread]] = []
+        self._abandoned_lock = threading.Lock()
+        self.replaced = 0
         self._interval = poll_interval_s
         self._stop = threading.Event()
         # Set when the worker aborts: callers waiting for queue room give up instead.
@@ -119,6 +135,38 @@ class OutputProducer:
     def client(self) -> Any:
         """The librdkafka producer, for the transactional calls (poll thread only)."""
         return self._producer
+
+    def _new_client(self) -> Any:
+        generation = self._generation
+        return self._factory({**self._config, "error_cb": lambda err: self._on_error(err, generation)})
+
+    def replace_client(self, stuck: threading.Thread) -> Any:
+        """A new librdkafka producer with the same configuration replaces the current one, which a
+        transactional call (running on `stuck`) never returned from; returns the new one. The caller
+        holds `write_gate` (no produce races the swap) and calls init_transactions on it next."""
+        with self._abandoned_lock:
+            self._abandoned.append((self._producer, stuck))
+        self._generation += 1
+        self._producer = self._new_client()
+        self.replaced += 1
+        return self._producer
+
+    def _retire_abandoned(self) -> None:
+        """Delivery thread: a replaced client whose blocked call has returned is destroyed, on a
+        thread of its own (rd_kafka_destroy may wait on the dead broker's connections)."""
+        with self._abandoned_lock:
+            if not self._abandoned:
+                return
+            done = [client for client, stuck in self._abandoned if not stuck.is_alive()]
+            self._abandoned = [(c, t) for c, t in self._abandoned if t.is_alive()]
+        for client in done:
+            threading.Thread(target=_drop, args=(client,), name="kwe-retire-producer", daemon=True).start()
+
+    @property
+    def abandoned(self) -> int:
+        """Replaced clients still blocked in a call."""
+        with self._abandoned_lock:
+            return len(self._abandoned)
 
     def fail_writes_into(self, fail_transaction: Callable[[str], None]) -> None:
         """Exactly-once: a failed write calls `fail_transaction(reason)`, from the thread that saw
@@ -187,13 +235,18 @@ class OutputProducer:
         try:
             while not self._stop.is_set():
                 self._producer.poll(self._interval)
+                self._retire_abandoned()
             # Serve what was acknowledged while stopping, so no callback is left unrun.
             self._producer.poll(0)
         except KafkaException as exc:
             # A transactional producer raises its fatal error (fenced) from poll itself.
             self._latch.trip(DeliveryError(f"fatal producer error: {describe(exc.args[0])}"))
 
-    def _on_error(self, err: KafkaError) -> None:
+    def _on_error(self, err: KafkaError, generation: int = 0) -> None:
+        if generation != self._generation:
+            # A replaced client (see replace_client): fenced by its successor, on purpose.
+            log.debug("error of a replaced producer ignored", error=describe(err))
+            return
         reason = self._failures.decide(err, op="write")
         if reason is not None:
             self._latch.trip(KafkaSetupError(reason))
@@ -223,3 +276,8 @@ class OutputProducer:
             self._thread.join(max(0.0, timeout_s))
         if self._thread.is_alive():
             log.warning("delivery thread did not stop in time", timeout_s=timeout_s)
+
+
+def _drop(client: Any) -> None:
+    """The last reference to a replaced librdkafka client goes with this thread's arguments."""
+    del client

@@ -19,7 +19,17 @@ Errors of the transactional calls, as librdkafka classifies them:
   (the last committed offset) with fresh offset state, so nothing consumed into the aborted
   transaction is produced into a later one;
 - fatal (fenced by a newer member with the same transactional.id, or by the broker after the
-  transaction timeout): the latch trips, nothing more is written, the worker exits non-zero.
+  transaction timeout): the latch trips, nothing more is written, the worker exits non-zero;
+- hung (the call did not return within its timeout + HANG_MARGIN_S): when a coordinator's node
+  dies, librdkafka can keep waiting on it long after the call's timeout (librdkafka issues 5456
+  and 5511; measured on the three-broker cluster, tests/test_cluster_kafka.py). `take_over`
+  replaces the producer in the process: a new librdkafka producer with the same transactional.id
+  looks the coordinators up afresh, and its init_transactions fences the old one and completes
+  the old transaction (commits it if its commit had reached the coordinator, else aborts it).
+  Whether the hung commit landed is then read from the group's committed offsets, and every
+  partition with work in the transaction is rewound there with fresh offset state: a commit
+  that landed is not redone, one that did not is consumed again. While STUCK_CALLS earlier hung
+  calls still block (each holds an abandoned librdkafka client), the member stops instead.
 
 A failed write (worker/kafka/producer.py: a delivery error, or a produce refused with _STATE once
 librdkafka made the transaction abortable) arrives through `write_failed` from the thread that saw
@@ -56,11 +66,17 @@ from worker.latch import FatalLatch
 log = structlog.get_logger(__name__)
 
 State = Literal["idle", "open", "closing"]
-Outcome = Literal["committed", "aborted"]
+# taken_over: a hung call's transaction, ended by the producer that replaced the hung one (committed
+# if its commit had reached the coordinator, else aborted).
+Outcome = Literal["committed", "aborted", "taken_over"]
 # How often a retriable error of a transactional call is retried before the transaction is aborted.
 RETRIES = 5
 # How much longer than its own timeout a transactional call may block before the member stops.
 HANG_MARGIN_S = 5.0
+# Take-overs while this many replaced producers still block in a hung call: the member stops instead.
+STUCK_CALLS = 3
+# How long the replacing producer may take to fence the old one (the coordinator may be moving).
+TAKE_OVER_INIT_S = 30.0
 # Transactions failed by a write, in a row, before the member stops; the wait before each retry.
 WRITE_FAILURES = 5
 WRITE_RETRY_BACKOFF_S = 0.5
@@ -77,7 +93,11 @@ class TransactionError(WorkerError):
 
 
 class TransactionHungError(WorkerError):
-    """A transactional call did not return in time."""
+    """A transactional call did not return in time; `call` is the thread still blocked in it."""
+
+    def __init__(self, message: str, call: threading.Thread | None = None) -> None:
+        super().__init__(message)
+        self.call = call
 
 
 class TransactionalProducer(Protocol):
@@ -92,6 +112,7 @@ class TransactionalProducer(Protocol):
 class GroupConsumer(Protocol):
     def consumer_group_metadata(self) -> Any: ...
     def seek(self, partition: TopicPartition) -> None: ...
+    def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]: ...
 
 
 def transactional_id(group: str, member: str) -> str:
@@ -147,6 +168,13 @@ class Transactions:
     stop: Deadline = field(default_factory=Deadline)
     # Held while the offset state is replaced and the transaction aborted (the producer's write gate).
     write_gate: AbstractContextManager[Any] = field(default_factory=nullcontext)
+    # After a hung call: a new producer replaces `producer` (given the thread still blocked in the
+    # old one; OutputProducer.replace_client), and the in-flight records of revoked offset state
+    # are forgotten (InFlightTable.drop_revoked): the old producer will never report them. None:
+    # a hung call stops the member.
+    replace_producer: Callable[[threading.Thread], TransactionalProducer] | None = None
+    forget_revoked: Callable[[], int] = lambda: 0
+    taken_over: int = 0
     state: State = "idle"
     began_at: float = 0.0
     committed: int = 0
@@ -158,6 +186,9 @@ class Transactions:
     # Transactions failed by a write since the last commit, and when intake may resume.
     _write_failures_in_row: int = field(default=0, repr=False)
     _resume_at: float = field(default=0.0, repr=False)
+    # The threads still blocked in calls of replaced producers; the last hung call's error.
+    _stuck: list[threading.Thread] = field(default_factory=list, repr=False)
+    _hung: TransactionHungError | None = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ lifecycle
     def init(self, timeout_s: float = 30.0) -> bool:
@@ -303,22 +334,24 @@ class Transactions:
         if not answer and not helper.is_alive():
             helper.join()
         if not answer and self.stop.expired():
-            raise TransactionHungError(f"{what} did not return before the shutdown deadline")
+            raise TransactionHungError(f"{what} did not return before the shutdown deadline", helper)
         if not answer:
             raise TransactionHungError(f"{what} did not return within {self.timeout_s + HANG_MARGIN_S:.0f} s "
-                                       "(the transaction coordinator does not answer); stopping so that a "
-                                       "restarted member aborts the open transaction")
+                                       "(the transaction coordinator does not answer)", helper)
         if answer[0] is not None:
             raise answer[0]
 
-    def _call(self, what: str, fn: Callable[[], None]) -> Literal["ok", "abort", "fatal"]:
+    def _call(self, what: str, fn: Callable[[], None]) -> Literal["ok", "abort", "fatal", "hung"]:
         for attempt in range(RETRIES):
             try:
                 self._bounded(what, fn)
                 return "ok"
             except TransactionHungError as exc:
-                self.latch.trip(exc)
-                return "fatal"
+                if self.stop.started:
+                    self.latch.trip(exc)
+                    return "fatal"
+                self._hung = exc  # the caller takes over (`take_over`)
+                return "hung"
             except KafkaException as exc:
                 kind = kind_of(exc)
                 if kind == "retry" and attempt + 1 < RETRIES and not self.stop.expired():
@@ -354,6 +387,9 @@ class Transactions:
         if result == "abort":
             self.abort_and_rewind("the transaction could not be committed")
             return False
+        if result == "hung":
+            self.take_over()
+            return False
         if result == "fatal":
             return False
         for p, off in offsets:
@@ -372,32 +408,115 @@ class Transactions:
         Fresh offset state per partition (the old one is marked revoked), so a late completion of
         a record of the aborted transaction is dropped instead of produced into the next one.
         """
-        rewind: list[TopicPartition] = []
         with self.write_gate:
-            for p in self.tracker.partitions():
-                start = p.committed if p.committed is not None else p.first
-                if start is None:
-                    # Nothing of this partition went into the transaction: its state and fetch
-                    # position stay (a record already fetched for it is still the next one).
-                    continue
-                self.tracker.assign(p.topic, p.partition)
-                rewind.append(TopicPartition(p.topic, p.partition, start))
+            starts = self._fresh_state()
             aborted = self._call("abort_transaction", lambda: self.producer.abort_transaction(self._timeout()))
+        if aborted == "hung":
+            self.take_over(starts)
+            return
         if aborted != "ok":
             # "fatal" tripped the latch already (fenced, or hung); otherwise the abort failed on its own.
             if not self.latch.is_set():
                 self.latch.trip(TransactionError(f"the transaction could not be aborted ({reason})"))
             return
-        for tp in rewind:
+        rewind = [TopicPartition(topic, partition, start) for (topic, partition), start in starts.items()]
+        self._seek(rewind)
+        log.warning("transaction aborted; partitions rewound", reason=reason,
+                    partitions=[f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in rewind])
+        self._finish("aborted")
+
+    def _fresh_state(self) -> dict[tuple[str, int], int]:
+        """Fresh offset state (the old one marked revoked, so a late completion of a record of the
+        aborted transaction is dropped) for every partition with work in the transaction; returns
+        where each began. The others keep their state and fetch position (a record already
+        fetched for them is still the next one). Under the write gate."""
+        starts: dict[tuple[str, int], int] = {}
+        for p in self.tracker.partitions():
+            start = p.committed if p.committed is not None else p.first
+            if start is not None:
+                starts[(p.topic, p.partition)] = start
+                self.tracker.assign(p.topic, p.partition)
+        return starts
+
+    def _seek(self, positions: list[TopicPartition]) -> None:
+        for tp in positions:
             try:
                 self.consumer.seek(tp)
             except KafkaException as exc:
                 # Not (or no longer) assigned: its next owner starts from the committed offset anyway.
                 log.warning("could not rewind a partition", partition=f"{tp.topic}[{tp.partition}]",
                             error=str(exc.args[0]))
-        log.warning("transaction aborted; partitions rewound", reason=reason,
-                    partitions=[f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in rewind])
-        self._finish("aborted")
+
+    def take_over(self, starts: dict[tuple[str, int], int] | None = None) -> None:
+        """A transactional call hung: a new producer takes over (see the module docstring). The
+        member stops (the latch trips) when it cannot: no replacement available, too many calls
+        still stuck, or the new producer cannot fence the old one or read the committed offsets."""
+        hung = self._hung or TransactionHungError("a transactional call hung")
+        self._hung = None
+        self._stuck = [t for t in self._stuck if t.is_alive()]
+        if self.replace_producer is None or hung.call is None or len(self._stuck) >= STUCK_CALLS:
+            self._give_up(hung, "stopping so that a restarted member aborts the open transaction")
+            return
+        self._stuck.append(hung.call)
+        log.warning("transactional call hung; a new producer takes over", error=str(hung),
+                    stuck_calls=len(self._stuck))
+        with self.write_gate:
+            if starts is None:  # (an abort that hung has replaced the state already)
+                starts = self._fresh_state()
+            self.producer = self.replace_producer(hung.call)
+            forgotten = self.forget_revoked()
+        self.state = "idle"  # the old transaction is the new producer's to end, at its init
+        try:
+            if not self.init(TAKE_OVER_INIT_S):
+                return  # a stop came first: nothing is open, nothing to commit or abort
+        except WorkerError as exc:
+            self._give_up(hung, f"the new producer could not take over: {exc}")
+            return
+        # The old transaction is complete now (init_transactions waits for that): the group's
+        # committed offsets say whether the hung commit landed.
+        try:
+            answer = self._committed(list(starts))
+        except KafkaException as exc:
+            self._give_up(hung, f"the committed offsets could not be read after it: {exc.args[0]}")
+            return
+        if answer is None:
+            return  # stopping
+        # No committed offset: the hung commit did not land, and none came before it.
+        rewind = [TopicPartition(tp.topic, tp.partition, tp.offset if tp.offset >= 0 else starts[(tp.topic, tp.partition)])
+                  for tp in answer]
+        self._seek(rewind)
+        landed = [f"{tp.topic}[{tp.partition}]" for tp in rewind if tp.offset != starts[(tp.topic, tp.partition)]]
+        log.warning("a new producer took over; partitions rewound to their committed offsets",
+                    partitions=[f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in rewind],
+                    hung_commit_landed_for=landed, in_flight_forgotten=forgotten)
+        self._finish("taken_over")
+
+    def _committed(self, partitions: list[tuple[str, int]]) -> list[TopicPartition] | None:
+        """The group's committed offsets, read from the broker; retried while the group coordinator
+        moves (at most TAKE_OVER_INIT_S). None when a stop came first."""
+        deadline = self.clock() + TAKE_OVER_INIT_S
+        while partitions:
+            if self.stop.started:
+                return None
+            try:
+                answer = self.consumer.committed([TopicPartition(t, p) for t, p in partitions],
+                                                 timeout=max(0.5, min(self.timeout_s, deadline - self.clock())))
+                failed = next((tp.error for tp in answer if tp.error is not None), None)
+                if failed is None:
+                    return answer
+                raise KafkaException(failed)
+            except KafkaException as exc:
+                # Only a read: anything but a fatal error is worth another try (a timeout raised by
+                # committed() is not flagged retriable, unlike the transactional calls' errors).
+                err = exc.args[0] if exc.args else None
+                if (isinstance(err, KafkaError) and err.fatal()) or self.clock() >= deadline:
+                    raise
+                log.warning("committed offsets not read; retrying", error=str(exc.args[0]))
+                self.sleep(0.5)
+        return []
+
+    def _give_up(self, hung: TransactionHungError, why: str) -> None:
+        self.latch.trip(TransactionHungError(f"{hung}; {why}", hung.call))
 
     def _finish(self, outcome: Outcome) -> None:
         seconds = self.clock() - self.began_at
@@ -405,8 +524,10 @@ class Transactions:
         self._abort_reason = None
         if outcome == "committed":
             self.committed += 1
-        else:
+        elif outcome == "aborted":
             self.aborted += 1
+        else:
+            self.taken_over += 1
         self.on_outcome(outcome, seconds)
 
     # ------------------------------------------------------------------ rebalances, shutdown
