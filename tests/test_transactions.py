@@ -545,6 +545,12 @@ class Stuck:
 
         setattr(producer, name, blocked)
 
+    def __enter__(self) -> "Stuck":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+
 
 @pytest.fixture
 def short_hang(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -566,6 +572,12 @@ class TakeOverLoop(Loop):
         self.txn.timeout_s = 0.05
         self.txn.replace_producer = self.replace
         self.txn.forget_revoked = self.forget
+
+    def commit_one(self, offset: int = 5) -> None:
+        """One record of partition 0 consumed, finished, and its transaction closed."""
+        self.consume(0, offset)
+        self.finish(0, offset)
+        self.txn.step(flow_paused=True)
 
     def replace(self, stuck: Any) -> FakeTxnProducer:
         self.stuck.append(stuck)
@@ -659,21 +671,11 @@ def test_while_earlier_hung_calls_still_block_the_member_stops(short_hang: None,
 
     monkeypatch.setattr(txmod, "STUCK_CALLS", 1)
     loop = TakeOverLoop()
-    first = Stuck(loop.producer, "send_offsets_to_transaction")
-    try:
-        loop.consume(0, 5)
-        loop.finish(0, 5)
-        loop.txn.step(flow_paused=True)
+    with Stuck(loop.producer, "send_offsets_to_transaction"):
+        loop.commit_one()
         assert not loop.latch.is_set() and loop.txn.taken_over == 1
-        second = Stuck(loop.producer, "send_offsets_to_transaction")
-        try:
-            loop.consume(0, 5)
-            loop.finish(0, 5)
-            loop.txn.step(flow_paused=True)
-        finally:
-            second.release.set()
-    finally:
-        first.release.set()
+        with Stuck(loop.producer, "send_offsets_to_transaction"):
+            loop.commit_one()
     assert isinstance(loop.latch.error, TransactionHungError)
     assert "send_offsets_to_transaction did not return" in str(loop.latch.error)
     assert "restarted member aborts" in str(loop.latch.error) and len(loop.producers) == 2
@@ -681,22 +683,16 @@ def test_while_earlier_hung_calls_still_block_the_member_stops(short_hang: None,
 
 def test_the_committed_offsets_are_read_again_while_the_group_coordinator_moves(short_hang: None) -> None:
     loop = TakeOverLoop()
-    stuck = Stuck(loop.producer, "send_offsets_to_transaction")
     loop.consumer.committed_errors = [KafkaError(KafkaError._TIMED_OUT, "Timed out"),
                                       KafkaError(KafkaError.NOT_COORDINATOR, "Not coordinator")]
-    try:
-        loop.consume(0, 5)
-        loop.finish(0, 5)
-        loop.txn.step(flow_paused=True)
-    finally:
-        stuck.release.set()
+    with Stuck(loop.producer, "send_offsets_to_transaction"):
+        loop.commit_one()
     assert not loop.latch.is_set(), loop.latch.error
     assert loop.consumer.committed_errors == [] and loop.consumer.seeks == [("in", 0, 5)]
 
 
 def test_a_new_producer_that_cannot_fence_the_old_one_stops_the_member(short_hang: None) -> None:
     loop = TakeOverLoop()
-    stuck = Stuck(loop.producer, "send_offsets_to_transaction")
     real_replace = loop.replace
 
     def replace(call: Any) -> FakeTxnProducer:
@@ -705,12 +701,8 @@ def test_a_new_producer_that_cannot_fence_the_old_one_stops_the_member(short_han
         return new
 
     loop.txn.replace_producer = replace
-    try:
-        loop.consume(0, 5)
-        loop.finish(0, 5)
-        loop.txn.step(flow_paused=True)
-    finally:
-        stuck.release.set()
+    with Stuck(loop.producer, "send_offsets_to_transaction"):
+        loop.commit_one()
     assert isinstance(loop.latch.error, TransactionHungError)
     assert "could not take over" in str(loop.latch.error) and loop.consumer.seeks == []
 
