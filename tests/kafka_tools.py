@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -227,8 +228,15 @@ class TopicReader:
         while self.poll(quiet_s):
             pass
 
-    def close(self) -> None:
-        self._c.close()
+    def close(self, timeout: float = 30.0) -> None:
+        """Leaves the reader's group, waiting at most `timeout`: after a cluster's nodes were killed,
+        librdkafka's consumer close can block for good (seen once in the cluster test; the worker
+        bounds its own close the same way, worker/kafka/consumer.py). The records are read by then."""
+        closing = threading.Thread(target=self._c.close, name="topic-reader-close", daemon=True)
+        closing.start()
+        closing.join(timeout)
+        if closing.is_alive():
+            print(f"TopicReader: consumer close did not return within {timeout:.0f} s; left behind")
 
 
 def committed_offsets(bootstrap: str, group: str, topic: str, partitions: int,
