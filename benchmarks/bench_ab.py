@@ -22,7 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.kafka_vs_offline import DEFAULT_DATA, FALLBACK_DATA, quartiles  # noqa: E402
+from benchmarks.kafka_vs_offline import DEFAULT_DATA, FALLBACK_DATA  # noqa: E402
+from worker.benchmark.report import quartiles  # noqa: E402
 
 
 def bucketed_kw_s(root: Path, data: Path, limit: int, rounds: int, extra: list[str]) -> float:

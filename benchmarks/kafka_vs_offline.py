@@ -24,7 +24,6 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import orjson
 from confluent_kafka import Consumer, Producer
 
@@ -33,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.kafka_tools import WorkerProcess  # noqa: E402
 from worker.bucketing import Bucketer  # noqa: E402
+from worker.benchmark.report import quartiles  # noqa: E402
 from worker.keyword_files import read_keywords  # noqa: E402
 from worker.config import Settings  # noqa: E402
 from worker.kafka.admin import ensure_topics  # noqa: E402
@@ -121,11 +121,6 @@ def cpu_seconds(pid: int | None) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def quartiles(xs: list[float]) -> dict[str, float]:
-    q = np.percentile(xs, [25, 50, 75])
-    return {"q1": float(q[0]), "median": float(q[1]), "q3": float(q[2])}
 
 
 def main() -> int:
