@@ -153,7 +153,8 @@ def test_exactly_once_chaos_every_id_and_every_bad_record_once(broker: tuple[str
     if dups:
         for member, w in group.workers.items():
             story = [line for line in w.log().splitlines()
-                     if any(word in line for word in ("transaction", "revoked", "assigned", "lost", "fatal", "rewound"))]
+                     if any(word in line for word in ("transaction", "revoked", "assigned", "lost", "fatal", "rewound",
+                                                  "fetched again", "went back"))]
             print(f"--- {member}: rebalances and transactions\n" + "\n".join(story[-40:]))
     assert dups == 0, f"duplicates on the output topic: {[k for k, n in ids.items() if n > 1][:5]}"
     assert all(n == 1 for n in bad.values())

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from worker.kafka.offsets import OffsetTracker, PartitionOffsets
+from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched
 
 
 def test_out_of_order_completion_commits_only_the_finished_prefix() -> None:
@@ -76,6 +76,41 @@ def test_tracking_backwards_is_refused() -> None:
     p.track(5)
     with pytest.raises(ValueError, match=r"t\[0\]"):
         p.track(5)
+
+
+def test_a_refetch_from_where_the_state_began_is_recognised_and_then_tracking_goes_on() -> None:
+    p = PartitionOffsets("t", 0, 1)
+    for off in range(4, 10):
+        p.track(off, ("rec", off))
+    for off in range(4, 10):
+        p.done(off)
+    with pytest.raises(Refetched) as first:
+        p.track(4, ("rec", 4))
+    assert first.value.first
+    for off in (5, 7, 9):  # the rest of it, gaps included (transaction markers)
+        with pytest.raises(Refetched) as later:
+            p.track(off, ("rec", off))
+        assert not later.value.first
+    p.track(10, ("rec", 10))  # past the re-fetch: new records again
+    assert p.committable() == 10 and p.unfinished() == 1
+    with pytest.raises(OffsetWentBack):  # and a lower offset now is no longer taken for it
+        p.track(9, ("rec", 9))
+
+
+def test_a_lower_offset_is_a_reset_unless_it_is_the_first_record_again() -> None:
+    p = PartitionOffsets("t", 0, 1)
+    for off in range(4, 10):
+        p.track(off, ("rec", off))
+    with pytest.raises(OffsetWentBack):  # the same offset, another record: the log was recreated
+        p.track(4, ("new", 4))
+    with pytest.raises(OffsetWentBack):  # below where the state began
+        p.track(0, ("rec", 0))
+    with pytest.raises(OffsetWentBack):  # inside it, but nothing to compare the record with
+        p.track(6, ("rec", 6))
+    q = PartitionOffsets("t", 0, 2)
+    q.track(4)
+    with pytest.raises(OffsetWentBack):  # no record given: never taken for a re-fetch
+        q.track(4)
 
 
 def test_done_twice_or_unknown_is_harmless() -> None:

@@ -169,3 +169,27 @@ def test_offsets_that_go_back_without_a_rewind_are_new_records_not_duplicates() 
     assert m.txn.committed == 2 and not m.latch.is_set()
     assert m.producer.visible.count("0-0") == 2 and len(m.producer.visible) == 14
     assert m.producer.offsets == {("in", 0): 4}
+
+
+def test_a_refetch_from_the_start_of_the_assignment_is_skipped_not_written_again() -> None:
+    """Seen in CI (the exactly-once chaos test, 218 duplicates): within one assignment, with no
+    seek and no rebalance of ours, librdkafka delivered a partition again from where the member
+    began, after those records were committed. The same records are skipped, and the
+    partition's new records after them are processed as usual."""
+    m = Member(partitions=1, records=10)
+    m.consumer.assign_op([0])()
+    for _ in range(3):
+        m.poll(max_records=20)
+        m.finish_all()
+    m.txn.step(flow_paused=True)
+    assert m.txn.committed == 1 and m.producer.offsets == {("in", 0): 10}
+    m.consumer.logs[0] += [f"0-{o}".encode() for o in range(10, 13)]
+    m.consumer.fetch_at[0] = 0  # the client fetches again from the start, same log
+    m.consumer.queue.clear()
+    for _ in range(3):
+        m.poll(max_records=20)
+        m.finish_all()
+    m.txn.step(flow_paused=True)
+    assert m.txn.committed == 2 and not m.latch.is_set()
+    assert sorted(m.producer.visible) == sorted(f"0-{o}" for o in range(13))
+    assert m.producer.offsets == {("in", 0): 13}

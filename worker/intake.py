@@ -26,7 +26,7 @@ from worker.dead_letters import DeadLetters
 from worker.inflight import InFlight, InFlightTable
 from worker.kafka.headers import read_headers
 from worker.kafka.messages import Headers, Keyword, Rejection, decode_input
-from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets
+from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched
 from worker.metrics import Metrics
 
 log = structlog.get_logger(__name__)
@@ -94,18 +94,26 @@ class Intake:
 
     def _track(self, part: PartitionOffsets, msg: Message) -> InFlight | None:
         offset = msg.offset()
+        ts_type, ts = msg.timestamp()
+        key, value = msg.key() or b"", msg.value() or b""
         try:
-            part.track(offset)
+            part.track(offset, (ts, key, value))
+        except Refetched as exc:
+            # Already in flight or done here: writing it again would duplicate it, even for a
+            # read_committed reader (the first copy was committed).
+            if exc.first:
+                log.warning("partition fetched again from where this owner began; the records "
+                            "already seen are skipped", error=str(exc))
+            return None
         except OffsetWentBack as exc:
             # Not a re-fetch: the lower offsets are new records (a recreated topic, a truncated
             # log). The partition starts over from here; nothing is skipped.
             log.warning("partition offsets went back: the input log was reset (topic recreated or "
                         "truncated); the records from here on are processed as new", error=str(exc))
             part = self._tracker.restart(part.topic, part.partition)
-            part.track(offset)
-        ts_type, ts = msg.timestamp()
+            part.track(offset, (ts, key, value))
         headers = read_headers(msg)  # never msg.headers(): a header name need not be UTF-8
-        nbytes = len(msg.key() or b"") + len(msg.value() or b"") + headers.size
+        nbytes = len(key) + len(value) + headers.size
         return InFlight(part, offset, "", 0, False, ts if ts_type else None, nbytes, msg, headers)
 
     def _reject(self, seq: int, rec: InFlight, rejection: Rejection) -> None:

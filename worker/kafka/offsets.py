@@ -17,11 +17,22 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 
 class OffsetWentBack(ValueError):
-    """A partition's offsets went back within one assignment: its log was reset under us."""
+    """A partition's offsets went back within one assignment, to records this state never saw:
+    its log was reset under us."""
+
+
+class Refetched(ValueError):
+    """A record this state already tracked, delivered again by the client; `first` on the record
+    that showed the re-fetch, not on the ones after it."""
+
+    def __init__(self, message: str, *, first: bool) -> None:
+        super().__init__(message)
+        self.first = first
 
 
 @dataclass(eq=False)
@@ -35,22 +46,40 @@ class PartitionOffsets:
     _cells: dict[int, list] = field(default_factory=dict, repr=False)
     _next: int | None = None  # one past the highest offset tracked so far
     _first: int | None = None  # the first offset this owner consumed: where its group offset stood
+    _first_record: Hashable = None  # what the caller says identifies that record (see `track`)
+    _refetch_at: int | None = None  # during a re-fetch: the lowest offset it may deliver next
     _committed: int | None = None  # the highest offset the broker confirmed as committed
     _requested: set[int] = field(default_factory=set, repr=False)  # commits asked for, not yet confirmed
     revoked: bool = False
 
-    def track(self, offset: int) -> None:
+    def track(self, offset: int, record: Hashable = None) -> None:
+        """`record` identifies the record at `offset` (the worker passes its timestamp, key and
+        value); it tells a re-fetch from a reset when the offsets go back."""
         with self._lock:
             if self._next is not None and offset < self._next:
-                # The position went back with no new assignment and no rewind (both give a fresh
-                # state, and records fetched before them are dropped: GroupMember.consume):
-                # librdkafka reset it (auto.offset.reset) because the log no longer holds it.
-                # The input topic was deleted and recreated, or an unclean leader election
-                # truncated the partition: the lower offsets hold new records.
+                # The position went back with no new assignment and no rewind of ours (both give
+                # a fresh state, and records fetched before them are dropped: GroupMember.consume).
+                # Two causes. librdkafka may fetch a partition again from where this state began:
+                # seen in CI, a member consumed offsets 0-217 of a partition a second time a second
+                # after committing them, with no seek and no rebalance; those records are ours
+                # already and are skipped. Or it reset the position because the log no longer
+                # holds it (the input topic was deleted and recreated, or an unclean leader
+                # election truncated the partition): the lower offsets hold new records. Only the
+                # first record can be compared, so a re-fetch is recognised where it starts there.
+                if self._refetch_at is not None and offset >= self._refetch_at:
+                    self._refetch_at = offset + 1
+                    raise Refetched(f"{self.topic}[{self.partition}]: offset {offset} delivered again",
+                                    first=False)
+                if offset == self._first and record is not None and record == self._first_record:
+                    self._refetch_at = offset + 1
+                    raise Refetched(f"{self.topic}[{self.partition}]: delivered again from offset {offset}, "
+                                    f"where this owner began (next new offset {self._next})", first=True)
                 raise OffsetWentBack(f"{self.topic}[{self.partition}]: offset {offset} tracked out of order "
-                                 f"(next expected >= {self._next})")
+                                     f"(next expected >= {self._next}), and not the record this owner began with")
+            self._refetch_at = None
             if self._first is None:
                 self._first = offset
+                self._first_record = record
             cell = [offset, False]
             self._order.append(cell)
             self._cells[offset] = cell
