@@ -77,6 +77,7 @@ EOF
     sh -ec 'apt-get update -q && apt-get -y -q -o Dpkg::Options::=--force-confold upgrade && apt-get clean' \
     >"$work/upgrade.log" 2>&1 \
     || { tail -n 30 "$work/upgrade.log" >&2; echo "debian-base.sh: apt-get upgrade in the new root failed (log above)" >&2; exit 1; }
+  # shellcheck disable=SC2016 # dpkg-query's own ${Field} format, not the shell's
   chroot "$root" dpkg-query -W -f '${Package} ${Version}\n' >"$work/packages"
   # What a container base carries no copy of: apt's lists and downloads, logs, docs, man pages,
   # locales, and this machine's resolver, hostname and machine id (a runtime provides them).

@@ -256,7 +256,9 @@ def _supervise(proc: subprocess.Popen[bytes], stop: StopRequest, stop_timeout: f
             os.kill(init, signal.SIGKILL)
         time.sleep(0.05)
     code = proc.returncode
-    return 128 - code if code < 0 else code
+    code = 128 - code if code < 0 else code
+    print(f"run-image: PID 1 exited with status {code}", file=sys.stderr, flush=True)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
