@@ -1,7 +1,7 @@
 """deploy/: compose, Dockerfiles, constraints and the dashboard, checked against the code.
 
-Containers are not run here (no Docker): these tests catch what a parse and a cross-check can:
-malformed YAML/JSON, KWE_* names that are not settings or values the settings refuse, a grace
+These tests run no container (tests/test_image.py builds the CPU image and runs it); they catch
+what a parse and a cross-check can: malformed YAML/JSON, KWE_* names that are not settings or values the settings refuse, a grace
 period that does not cover the worker's shutdown deadline, dashboard metric names the worker
 does not export, Dockerfiles copying files that do not exist or installing dependencies after
 the source, a constraints file that disagrees with pyproject.toml. The Kubernetes manifests are
