@@ -205,6 +205,7 @@ def test_the_worker_runs_from_the_images_filesystem(image: str, kafka_bootstrap:
            *(arg for k, v in env.items() for arg in ("-e", f"{k}={v}")), image]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    init: int | None = None
     try:
         rootfs = Path(_wait_for_line(log, r"unpacked into (\S+)", proc, 300)[1])
         init = int(_wait_for_line(log, r"PID 1 is host PID (\d+)", proc, 60)[1])
@@ -247,8 +248,14 @@ def test_the_worker_runs_from_the_images_filesystem(image: str, kafka_bootstrap:
         assert np.allclose([np.linalg.norm(v) for v in vectors.values()], 1.0, atol=1e-3)
         assert _probe(port, "/readyz") == 200 and _probe(port, "/healthz") == 200
     except BaseException:
-        proc.kill()
-        proc.wait()
+        proc.send_signal(signal.SIGTERM)  # the same stop, so that run-image.py removes what it unpacked
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            if init is not None:
+                os.kill(init, signal.SIGKILL)  # ends the namespace, which a killed run-image.py leaves
+            proc.kill()
+            proc.wait()
         raise
 
     # The same vectors as this checkout's embedder (the ONNX export of the image vs the cache's).
