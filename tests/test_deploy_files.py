@@ -1,7 +1,7 @@
 """deploy/: compose, Dockerfiles, constraints and the dashboard, checked against the code.
 
-Containers are not run here (no Docker): these tests catch what a parse and a cross-check can:
-malformed YAML/JSON, KWE_* names that are not settings or values the settings refuse, a grace
+These tests run no container (tests/test_image.py builds the CPU image and runs it); they catch
+what a parse and a cross-check can: malformed YAML/JSON, KWE_* names that are not settings or values the settings refuse, a grace
 period that does not cover the worker's shutdown deadline, dashboard metric names the worker
 does not export, Dockerfiles copying files that do not exist or installing dependencies after
 the source, a constraints file that disagrees with pyproject.toml. The Kubernetes manifests are
@@ -290,13 +290,52 @@ def test_dockerfile_installs_pinned_dependencies_before_copying_the_source(name:
 
 def test_cpu_dockerfile() -> None:
     instructions = dockerfile_instructions(DEPLOY / "docker" / "Dockerfile")
-    assert instructions[0] == ("FROM", "python:3.11-slim")
+    # The base is a build argument (Docker users get python:3.11-slim as before; build-image.sh
+    # passes a Debian-made one where no registry answers), and pip's CA bundle one without a default,
+    # declared after FROM so that it never reaches the image's environment.
+    assert instructions[:3] == [("ARG", "BASE_IMAGE=python:3.11-slim"), ("FROM", "${BASE_IMAGE}"), ("ARG", "PIP_CERT")]
+    assert "PIP_CERT" not in dockerfile_env(instructions)
     runs = " ".join(args for op, args in instructions if op == "RUN")
     assert "keyword-embedder export-onnx --output" in runs
     onnx = dockerfile_env(instructions)["KWE_ONNX_PATH"]
     assert f"export-onnx --output {onnx}" in runs
     assert ("ENTRYPOINT", '["/usr/bin/tini", "--", "keyword-embedder", "run"]') in instructions
     assert any(op == "RUN" and "install -y --no-install-recommends tini" in arg for op, arg in instructions)
+
+
+def test_cpu_dockerfile_installs_into_a_venv_made_before_the_dependencies() -> None:
+    instructions = dockerfile_instructions(DEPLOY / "docker" / "Dockerfile")
+    env = dockerfile_env(instructions)
+    # pip, python3 and keyword-embedder are the venv's: the same on python:3.11-slim's Python and on
+    # Debian's externally managed one (PEP 668), which refuses a system-wide pip install.
+    assert env["VIRTUAL_ENV"] == "/opt/venv" and env["PATH"].startswith("/opt/venv/bin:")
+    steps = [f"{op} {args}" for op, args in instructions]
+    venv = next(i for i, s in enumerate(steps) if s.startswith("RUN") and "python3 -m venv /opt/venv" in s)
+    deps = next(i for i, s in enumerate(steps) if s.startswith("RUN python3 image-requirements.py"))
+    assert venv < deps
+    # tini from apt only where the base lacks it (debian-base.sh's has it, and no package index).
+    assert "command -v tini >/dev/null || { apt-get update" in steps[venv]
+
+
+def test_image_scripts_parse_and_the_debian_base_has_what_the_dockerfile_uses() -> None:
+    for script in ("build-image.sh", "debian-base.sh"):
+        path = DEPLOY / "docker" / script
+        assert path.stat().st_mode & 0o111, f"{script} is not executable"
+        subprocess.run(["bash", "-n", str(path)], check=True)
+    run_image = DEPLOY / "docker" / "run-image.py"
+    assert run_image.stat().st_mode & 0o111
+    subprocess.run([sys.executable, str(run_image), "--help"], check=True, capture_output=True)
+    base = (DEPLOY / "docker" / "debian-base.sh").read_text(encoding="utf-8")
+    (packages,) = re.findall(r'^PACKAGES="([^"]+)"$', base, re.M)
+    # python3 (bookworm's is 3.11, as python:3.11-slim), its venv module, the entry point's tini, and
+    # the CA bundle pip and librdkafka verify TLS with.
+    assert set(packages.split()) == {"python3", "python3-venv", "tini", "ca-certificates"}
+    assert re.search(r"^SUITE=bookworm$", base, re.M)
+    build = (DEPLOY / "docker" / "build-image.sh").read_text(encoding="utf-8")
+    assert "--isolation" in build and "--ignorefile deploy/docker/Dockerfile.dockerignore" in build
+    assert "--build-arg PIP_CERT=/run/kwe-build-ca.pem" in build and ":/run/kwe-build-ca.pem:ro" in build
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    assert re.search(r"^image:\n\tbash deploy/docker/build-image.sh", makefile, re.M)
 
 
 def _tensorrt_version_arg() -> str:

@@ -7,7 +7,7 @@ install never touches onnxruntime, let alone tensorrt, to print usage.
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import sys
 from collections.abc import Sequence
 from typing import Any
