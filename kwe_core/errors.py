@@ -14,3 +14,12 @@ class KeywordEmbedderError(Exception):
 
 class BackendError(KeywordEmbedderError, RuntimeError):
     """The backend cannot be loaded or cannot run a batch; the message says which and why."""
+
+
+def extra_missing(extra: str, feature: str, missing: str) -> str:
+    """The one wording of a missing optional extra: the install line first, then what is missing.
+
+    A user reads "pip install" and the extra's name before a module name (`google.type`,
+    `authlib`) that only says which of the extra's packages was found missing.
+    """
+    return f"{feature} needs the {extra} extra: pip install 'keyword-embedder[{extra}]' (missing: {missing})"

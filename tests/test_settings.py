@@ -28,6 +28,7 @@ from worker.config import (
     setting_fields,
 )
 from worker.kafka.consumer import consumer_config
+from worker.cli import bool_words
 from worker.kafka.producer import producer_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +52,56 @@ def _shown_default(value: object) -> str:
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     add_setting_flags(parser)
-    return parser.parse_args(argv)
+    return parser.parse_args(bool_words(parser, argv))
+
+
+# ------------------------------------------------------------------ boolean flags
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    ([], True),  # unset: the default shows through
+    (["--merge-buckets"], True),
+    (["--no-merge-buckets"], False),
+    (["--merge-buckets", "false"], False),
+    (["--merge-buckets", "true"], True),
+    (["--merge-buckets=false"], False),
+    (["--merge-buckets=TRUE"], True),
+    (["--merge-buckets", "0"], False),
+    (["--merge-buckets", "no"], False),
+])
+def test_boolean_settings_take_the_argparse_spelling_and_the_worded_one(argv: list[str], expected: bool) -> None:
+    assert load_settings(_parse(argv), env={}).merge_buckets is expected
+
+
+def test_a_boolean_flag_overrides_the_environment_both_ways() -> None:
+    assert load_settings(_parse(["--no-trace-context"]), env={"KWE_TRACE_CONTEXT": "true"}).trace_context is False
+    assert load_settings(_parse(["--schema-auto-register"]),
+                         env={"KWE_SCHEMA_AUTO_REGISTER": "false"}).schema_auto_register is True
+
+
+def test_a_boolean_flag_never_swallows_the_next_argument() -> None:
+    parser = argparse.ArgumentParser()
+    add_setting_flags(parser, only=("merge_buckets",))
+    parser.add_argument("file")
+    args = parser.parse_args(bool_words(parser, ["--merge-buckets", "queries.tsv"]))
+    assert (args.merge_buckets, args.file) == (True, "queries.tsv")
+
+
+def test_a_boolean_flag_with_a_word_that_is_no_boolean_is_refused() -> None:
+    parser = argparse.ArgumentParser()
+    add_setting_flags(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(bool_words(parser, ["--merge-buckets=maybe"]))
+
+
+def test_every_boolean_setting_has_a_no_flag() -> None:
+    parser = argparse.ArgumentParser()
+    add_setting_flags(parser)
+    options = {o for a in parser._actions for o in a.option_strings}
+    booleans = [f.name for f in setting_fields() if isinstance(getattr(Settings(), f.name), bool)]
+    assert booleans, "no boolean settings found"
+    for name in booleans:
+        assert {flag_name(name), "--no-" + flag_name(name)[2:]} <= options
 
 
 # ------------------------------------------------------------------ the reference

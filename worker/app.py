@@ -7,7 +7,7 @@ from typing import Any
 
 import structlog
 
-from kwe_core.errors import BackendError
+from kwe_core.errors import BackendError, extra_missing
 from kwe_core.model import ModelError, ModelInfo, Prompt
 from kwe_core.vectors import check_truncate_dim, default_int8_range
 from worker.backends.base import Backend
@@ -112,9 +112,9 @@ def registry_formats(settings: Settings, codec: OutputCodec) -> tuple[ValueEncod
     try:
         from worker.kafka.schema_registry import RegistryInput, RegistryOutput, check_reachable, registry_client
     except ImportError as exc:
-        raise SettingsError(f"input_format={settings.input_format}, output_format={settings.output_format}: the "
-                            f"Schema Registry formats need the registry extra (pip install "
-                            f"'keyword-embedder[registry]'); missing: {exc.name or exc}") from None
+        wanted = [f"{name}={getattr(settings, name)}" for name in ("input_format", "output_format")
+                  if getattr(settings, name) in REGISTRY_FORMATS]
+        raise SettingsError(extra_missing("registry", " and ".join(wanted), exc.name or str(exc))) from None
 
     client = registry_client(settings)
     encoder: ValueEncoder = codec

@@ -73,12 +73,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _command(name, available[name], rest, None)
 
 
+# The words a boolean flag's value may be spelt with (as in the KWE_* variables and TOML).
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def bool_words(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """`argv` with `--x true` / `--x=false` spelt `--x` / `--no-x`, for the parser's --x/--no-x flags.
+
+    The flags are argparse's BooleanOptionalAction (no value); the worded spelling is what the
+    settings took before, and what scripts and the KWE_* variables use. A word other than a
+    boolean after `--x` is left alone: it is the next argument (a positional, say).
+    """
+    flags: dict[str, str] = {}
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public list of its actions
+        if isinstance(action, argparse.BooleanOptionalAction):
+            positive = [o for o in action.option_strings if not o.startswith("--no-")]
+            negative = next((o for o in action.option_strings if o.startswith("--no-")), None)
+            for option in positive:
+                if negative is not None:
+                    flags[option] = negative
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        option, eq, word = arg.partition("=")
+        if option in flags:
+            if not eq and i + 1 < len(argv) and argv[i + 1].lower() in TRUE_WORDS + FALSE_WORDS:
+                word, i = argv[i + 1], i + 1
+            elif not eq:
+                word = "true"
+            if word.lower() in TRUE_WORDS:
+                arg = option
+            elif word.lower() in FALSE_WORDS:
+                arg = flags[option]
+        out.append(arg)
+        i += 1
+    return out
+
+
 def _command(name: str, entry: tuple[str, str], rest: list[str], signals: Any) -> int:
     module = importlib.import_module(f"worker.commands.{entry[0]}")
     parser = argparse.ArgumentParser(prog=f"keyword-embedder {name}", description=entry[1])
     module.configure(parser)
     try:
-        args = parser.parse_args(rest)
+        args = parser.parse_args(bool_words(parser, rest))
         if signals is not None:
             return int(module.main(args, signals) or 0)
         return int(module.main(args) or 0)

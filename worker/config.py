@@ -561,6 +561,11 @@ def add_setting_flags(parser: argparse.ArgumentParser, only: Sequence[str] | Non
             parser.add_argument(flag_name(f.name), dest=f.name, action="append",
                                 metavar="KEY=VALUE" if f.name == "kafka_config" else "NAME",
                                 default=None, help=help_text)
+        elif kind is bool:
+            # --x / --no-x, as argparse users expect; `--x true` and `--x=false` still work
+            # (worker.cli.bool_words rewrites them before parsing).
+            parser.add_argument(flag_name(f.name), *FLAG_ALIASES.get(f.name, ()), dest=f.name,
+                                action=argparse.BooleanOptionalAction, default=None, help=help_text)
         else:
             parser.add_argument(flag_name(f.name), *FLAG_ALIASES.get(f.name, ()), dest=f.name, default=None,
                                 metavar=f.name.upper(), help=help_text)
@@ -644,6 +649,8 @@ def reference_table() -> str:
         default = getattr(defaults, f.name)
         shown = "(none)" if default in ("", ()) else f"`{_cell(str(default))}`"
         desc = f.metadata["help"]
+        if isinstance(default, bool):
+            desc += f" On with `{flag_name(f.name)}`, off with `--no-{flag_name(f.name)[2:]}`."
         choices = [c for c in setting_choices(f) if c != ""]
         if choices:
             desc += " One of: " + ", ".join(f"`{c}`" for c in choices) + "."

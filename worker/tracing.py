@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kwe_core.errors import extra_missing
 from worker.config import SettingsError
 from worker.kafka.propagation import TraceParent
 
@@ -68,8 +69,8 @@ def batch_spans(endpoint: str, *, model: str, exporter: Any = None, service_name
         if exporter is None:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     except ImportError as exc:
-        raise SettingsError(f"setting 'otel_exporter_otlp_endpoint': span export needs the otel extra (pip install "
-                            f"'keyword-embedder[otel]'); missing: {exc.name or exc}") from None
+        raise SettingsError(extra_missing("otel", "otel_exporter_otlp_endpoint (span export)",
+                                          exc.name or str(exc))) from None
     if exporter is None:
         from urllib.parse import urlsplit
 
