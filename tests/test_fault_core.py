@@ -639,3 +639,45 @@ def test_a_replaced_client_is_not_polled_its_errors_are_muted_and_it_is_retired_
     new.config["error_cb"](KafkaError(KafkaError._FENCED, "fenced", fatal=True))  # the current one still counts
     assert latch.is_set() and "fenced" in str(latch.error)
     wrapper.stop(2.0)
+
+
+def test_a_replaced_client_is_destroyed_on_a_thread_of_its_own_never_the_delivery_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32, finding 5. rd_kafka_destroy can block on a dead broker's connections; if the last
+    reference to an abandoned client ended on the delivery thread, acknowledgements would stop
+    there until the stall probe restarted the member. Here the retiring thread finishes before the
+    delivery thread goes on (a legal interleaving, forced), so whatever the delivery thread still
+    holds would be the last reference."""
+    destroyed: list[str] = []
+
+    class Client(FakeProducer):
+        def __del__(self) -> None:  # where CPython runs it: the thread that drops the last reference
+            destroyed.append(threading.current_thread().name)
+
+    made: list[Client] = []
+
+    def factory(config: dict[str, Any]) -> Client:
+        made.append(Client(config))
+        return made[-1]
+
+    latch = FatalLatch()
+    wrapper = OutputProducer({"transactional.id": "t"}, latch, producer_factory=factory, poll_interval_s=0.01)
+    done = threading.Thread(target=lambda: None)
+    done.start()
+    done.join()  # the call blocked in the old client has returned
+    wrapper.replace_client(done)
+    made.pop(0)  # the test's own reference
+
+    class RetireFirst(threading.Thread):
+        def start(self) -> None:
+            super().start()
+            if self.name == "kwe-retire-producer":
+                self.join()
+
+    monkeypatch.setattr(threading, "Thread", RetireFirst)
+    wrapper.start()
+    deadline = time.monotonic() + 5
+    while not destroyed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    wrapper.stop(2.0)
+    assert destroyed == ["kwe-retire-producer"] and wrapper.abandoned == 0

@@ -153,14 +153,16 @@ class OutputProducer:
 
     def _retire_abandoned(self) -> None:
         """Delivery thread: a replaced client whose blocked call has returned is destroyed, on a
-        thread of its own (rd_kafka_destroy may wait on the dead broker's connections)."""
+        thread of its own (rd_kafka_destroy may wait on the dead broker's connections). The
+        client goes from the list straight into that thread's arguments: no local name here holds
+        it, so the last reference cannot end on this thread, whichever thread finishes first."""
         with self._abandoned_lock:
             if not self._abandoned:
                 return
-            done = [client for client, stuck in self._abandoned if not stuck.is_alive()]
-            self._abandoned = [(c, t) for c, t in self._abandoned if t.is_alive()]
-        for client in done:
-            threading.Thread(target=_drop, args=(client,), name="kwe-retire-producer", daemon=True).start()
+            done = [i for i, (_, stuck) in enumerate(self._abandoned) if not stuck.is_alive()]
+            for i in reversed(done):
+                threading.Thread(target=_drop, args=(self._abandoned.pop(i)[0],), name="kwe-retire-producer",
+                                 daemon=True).start()
 
     @property
     def abandoned(self) -> int:
