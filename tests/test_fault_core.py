@@ -186,13 +186,22 @@ def _transactional(latch: FatalLatch) -> tuple[OutputProducer, FakeProducer, lis
     return wrapper, fake, failed
 
 
+def live(released: list[int], mark: int = 1) -> Any:
+    """An on_given_up for a record of the open transaction: reports the failure, then releases."""
+    def release(fail: Any) -> bool:
+        fail()
+        released.append(mark)
+        return True
+    return release
+
+
 def test_exactly_once_a_failed_delivery_fails_the_transaction_not_the_worker() -> None:
     latch = FatalLatch()
     wrapper, fake, failed = _transactional(latch)
     fake.fail_with = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
     given_up: list[int] = []
     wrapper.start()
-    assert wrapper.produce("out", b"k", b"v", [], lambda: None, lambda: given_up.append(1) is None)
+    assert wrapper.produce("out", b"k", b"v", [], lambda: None, live(given_up))
     deadline = time.monotonic() + 5
     while not failed and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -207,7 +216,7 @@ def test_exactly_once_a_produce_refused_by_an_abortable_transaction_is_given_up_
     fake.refuse = KafkaError(KafkaError._STATE, "Operation not valid in state AbortableError")
     released: list[int] = []
     for i in range(3):
-        assert wrapper.produce("out", b"k", b"v", [], lambda: None, lambda i=i: released.append(i) is None)
+        assert wrapper.produce("out", b"k", b"v", [], lambda: None, live(released, i))
     assert released == [0, 1, 2] and len(failed) == 3 and not latch.is_set()
 
 
@@ -215,7 +224,7 @@ def test_exactly_once_a_failed_write_of_an_already_aborted_transaction_fails_not
     latch = FatalLatch()
     wrapper, fake, failed = _transactional(latch)
     fake.refuse = KafkaError(KafkaError._STATE)
-    assert wrapper.produce("out", b"k", b"v", [], lambda: None, lambda: False)  # its state was replaced
+    assert wrapper.produce("out", b"k", b"v", [], lambda: None, lambda fail: False)  # its state was replaced
     assert failed == [] and not latch.is_set() and wrapper.given_up == 1
 
 
@@ -225,7 +234,7 @@ def test_exactly_once_a_missing_acl_or_a_fatal_error_still_stops_the_worker(err:
     latch = FatalLatch()
     wrapper, fake, failed = _transactional(latch)
     fake.refuse = err
-    assert not wrapper.produce("out", b"k", b"v", [], lambda: None, lambda: True)
+    assert not wrapper.produce("out", b"k", b"v", [], lambda: None, live([]))
     assert latch.is_set() and failed == []
 
 
@@ -235,7 +244,7 @@ def test_a_record_purged_by_an_abort_leaves_the_in_flight_table() -> None:
     fake.fail_with = KafkaError(KafkaError._PURGE_QUEUE)
     released: list[int] = []
     wrapper.start()
-    wrapper.produce("out", b"k", b"v", [], lambda: None, lambda: released.append(1) is None)
+    wrapper.produce("out", b"k", b"v", [], lambda: None, live(released))
     deadline = time.monotonic() + 5
     while not released and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -524,6 +524,74 @@ def test_a_revoke_with_a_failed_write_aborts_instead_of_stopping_the_member() ->
     assert not loop.latch.is_set() and loop.producer.calls[-1] == "abort" and loop.txn.state == "idle"
 
 
+def test_a_refused_write_fails_its_transaction_before_its_record_leaves_the_in_flight_table() -> None:
+    """Issue 32, finding 4. A write refused by the client (MSG_SIZE_TOO_LARGE against the producer's
+    message.max.bytes) does not make librdkafka's transaction abortable, so only the worker's own
+    report stops it from committing. The poll thread commits once nothing is in flight: if the record
+    left the in-flight table before the failure was reported, a poll turn in between (the barrier
+    here) commits the transaction, the failure then finds no transaction and is dropped, and the
+    record's offset never completes."""
+    import threading
+
+    from worker.acks import Acknowledger
+    from worker.inflight import InFlight, InFlightTable
+    from worker.kafka.headers import InputHeaders
+    from worker.kafka.producer import OutputProducer
+    from worker.metrics import Metrics
+
+    class Client(FakeTxnProducer):
+        """The transactional fake, producing like librdkafka: refused at once when too large."""
+
+        def __init__(self, config: dict[str, Any]) -> None:
+            super().__init__()
+            self.reports: list[Any] = []
+
+        def produce(self, topic: str, key: Any = None, value: Any = None, headers: Any = None,  # type: ignore[override]
+                    on_delivery: Any = None) -> None:
+            if value == b"too large":
+                raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Message size too large"))
+            super().produce(value.decode())
+            self.reports.append(on_delivery)
+
+    latch = FatalLatch()
+    inflight = InFlightTable()
+    acks = Acknowledger(inflight, Metrics())
+    wrapper = OutputProducer({}, latch, producer_factory=Client)
+    client = wrapper.client
+    tracker = OffsetTracker()
+    part = tracker.assign("in", 0)
+    clock = Clock()
+    consumer = FakeConsumer()
+    txn = Transactions(client, consumer, tracker, latch, inflight.__len__, interval_s=1.0, clock=clock,
+                       sleep=lambda s: None, write_gate=wrapper.write_gate)
+    turns: list[int] = []
+
+    def failed(reason: str) -> None:
+        # The barrier: the poll thread takes a turn between the write's failure and its report.
+        poll = threading.Thread(target=lambda: (turns.append(inflight.__len__()), txn.step(flow_paused=True)))
+        poll.start()
+        poll.join()
+        txn.write_failed(reason)
+
+    wrapper.fail_writes_into(failed)
+    txn.init()
+    txn.ensure_open()
+    for off in (0, 1):
+        part.track(off)
+        inflight.add(off, InFlight(part, off, f"q{off}", 3, False, None, 1, None, InputHeaders()))
+    assert wrapper.produce("out", b"q0", b"q0", [], acks.embedded(0), acks.given_up(0))
+    client.reports[0](None, None)  # the delivery thread acknowledges q0
+    clock.now = 1.5
+    txn.step(flow_paused=False)
+    assert txn.state == "closing"  # waits for q1
+    assert wrapper.produce("out", b"q1", b"too large", [], acks.embedded(1), acks.given_up(1))
+    txn.step(flow_paused=False)
+    assert not latch.is_set(), latch.error
+    assert "commit" not in client.calls and client.calls[-1] == "abort" and client.offsets == {}
+    assert turns == [1]  # the poll turn in between saw the failed record still in flight
+    assert consumer.seeks == [("in", 0, 0)] and txn.aborted == 1  # q0 and q1 are consumed again
+
+
 # ------------------------------------------------- a hung call: a new producer takes over
 class Stuck:
     """Makes one call of a fake producer block (as librdkafka's did after a coordinator's node was

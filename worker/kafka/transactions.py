@@ -33,12 +33,14 @@ Errors of the transactional calls, as librdkafka classifies them:
 
 A failed write (worker/kafka/producer.py: a delivery error, or a produce refused with _STATE once
 librdkafka made the transaction abortable) arrives through `write_failed` from the thread that saw
-it. The next `step` (or a commit about to happen) aborts and rewinds at once, without waiting for
-the pipeline to drain: librdkafka sends nothing more of an abortable transaction, so its queued
-records would only come back when abort_transaction purges them. The abort holds the producer's
-write gate, so no record of the aborted transaction is produced after it. Intake then waits
-0.5, 1, 2 and 4 s before the next tries; the fifth failed transaction in a row stops the worker
-(a write that keeps failing is not transient: a record the topic refuses, for instance).
+it, before its record leaves the in-flight table (worker/acks.py `given_up`), so a commit, which
+waits for the table to empty, always sees it. The next `step` (or a commit about to happen) aborts
+and rewinds at once, without waiting for the pipeline to drain: librdkafka sends nothing more of
+an abortable transaction, so its queued records would only come back when abort_transaction
+purges them. The abort holds the producer's write gate, so no record of the aborted transaction
+is produced after it. Intake then waits 0.5, 1, 2 and 4 s before the next tries; the fifth failed
+transaction in a row stops the worker (a write that keeps failing is not transient: a record the
+topic refuses, for instance).
 
 Threads: everything here runs on the poll thread (including the rebalance callbacks, which
 librdkafka serves inside consume). The output and delivery threads only produce and
