@@ -145,6 +145,56 @@ def test_a_retriable_error_is_retried_and_the_transaction_commits() -> None:
     assert loop.txn.committed == 1 and loop.txn.aborted == 0
 
 
+def test_a_commit_that_times_out_is_resumed_not_aborted() -> None:
+    """Issue 32, finding 6. A commit_transaction that times out goes on in librdkafka's background;
+    the call is made again to resume it ("This call is resumable when a retriable timeout error is
+    returned", rdkafka.h), and abort_transaction meanwhile is refused with _CONFLICT (rdkafka_txnmgr.c,
+    rd_kafka_txn_curr_api_begin). Seven timeouts in a row (more than RETRIES), then it completes."""
+    loop = Loop()
+    loop.producer.errors["commit"] = [RETRIABLE] * 7
+    loop.consume(0, 1)
+    loop.finish(0, 1)
+    loop.clock.now = 2
+    loop.txn.step(flow_paused=False)
+    assert not loop.latch.is_set(), loop.latch.error
+    assert loop.producer.calls.count("commit") == 8 and "abort" not in loop.producer.calls
+    assert loop.producer.visible == ["out-0-1"] and loop.producer.offsets == {("in", 0): 2}
+    assert loop.txn.committed == 1 and loop.txn.aborted == 0
+
+
+def test_a_commit_that_never_completes_stops_the_member_after_the_transaction_timeout_without_aborting() -> None:
+    """Resumed for as long as the coordinator could still complete it (transaction_timeout_s); then
+    the member stops: an abort would be refused with _CONFLICT, and the restarted member's
+    init_transactions completes or aborts the transaction (its offsets with it)."""
+    loop = Loop()
+    loop.txn.sleep = lambda s: setattr(loop.clock, "now", loop.clock.now + 1.0)
+    loop.producer.errors["commit"] = [RETRIABLE] * 1000
+    loop.consume(0, 1)
+    loop.finish(0, 1)
+    loop.clock.now = t0 = 2.0
+    loop.txn.step(flow_paused=False)
+    assert isinstance(loop.latch.error, TransactionError), loop.latch.error
+    assert "commit_transaction" in str(loop.latch.error) and "resumed" in str(loop.latch.error)
+    assert "abort" not in loop.producer.calls and loop.producer.visible == []
+    assert loop.clock.now - t0 >= loop.txn.transaction_timeout_s
+
+
+def test_a_commit_unfinished_at_the_shutdown_deadline_is_left_to_the_next_init() -> None:
+    """Stopping: resumed until the deadline, then left under way (not aborted: _CONFLICT) and the
+    member exits cleanly; the transaction commits or aborts as one, offsets included."""
+    import time
+
+    loop = Loop()
+    loop.txn.sleep = time.sleep
+    loop.producer.errors["commit"] = [RETRIABLE] * 1000
+    loop.consume(0, 1)
+    loop.finish(0, 1)
+    loop.txn.stop.start(0.5)
+    loop.txn.finish(lambda timeout_s: True, 0.5)
+    assert not loop.latch.is_set(), loop.latch.error
+    assert "abort" not in loop.producer.calls and loop.producer.resuming == "commit"
+
+
 @pytest.mark.parametrize("call", ["send_offsets", "commit"])
 def test_an_abortable_error_aborts_and_rewinds_to_the_last_committed_offsets(call: str) -> None:
     loop = Loop()

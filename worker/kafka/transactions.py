@@ -13,8 +13,9 @@ output is committed and whose offset is not, or the reverse. The cost is the dra
 per interval (README, "Delivery guarantees").
 
 Errors of the transactional calls, as librdkafka classifies them:
-- retriable: the call is repeated (commit_transaction and send_offsets_to_transaction are
-  safe to repeat);
+- retriable: the call is repeated (send_offsets_to_transaction RETRIES times; commit_transaction
+  is resumed, as librdkafka expects after its retriable timeout, for up to transaction_timeout_s:
+  librdkafka refuses an abort meanwhile with _CONFLICT);
 - txn_requires_abort: abort, then rewind every owned partition to where this transaction began
   (the last committed offset) with fresh offset state, so nothing consumed into the aborted
   transaction is produced into a later one;
@@ -343,8 +344,18 @@ class Transactions:
         if answer[0] is not None:
             raise answer[0]
 
-    def _call(self, what: str, fn: Callable[[], None]) -> Literal["ok", "abort", "fatal", "hung"]:
-        for attempt in range(RETRIES):
+    def _call(self, what: str, fn: Callable[[], None], *, resume_s: float = 0.0
+              ) -> Literal["ok", "abort", "fatal", "hung", "unfinished"]:
+        """Runs a transactional call, retrying its retriable errors RETRIES times. A resumable call
+        (resume_s > 0: commit_transaction) is resumed for resume_s instead: librdkafka keeps it under
+        way after a retriable timeout, expects it to be called again, and refuses every other
+        transactional call meanwhile with _CONFLICT (rdkafka_txnmgr.c, rd_kafka_txn_curr_api_begin;
+        rdkafka.h, rd_kafka_commit_transaction: "This call is resumable when a retriable timeout
+        error is returned"), so aborting it is no way out. "unfinished": still retriable at the end."""
+        attempt = 0
+        resume_until = self.clock() + resume_s
+        while True:
+            attempt += 1
             try:
                 self._bounded(what, fn)
                 return "ok"
@@ -356,10 +367,15 @@ class Transactions:
                 return "hung"
             except KafkaException as exc:
                 kind = kind_of(exc)
-                if kind == "retry" and attempt + 1 < RETRIES and not self.stop.expired():
-                    log.warning("transactional call failed; retrying", call=what, error=str(exc.args[0]))
-                    self.sleep(0.1 * (attempt + 1))
+                more = attempt < RETRIES or self.clock() < resume_until
+                if kind == "retry" and more and not self.stop.expired():
+                    log.warning("transactional call failed; retrying" if attempt < RETRIES else
+                                "transactional call still under way; resuming it", call=what,
+                                error=str(exc.args[0]))
+                    self.sleep(min(1.0, 0.1 * attempt))
                     continue
+                if kind == "retry" and resume_s > 0:
+                    return "unfinished"
                 if kind == "fatal":
                     self.latch.trip(TransactionFencedError(
                         f"{what} failed: {exc.args[0]} (this member was fenced: a newer one took over its "
@@ -368,7 +384,6 @@ class Transactions:
                 log.warning("transactional call failed; aborting the transaction", call=what,
                             error=str(exc.args[0]))
                 return "abort"
-        return "abort"
 
     def commit(self) -> bool:
         """Sends the offsets and commits; everything consumed must be finished. True if committed."""
@@ -378,14 +393,21 @@ class Transactions:
             return False
         offsets = self._offsets()
         positions = [TopicPartition(p.topic, p.partition, off) for p, off in offsets]
+        result: Literal["ok", "abort", "fatal", "hung", "unfinished"] = "ok"
         if positions:
             metadata = self.consumer.consumer_group_metadata()
+            # Not resumable (rd_kafka_send_offsets_to_transaction returns non-resumable): an
+            # abort after its retries is allowed.
             result = self._call("send_offsets_to_transaction",
                                 lambda: self.producer.send_offsets_to_transaction(positions, metadata, self._timeout()))
-            if result == "ok":
-                result = self._call("commit_transaction", lambda: self.producer.commit_transaction(self._timeout()))
-        else:
-            result = self._call("commit_transaction", lambda: self.producer.commit_transaction(self._timeout()))
+        if result == "ok":
+            # Resumed for as long as the coordinator may still complete it: past the transaction
+            # timeout it aborts the transaction itself.
+            result = self._call("commit_transaction", lambda: self.producer.commit_transaction(self._timeout()),
+                                resume_s=self.transaction_timeout_s)
+        if result == "unfinished":
+            self._commit_unfinished()
+            return False
         if result == "abort":
             self.abort_and_rewind("the transaction could not be committed")
             return False
@@ -403,6 +425,20 @@ class Transactions:
         log.debug("transaction committed", offsets=[f"{p.topic}[{p.partition}]@{off}" for p, off in offsets])
         self._finish("committed")
         return True
+
+    def _commit_unfinished(self) -> None:
+        """commit_transaction still under way (retriable timeouts) when its resuming ends. It cannot
+        be aborted (_CONFLICT); the transaction, offsets included, commits or aborts as one, and the
+        next init_transactions with this transactional id completes it. Stopping: the member exits
+        as usual. Otherwise it stops (its restart does that init)."""
+        if self.stop.started:
+            log.warning("transaction commit still under way at the shutdown deadline; the next "
+                        "init_transactions of this member completes or aborts it")
+            return
+        self.latch.trip(TransactionError(
+            f"commit_transaction did not complete in {self.transaction_timeout_s:.0f} s of resumed calls (the "
+            "transaction coordinator or a partition leader does not answer); the restarted member's "
+            "init_transactions completes or aborts the transaction"))
 
     def abort_and_rewind(self, reason: str) -> None:
         """Aborts the open transaction and sends every owned partition back to where it began.
