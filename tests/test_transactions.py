@@ -697,6 +697,18 @@ class TakeOverLoop(Loop):
         self.finish(0, offset)
         self.txn.step(flow_paused=True)
 
+    def intake(self, partition: int, *offsets: int) -> None:
+        """Records the member fetched, as the pipeline takes them: a transaction is opened for them
+        (before_intake), then each is tracked by its partition's offset state, or dropped when the
+        partition has none (worker/intake.py)."""
+        self.txn.ensure_open()
+        part = self.tracker.get("in", partition)
+        if part is None:
+            return
+        for off in offsets:
+            part.track(off)
+            self.in_flight[(partition, off)] = part
+
     def replace(self, stuck: Any) -> FakeTxnProducer:
         self.stuck.append(stuck)
         self.producer = FakeTxnProducer()
@@ -823,6 +835,74 @@ def test_a_new_producer_that_cannot_fence_the_old_one_stops_the_member(short_han
         loop.commit_one()
     assert isinstance(loop.latch.error, TransactionHungError)
     assert "could not take over" in str(loop.latch.error) and loop.consumer.seeks == []
+
+
+def _committed_without_output(loop: TakeOverLoop, partition: int = 0, since: int = 5) -> list[int]:
+    """Offsets the group has committed (through any of the producers) whose output no producer
+    made visible: records lost for a read_committed reader."""
+    committed = max((p.offsets.get(("in", partition), since) for p in loop.producers), default=since)
+    visible = {r for p in loop.producers for r in p.visible}
+    return [off for off in range(since, committed) if f"out-{partition}-{off}" not in visible]
+
+
+def test_a_stop_while_the_committed_offsets_are_read_commits_nothing_past_the_hung_transaction(
+        short_hang: None) -> None:
+    """Issue 32, finding 1. A SIGTERM while the take-over reads the group's committed offsets (the
+    group coordinator does not answer): the partitions were given fresh offset state but not rewound,
+    so what the member still fetches comes from past the hung transaction's records, whose outputs
+    the new producer's init aborted. Nothing of it may be committed: the drain's finish would
+    commit offsets past records that have no output."""
+    loop = TakeOverLoop()
+
+    def committed(partitions: Any, timeout: float) -> Any:
+        loop.txn.stop.start(5.0)  # the SIGTERM, while the coordinator does not answer
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "Timed out"))
+
+    loop.consumer.committed = committed  # type: ignore[method-assign]
+    with Stuck(loop.producer, "send_offsets_to_transaction"):
+        loop.consume(0, 5, 6)
+        loop.finish(0, 5)
+        loop.finish(0, 6)
+        loop.txn.step(flow_paused=True)
+        assert not loop.latch.is_set(), loop.latch.error
+        loop.intake(0, 7, 8)  # the fetch position is past the hung transaction's records
+        for key in list(loop.in_flight):
+            loop.finish(*key)
+        loop.txn.finish(drained_waiter(lambda: len(loop.in_flight), lambda s: None), 1.0)
+    assert not loop.latch.is_set(), loop.latch.error
+    assert _committed_without_output(loop) == []
+    assert all(p.offsets == {} for p in loop.producers)  # nothing committed: the successor starts at 5
+    assert loop.txn.closing  # intake stays paused until the member exits
+
+
+def test_a_stop_while_the_new_producer_initialises_begins_nothing(short_hang: None) -> None:
+    """Issue 32, finding 1: a SIGTERM during the new producer's init_transactions. No transaction
+    may be begun on the uninitialised producer (librdkafka refuses it with _STATE, which stopped the
+    member with exit 1), and nothing is committed."""
+    loop = TakeOverLoop()
+    real_replace = loop.replace
+
+    def replace(call: Any) -> FakeTxnProducer:
+        new = real_replace(call)
+
+        def init(timeout: float) -> None:
+            new.calls.append("init")
+            loop.txn.stop.start(5.0)  # the SIGTERM, while the coordinator moves
+            raise KafkaException(RETRIABLE)
+
+        new.init_transactions = init  # type: ignore[method-assign]
+        return new
+
+    loop.txn.replace_producer = replace
+    with Stuck(loop.producer, "send_offsets_to_transaction"):
+        loop.commit_one()
+        loop.intake(0, 6, 7)
+        for key in list(loop.in_flight):
+            loop.finish(*key)
+        loop.txn.finish(drained_waiter(lambda: len(loop.in_flight), lambda s: None), 1.0)
+    assert not loop.latch.is_set(), loop.latch.error
+    assert loop.producer.calls == ["init"] and len(loop.producers) == 2
+    assert _committed_without_output(loop) == [] and all(p.offsets == {} for p in loop.producers)
 
 
 def test_a_hung_call_while_stopping_is_not_taken_over(short_hang: None) -> None:

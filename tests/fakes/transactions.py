@@ -56,7 +56,8 @@ class FakeTxnProducer:
         self.state = "ready"
 
     def begin_transaction(self) -> None:
-        assert self.state == "ready", f"begin in state {self.state}"
+        if self.state != "ready":  # rd_kafka_txn_require_state: e.g. an uninitialised producer
+            raise KafkaException(KafkaError(KafkaError._STATE, f"Operation not valid in state {self.state}"))
         self._enter("begin")
         self.state = "in_txn"
 

@@ -30,7 +30,9 @@ Errors of the transactional calls, as librdkafka classifies them:
   Whether the hung commit landed is then read from the group's committed offsets, and every
   partition with work in the transaction is rewound there with fresh offset state: a commit
   that landed is not redone, one that did not is consumed again. While STUCK_CALLS earlier hung
-  calls still block (each holds an abandoned librdkafka client), the member stops instead.
+  calls still block (each holds an abandoned librdkafka client), the member stops instead. A stop
+  during the take-over, before the rewind, freezes the member (`_halt`): nothing more is consumed
+  or committed, and it exits as usual.
 
 A failed write (worker/kafka/producer.py: a delivery error, or a produce refused with _STATE once
 librdkafka made the transaction abortable) arrives through `write_failed` from the thread that saw
@@ -192,6 +194,8 @@ class Transactions:
     # The threads still blocked in calls of replaced producers; the last hung call's error.
     _stuck: list[threading.Thread] = field(default_factory=list, repr=False)
     _hung: TransactionHungError | None = field(default=None, repr=False)
+    # A stop came during a take-over, before the partitions were rewound (`_halt`).
+    _halted: bool = field(default=False, repr=False)
 
     # ------------------------------------------------------------------ lifecycle
     def init(self, timeout_s: float = 30.0) -> bool:
@@ -219,7 +223,7 @@ class Transactions:
         failed write's abort, or the wait before its retry."""
         with self._write_lock:
             failed = self._write_failure is not None
-        return (self.state == "closing" or self._abort_reason is not None or failed
+        return (self.state == "closing" or self._abort_reason is not None or failed or self._halted
                 or self.clock() < self._resume_at)
 
     def write_failed(self, reason: str) -> None:
@@ -252,7 +256,7 @@ class Transactions:
 
     def ensure_open(self) -> None:
         """Called with consumed records before intake sees them: they belong to an open transaction."""
-        if self.state == "idle" and not self.latch.is_set():
+        if self.state == "idle" and not self.latch.is_set() and not self._halted:
             self.producer.begin_transaction()
             self.state = "open"
             self.began_at = self.clock()
@@ -506,7 +510,8 @@ class Transactions:
         self.state = "idle"  # the old transaction is the new producer's to end, at its init
         try:
             if not self.init(TAKE_OVER_INIT_S):
-                return  # a stop came first: nothing is open, nothing to commit or abort
+                self._halt("the new producer was initialising")
+                return
         except WorkerError as exc:
             self._give_up(hung, f"the new producer could not take over: {exc}")
             return
@@ -518,7 +523,8 @@ class Transactions:
             self._give_up(hung, f"the committed offsets could not be read after it: {exc.args[0]}")
             return
         if answer is None:
-            return  # stopping
+            self._halt("the group's committed offsets were being read")
+            return
         # No committed offset: the hung commit did not land, and none came before it.
         rewind = [TopicPartition(tp.topic, tp.partition, tp.offset if tp.offset >= 0 else starts[(tp.topic, tp.partition)])
                   for tp in answer]
@@ -528,6 +534,22 @@ class Transactions:
                     partitions=[f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in rewind],
                     hung_commit_landed_for=landed, in_flight_forgotten=forgotten)
         self._finish("taken_over")
+
+    def _halt(self, during: str) -> None:
+        """A stop came during a take-over, before the partitions were rewound (issue 32, finding 1).
+        Their fetch positions are past the hung transaction's records, whose outputs the new
+        producer's init aborted (or may not have ended yet), and the new producer may not be
+        initialised: a record consumed now and committed by the drain would commit offsets past
+        records with no output. So nothing more is consumed or begun: every partition's offset
+        state is dropped (intake skips records of a partition without one), no transaction is
+        begun, intake stays paused, and the member exits as usual; the group's committed offsets
+        are where its successor starts."""
+        self._halted = True
+        dropped = [f"{p.topic}[{p.partition}]" for p in self.tracker.partitions()]
+        for p in self.tracker.partitions():
+            self.tracker.revoke(p.topic, p.partition)
+        log.warning("stopping during a take-over: nothing more is consumed or committed; the partitions "
+                    "resume from the group's committed offsets", during=during, partitions=dropped)
 
     def _committed(self, partitions: list[tuple[str, int]]) -> list[TopicPartition] | None:
         """The group's committed offsets, read from the broker; retried while the group coordinator
