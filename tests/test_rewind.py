@@ -96,6 +96,13 @@ class Member:
             self.delivery.before_intake()
             self.intake.handle(msgs)
 
+    def settle(self, turns: int = 3) -> None:
+        """Polls and finishes everything fetched, `turns` times, then closes the transaction."""
+        for _ in range(turns):
+            self.poll(max_records=20)
+            self.finish_all()
+        self.txn.step(flow_paused=True)
+
     def finish_all(self) -> None:
         for seq in list(self.submitted):
             rec = self.inflight.get(seq)
@@ -153,19 +160,13 @@ def test_offsets_that_go_back_without_a_rewind_are_new_records_not_duplicates() 
     lower offsets hold new records: processed and committed, never skipped."""
     m = Member(partitions=1, records=10)
     m.consumer.assign_op([0])()
-    for _ in range(3):
-        m.poll(max_records=20)
-        m.finish_all()
-    m.txn.step(flow_paused=True)
+    m.settle()
     assert m.txn.committed == 1 and m.producer.offsets == {("in", 0): 10}
     # Recreated with 4 records; the fetch at 10 is out of range and resets to the start (0).
     m.consumer.logs[0] = [f"new-{o}".encode() for o in range(4)]
     m.consumer.fetch_at[0] = 0
     m.consumer.queue.clear()
-    for _ in range(3):
-        m.poll(max_records=20)
-        m.finish_all()
-    m.txn.step(flow_paused=True)
+    m.settle()
     assert m.txn.committed == 2 and not m.latch.is_set()
     assert m.producer.visible.count("0-0") == 2 and len(m.producer.visible) == 14
     assert m.producer.offsets == {("in", 0): 4}
@@ -178,18 +179,12 @@ def test_a_refetch_from_the_start_of_the_assignment_is_skipped_not_written_again
     partition's new records after them are processed as usual."""
     m = Member(partitions=1, records=10)
     m.consumer.assign_op([0])()
-    for _ in range(3):
-        m.poll(max_records=20)
-        m.finish_all()
-    m.txn.step(flow_paused=True)
+    m.settle()
     assert m.txn.committed == 1 and m.producer.offsets == {("in", 0): 10}
     m.consumer.logs[0] += [f"0-{o}".encode() for o in range(10, 13)]
     m.consumer.fetch_at[0] = 0  # the client fetches again from the start, same log
     m.consumer.queue.clear()
-    for _ in range(3):
-        m.poll(max_records=20)
-        m.finish_all()
-    m.txn.step(flow_paused=True)
+    m.settle()
     assert m.txn.committed == 2 and not m.latch.is_set()
     assert sorted(m.producer.visible) == sorted(f"0-{o}" for o in range(13))
     assert m.producer.offsets == {("in", 0): 13}
@@ -205,18 +200,12 @@ def test_a_reset_to_the_log_start_of_a_member_that_began_above_it_is_skipped_not
     m = Member(partitions=1, records=10)
     m.consumer.committed = {0: 5}
     m.consumer.assign_op([0])()
-    for _ in range(3):
-        m.poll(max_records=20)
-        m.finish_all()
-    m.txn.step(flow_paused=True)
+    m.settle()
     assert m.txn.committed == 1 and m.producer.offsets == {("in", 0): 10}
     m.consumer.logs[0] += [f"0-{o}".encode() for o in range(10, 13)]
     m.consumer.fetch_at[0] = 0  # reset to the log start, same log
     m.consumer.queue.clear()
-    for _ in range(3):
-        m.poll(max_records=20)
-        m.finish_all()
-    m.txn.step(flow_paused=True)
+    m.settle()
     assert not m.latch.is_set(), m.latch.error
     assert sorted(m.producer.visible, key=lambda k: int(k.split("-")[1])) == [f"0-{o}" for o in range(5, 13)]
     assert m.producer.offsets == {("in", 0): 13}
@@ -231,10 +220,7 @@ def test_a_log_truncated_and_rewritten_under_the_member_loses_none_of_its_new_re
     all written, and committed."""
     m = Member(partitions=1, records=10)
     m.consumer.assign_op([0])()
-    for _ in range(3):
-        m.poll(max_records=20)
-        m.finish_all()
-    m.txn.step(flow_paused=True)
+    m.settle()
     assert m.txn.committed == 1 and m.producer.offsets == {("in", 0): 10}
     log = m.consumer.logs[0]
     m.consumer.logs[0] = log[:6] + [f"new-{o}".encode() for o in range(6, 12)]
@@ -242,10 +228,7 @@ def test_a_log_truncated_and_rewritten_under_the_member_loses_none_of_its_new_re
     m.consumer.epochs[0] = {o: 1 for o in range(6, 12)}
     m.consumer.fetch_at[0] = 0
     m.consumer.queue.clear()
-    for _ in range(3):
-        m.poll(max_records=20)
-        m.finish_all()
-    m.txn.step(flow_paused=True)
+    m.settle()
     assert not m.latch.is_set(), m.latch.error
     assert [k for k in m.producer.visible if k.startswith("new-")] == [f"new-{o}" for o in range(6, 12)]
     assert sorted(k for k in m.producer.visible if not k.startswith("new-")) == sorted(f"0-{o}" for o in range(10))

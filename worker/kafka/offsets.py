@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 # (log start, log end) of a partition as the last fetch response gave them, or None when unknown
 # (confluent-kafka's Consumer.get_watermark_offsets(tp, cached=True)).
-Watermarks = Callable[[str, int], "tuple[int, int] | None"]
+Watermarks = Callable[[str, int], tuple[int, int] | None]
 # The leader epoch of records without one (a broker or message format older than KIP-101).
 NO_EPOCH = -1
 
@@ -68,13 +68,13 @@ class PartitionOffsets:
         """`epoch`: the record's leader epoch (Message.leader_epoch()); `watermarks`: where to read
         the partition's log end when the offsets go back. Raises Refetched for a record already
         processed, OffsetWentBack for a lower offset that holds a new record."""
+        e = NO_EPOCH if epoch is None else epoch
         with self._lock:
             if self._next is not None and offset < self._next:
-                self._went_back(offset, NO_EPOCH if epoch is None else epoch, watermarks)
+                self._went_back(offset, e, watermarks)
             self._refetch_at = None
             if self._first is None:
                 self._first = offset
-            e = NO_EPOCH if epoch is None else epoch
             if not self._epochs or self._epochs[-1][1] != e:
                 self._epochs.append((offset, e))
             cell = [offset, False]
@@ -99,6 +99,7 @@ class PartitionOffsets:
         The first record that fails either is a reset: it and what follows are processed as new."""
         assert self._first is not None and self._next is not None
         refetching = self._refetch_at is not None and offset >= self._refetch_at
+        marks = None
         if not refetching:
             marks = watermarks(self.topic, self.partition) if watermarks is not None else None
             if marks is None or marks[1] < self._next:
