@@ -162,26 +162,10 @@ def test_a_commit_that_times_out_is_resumed_not_aborted() -> None:
     assert loop.txn.committed == 1 and loop.txn.aborted == 0
 
 
-def test_a_commit_that_never_completes_stops_the_member_after_the_transaction_timeout_without_aborting() -> None:
-    """Resumed for as long as the coordinator could still complete it (transaction_timeout_s); then
-    the member stops: an abort would be refused with _CONFLICT, and the restarted member's
-    init_transactions completes or aborts the transaction (its offsets with it)."""
-    loop = Loop()
-    loop.txn.sleep = lambda s: setattr(loop.clock, "now", loop.clock.now + 1.0)
-    loop.producer.errors["commit"] = [RETRIABLE] * 1000
-    loop.consume(0, 1)
-    loop.finish(0, 1)
-    loop.clock.now = t0 = 2.0
-    loop.txn.step(flow_paused=False)
-    assert isinstance(loop.latch.error, TransactionError), loop.latch.error
-    assert "commit_transaction" in str(loop.latch.error) and "resumed" in str(loop.latch.error)
-    assert "abort" not in loop.producer.calls and loop.producer.visible == []
-    assert loop.clock.now - t0 >= loop.txn.transaction_timeout_s
-
-
 def test_a_commit_unfinished_at_the_shutdown_deadline_is_left_to_the_next_init() -> None:
-    """Stopping: resumed until the deadline, then left under way (not aborted: _CONFLICT) and the
-    member exits cleanly; the transaction commits or aborts as one, offsets included."""
+    """Stopping: resumed until the deadline, then left under way (not aborted: _CONFLICT); nothing
+    more is consumed or committed and the member exits cleanly. The transaction commits or aborts
+    as one, offsets included, when the next init_transactions of this member ends it."""
     import time
 
     loop = Loop()
@@ -193,6 +177,7 @@ def test_a_commit_unfinished_at_the_shutdown_deadline_is_left_to_the_next_init()
     loop.txn.finish(lambda timeout_s: True, 0.5)
     assert not loop.latch.is_set(), loop.latch.error
     assert "abort" not in loop.producer.calls and loop.producer.resuming == "commit"
+    assert loop.txn.closing and loop.tracker.partitions() == []  # halted: nothing more is taken
 
 
 @pytest.mark.parametrize("call", ["send_offsets", "commit"])
@@ -903,6 +888,47 @@ def test_a_stop_while_the_new_producer_initialises_begins_nothing(short_hang: No
     assert not loop.latch.is_set(), loop.latch.error
     assert loop.producer.calls == ["init"] and len(loop.producers) == 2
     assert _committed_without_output(loop) == [] and all(p.offsets == {} for p in loop.producers)
+
+
+def test_a_commit_that_never_completes_is_taken_over_after_the_transaction_timeout(short_hang: None) -> None:
+    """Resumed for as long as the coordinator could still complete it (transaction_timeout_s), never
+    aborted (_CONFLICT); then a new producer takes over, as for a call that hung: its init ends the
+    transaction, and the partitions go back to the group's committed offsets."""
+    loop = TakeOverLoop()
+    old = loop.producer
+    loop.txn.sleep = lambda s: setattr(loop.clock, "now", loop.clock.now + 1.0)
+    old.errors["commit"] = [RETRIABLE] * 1000
+    loop.consume(0, 5)
+    loop.finish(0, 5)
+    loop.clock.now = t0 = 2.0
+    loop.txn.step(flow_paused=False)
+    assert not loop.latch.is_set(), loop.latch.error
+    assert "abort" not in old.calls and old.calls.count("commit") > 5
+    assert loop.clock.now - t0 >= loop.txn.transaction_timeout_s
+    assert loop.txn.taken_over == 1 and loop.consumer.seeks == [("in", 0, 5)]
+    loop.commit_one()  # consumed again, committed once through the new producer
+    assert loop.producer.visible == ["out-0-5"] and old.visible == []
+
+
+def test_an_abort_that_keeps_timing_out_is_resumed_then_taken_over(short_hang: None) -> None:
+    """Found by the cluster test of a SIGTERM during a take-over: the group coordinator's node frozen,
+    the partitions lost, and the abort of the open transaction timed out (retriable: librdkafka
+    keeps it under way, "retry call to resume") 5 times in a row; the member exited 1 with "the
+    transaction could not be aborted". abort_transaction is resumable like commit_transaction
+    (rdkafka.h); resumed for up to transaction_timeout_s, then a new producer takes over (its init
+    ends the transaction) instead of the member exiting."""
+    loop = TakeOverLoop()
+    old = loop.producer
+    loop.txn.sleep = lambda s: setattr(loop.clock, "now", loop.clock.now + 1.0)
+    old.errors["abort"] = [RETRIABLE] * 1000
+    loop.consume(0, 5, 6)
+    loop.txn.lost()  # young: abort it once drained
+    loop.finish(0, 5)
+    loop.finish(0, 6)
+    loop.txn.step(flow_paused=False)
+    assert not loop.latch.is_set(), loop.latch.error
+    assert old.calls.count("abort") > 5 and old.resuming == "abort"
+    assert loop.txn.taken_over == 1 and loop.producer is not old and loop.consumer.seeks == [("in", 0, 5)]
 
 
 def test_a_hung_call_while_stopping_is_not_taken_over(short_hang: None) -> None:

@@ -14,8 +14,9 @@ per interval (README, "Delivery guarantees").
 
 Errors of the transactional calls, as librdkafka classifies them:
 - retriable: the call is repeated (send_offsets_to_transaction RETRIES times; commit_transaction
-  is resumed, as librdkafka expects after its retriable timeout, for up to transaction_timeout_s:
-  librdkafka refuses an abort meanwhile with _CONFLICT);
+  and abort_transaction are resumed, as librdkafka expects after their retriable timeout, for up
+  to transaction_timeout_s: librdkafka refuses any other call meanwhile with _CONFLICT; still
+  under way then, they are taken over like a hung call);
 - txn_requires_abort: abort, then rewind every owned partition to where this transaction began
   (the last committed offset) with fresh offset state, so nothing consumed into the aborted
   transaction is produced into a later one;
@@ -31,8 +32,8 @@ Errors of the transactional calls, as librdkafka classifies them:
   partition with work in the transaction is rewound there with fresh offset state: a commit
   that landed is not redone, one that did not is consumed again. While STUCK_CALLS earlier hung
   calls still block (each holds an abandoned librdkafka client), the member stops instead. A stop
-  during the take-over, before the rewind, freezes the member (`_halt`): nothing more is consumed
-  or committed, and it exits as usual.
+  during the take-over, before the rewind (or while a commit or abort is still under way), halts
+  the member (`_halt`): nothing more is consumed or committed, and it exits as usual.
 
 A failed write (worker/kafka/producer.py: a delivery error, or a produce refused with _STATE once
 librdkafka made the transaction abortable) arrives through `write_failed` from the thread that saw
@@ -194,8 +195,10 @@ class Transactions:
     # The threads still blocked in calls of replaced producers; the last hung call's error.
     _stuck: list[threading.Thread] = field(default_factory=list, repr=False)
     _hung: TransactionHungError | None = field(default=None, repr=False)
-    # A stop came during a take-over, before the partitions were rewound (`_halt`).
+    # A stop came while a transaction could not be ended or rewound (`_halt`).
     _halted: bool = field(default=False, repr=False)
+    # The helper thread of the last bounded call (a take-over after a resumable call hands it on).
+    _last_call: threading.Thread | None = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ lifecycle
     def init(self, timeout_s: float = 30.0) -> bool:
@@ -330,6 +333,7 @@ class Transactions:
                 answer.append(exc)
 
         helper = threading.Thread(target=call, name="kwe-txn-call", daemon=True)
+        self._last_call = helper
         helper.start()
         end = time.monotonic() + self.timeout_s + HANG_MARGIN_S
         while helper.is_alive():
@@ -351,11 +355,13 @@ class Transactions:
     def _call(self, what: str, fn: Callable[[], None], *, resume_s: float = 0.0
               ) -> Literal["ok", "abort", "fatal", "hung", "unfinished"]:
         """Runs a transactional call, retrying its retriable errors RETRIES times. A resumable call
-        (resume_s > 0: commit_transaction) is resumed for resume_s instead: librdkafka keeps it under
-        way after a retriable timeout, expects it to be called again, and refuses every other
-        transactional call meanwhile with _CONFLICT (rdkafka_txnmgr.c, rd_kafka_txn_curr_api_begin;
-        rdkafka.h, rd_kafka_commit_transaction: "This call is resumable when a retriable timeout
-        error is returned"), so aborting it is no way out. "unfinished": still retriable at the end."""
+        (resume_s > 0: commit_transaction, abort_transaction) is resumed for resume_s instead:
+        librdkafka keeps it under way after a retriable timeout, expects it to be called again, and
+        refuses every other transactional call meanwhile with _CONFLICT (rdkafka_txnmgr.c,
+        rd_kafka_txn_curr_api_begin; rdkafka.h: "This call is resumable when a retriable timeout
+        error is returned"), so aborting a commit is no way out. Still under way at the end: "hung"
+        (a new producer takes over, as for a call that never returned; its init ends the
+        transaction), or "unfinished" when stopping."""
         attempt = 0
         resume_until = self.clock() + resume_s
         while True:
@@ -379,7 +385,12 @@ class Transactions:
                     self.sleep(min(1.0, 0.1 * attempt))
                     continue
                 if kind == "retry" and resume_s > 0:
-                    return "unfinished"
+                    if self.stop.started:
+                        return "unfinished"
+                    self._hung = TransactionHungError(
+                        f"{what} still under way after {resume_s:.0f} s of resumed calls (the coordinator does not "
+                        "complete it)", self._last_call)
+                    return "hung"
                 if kind == "fatal":
                     self.latch.trip(TransactionFencedError(
                         f"{what} failed: {exc.args[0]} (this member was fenced: a newer one took over its "
@@ -410,7 +421,7 @@ class Transactions:
             result = self._call("commit_transaction", lambda: self.producer.commit_transaction(self._timeout()),
                                 resume_s=self.transaction_timeout_s)
         if result == "unfinished":
-            self._commit_unfinished()
+            self._halt("commit_transaction was still under way")
             return False
         if result == "abort":
             self.abort_and_rewind("the transaction could not be committed")
@@ -430,20 +441,6 @@ class Transactions:
         self._finish("committed")
         return True
 
-    def _commit_unfinished(self) -> None:
-        """commit_transaction still under way (retriable timeouts) when its resuming ends. It cannot
-        be aborted (_CONFLICT); the transaction, offsets included, commits or aborts as one, and the
-        next init_transactions with this transactional id completes it. Stopping: the member exits
-        as usual. Otherwise it stops (its restart does that init)."""
-        if self.stop.started:
-            log.warning("transaction commit still under way at the shutdown deadline; the next "
-                        "init_transactions of this member completes or aborts it")
-            return
-        self.latch.trip(TransactionError(
-            f"commit_transaction did not complete in {self.transaction_timeout_s:.0f} s of resumed calls (the "
-            "transaction coordinator or a partition leader does not answer); the restarted member's "
-            "init_transactions completes or aborts the transaction"))
-
     def abort_and_rewind(self, reason: str) -> None:
         """Aborts the open transaction and sends every owned partition back to where it began.
 
@@ -452,9 +449,13 @@ class Transactions:
         """
         with self.write_gate:
             starts = self._fresh_state()
-            aborted = self._call("abort_transaction", lambda: self.producer.abort_transaction(self._timeout()))
+            aborted = self._call("abort_transaction", lambda: self.producer.abort_transaction(self._timeout()),
+                                 resume_s=self.transaction_timeout_s)
         if aborted == "hung":
             self.take_over(starts)
+            return
+        if aborted == "unfinished":
+            self._halt("abort_transaction was still under way")
             return
         if aborted != "ok":
             # "fatal" tripped the latch already (fenced, or hung); otherwise the abort failed on its own.
@@ -536,20 +537,21 @@ class Transactions:
         self._finish("taken_over")
 
     def _halt(self, during: str) -> None:
-        """A stop came during a take-over, before the partitions were rewound (issue 32, finding 1).
-        Their fetch positions are past the hung transaction's records, whose outputs the new
-        producer's init aborted (or may not have ended yet), and the new producer may not be
-        initialised: a record consumed now and committed by the drain would commit offsets past
-        records with no output. So nothing more is consumed or begun: every partition's offset
-        state is dropped (intake skips records of a partition without one), no transaction is
-        begun, intake stays paused, and the member exits as usual; the group's committed offsets
-        are where its successor starts."""
+        """A stop came while the transaction could not be ended and the partitions rewound: during
+        a take-over (issue 32, finding 1), or with a commit or abort still under way in librdkafka.
+        The fetch positions are past the transaction's records, whose outputs may be aborted (or
+        not yet ended), and the producer may not be initialised: a record consumed now and
+        committed by the drain would commit offsets past records with no output. So nothing more
+        is consumed or begun: every partition's offset state is dropped (intake skips records of a
+        partition without one), no transaction is begun, intake stays paused, and the member exits
+        as usual; the group's committed offsets are where its successor starts (its
+        init_transactions ends what is still under way)."""
         self._halted = True
         dropped = [f"{p.topic}[{p.partition}]" for p in self.tracker.partitions()]
         for p in self.tracker.partitions():
             self.tracker.revoke(p.topic, p.partition)
-        log.warning("stopping during a take-over: nothing more is consumed or committed; the partitions "
-                    "resume from the group's committed offsets", during=during, partitions=dropped)
+        log.warning("stopping with the transaction unfinished: nothing more is consumed or committed; the "
+                    "partitions resume from the group's committed offsets", during=during, partitions=dropped)
 
     def _committed(self, partitions: list[tuple[str, int]]) -> list[TopicPartition] | None:
         """The group's committed offsets, read from the broker; retried while the group coordinator
