@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -212,6 +213,13 @@ class Cluster:
         p = self.restart(node, hard=hard, down_for=down_for)
         out, _ = p.communicate(timeout=240)
         assert p.returncode == 0, out
+
+    def freeze(self, node: int, frozen: bool = True) -> None:
+        """SIGSTOP (or SIGCONT) a node's broker process: its connections stay open and nothing on
+        them is answered, as with a node that hangs (the controller fences it after
+        broker.session.timeout.ms; requests already sent to it wait for their own timeout)."""
+        pid = int((Path(self.env["KWE_KAFKA_RUN"]) / f"node-{node}" / "broker.pid").read_text().strip())
+        os.kill(pid, signal.SIGSTOP if frozen else signal.SIGCONT)
 
     @functools.cached_property
     def _admin(self) -> AdminClient:

@@ -197,6 +197,55 @@ def test_leader_kill_rolling_restart_coordinators_and_two_nodes_down_under_both_
     check(streams)
 
 
+TAKE_OVER = "transactional call hung; a new producer takes over"
+
+
+@pytest.mark.timeout(900)
+def test_a_sigterm_during_a_take_over_loses_nothing_and_exits_0(cluster: Cluster, tmp_path: Path) -> None:
+    """Issue 32, finding 1. The exactly-once group's coordinator node is frozen (SIGSTOP): a
+    send_offsets_to_transaction to it hangs, and a new producer takes over. The member is SIGTERMed
+    as it logs the take-over, while the new producer initialises or the group's committed offsets
+    are read from the frozen coordinator, before any rewind. It must exit 0 and commit nothing past
+    the hung transaction's records: a read_committed reader sees every ID once, after the node is
+    back and the other member has the partitions."""
+    eos = Stream(cluster, f"tko{time.monotonic_ns() % 10**6}", "exactly-once", tmp_path, rate=RATE,
+                 extra=["--transaction-timeout-ms", "60000"])
+    try:
+        eos.member("m1")
+        eos.member("m2")
+        eos.start()
+
+        def stop_during_take_over() -> str:
+            node = cluster.group_coordinator(eos.group)
+            cluster.freeze(node)
+            try:
+                # A hung call is taken over after 15 s; an abort or commit that keeps timing out
+                # (the partitions lost meanwhile) after transaction_timeout_ms of resumed calls.
+                deadline = time.monotonic() + 150
+                while True:
+                    taking = [n for n, w in eos.members.items() if n not in eos.leaving and w.events(TAKE_OVER)]
+                    if taking:
+                        break
+                    eos.check_members()
+                    assert time.monotonic() < deadline, f"no take-over within 150 s of freezing node {node}"
+                    time.sleep(0.1)
+                eos.leave(taking[0])  # SIGTERM on the take-over line; it must exit 0
+            finally:
+                cluster.freeze(node, frozen=False)
+            after = [e.get("during") for e in eos.members[taking[0]].events(
+                "stopping with the transaction unfinished: nothing more is consumed or committed; the partitions "
+                "resume from the group's committed offsets")]
+            return (f"node {node} (the group's coordinator) frozen until {taking[0]}, SIGTERMed as it logged the "
+                    f"take-over, exited 0; stopped during: {after or 'after the take-over'}")
+
+        fault([eos], "SIGTERM during a take-over (coordinator frozen)", stop_during_take_over)
+        cluster.wait_in_sync()
+        eos.finish()
+    finally:
+        eos.close()
+    check([eos])
+
+
 def test_a_cut_network_and_a_slow_lossy_link(cluster: Cluster, net: Net | str, tmp_path: Path) -> None:
     if not isinstance(net, Net):
         pytest.skip(f"network namespaces unavailable: {net}")

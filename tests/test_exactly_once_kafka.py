@@ -3,7 +3,9 @@
 - Chaos: three members on 6 partitions, 10,000 real queries plus bad records, one member
   SIGKILLed mid-stream, another SIGTERMed and restarted, the broker hard-restarted once. A
   read_committed reader sees every ID exactly once and every bad record once on the DLQ. The
-  same scenario at-least-once prints its duplicates, for comparison.
+  same scenario at-least-once prints its duplicates, for comparison. The group begins above the
+  log start (issue 32, finding 2): records produced and committed before the members start stand
+  for earlier work, and none of them may be written (exactly-once) or be missing from the count.
 - Zombie: a member stopped (SIGSTOP) past its transaction timeout while its successor (the same
   member identity, as a restarted pod) takes over is fenced when it resumes: it exits non-zero
   and nothing it wrote after the stop is visible.
@@ -22,15 +24,17 @@ from pathlib import Path
 
 import orjson
 import pytest
+from confluent_kafka import Consumer, TopicPartition
 
 from tests.conftest import KAFKA_SH
-from tests.kafka_tools import TopicReader, WorkerProcess, load_queries, produce, produce_queries
+from tests.kafka_tools import TopicReader, WorkerProcess, end_offsets, load_queries, produce, produce_queries
 from worker.kafka.admin import ensure_topics
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 QUERIES = 10_000
 BAD = 30
+PRIOR = 600  # processed before the test: produced, and the group's offsets committed past them
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +101,15 @@ def chaos(broker: tuple[str, dict[str, str]], tmp: Path, guarantee: str) -> tupl
     out = TopicReader(bootstrap, names[1], f"r-{tag}", isolation="read_committed")
     dlq = TopicReader(bootstrap, names[2], f"d-{tag}", isolation="read_committed")
     third = QUERIES // 3
+    prior = load_queries(QUERIES, PRIOR)
     try:
+        # The group begins above the log start: a reset to the log start (librdkafka's resets go to
+        # auto.offset.reset, earliest) then differs from where the members began.
+        produce_queries(bootstrap, names[0], prior)
+        ends = end_offsets(bootstrap, names[0], 6)
+        c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"g-{tag}", "enable.auto.commit": False})
+        c.commit(offsets=[TopicPartition(names[0], p, off) for p, off in ends.items()], asynchronous=False)
+        c.close()
         produce_queries(bootstrap, names[0], queries[:third])
         produce(bootstrap, names[0], bad_records(0, BAD // 3))
         for m in ("m0", "m1", "m2"):
@@ -133,6 +145,12 @@ def chaos(broker: tuple[str, dict[str, str]], tmp: Path, guarantee: str) -> tupl
         out.close()
         dlq.close()
     ids = out.key_counts()
+    before = {q for q, _ in prior} & set(ids)
+    print(f"\n{guarantee}: {len(before)} records from before the group began written again")
+    if guarantee == "exactly-once":
+        assert not before, f"records committed before the members began written again: {sorted(before)[:5]}"
+    for q in before:
+        del ids[q]
     if out.rereads:
         print(f"\n{guarantee}: the reader received {out.rereads} records twice (same partition and offset; not "
               "duplicates on the topic)")

@@ -186,13 +186,22 @@ def _transactional(latch: FatalLatch) -> tuple[OutputProducer, FakeProducer, lis
     return wrapper, fake, failed
 
 
+def live(released: list[int], mark: int = 1) -> Any:
+    """An on_given_up for a record of the open transaction: reports the failure, then releases."""
+    def release(fail: Any) -> bool:
+        fail()
+        released.append(mark)
+        return True
+    return release
+
+
 def test_exactly_once_a_failed_delivery_fails_the_transaction_not_the_worker() -> None:
     latch = FatalLatch()
     wrapper, fake, failed = _transactional(latch)
     fake.fail_with = KafkaError(KafkaError.MSG_SIZE_TOO_LARGE)
     given_up: list[int] = []
     wrapper.start()
-    assert wrapper.produce("out", b"k", b"v", [], lambda: None, lambda: given_up.append(1) is None)
+    assert wrapper.produce("out", b"k", b"v", [], lambda: None, live(given_up))
     deadline = time.monotonic() + 5
     while not failed and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -207,7 +216,7 @@ def test_exactly_once_a_produce_refused_by_an_abortable_transaction_is_given_up_
     fake.refuse = KafkaError(KafkaError._STATE, "Operation not valid in state AbortableError")
     released: list[int] = []
     for i in range(3):
-        assert wrapper.produce("out", b"k", b"v", [], lambda: None, lambda i=i: released.append(i) is None)
+        assert wrapper.produce("out", b"k", b"v", [], lambda: None, live(released, i))
     assert released == [0, 1, 2] and len(failed) == 3 and not latch.is_set()
 
 
@@ -215,7 +224,7 @@ def test_exactly_once_a_failed_write_of_an_already_aborted_transaction_fails_not
     latch = FatalLatch()
     wrapper, fake, failed = _transactional(latch)
     fake.refuse = KafkaError(KafkaError._STATE)
-    assert wrapper.produce("out", b"k", b"v", [], lambda: None, lambda: False)  # its state was replaced
+    assert wrapper.produce("out", b"k", b"v", [], lambda: None, lambda fail: False)  # its state was replaced
     assert failed == [] and not latch.is_set() and wrapper.given_up == 1
 
 
@@ -225,7 +234,7 @@ def test_exactly_once_a_missing_acl_or_a_fatal_error_still_stops_the_worker(err:
     latch = FatalLatch()
     wrapper, fake, failed = _transactional(latch)
     fake.refuse = err
-    assert not wrapper.produce("out", b"k", b"v", [], lambda: None, lambda: True)
+    assert not wrapper.produce("out", b"k", b"v", [], lambda: None, live([]))
     assert latch.is_set() and failed == []
 
 
@@ -235,7 +244,7 @@ def test_a_record_purged_by_an_abort_leaves_the_in_flight_table() -> None:
     fake.fail_with = KafkaError(KafkaError._PURGE_QUEUE)
     released: list[int] = []
     wrapper.start()
-    wrapper.produce("out", b"k", b"v", [], lambda: None, lambda: released.append(1) is None)
+    wrapper.produce("out", b"k", b"v", [], lambda: None, live(released))
     deadline = time.monotonic() + 5
     while not released and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -639,3 +648,45 @@ def test_a_replaced_client_is_not_polled_its_errors_are_muted_and_it_is_retired_
     new.config["error_cb"](KafkaError(KafkaError._FENCED, "fenced", fatal=True))  # the current one still counts
     assert latch.is_set() and "fenced" in str(latch.error)
     wrapper.stop(2.0)
+
+
+def test_a_replaced_client_is_destroyed_on_a_thread_of_its_own_never_the_delivery_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32, finding 5. rd_kafka_destroy can block on a dead broker's connections; if the last
+    reference to an abandoned client ended on the delivery thread, acknowledgements would stop
+    there until the stall probe restarted the member. Here the retiring thread finishes before the
+    delivery thread goes on (a legal interleaving, forced), so whatever the delivery thread still
+    holds would be the last reference."""
+    destroyed: list[str] = []
+
+    class Client(FakeProducer):
+        def __del__(self) -> None:  # where CPython runs it: the thread that drops the last reference
+            destroyed.append(threading.current_thread().name)
+
+    made: list[Client] = []
+
+    def factory(config: dict[str, Any]) -> Client:
+        made.append(Client(config))
+        return made[-1]
+
+    latch = FatalLatch()
+    wrapper = OutputProducer({"transactional.id": "t"}, latch, producer_factory=factory, poll_interval_s=0.01)
+    done = threading.Thread(target=lambda: None)
+    done.start()
+    done.join()  # the call blocked in the old client has returned
+    wrapper.replace_client(done)
+    made.pop(0)  # the test's own reference
+
+    class RetireFirst(threading.Thread):
+        def start(self) -> None:
+            super().start()
+            if self.name == "kwe-retire-producer":
+                self.join()
+
+    monkeypatch.setattr(threading, "Thread", RetireFirst)
+    wrapper.start()
+    deadline = time.monotonic() + 5
+    while not destroyed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    wrapper.stop(2.0)
+    assert destroyed == ["kwe-retire-producer"] and wrapper.abandoned == 0

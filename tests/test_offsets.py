@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+from typing import Any
 
 import pytest
 
@@ -78,39 +79,89 @@ def test_tracking_backwards_is_refused() -> None:
         p.track(5)
 
 
-def test_a_refetch_from_where_the_state_began_is_recognised_and_then_tracking_goes_on() -> None:
+def _log(end: int, start: int = 0) -> Any:
+    """Watermarks of a partition whose log holds offsets start..end-1."""
+    return lambda topic, partition: (start, end)
+
+
+def test_a_refetch_of_the_same_log_is_recognised_and_then_tracking_goes_on() -> None:
     p = PartitionOffsets("t", 0, 1)
     for off in range(4, 10):
-        p.track(off, ("rec", off))
+        p.track(off, 3)
     for off in range(4, 10):
         p.done(off)
     with pytest.raises(Refetched) as first:
-        p.track(4, ("rec", 4))
+        p.track(4, 3, _log(10))
     assert first.value.first
     for off in (5, 7, 9):  # the rest of it, gaps included (transaction markers)
         with pytest.raises(Refetched) as later:
-            p.track(off, ("rec", off))
+            p.track(off, 3, _log(10))
         assert not later.value.first
-    p.track(10, ("rec", 10))  # past the re-fetch: new records again
+    p.track(10, 3)  # past the re-fetch: new records again
     assert p.committable() == 10 and p.unfinished() == 1
-    with pytest.raises(OffsetWentBack):  # and a lower offset now is no longer taken for it
-        p.track(9, ("rec", 9))
 
 
-def test_a_lower_offset_is_a_reset_unless_it_is_the_first_record_again() -> None:
+def test_a_reset_to_the_log_start_below_where_the_state_began_is_a_refetch() -> None:
+    """librdkafka's resets go to auto.offset.reset (earliest: the log start), not where the state
+    began; below that, the group committed the records before this state began."""
+    p = PartitionOffsets("t", 0, 1)
+    p.track(40, 2)
+    p.track(41, 3)  # a leader change within the state
+    with pytest.raises(Refetched, match="from the log start") as first:
+        p.track(0, 1, _log(42))  # written in an older epoch: before offset 40
+    assert first.value.first
+    for off in range(1, 40):
+        with pytest.raises(Refetched):
+            p.track(off, 2, _log(42))
+    with pytest.raises(Refetched):
+        p.track(40, 2, _log(42))
+    with pytest.raises(OffsetWentBack, match="leader epoch 4"):  # 41 was written in epoch 3
+        p.track(41, 4, _log(42))
+
+
+def test_a_lower_offset_is_a_reset_when_the_log_ends_below_what_was_consumed() -> None:
+    """A log whose end is below the state's next offset was truncated or replaced (a recreated
+    topic starts again at epoch 0, like the old one may have): its records are new."""
+    p = PartitionOffsets("t", 0, 1)
+    for off in range(10):
+        p.track(off, 0)
+    with pytest.raises(OffsetWentBack, match="ends at 4"):
+        p.track(0, 0, _log(4))
+    with pytest.raises(OffsetWentBack, match="unknown"):
+        p.track(0, 0, lambda topic, partition: None)
+    with pytest.raises(OffsetWentBack):  # no way to read the log's end: never taken for a re-fetch
+        p.track(0, 0)
+
+
+def test_a_lower_offset_with_another_leader_epoch_is_a_new_record() -> None:
     p = PartitionOffsets("t", 0, 1)
     for off in range(4, 10):
-        p.track(off, ("rec", off))
-    with pytest.raises(OffsetWentBack):  # the same offset, another record: the log was recreated
-        p.track(4, ("new", 4))
-    with pytest.raises(OffsetWentBack):  # below where the state began
-        p.track(0, ("rec", 0))
-    with pytest.raises(OffsetWentBack):  # inside it, but nothing to compare the record with
-        p.track(6, ("rec", 6))
+        p.track(off, 2)
+    with pytest.raises(OffsetWentBack):  # rewritten after a truncation: a newer epoch
+        p.track(6, 3, _log(12))
+    with pytest.raises(OffsetWentBack):  # an older epoch at an offset this state saw: another log
+        p.track(6, 1, _log(12))
+    with pytest.raises(OffsetWentBack):  # below where it began, in a newer epoch than its first record
+        p.track(0, 3, _log(12))
+    with pytest.raises(OffsetWentBack):  # no leader epoch (an old broker or message format)
+        p.track(4, None, _log(12))
     q = PartitionOffsets("t", 0, 2)
     q.track(4)
-    with pytest.raises(OffsetWentBack):  # no record given: never taken for a re-fetch
-        q.track(4)
+    with pytest.raises(OffsetWentBack):  # tracked without one: never taken for a re-fetch
+        q.track(4, 0, _log(12))
+
+
+def test_a_refetch_that_meets_a_rewritten_record_becomes_a_reset_there() -> None:
+    """An unclean election kept offsets 0-5 and rewrote the rest: the same records are skipped, the
+    first rewritten one is a reset (processed as new, and what follows it)."""
+    p = PartitionOffsets("t", 0, 1)
+    for off in range(10):
+        p.track(off, 0)
+    for off in range(6):
+        with pytest.raises(Refetched):
+            p.track(off, 0, _log(12))
+    with pytest.raises(OffsetWentBack, match="leader epoch 1"):
+        p.track(6, 0 + 1, _log(12))
 
 
 def test_done_twice_or_unknown_is_harmless() -> None:

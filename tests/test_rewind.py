@@ -69,7 +69,7 @@ class Member:
         self.intake = Intake(Settings(input_format="raw"), _Tokenizer(), self.committer.tracker, self.inflight,
                              lambda seq, ids: self.submitted.append(seq),
                              DeadLetters("dlq", 1 << 20, None, self.acks),  # type: ignore[arg-type]
-                             self.metrics)
+                             self.metrics, watermarks=self.member.watermarks)
         self.delivery.start()
         self.member.subscribe("in", self)
 
@@ -95,6 +95,13 @@ class Member:
         if msgs:
             self.delivery.before_intake()
             self.intake.handle(msgs)
+
+    def settle(self, turns: int = 3) -> None:
+        """Polls and finishes everything fetched, `turns` times, then closes the transaction."""
+        for _ in range(turns):
+            self.poll(max_records=20)
+            self.finish_all()
+        self.txn.step(flow_paused=True)
 
     def finish_all(self) -> None:
         for seq in list(self.submitted):
@@ -153,19 +160,13 @@ def test_offsets_that_go_back_without_a_rewind_are_new_records_not_duplicates() 
     lower offsets hold new records: processed and committed, never skipped."""
     m = Member(partitions=1, records=10)
     m.consumer.assign_op([0])()
-    for _ in range(3):
-        m.poll(max_records=20)
-        m.finish_all()
-    m.txn.step(flow_paused=True)
+    m.settle()
     assert m.txn.committed == 1 and m.producer.offsets == {("in", 0): 10}
     # Recreated with 4 records; the fetch at 10 is out of range and resets to the start (0).
     m.consumer.logs[0] = [f"new-{o}".encode() for o in range(4)]
     m.consumer.fetch_at[0] = 0
     m.consumer.queue.clear()
-    for _ in range(3):
-        m.poll(max_records=20)
-        m.finish_all()
-    m.txn.step(flow_paused=True)
+    m.settle()
     assert m.txn.committed == 2 and not m.latch.is_set()
     assert m.producer.visible.count("0-0") == 2 and len(m.producer.visible) == 14
     assert m.producer.offsets == {("in", 0): 4}
@@ -174,22 +175,61 @@ def test_offsets_that_go_back_without_a_rewind_are_new_records_not_duplicates() 
 def test_a_refetch_from_the_start_of_the_assignment_is_skipped_not_written_again() -> None:
     """Seen in CI (the exactly-once chaos test, 218 duplicates): within one assignment, with no
     seek and no rebalance of ours, librdkafka delivered a partition again from where the member
-    began, after those records were committed. The same records are skipped, and the
+    began, after those records were committed (there the log start: an offset reset, issue 32). The same records are skipped, and the
     partition's new records after them are processed as usual."""
     m = Member(partitions=1, records=10)
     m.consumer.assign_op([0])()
-    for _ in range(3):
-        m.poll(max_records=20)
-        m.finish_all()
-    m.txn.step(flow_paused=True)
+    m.settle()
     assert m.txn.committed == 1 and m.producer.offsets == {("in", 0): 10}
     m.consumer.logs[0] += [f"0-{o}".encode() for o in range(10, 13)]
     m.consumer.fetch_at[0] = 0  # the client fetches again from the start, same log
     m.consumer.queue.clear()
-    for _ in range(3):
-        m.poll(max_records=20)
-        m.finish_all()
-    m.txn.step(flow_paused=True)
+    m.settle()
     assert m.txn.committed == 2 and not m.latch.is_set()
     assert sorted(m.producer.visible) == sorted(f"0-{o}" for o in range(13))
     assert m.producer.offsets == {("in", 0): 13}
+
+
+def test_a_reset_to_the_log_start_of_a_member_that_began_above_it_is_skipped_not_written_again() -> None:
+    """Issue 32, finding 2. librdkafka's error-driven resets (OFFSET_OUT_OF_RANGE, and KIP-320's "No
+    epoch found ... Reset using configured policy": rdkafka_offset.c, rd_kafka_offset_reset) go to
+    auto.offset.reset, earliest: the log start, not where the member began. Here it began at its
+    group's committed offset 5, and the same log (every record's leader epoch as before, its end
+    past what the member consumed) comes again from 0: 0-4 were committed before the member
+    began, 5-9 by it. Only 10-12 are new."""
+    m = Member(partitions=1, records=10)
+    m.consumer.committed = {0: 5}
+    m.consumer.assign_op([0])()
+    m.settle()
+    assert m.txn.committed == 1 and m.producer.offsets == {("in", 0): 10}
+    m.consumer.logs[0] += [f"0-{o}".encode() for o in range(10, 13)]
+    m.consumer.fetch_at[0] = 0  # reset to the log start, same log
+    m.consumer.queue.clear()
+    m.settle()
+    assert not m.latch.is_set(), m.latch.error
+    assert sorted(m.producer.visible, key=lambda k: int(k.split("-")[1])) == [f"0-{o}" for o in range(5, 13)]
+    assert m.producer.offsets == {("in", 0): 13}
+
+
+def test_a_log_truncated_and_rewritten_under_the_member_loses_none_of_its_new_records() -> None:
+    """Issue 32, finding 3. An unclean leader election: the new leader's log holds offsets 0-5 of the
+    old one (the same records, leader epoch 0) and new records from 6 on, written in its epoch 1;
+    librdkafka resets to the log start. The first record is unchanged (same timestamp, key and
+    value), so comparing it alone took the whole delivery for a re-fetch and skipped 6-11. The
+    records that are the same ones (same offset, same leader epoch) are skipped; the new ones are
+    all written, and committed."""
+    m = Member(partitions=1, records=10)
+    m.consumer.assign_op([0])()
+    m.settle()
+    assert m.txn.committed == 1 and m.producer.offsets == {("in", 0): 10}
+    log = m.consumer.logs[0]
+    m.consumer.logs[0] = log[:6] + [f"new-{o}".encode() for o in range(6, 12)]
+    m.consumer.keys[0] = {o: f"new-{o}".encode() for o in range(6, 12)}
+    m.consumer.epochs[0] = {o: 1 for o in range(6, 12)}
+    m.consumer.fetch_at[0] = 0
+    m.consumer.queue.clear()
+    m.settle()
+    assert not m.latch.is_set(), m.latch.error
+    assert [k for k in m.producer.visible if k.startswith("new-")] == [f"new-{o}" for o in range(6, 12)]
+    assert sorted(k for k in m.producer.visible if not k.startswith("new-")) == sorted(f"0-{o}" for o in range(10))
+    assert m.producer.offsets == {("in", 0): 12}

@@ -145,6 +145,41 @@ def test_a_retriable_error_is_retried_and_the_transaction_commits() -> None:
     assert loop.txn.committed == 1 and loop.txn.aborted == 0
 
 
+def test_a_commit_that_times_out_is_resumed_not_aborted() -> None:
+    """Issue 32, finding 6. A commit_transaction that times out goes on in librdkafka's background;
+    the call is made again to resume it ("This call is resumable when a retriable timeout error is
+    returned", rdkafka.h), and abort_transaction meanwhile is refused with _CONFLICT (rdkafka_txnmgr.c,
+    rd_kafka_txn_curr_api_begin). Seven timeouts in a row (more than RETRIES), then it completes."""
+    loop = Loop()
+    loop.producer.errors["commit"] = [RETRIABLE] * 7
+    loop.consume(0, 1)
+    loop.finish(0, 1)
+    loop.clock.now = 2
+    loop.txn.step(flow_paused=False)
+    assert not loop.latch.is_set(), loop.latch.error
+    assert loop.producer.calls.count("commit") == 8 and "abort" not in loop.producer.calls
+    assert loop.producer.visible == ["out-0-1"] and loop.producer.offsets == {("in", 0): 2}
+    assert loop.txn.committed == 1 and loop.txn.aborted == 0
+
+
+def test_a_commit_unfinished_at_the_shutdown_deadline_is_left_to_the_next_init() -> None:
+    """Stopping: resumed until the deadline, then left under way (not aborted: _CONFLICT); nothing
+    more is consumed or committed and the member exits cleanly. The transaction commits or aborts
+    as one, offsets included, when the next init_transactions of this member ends it."""
+    import time
+
+    loop = Loop()
+    loop.txn.sleep = time.sleep
+    loop.producer.errors["commit"] = [RETRIABLE] * 1000
+    loop.consume(0, 1)
+    loop.finish(0, 1)
+    loop.txn.stop.start(0.5)
+    loop.txn.finish(lambda timeout_s: True, 0.5)
+    assert not loop.latch.is_set(), loop.latch.error
+    assert "abort" not in loop.producer.calls and loop.producer.resuming == "commit"
+    assert loop.txn.closing and loop.tracker.partitions() == []  # halted: nothing more is taken
+
+
 @pytest.mark.parametrize("call", ["send_offsets", "commit"])
 def test_an_abortable_error_aborts_and_rewinds_to_the_last_committed_offsets(call: str) -> None:
     loop = Loop()
@@ -524,6 +559,74 @@ def test_a_revoke_with_a_failed_write_aborts_instead_of_stopping_the_member() ->
     assert not loop.latch.is_set() and loop.producer.calls[-1] == "abort" and loop.txn.state == "idle"
 
 
+def test_a_refused_write_fails_its_transaction_before_its_record_leaves_the_in_flight_table() -> None:
+    """Issue 32, finding 4. A write refused by the client (MSG_SIZE_TOO_LARGE against the producer's
+    message.max.bytes) does not make librdkafka's transaction abortable, so only the worker's own
+    report stops it from committing. The poll thread commits once nothing is in flight: if the record
+    left the in-flight table before the failure was reported, a poll turn in between (the barrier
+    here) commits the transaction, the failure then finds no transaction and is dropped, and the
+    record's offset never completes."""
+    import threading
+
+    from worker.acks import Acknowledger
+    from worker.inflight import InFlight, InFlightTable
+    from worker.kafka.headers import InputHeaders
+    from worker.kafka.producer import OutputProducer
+    from worker.metrics import Metrics
+
+    class Client(FakeTxnProducer):
+        """The transactional fake, producing like librdkafka: refused at once when too large."""
+
+        def __init__(self, config: dict[str, Any]) -> None:
+            super().__init__()
+            self.reports: list[Any] = []
+
+        def produce(self, topic: str, key: Any = None, value: Any = None, headers: Any = None,  # type: ignore[override]
+                    on_delivery: Any = None) -> None:
+            if value == b"too large":
+                raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Message size too large"))
+            super().produce(value.decode())
+            self.reports.append(on_delivery)
+
+    latch = FatalLatch()
+    inflight = InFlightTable()
+    acks = Acknowledger(inflight, Metrics())
+    wrapper = OutputProducer({}, latch, producer_factory=Client)
+    client = wrapper.client
+    tracker = OffsetTracker()
+    part = tracker.assign("in", 0)
+    clock = Clock()
+    consumer = FakeConsumer()
+    txn = Transactions(client, consumer, tracker, latch, inflight.__len__, interval_s=1.0, clock=clock,
+                       sleep=lambda s: None, write_gate=wrapper.write_gate)
+    turns: list[int] = []
+
+    def failed(reason: str) -> None:
+        # The barrier: the poll thread takes a turn between the write's failure and its report.
+        poll = threading.Thread(target=lambda: (turns.append(inflight.__len__()), txn.step(flow_paused=True)))
+        poll.start()
+        poll.join()
+        txn.write_failed(reason)
+
+    wrapper.fail_writes_into(failed)
+    txn.init()
+    txn.ensure_open()
+    for off in (0, 1):
+        part.track(off)
+        inflight.add(off, InFlight(part, off, f"q{off}", 3, False, None, 1, None, InputHeaders()))
+    assert wrapper.produce("out", b"q0", b"q0", [], acks.embedded(0), acks.given_up(0))
+    client.reports[0](None, None)  # the delivery thread acknowledges q0
+    clock.now = 1.5
+    txn.step(flow_paused=False)
+    assert txn.state == "closing"  # waits for q1
+    assert wrapper.produce("out", b"q1", b"too large", [], acks.embedded(1), acks.given_up(1))
+    txn.step(flow_paused=False)
+    assert not latch.is_set(), latch.error
+    assert "commit" not in client.calls and client.calls[-1] == "abort" and client.offsets == {}
+    assert turns == [1]  # the poll turn in between saw the failed record still in flight
+    assert consumer.seeks == [("in", 0, 0)] and txn.aborted == 1  # q0 and q1 are consumed again
+
+
 # ------------------------------------------------- a hung call: a new producer takes over
 class Stuck:
     """Makes one call of a fake producer block (as librdkafka's did after a coordinator's node was
@@ -578,6 +681,18 @@ class TakeOverLoop(Loop):
         self.consume(0, offset)
         self.finish(0, offset)
         self.txn.step(flow_paused=True)
+
+    def intake(self, partition: int, *offsets: int) -> None:
+        """Records the member fetched, as the pipeline takes them: a transaction is opened for them
+        (before_intake), then each is tracked by its partition's offset state, or dropped when the
+        partition has none (worker/intake.py)."""
+        self.txn.ensure_open()
+        part = self.tracker.get("in", partition)
+        if part is None:
+            return
+        for off in offsets:
+            part.track(off)
+            self.in_flight[(partition, off)] = part
 
     def replace(self, stuck: Any) -> FakeTxnProducer:
         self.stuck.append(stuck)
@@ -705,6 +820,115 @@ def test_a_new_producer_that_cannot_fence_the_old_one_stops_the_member(short_han
         loop.commit_one()
     assert isinstance(loop.latch.error, TransactionHungError)
     assert "could not take over" in str(loop.latch.error) and loop.consumer.seeks == []
+
+
+def _committed_without_output(loop: TakeOverLoop, partition: int = 0, since: int = 5) -> list[int]:
+    """Offsets the group has committed (through any of the producers) whose output no producer
+    made visible: records lost for a read_committed reader."""
+    committed = max((p.offsets.get(("in", partition), since) for p in loop.producers), default=since)
+    visible = {r for p in loop.producers for r in p.visible}
+    return [off for off in range(since, committed) if f"out-{partition}-{off}" not in visible]
+
+
+def test_a_stop_while_the_committed_offsets_are_read_commits_nothing_past_the_hung_transaction(
+        short_hang: None) -> None:
+    """Issue 32, finding 1. A SIGTERM while the take-over reads the group's committed offsets (the
+    group coordinator does not answer): the partitions were given fresh offset state but not rewound,
+    so what the member still fetches comes from past the hung transaction's records, whose outputs
+    the new producer's init aborted. Nothing of it may be committed: the drain's finish would
+    commit offsets past records that have no output."""
+    loop = TakeOverLoop()
+
+    def committed(partitions: Any, timeout: float) -> Any:
+        loop.txn.stop.start(5.0)  # the SIGTERM, while the coordinator does not answer
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "Timed out"))
+
+    loop.consumer.committed = committed  # type: ignore[method-assign]
+    with Stuck(loop.producer, "send_offsets_to_transaction"):
+        loop.consume(0, 5, 6)
+        loop.finish(0, 5)
+        loop.finish(0, 6)
+        loop.txn.step(flow_paused=True)
+        assert not loop.latch.is_set(), loop.latch.error
+        loop.intake(0, 7, 8)  # the fetch position is past the hung transaction's records
+        for key in list(loop.in_flight):
+            loop.finish(*key)
+        loop.txn.finish(drained_waiter(lambda: len(loop.in_flight), lambda s: None), 1.0)
+    assert not loop.latch.is_set(), loop.latch.error
+    assert _committed_without_output(loop) == []
+    assert all(p.offsets == {} for p in loop.producers)  # nothing committed: the successor starts at 5
+    assert loop.txn.closing  # intake stays paused until the member exits
+
+
+def test_a_stop_while_the_new_producer_initialises_begins_nothing(short_hang: None) -> None:
+    """Issue 32, finding 1: a SIGTERM during the new producer's init_transactions. No transaction
+    may be begun on the uninitialised producer (librdkafka refuses it with _STATE, which stopped the
+    member with exit 1), and nothing is committed."""
+    loop = TakeOverLoop()
+    real_replace = loop.replace
+
+    def replace(call: Any) -> FakeTxnProducer:
+        new = real_replace(call)
+
+        def init(timeout: float) -> None:
+            new.calls.append("init")
+            loop.txn.stop.start(5.0)  # the SIGTERM, while the coordinator moves
+            raise KafkaException(RETRIABLE)
+
+        new.init_transactions = init  # type: ignore[method-assign]
+        return new
+
+    loop.txn.replace_producer = replace
+    with Stuck(loop.producer, "send_offsets_to_transaction"):
+        loop.commit_one()
+        loop.intake(0, 6, 7)
+        for key in list(loop.in_flight):
+            loop.finish(*key)
+        loop.txn.finish(drained_waiter(lambda: len(loop.in_flight), lambda s: None), 1.0)
+    assert not loop.latch.is_set(), loop.latch.error
+    assert loop.producer.calls == ["init"] and len(loop.producers) == 2
+    assert _committed_without_output(loop) == [] and all(p.offsets == {} for p in loop.producers)
+
+
+def test_a_commit_that_never_completes_is_taken_over_after_the_transaction_timeout(short_hang: None) -> None:
+    """Resumed for as long as the coordinator could still complete it (transaction_timeout_s), never
+    aborted (_CONFLICT); then a new producer takes over, as for a call that hung: its init ends the
+    transaction, and the partitions go back to the group's committed offsets."""
+    loop = TakeOverLoop()
+    old = loop.producer
+    loop.txn.sleep = lambda s: setattr(loop.clock, "now", loop.clock.now + 1.0)
+    old.errors["commit"] = [RETRIABLE] * 1000
+    loop.consume(0, 5)
+    loop.finish(0, 5)
+    loop.clock.now = t0 = 2.0
+    loop.txn.step(flow_paused=False)
+    assert not loop.latch.is_set(), loop.latch.error
+    assert "abort" not in old.calls and old.calls.count("commit") > 5
+    assert loop.clock.now - t0 >= loop.txn.transaction_timeout_s
+    assert loop.txn.taken_over == 1 and loop.consumer.seeks == [("in", 0, 5)]
+    loop.commit_one()  # consumed again, committed once through the new producer
+    assert loop.producer.visible == ["out-0-5"] and old.visible == []
+
+
+def test_an_abort_that_keeps_timing_out_is_resumed_then_taken_over(short_hang: None) -> None:
+    """Found by the cluster test of a SIGTERM during a take-over: the group coordinator's node frozen,
+    the partitions lost, and the abort of the open transaction timed out (retriable: librdkafka
+    keeps it under way, "retry call to resume") 5 times in a row; the member exited 1 with "the
+    transaction could not be aborted". abort_transaction is resumable like commit_transaction
+    (rdkafka.h); resumed for up to transaction_timeout_s, then a new producer takes over (its init
+    ends the transaction) instead of the member exiting."""
+    loop = TakeOverLoop()
+    old = loop.producer
+    loop.txn.sleep = lambda s: setattr(loop.clock, "now", loop.clock.now + 1.0)
+    old.errors["abort"] = [RETRIABLE] * 1000
+    loop.consume(0, 5, 6)
+    loop.txn.lost()  # young: abort it once drained
+    loop.finish(0, 5)
+    loop.finish(0, 6)
+    loop.txn.step(flow_paused=False)
+    assert not loop.latch.is_set(), loop.latch.error
+    assert old.calls.count("abort") > 5 and old.resuming == "abort"
+    assert loop.txn.taken_over == 1 and loop.producer is not old and loop.consumer.seeks == [("in", 0, 5)]
 
 
 def test_a_hung_call_while_stopping_is_not_taken_over(short_hang: None) -> None:

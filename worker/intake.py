@@ -26,7 +26,7 @@ from worker.dead_letters import DeadLetters
 from worker.inflight import InFlight, InFlightTable
 from worker.kafka.headers import read_headers
 from worker.kafka.messages import Headers, Keyword, Rejection, decode_input
-from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched
+from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched, Watermarks
 from worker.metrics import Metrics
 
 log = structlog.get_logger(__name__)
@@ -44,8 +44,10 @@ class Intake:
     def __init__(self, settings: Settings, tokenizer: Any, tracker: OffsetTracker, inflight: InFlightTable,
                  submit: Submit, dead_letters: DeadLetters, metrics: Metrics, *,
                  cache: EmbeddingCache[int] | None = None, answer: Answer | None = None,
-                 decode: Decode | None = None) -> None:
+                 decode: Decode | None = None, watermarks: Watermarks | None = None) -> None:
         self._settings = settings
+        # The partition's log start and end from the consumer, read when its offsets go back.
+        self._watermarks = watermarks
         self._decode = decode  # None: json or raw, decoded here
         self._tokenizer = tokenizer
         self._tracker = tracker
@@ -96,22 +98,23 @@ class Intake:
         offset = msg.offset()
         ts_type, ts = msg.timestamp()
         key, value = msg.key() or b"", msg.value() or b""
+        epoch = msg.leader_epoch()
         try:
-            part.track(offset, (ts, key, value))
+            part.track(offset, epoch, self._watermarks)
         except Refetched as exc:
-            # Already in flight or done here: writing it again would duplicate it, even for a
-            # read_committed reader (the first copy was committed).
+            # Already in flight or done here, or committed before this owner began: writing it
+            # again would duplicate it, even for a read_committed reader.
             if exc.first:
-                log.warning("partition fetched again from where this owner began; the records "
-                            "already seen are skipped", error=str(exc))
+                log.warning("partition fetched again by the client (an offset reset to the log start, or "
+                            "a re-fetch); the records already processed are skipped", error=str(exc))
             return None
         except OffsetWentBack as exc:
-            # Not a re-fetch: the lower offsets are new records (a recreated topic, a truncated
-            # log). The partition starts over from here; nothing is skipped.
+            # The lower offsets are new records (a recreated topic, a log truncated and rewritten).
+            # The partition starts over from here; nothing is skipped.
             log.warning("partition offsets went back: the input log was reset (topic recreated or "
                         "truncated); the records from here on are processed as new", error=str(exc))
             part = self._tracker.restart(part.topic, part.partition)
-            part.track(offset, (ts, key, value))
+            part.track(offset, epoch)
         headers = read_headers(msg)  # never msg.headers(): a header name need not be UTF-8
         nbytes = len(key) + len(value) + headers.size
         return InFlight(part, offset, "", 0, False, ts if ts_type else None, nbytes, msg, headers)

@@ -124,7 +124,8 @@ class Pipeline:
             max_queue_delay_ms=settings.max_queue_delay_ms, dispatchers=settings.dispatchers,
             pad_to=settings.pad_to, costs=costs, guard=lambda name, body: guarded(self.latch, name, body))
         self._intake = Intake(settings, tokenizer, self._committer.tracker, self._inflight, self._bucketer.submit,
-                              dead_letters, self.metrics, cache=cache, answer=self._output.on_cached, decode=decode)
+                              dead_letters, self.metrics, cache=cache, answer=self._output.on_cached, decode=decode,
+                              watermarks=self._member.watermarks)
         self.liveness = Liveness(self.latch, lambda: [self._output.thread, self._producer.thread,
                                                       *self._bucketer.threads],
                                  self._committer.stalled_for, settings.stall_timeout_s)

@@ -8,7 +8,10 @@ What it models of librdkafka (rdkafka_queue.c, rdkafka_partition.c):
   versions are dropped, and so are records of older versions gathered by the *same* consume()
   call before the op ran (the "seek barrier"); records returned by an earlier call are the
   caller's;
-- fetching restarts from the sought (or committed) offset.
+- fetching restarts from the sought (or committed) offset;
+- each record carries its leader epoch (Message.leader_epoch()), and get_watermark_offsets(cached=True)
+  answers the log start and end as the last fetch response gave them (rdkafka_fetcher.c stores
+  LogStartOffset and HighwaterMarkOffset per partition; rd_kafka_get_watermark_offsets reads them).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class FakeMessage:
     _offset: int
     _value: bytes
     version: int = 0
+    _key: bytes | None = None  # None: "<partition>-<offset>"
+    _epoch: int | None = 0
 
     def topic(self) -> str:
         return self._topic
@@ -42,7 +47,10 @@ class FakeMessage:
         return self._value
 
     def key(self) -> bytes:
-        return f"{self._partition}-{self._offset}".encode()
+        return self._key if self._key is not None else f"{self._partition}-{self._offset}".encode()
+
+    def leader_epoch(self) -> int | None:
+        return self._epoch
 
     def error(self) -> None:
         return None
@@ -61,6 +69,11 @@ class FakeGroupConsumer:
         self.config = config
         self.topic = topic
         self.logs = {p: [f"{p}-{o}".encode() for o in range(records)] for p in range(partitions)}
+        # Per partition: keys (default "<partition>-<offset>") and leader epochs (default 0) by offset,
+        # and the log start (default 0).
+        self.keys: dict[int, dict[int, bytes]] = {p: {} for p in range(partitions)}
+        self.epochs: dict[int, dict[int, int]] = {p: {} for p in range(partitions)}
+        self.log_start: dict[int, int] = {}
         self.committed: dict[int, int] = {}
         self.fetch_at: dict[int, int] = {}
         self.version: dict[int, int] = {}
@@ -114,13 +127,18 @@ class FakeGroupConsumer:
     def consumer_group_metadata(self) -> str:
         return "group-metadata"
 
+    def get_watermark_offsets(self, tp: TopicPartition, timeout: float | None = None,
+                              cached: bool = False) -> tuple[int, int]:
+        return self.log_start.get(tp.partition, 0), len(self.logs[tp.partition])
+
     def _fetch(self) -> None:
         for p, at in sorted(self.fetch_at.items()):
             if p in self.paused:
                 continue
             log = self.logs[p]
-            for off in range(at, len(log)):
-                self.queue.append(FakeMessage(self.topic, p, off, log[off], self.version.get(p, 0)))
+            for off in range(max(at, self.log_start.get(p, 0)), len(log)):
+                self.queue.append(FakeMessage(self.topic, p, off, log[off], self.version.get(p, 0),
+                                              self.keys[p].get(off), self.epochs[p].get(off, 0)))
             self.fetch_at[p] = len(log)
 
     def _current(self, msg: FakeMessage) -> bool:

@@ -1,7 +1,10 @@
 """confluent-kafka's transactional producer, as far as the transaction loop can tell: a state
 machine (ready -> in transaction -> ready), records visible only once their transaction commits,
 errors raised as KafkaException carrying a KafkaError whose fatal(), retriable() and
-txn_requires_abort() say what librdkafka would."""
+txn_requires_abort() say what librdkafka would, and librdkafka's resumable calls: after a retriable
+error of commit_transaction (or abort_transaction) the call stays under way in the background, only
+that call may be made again (it resumes), and any other transactional call is refused with
+_CONFLICT (rdkafka_txnmgr.c, rd_kafka_txn_curr_api_begin and rd_kafka_txn_curr_api_return)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 FENCED = KafkaError(KafkaError._FENCED, "Producer fenced by newer instance", fatal=True)
 ABORTABLE = KafkaError(KafkaError._STATE, "Transaction error requires abort", txn_requires_abort=True)
 RETRIABLE = KafkaError(KafkaError._TIMED_OUT, "Timed out", retriable=True)
+# Resumable calls: a retriable error leaves the call under way in librdkafka.
+RESUMABLE = ("commit", "abort")
 
 
 class FakeTxnProducer:
@@ -26,24 +31,33 @@ class FakeTxnProducer:
         self.pending_offsets: dict[tuple[str, int], int] = {}
         self.errors: dict[str, list[KafkaError]] = {}
         self.fenced = False
+        # The resumable call left under way by a retriable error (None: no call under way).
+        self.resuming: str | None = None
 
     def _enter(self, call: str) -> None:
         self.calls.append(call)
         if self.fenced:
             raise KafkaException(FENCED)
+        if self.resuming is not None and self.resuming != call:
+            raise KafkaException(KafkaError(KafkaError._CONFLICT, f"Conflicting {self.resuming}_transaction API "
+                                            "call is already in progress", retriable=True))
         queued = self.errors.get(call)
         if queued:
             err = queued.pop(0)
             if err.fatal():
                 self.fenced = True
+            elif err.retriable() and call in RESUMABLE:
+                self.resuming = call
             raise KafkaException(err)
+        self.resuming = None
 
     def init_transactions(self, timeout: float) -> None:
         self._enter("init")
         self.state = "ready"
 
     def begin_transaction(self) -> None:
-        assert self.state == "ready", f"begin in state {self.state}"
+        if self.state != "ready":  # rd_kafka_txn_require_state: e.g. an uninitialised producer
+            raise KafkaException(KafkaError(KafkaError._STATE, f"Operation not valid in state {self.state}"))
         self._enter("begin")
         self.state = "in_txn"
 

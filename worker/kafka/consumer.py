@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import structlog
-from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from worker.config import Settings
 from worker.deadline import Deadline
@@ -152,6 +152,15 @@ class GroupMember:
             elif err.code() != KafkaError._PARTITION_EOF:
                 self._errors.warn("consume error", err, topic=msg.topic())
         return out
+
+    def watermarks(self, topic: str, partition: int) -> tuple[int, int] | None:
+        """The partition's log start and end as the last fetch response gave them (librdkafka's
+        cached LogStartOffset and HighwaterMarkOffset; no request), or None when unknown."""
+        try:
+            low, high = self._consumer.get_watermark_offsets(TopicPartition(topic, partition), cached=True)
+        except KafkaException:
+            return None
+        return (low, high) if low >= 0 and high >= 0 else None
 
     def serve(self, timeout_s: float) -> None:
         """Serves the group (heartbeats, callbacks) without taking records (all paused)."""

@@ -9,6 +9,11 @@ committed on behalf of the next owner. Commit confirmations are tagged the same 
 offset is confirmed only on the object that asked for it (`request_commit`), so a late
 confirmation of an earlier assignment's commit never moves the new assignment's state.
 
+Offsets that go back within one state (no assignment, no rewind of ours) are librdkafka moving
+the fetch position by itself; `track` decides from what librdkafka tells the consumer whether
+the lower offsets are records already seen (skipped: `Refetched`) or new ones (`OffsetWentBack`):
+docs/delivery.md, "Offsets that go back".
+
 Thread-safety: `track` is called by the poll thread, `done` by the delivery thread and
 `committable` by the poll thread; one lock per partition keeps them consistent.
 """
@@ -17,18 +22,24 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+# (log start, log end) of a partition as the last fetch response gave them, or None when unknown
+# (confluent-kafka's Consumer.get_watermark_offsets(tp, cached=True)).
+Watermarks = Callable[[str, int], tuple[int, int] | None]
+# The leader epoch of records without one (a broker or message format older than KIP-101).
+NO_EPOCH = -1
 
 
 class OffsetWentBack(ValueError):
-    """A partition's offsets went back within one assignment, to records this state never saw:
-    its log was reset under us."""
+    """A partition's offsets went back within one assignment, to records that are not the ones this
+    state read: its log was reset under us (truncated and rewritten, or replaced)."""
 
 
 class Refetched(ValueError):
-    """A record this state already tracked, delivered again by the client; `first` on the record
-    that showed the re-fetch, not on the ones after it."""
+    """A record this state (or its group, below where it began) already processed, delivered again
+    by the client; `first` on the record that showed the re-fetch, not on the ones after it."""
 
     def __init__(self, message: str, *, first: bool) -> None:
         super().__init__(message)
@@ -46,44 +57,76 @@ class PartitionOffsets:
     _cells: dict[int, list] = field(default_factory=dict, repr=False)
     _next: int | None = None  # one past the highest offset tracked so far
     _first: int | None = None  # the first offset this owner consumed: where its group offset stood
-    _first_record: Hashable = None  # what the caller says identifies that record (see `track`)
+    # The leader epoch of every offset tracked, as runs: (first offset of the run, epoch).
+    _epochs: list[tuple[int, int]] = field(default_factory=list, repr=False)
     _refetch_at: int | None = None  # during a re-fetch: the lowest offset it may deliver next
     _committed: int | None = None  # the highest offset the broker confirmed as committed
     _requested: set[int] = field(default_factory=set, repr=False)  # commits asked for, not yet confirmed
     revoked: bool = False
 
-    def track(self, offset: int, record: Hashable = None) -> None:
-        """`record` identifies the record at `offset` (the worker passes its timestamp, key and
-        value); it tells a re-fetch from a reset when the offsets go back."""
+    def track(self, offset: int, epoch: int | None = None, watermarks: Watermarks | None = None) -> None:
+        """`epoch`: the record's leader epoch (Message.leader_epoch()); `watermarks`: where to read
+        the partition's log end when the offsets go back. Raises Refetched for a record already
+        processed, OffsetWentBack for a lower offset that holds a new record."""
+        e = NO_EPOCH if epoch is None else epoch
         with self._lock:
             if self._next is not None and offset < self._next:
-                # The position went back with no new assignment and no rewind of ours (both give
-                # a fresh state, and records fetched before them are dropped: GroupMember.consume).
-                # Two causes. librdkafka may fetch a partition again from where this state began:
-                # seen in CI, a member consumed offsets 0-217 of a partition a second time a second
-                # after committing them, with no seek and no rebalance; those records are ours
-                # already and are skipped. Or it reset the position because the log no longer
-                # holds it (the input topic was deleted and recreated, or an unclean leader
-                # election truncated the partition): the lower offsets hold new records. Only the
-                # first record can be compared, so a re-fetch is recognised where it starts there.
-                if self._refetch_at is not None and offset >= self._refetch_at:
-                    self._refetch_at = offset + 1
-                    raise Refetched(f"{self.topic}[{self.partition}]: offset {offset} delivered again",
-                                    first=False)
-                if offset == self._first and record is not None and record == self._first_record:
-                    self._refetch_at = offset + 1
-                    raise Refetched(f"{self.topic}[{self.partition}]: delivered again from offset {offset}, "
-                                    f"where this owner began (next new offset {self._next})", first=True)
-                raise OffsetWentBack(f"{self.topic}[{self.partition}]: offset {offset} tracked out of order "
-                                     f"(next expected >= {self._next}), and not the record this owner began with")
+                self._went_back(offset, e, watermarks)
             self._refetch_at = None
             if self._first is None:
                 self._first = offset
-                self._first_record = record
+            if not self._epochs or self._epochs[-1][1] != e:
+                self._epochs.append((offset, e))
             cell = [offset, False]
             self._order.append(cell)
             self._cells[offset] = cell
             self._next = offset + 1
+
+    def _went_back(self, offset: int, epoch: int, watermarks: Watermarks | None) -> None:
+        """The position went back with no new assignment and no rewind of ours (both give a fresh
+        state, and records fetched before them are dropped: GroupMember.consume). librdkafka moves
+        it so in two ways (rdkafka_offset.c): an offset reset to auto.offset.reset, the log start
+        (rd_kafka_offset_reset, after OFFSET_OUT_OF_RANGE or KIP-320's "No epoch found ... Reset
+        using configured policy"), and KIP-320's truncation handling, a seek to where the leader's
+        log diverges. Whether the records there are the ones already processed:
+        - the log must still reach past everything this state consumed (its end, from the last fetch
+          response, >= the next offset): a log that ends below it was truncated or replaced (a
+          recreated topic), and what it holds is new;
+        - and each record must carry the leader epoch it had: Kafka never writes two different
+          records at one offset with one leader epoch, and a leader elected after a truncation
+          writes in a higher epoch than any before it. Below where this state began (committed by
+          the group before it) the epoch can be no higher than the first record's.
+        The first record that fails either is a reset: it and what follows are processed as new."""
+        assert self._first is not None and self._next is not None
+        refetching = self._refetch_at is not None and offset >= self._refetch_at
+        marks = None
+        if not refetching:
+            marks = watermarks(self.topic, self.partition) if watermarks is not None else None
+            if marks is None or marks[1] < self._next:
+                raise OffsetWentBack(
+                    f"{self.topic}[{self.partition}]: offset {offset} after {self._next - 1}, and the log now ends at "
+                    f"{'an unknown offset' if marks is None else marks[1]}, below what this owner consumed (truncated "
+                    "or replaced)")
+        seen = self._epoch_at(offset)
+        same = epoch != NO_EPOCH and seen != NO_EPOCH and (epoch <= seen if offset < self._first else epoch == seen)
+        if not same:
+            raise OffsetWentBack(f"{self.topic}[{self.partition}]: offset {offset} again with leader epoch "
+                                 f"{epoch if epoch != NO_EPOCH else 'unknown'}, this owner saw "
+                                 f"{seen if seen != NO_EPOCH else 'none'} there: a record written after a "
+                                 "truncation, or another log")
+        self._refetch_at = offset + 1
+        if refetching:
+            raise Refetched(f"{self.topic}[{self.partition}]: offset {offset} delivered again", first=False)
+        where = "the log start" if marks is not None and offset <= marks[0] else f"offset {offset}"
+        raise Refetched(f"{self.topic}[{self.partition}]: delivered again from {where} (this owner began at "
+                        f"{self._first}, next new offset {self._next}); same log, same leader epochs", first=True)
+
+    def _epoch_at(self, offset: int) -> int:
+        """The leader epoch this state tracked `offset` with (below its first offset: the first one's)."""
+        for start, epoch in reversed(self._epochs):
+            if start <= offset:
+                return epoch
+        return self._epochs[0][1]
 
     def done(self, offset: int) -> None:
         with self._lock:

@@ -67,6 +67,13 @@ PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 BUFFER_WAIT_S = 0.005
 
 Headers = list[tuple[str, bytes | None]]
+# Releases a record that will never be delivered (worker/acks.py `given_up`); the callable it is
+# given (the failed write's report) runs first when the record belongs to the open transaction.
+GiveUp = Callable[[Callable[[], None]], bool]
+
+
+def nothing() -> None:
+    """What a released record reports when its release fails nothing (purged by an abort)."""
 
 
 def producer_config(settings: Settings) -> dict[str, Any]:
@@ -153,14 +160,16 @@ class OutputProducer:
 
     def _retire_abandoned(self) -> None:
         """Delivery thread: a replaced client whose blocked call has returned is destroyed, on a
-        thread of its own (rd_kafka_destroy may wait on the dead broker's connections)."""
+        thread of its own (rd_kafka_destroy may wait on the dead broker's connections). The
+        client goes from the list straight into that thread's arguments: no local name here holds
+        it, so the last reference cannot end on this thread, whichever thread finishes first."""
         with self._abandoned_lock:
             if not self._abandoned:
                 return
-            done = [client for client, stuck in self._abandoned if not stuck.is_alive()]
-            self._abandoned = [(c, t) for c, t in self._abandoned if t.is_alive()]
-        for client in done:
-            threading.Thread(target=_drop, args=(client,), name="kwe-retire-producer", daemon=True).start()
+            done = [i for i, (_, stuck) in enumerate(self._abandoned) if not stuck.is_alive()]
+            for i in reversed(done):
+                threading.Thread(target=_drop, args=(self._abandoned.pop(i)[0],), name="kwe-retire-producer",
+                                 daemon=True).start()
 
     @property
     def abandoned(self) -> int:
@@ -177,20 +186,21 @@ class OutputProducer:
         self._thread.start()
 
     def produce(self, topic: str, key: bytes | None, value: bytes, headers: Headers,
-                on_delivered: Callable[[], None], on_given_up: Callable[[], bool] = lambda: False) -> bool:
+                on_delivered: Callable[[], None], on_given_up: GiveUp = lambda fail: False) -> bool:
         """Queues one record; `on_delivered` runs on the delivery thread once the broker has it.
 
         False when the record was not queued (the worker is stopping on an error, or aborting):
         its input offset then stays unfinished and is never committed. `on_given_up` releases a
         record that will never be delivered: purged by an abort, or (exactly-once) its write
-        failed its transaction; it returns whether the record still belonged to the open
-        transaction. produce() returns True for a record given up so: it is accounted for.
+        failed its transaction, whose failure it reports first if the record still belongs to the
+        open transaction (worker/acks.py). produce() returns True for a record given up so: it is
+        accounted for.
         """
         def delivered(err: KafkaError | None, msg: Message) -> None:
             if err is not None:
                 if err.code() in PURGED:
                     self.purged += 1
-                    on_given_up()
+                    on_given_up(nothing)
                     return
                 self._refused(topic, err, "could not write to topic", on_given_up)
                 return
@@ -216,7 +226,7 @@ class OutputProducer:
                 # None of these succeed on a retry of the same call.
                 return self._refused(topic, exc.args[0], "cannot write to topic", on_given_up)
 
-    def _refused(self, topic: str, err: KafkaError, what: str, on_given_up: Callable[[], bool]) -> bool:
+    def _refused(self, topic: str, err: KafkaError, what: str, on_given_up: GiveUp) -> bool:
         """A failed write; True when it only failed the open transaction (exactly-once)."""
         reason = self._failures.decide(err, topic=topic, op="write")
         if reason is not None:
@@ -226,9 +236,10 @@ class OutputProducer:
             self._latch.trip(DeliveryError(f"{what} {topic!r}: {describe(err)}"))
             return False
         self.given_up += 1
-        if on_given_up():
-            # A record of an already aborted transaction (its state was replaced) fails nothing.
-            self._fail_transaction(f"{what} {topic!r}: {describe(err)}")
+        # Reported before the record leaves the in-flight table (see GiveUp); a record of an
+        # already aborted transaction (its state was replaced) fails nothing.
+        fail, why = self._fail_transaction, f"{what} {topic!r}: {describe(err)}"
+        on_given_up(lambda: fail(why))
         return True
 
     def _serve(self) -> None:

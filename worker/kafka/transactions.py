@@ -13,8 +13,10 @@ output is committed and whose offset is not, or the reverse. The cost is the dra
 per interval (README, "Delivery guarantees").
 
 Errors of the transactional calls, as librdkafka classifies them:
-- retriable: the call is repeated (commit_transaction and send_offsets_to_transaction are
-  safe to repeat);
+- retriable: the call is repeated (send_offsets_to_transaction RETRIES times; commit_transaction
+  and abort_transaction are resumed, as librdkafka expects after their retriable timeout, for up
+  to transaction_timeout_s: librdkafka refuses any other call meanwhile with _CONFLICT; still
+  under way then, they are taken over like a hung call);
 - txn_requires_abort: abort, then rewind every owned partition to where this transaction began
   (the last committed offset) with fresh offset state, so nothing consumed into the aborted
   transaction is produced into a later one;
@@ -29,16 +31,20 @@ Errors of the transactional calls, as librdkafka classifies them:
   Whether the hung commit landed is then read from the group's committed offsets, and every
   partition with work in the transaction is rewound there with fresh offset state: a commit
   that landed is not redone, one that did not is consumed again. While STUCK_CALLS earlier hung
-  calls still block (each holds an abandoned librdkafka client), the member stops instead.
+  calls still block (each holds an abandoned librdkafka client), the member stops instead. A stop
+  during the take-over, before the rewind (or while a commit or abort is still under way), halts
+  the member (`_halt`): nothing more is consumed or committed, and it exits as usual.
 
 A failed write (worker/kafka/producer.py: a delivery error, or a produce refused with _STATE once
 librdkafka made the transaction abortable) arrives through `write_failed` from the thread that saw
-it. The next `step` (or a commit about to happen) aborts and rewinds at once, without waiting for
-the pipeline to drain: librdkafka sends nothing more of an abortable transaction, so its queued
-records would only come back when abort_transaction purges them. The abort holds the producer's
-write gate, so no record of the aborted transaction is produced after it. Intake then waits
-0.5, 1, 2 and 4 s before the next tries; the fifth failed transaction in a row stops the worker
-(a write that keeps failing is not transient: a record the topic refuses, for instance).
+it, before its record leaves the in-flight table (worker/acks.py `given_up`), so a commit, which
+waits for the table to empty, always sees it. The next `step` (or a commit about to happen) aborts
+and rewinds at once, without waiting for the pipeline to drain: librdkafka sends nothing more of
+an abortable transaction, so its queued records would only come back when abort_transaction
+purges them. The abort holds the producer's write gate, so no record of the aborted transaction
+is produced after it. Intake then waits 0.5, 1, 2 and 4 s before the next tries; the fifth failed
+transaction in a row stops the worker (a write that keeps failing is not transient: a record the
+topic refuses, for instance).
 
 Threads: everything here runs on the poll thread (including the rebalance callbacks, which
 librdkafka serves inside consume). The output and delivery threads only produce and
@@ -189,6 +195,10 @@ class Transactions:
     # The threads still blocked in calls of replaced producers; the last hung call's error.
     _stuck: list[threading.Thread] = field(default_factory=list, repr=False)
     _hung: TransactionHungError | None = field(default=None, repr=False)
+    # A stop came while a transaction could not be ended or rewound (`_halt`).
+    _halted: bool = field(default=False, repr=False)
+    # The helper thread of the last bounded call (a take-over after a resumable call hands it on).
+    _last_call: threading.Thread | None = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ lifecycle
     def init(self, timeout_s: float = 30.0) -> bool:
@@ -216,7 +226,7 @@ class Transactions:
         failed write's abort, or the wait before its retry."""
         with self._write_lock:
             failed = self._write_failure is not None
-        return (self.state == "closing" or self._abort_reason is not None or failed
+        return (self.state == "closing" or self._abort_reason is not None or failed or self._halted
                 or self.clock() < self._resume_at)
 
     def write_failed(self, reason: str) -> None:
@@ -249,7 +259,7 @@ class Transactions:
 
     def ensure_open(self) -> None:
         """Called with consumed records before intake sees them: they belong to an open transaction."""
-        if self.state == "idle" and not self.latch.is_set():
+        if self.state == "idle" and not self.latch.is_set() and not self._halted:
             self.producer.begin_transaction()
             self.state = "open"
             self.began_at = self.clock()
@@ -323,6 +333,7 @@ class Transactions:
                 answer.append(exc)
 
         helper = threading.Thread(target=call, name="kwe-txn-call", daemon=True)
+        self._last_call = helper
         helper.start()
         end = time.monotonic() + self.timeout_s + HANG_MARGIN_S
         while helper.is_alive():
@@ -341,8 +352,20 @@ class Transactions:
         if answer[0] is not None:
             raise answer[0]
 
-    def _call(self, what: str, fn: Callable[[], None]) -> Literal["ok", "abort", "fatal", "hung"]:
-        for attempt in range(RETRIES):
+    def _call(self, what: str, fn: Callable[[], None], *, resume_s: float = 0.0
+              ) -> Literal["ok", "abort", "fatal", "hung", "unfinished"]:
+        """Runs a transactional call, retrying its retriable errors RETRIES times. A resumable call
+        (resume_s > 0: commit_transaction, abort_transaction) is resumed for resume_s instead:
+        librdkafka keeps it under way after a retriable timeout, expects it to be called again, and
+        refuses every other transactional call meanwhile with _CONFLICT (rdkafka_txnmgr.c,
+        rd_kafka_txn_curr_api_begin; rdkafka.h: "This call is resumable when a retriable timeout
+        error is returned"), so aborting a commit is no way out. Still under way at the end: "hung"
+        (a new producer takes over, as for a call that never returned; its init ends the
+        transaction), or "unfinished" when stopping."""
+        attempt = 0
+        resume_until = self.clock() + resume_s
+        while True:
+            attempt += 1
             try:
                 self._bounded(what, fn)
                 return "ok"
@@ -354,10 +377,20 @@ class Transactions:
                 return "hung"
             except KafkaException as exc:
                 kind = kind_of(exc)
-                if kind == "retry" and attempt + 1 < RETRIES and not self.stop.expired():
-                    log.warning("transactional call failed; retrying", call=what, error=str(exc.args[0]))
-                    self.sleep(0.1 * (attempt + 1))
+                more = attempt < RETRIES or self.clock() < resume_until
+                if kind == "retry" and more and not self.stop.expired():
+                    log.warning("transactional call failed; retrying" if attempt < RETRIES else
+                                "transactional call still under way; resuming it", call=what,
+                                error=str(exc.args[0]))
+                    self.sleep(min(1.0, 0.1 * attempt))
                     continue
+                if kind == "retry" and resume_s > 0:
+                    if self.stop.started:
+                        return "unfinished"
+                    self._hung = TransactionHungError(
+                        f"{what} still under way after {resume_s:.0f} s of resumed calls (the coordinator does not "
+                        "complete it)", self._last_call)
+                    return "hung"
                 if kind == "fatal":
                     self.latch.trip(TransactionFencedError(
                         f"{what} failed: {exc.args[0]} (this member was fenced: a newer one took over its "
@@ -366,7 +399,6 @@ class Transactions:
                 log.warning("transactional call failed; aborting the transaction", call=what,
                             error=str(exc.args[0]))
                 return "abort"
-        return "abort"
 
     def commit(self) -> bool:
         """Sends the offsets and commits; everything consumed must be finished. True if committed."""
@@ -376,14 +408,21 @@ class Transactions:
             return False
         offsets = self._offsets()
         positions = [TopicPartition(p.topic, p.partition, off) for p, off in offsets]
+        result: Literal["ok", "abort", "fatal", "hung", "unfinished"] = "ok"
         if positions:
             metadata = self.consumer.consumer_group_metadata()
+            # Not resumable (rd_kafka_send_offsets_to_transaction returns non-resumable): an
+            # abort after its retries is allowed.
             result = self._call("send_offsets_to_transaction",
                                 lambda: self.producer.send_offsets_to_transaction(positions, metadata, self._timeout()))
-            if result == "ok":
-                result = self._call("commit_transaction", lambda: self.producer.commit_transaction(self._timeout()))
-        else:
-            result = self._call("commit_transaction", lambda: self.producer.commit_transaction(self._timeout()))
+        if result == "ok":
+            # Resumed for as long as the coordinator may still complete it: past the transaction
+            # timeout it aborts the transaction itself.
+            result = self._call("commit_transaction", lambda: self.producer.commit_transaction(self._timeout()),
+                                resume_s=self.transaction_timeout_s)
+        if result == "unfinished":
+            self._halt("commit_transaction was still under way")
+            return False
         if result == "abort":
             self.abort_and_rewind("the transaction could not be committed")
             return False
@@ -410,9 +449,13 @@ class Transactions:
         """
         with self.write_gate:
             starts = self._fresh_state()
-            aborted = self._call("abort_transaction", lambda: self.producer.abort_transaction(self._timeout()))
+            aborted = self._call("abort_transaction", lambda: self.producer.abort_transaction(self._timeout()),
+                                 resume_s=self.transaction_timeout_s)
         if aborted == "hung":
             self.take_over(starts)
+            return
+        if aborted == "unfinished":
+            self._halt("abort_transaction was still under way")
             return
         if aborted != "ok":
             # "fatal" tripped the latch already (fenced, or hung); otherwise the abort failed on its own.
@@ -468,7 +511,8 @@ class Transactions:
         self.state = "idle"  # the old transaction is the new producer's to end, at its init
         try:
             if not self.init(TAKE_OVER_INIT_S):
-                return  # a stop came first: nothing is open, nothing to commit or abort
+                self._halt("the new producer was initialising")
+                return
         except WorkerError as exc:
             self._give_up(hung, f"the new producer could not take over: {exc}")
             return
@@ -480,7 +524,8 @@ class Transactions:
             self._give_up(hung, f"the committed offsets could not be read after it: {exc.args[0]}")
             return
         if answer is None:
-            return  # stopping
+            self._halt("the group's committed offsets were being read")
+            return
         # No committed offset: the hung commit did not land, and none came before it.
         rewind = [TopicPartition(tp.topic, tp.partition, tp.offset if tp.offset >= 0 else starts[(tp.topic, tp.partition)])
                   for tp in answer]
@@ -490,6 +535,23 @@ class Transactions:
                     partitions=[f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in rewind],
                     hung_commit_landed_for=landed, in_flight_forgotten=forgotten)
         self._finish("taken_over")
+
+    def _halt(self, during: str) -> None:
+        """A stop came while the transaction could not be ended and the partitions rewound: during
+        a take-over (issue 32, finding 1), or with a commit or abort still under way in librdkafka.
+        The fetch positions are past the transaction's records, whose outputs may be aborted (or
+        not yet ended), and the producer may not be initialised: a record consumed now and
+        committed by the drain would commit offsets past records with no output. So nothing more
+        is consumed or begun: every partition's offset state is dropped (intake skips records of a
+        partition without one), no transaction is begun, intake stays paused, and the member exits
+        as usual; the group's committed offsets are where its successor starts (its
+        init_transactions ends what is still under way)."""
+        self._halted = True
+        dropped = [f"{p.topic}[{p.partition}]" for p in self.tracker.partitions()]
+        for p in self.tracker.partitions():
+            self.tracker.revoke(p.topic, p.partition)
+        log.warning("stopping with the transaction unfinished: nothing more is consumed or committed; the "
+                    "partitions resume from the group's committed offsets", during=during, partitions=dropped)
 
     def _committed(self, partitions: list[tuple[str, int]]) -> list[TopicPartition] | None:
         """The group's committed offsets, read from the broker; retried while the group coordinator
