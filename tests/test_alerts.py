@@ -20,6 +20,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import debian_tool
 from tests.deploy_tools import DEPLOY, K8S, ROOT, kustomize_build
 from worker.metrics import Metrics, MetricsServer
 
@@ -33,17 +34,8 @@ RUNBOOK_PARTS = ("**What it means.**", "**First three things to look at.**", "**
 
 
 def prometheus_tool(name: str) -> str:
-    """`promtool` or `prometheus`: skips where it is not installed, fails under CI unless .ci/run
-    said why it could not install it."""
-    found = shutil.which(name)
-    if found is None:
-        unavailable = os.environ.get("KWE_PROMETHEUS_UNAVAILABLE")
-        if unavailable:
-            pytest.skip(f"{name}: {unavailable}")
-        if os.environ.get("CI"):
-            pytest.fail(f"{name} not found: .ci/run must install Debian's prometheus package first")
-        pytest.skip(f"{name} not installed: `apt-get install prometheus` (Debian) to test the alert rules")
-    return found
+    """`promtool` or `prometheus` (Debian's prometheus package, which .ci/run installs)."""
+    return debian_tool(name, "prometheus", "KWE_PROMETHEUS_UNAVAILABLE")
 
 
 def promtool() -> str:
