@@ -20,6 +20,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.ci_tools import missing
 from tests.deploy_tools import DEPLOY, K8S, ROOT, kustomize_build
 from worker.metrics import Metrics, MetricsServer
 
@@ -37,12 +38,9 @@ def prometheus_tool(name: str) -> str:
     said why it could not install it."""
     found = shutil.which(name)
     if found is None:
-        unavailable = os.environ.get("KWE_PROMETHEUS_UNAVAILABLE")
-        if unavailable:
-            pytest.skip(f"{name}: {unavailable}")
-        if os.environ.get("CI"):
-            pytest.fail(f"{name} not found: .ci/run must install Debian's prometheus package first")
-        pytest.skip(f"{name} not installed: `apt-get install prometheus` (Debian) to test the alert rules")
+        missing(f"{name} not found", ci_step="install Debian's prometheus package",
+                hint="`apt-get install prometheus` (Debian) to test the alert rules",
+                unavailable_env="KWE_PROMETHEUS_UNAVAILABLE")
     return found
 
 
