@@ -1,8 +1,9 @@
 """Export a sentence encoder to ONNX without torch.
 
 The weights are read with safetensors into numpy and the graph is written node by node with the
-`onnx` package: embeddings -> N encoder layers -> pooling over the attention mask -> L2
-normalisation. Sizes come from config.json; the family from its model_type
+`onnx` package: embeddings -> N encoder layers -> the model's sentence-transformers modules
+(kwe_core.st_pipeline: the pooling over the attention mask, any Dense layers, L2 normalisation
+where a Normalize module is listed). Sizes come from config.json; the family from its model_type
 (kwe_core.model.FAMILIES), all post-LayerNorm encoders with exact-GELU feed-forward layers:
 
 - bert: absolute positions 0..S-1, token type 0 added.
@@ -23,10 +24,12 @@ SkipLayerNormalization, BiasGelu and EmbedLayerNormalization. The unfused graph 
 standard opset-17 operators, which is what TensorRT needs.
 
 Inputs `input_ids` and `attention_mask`: int64 [batch, seq], both dynamic.
-Output `sentence_embedding`: float32 [batch, hidden], unit L2 norm.
+Output `sentence_embedding`: float32 [batch, dim] (the pipeline's width), unit L2 norm where the
+pipeline normalises (metadata "normalize": "l2", else "none").
 
-Exports are cached under the user cache dir, keyed by the weights, the config files, the
-exporter version and the optimize flag (plus the onnxruntime version for fused graphs, whose
+Exports are cached under the user cache dir, keyed by the weights, the config and module files
+(Dense weights included), the prompt tokens a pooling leaves out, the exporter version and the
+optimize flag (plus the onnxruntime version for fused graphs, whose
 contents depend on the optimizer), and written atomically.
 """
 
@@ -47,9 +50,10 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kwe_core.model import FAMILIES, ModelError, ModelInfo, default_model_dir
+from kwe_core.st_pipeline import Dense
 
 # Bump whenever the emitted graph changes: it is part of the cache key.
-EXPORTER_VERSION = "1"
+EXPORTER_VERSION = "2"
 OPSET = 17  # LayerNormalization is a standard op from 17; ReduceL2 still takes axes as attribute
 INPUT_NAMES = ("input_ids", "attention_mask")
 OUTPUT_NAME = "sentence_embedding"
@@ -308,28 +312,190 @@ def _encoder_layer(g: _Graph, w: _Weights, info: ModelInfo, x: str, mask_bias: s
 
 
 # Node-name prefixes of the float layers of the pooling and normalisation below (not the
-# integer mask's Unsqueeze/Cast): an FP16 TensorRT build keeps these in FP32
-# (engines.build_engine.keep_pooling_in_fp32), so keep them in step with the names below.
+# integer mask's Unsqueeze/Cast, nor the pool_index_* integer and boolean nodes): an FP16
+# TensorRT build keeps these, and everything downstream of them (Dense layers included), in
+# FP32 (engines.build_engine.keep_pooling_in_fp32), so keep them in step with the names below.
 FP32_NODE_PREFIXES: tuple[str, ...] = ("masked_states", "pool_sum", "pool_count", "pooled", "norm_", OUTPUT_NAME)
 
 
-def _pool_and_normalise(g: _Graph, info: ModelInfo, hidden_states: str, attention_mask: str) -> str:
-    if info.pooling_mode == "mean":
-        m = g.op("Cast", [g.op("Unsqueeze", [attention_mask, g.const("axis2", _i64(2))], "pool_mask_u")],
-                 "pool_mask", to=TensorProto.FLOAT)            # [B, S, 1]
-        summed = g.op("ReduceSum", [g.op("Mul", [hidden_states, m], "masked_states"), g.const("axis1", _i64(1))],
-                      "pool_sum", keepdims=0)                 # [B, H]
-        count = g.op("ReduceSum", [m, g.const("axis1", _i64(1))], "pool_count", keepdims=0)  # [B, 1]
-        # sentence-transformers clamps the count at 1e-9 (an all-padding row gives zeros, not NaN).
-        pooled = g.op("Div", [summed, g.op("Max", [count, g.const("count_min", _f32(1e-9))], "pool_count_c")], "pooled")
-    elif info.pooling_mode == "cls":
-        pooled = g.op("Gather", [hidden_states, g.const("zero_scalar", np.asarray(0, dtype=np.int64))], "pooled", axis=1)
-    else:
-        raise ExportError(f"{info.model_dir}: pooling mode {info.pooling_mode!r} is not supported (mean, cls)")
+def _head(g: _Graph, info: ModelInfo, dense_weights: list[tuple[np.ndarray, np.ndarray | None]],
+          hidden_states: str, attention_mask: str) -> str:
+    """sentence-transformers' modules after the encoder: Pooling, then Dense and Normalize in order."""
+    pipeline = info.pipeline
+    mask = attention_mask
+    if pipeline.prompt_tokens_excluded:
+        mask = _without_prompt(g, attention_mask, pipeline.prompt_tokens_excluded)
+    x = _pool(g, pipeline.pooling.modes, hidden_states, mask, prompt_excluded=bool(pipeline.prompt_tokens_excluded))
+    dense = iter(zip(pipeline.dense, dense_weights))
+    for i, step in enumerate(pipeline.steps):
+        if isinstance(step, Dense):
+            layer, (weight, bias) = next(dense)
+            x = _dense(g, layer, weight, bias, x, i)
+        else:
+            x = _normalise(g, x, output=OUTPUT_NAME if i == len(pipeline.steps) - 1 else None)
+    if not pipeline.normalized:
+        x = g.op("Identity", [x], output=OUTPUT_NAME)
+    return x
+
+
+def _without_prompt(g: _Graph, attention_mask: str, n: int) -> str:
+    """The mask with its first n positions off: the prompt's tokens (include_prompt false), which
+    lead every row (rows are right-padded), are attended to but not pooled."""
+    positions = g.op("Range", [g.const("zero_scalar", np.asarray(0, dtype=np.int64)), _seq_len(g, attention_mask),
+                               g.const("one_scalar", np.asarray(1, dtype=np.int64))], "pool_index_positions")
+    after = g.op("GreaterOrEqual", [positions, g.const("prompt_tokens", np.asarray(n, dtype=np.int64))],
+                 "pool_index_after_prompt")
+    keep = g.op("Cast", [after], "pool_index_keep", to=TensorProto.INT64)
+    return g.op("Mul", [attention_mask, keep], "pool_index_mask")  # [B, S] int64
+
+
+def _pool(g: _Graph, modes: tuple[str, ...], hidden_states: str, mask: str, *, prompt_excluded: bool) -> str:
+    """sentence-transformers' Pooling over the mask, the modes concatenated in their order.
+
+    Each mode is written as sentence-transformers 6.x computes it (Pooling._forward_padded), for
+    right-padded rows: mean and mean_sqrt_len_tokens divide the masked sum by the count (clamped
+    at 1e-9) or its root; max takes the maximum over masked positions (-inf elsewhere);
+    weightedmean weighs position p (from 1) by p; lasttoken takes the last masked position (zeros
+    for a row with none); cls takes the first masked position, which is position 0 unless the
+    prompt is left out (position 0 for a row with none masked).
+    """
+    parts: list[str] = []
+    cache: dict[str, str] = {}
+    single = len(modes) == 1
+
+    def name(mode: str) -> str:
+        return "pooled" if single else f"pooled_{mode}"
+
+    def float_mask() -> str:  # [B, S, 1] float32
+        if "m" not in cache:
+            cache["m"] = g.op("Cast", [g.op("Unsqueeze", [mask, g.const("axis2", _i64(2))], "pool_mask_u")],
+                              "pool_mask", to=TensorProto.FLOAT)
+        return cache["m"]
+
+    def masked_sum_and_count() -> tuple[str, str]:
+        if "sum" not in cache:
+            m = float_mask()
+            cache["sum"] = g.op("ReduceSum", [g.op("Mul", [hidden_states, m], "masked_states"),
+                                              g.const("axis1", _i64(1))], "pool_sum", keepdims=0)  # [B, H]
+            count = g.op("ReduceSum", [m, g.const("axis1", _i64(1))], "pool_count", keepdims=0)  # [B, 1]
+            cache["count"] = g.op("Max", [count, g.const("count_min", _f32(1e-9))], "pool_count_c")
+        return cache["sum"], cache["count"]
+
+    def positions() -> tuple[str, str]:  # ([1, S, 1] float32 1..S, [1, S, 1] bool: position 1)
+        if "pos" not in cache:
+            one = np.asarray(1, dtype=np.int64)
+            end = g.op("Add", [_seq_len(g, mask), g.const("one_scalar", one)], "pool_index_end")
+            steps = g.op("Range", [g.const("one_scalar", one), end, g.const("one_scalar", one)], "pool_index_range")
+            steps = g.op("Unsqueeze", [steps, g.const("axes02", _i64(0, 2))], "pool_index_range_u")
+            cache["pos"] = g.op("Cast", [steps], "pooled_positions", to=TensorProto.FLOAT)
+            cache["first"] = g.op("Equal", [steps, g.const("one_scalar", np.asarray(1, dtype=np.int64))],
+                                  "pool_index_first")
+        return cache["pos"], cache["first"]
+
+    def pick(score: str, select: str | None, mode: str) -> str:
+        # The row's one position of highest score, as a one-hot [B, S, 1] weighting (exact: the
+        # other positions add zeros); `select` zeroes it where that position must not count.
+        best = g.op("ReduceMax", [score], "pooled_best", axes=[1], keepdims=1)
+        onehot = g.op("Cast", [g.op("Equal", [score, best], "pool_index_pick")], "pooled_pick", to=TensorProto.FLOAT)
+        if select is not None:
+            onehot = g.op("Mul", [onehot, select], "pooled_pick_masked")
+        return g.op("ReduceSum", [g.op("Mul", [hidden_states, onehot], "pooled_pick_states"),
+                                  g.const("axis1", _i64(1))], name(mode), keepdims=0)
+
+    for mode in modes:
+        if mode == "mean":
+            summed, count = masked_sum_and_count()
+            # sentence-transformers clamps the count at 1e-9 (an all-padding row gives zeros, not NaN).
+            parts.append(g.op("Div", [summed, count], name(mode)))
+        elif mode == "mean_sqrt_len_tokens":
+            summed, count = masked_sum_and_count()
+            parts.append(g.op("Div", [summed, g.op("Sqrt", [count], "pool_count_sqrt")], name(mode)))
+        elif mode == "cls" and not prompt_excluded:
+            parts.append(g.op("Gather", [hidden_states, g.const("zero_scalar", np.asarray(0, dtype=np.int64))],
+                              name(mode), axis=1))
+        elif mode == "cls":
+            # The first masked position: score S + 1 - p there, 0 on the others, and 0.5 at
+            # position 1, so a row with nothing masked takes position 0 as argmax does.
+            pos, first = positions()
+            span = g.op("Add", [g.op("ReduceMax", [pos], "pooled_span", axes=[1], keepdims=1),
+                                g.const("one_f", _f32(1.0))], "pooled_span_1")
+            score = g.op("Mul", [float_mask(), g.op("Sub", [span, pos], "pooled_from_end")], "pooled_cls_score")
+            first_f = g.op("Cast", [first], "pooled_first", to=TensorProto.FLOAT)
+            bonus = g.op("Mul", [first_f, g.const("half", _f32(0.5))], "pooled_first_half")
+            parts.append(pick(g.op("Add", [score, bonus], "pooled_cls_scored"), None, mode))
+        elif mode == "lasttoken":
+            pos, _ = positions()
+            parts.append(pick(g.op("Mul", [float_mask(), pos], "pooled_last_score"), float_mask(), mode))
+        elif mode == "max":
+            keep = g.op("Cast", [float_mask()], "pool_index_keep_bool", to=TensorProto.BOOL)
+            filled = g.op("Where", [keep, hidden_states, g.const("minus_inf", _f32(-np.inf))], "pooled_max_fill")
+            parts.append(g.op("ReduceMax", [filled], name(mode), axes=[1], keepdims=0))
+        elif mode == "weightedmean":
+            pos, _ = positions()
+            weights = g.op("Mul", [float_mask(), pos], "pooled_weights")  # [B, S, 1]
+            total = g.op("ReduceSum", [g.op("Mul", [hidden_states, weights], "pooled_weighted_states"),
+                                       g.const("axis1", _i64(1))], "pooled_weighted_sum", keepdims=0)
+            count = g.op("ReduceSum", [weights, g.const("axis1", _i64(1))], "pooled_weight_total", keepdims=0)
+            count = g.op("Max", [count, g.const("count_min", _f32(1e-9))], "pooled_weight_total_c")
+            parts.append(g.op("Div", [total, count], name(mode)))
+        else:
+            raise ExportError(f"pooling mode {mode!r} is not supported")
+    return parts[0] if single else g.op("Concat", parts, "pooled", axis=-1)
+
+
+def _dense(g: _Graph, layer: Dense, weight: np.ndarray, bias: np.ndarray | None, x: str, i: int) -> str:
+    """sentence-transformers' Dense: activation(x W^T + b) on the [B, in] embedding."""
+    p = f"dense_{i}"
+    y = g.op("MatMul", [x, g.const(f"{p}.weight", weight.T.copy())], f"{p}.matmul")
+    if bias is not None:
+        y = g.op("Add", [y, g.const(f"{p}.bias", bias)], f"{p}.add")
+    act = layer.activation
+    if act == "tanh":
+        return g.op("Tanh", [y], f"{p}.tanh")
+    if act == "relu":
+        return g.op("Relu", [y], f"{p}.relu")
+    if act == "sigmoid":
+        return g.op("Sigmoid", [y], f"{p}.sigmoid")
+    if act == "silu":
+        return g.op("Mul", [y, g.op("Sigmoid", [y], f"{p}.silu_gate")], f"{p}.silu")
+    if act == "gelu":  # torch.nn.GELU(): the exact erf form, as the encoder's
+        erf = g.op("Erf", [g.op("Div", [y, g.const("sqrt2", _f32(math.sqrt(2.0)))], f"{p}.gelu.div")], f"{p}.gelu.erf")
+        return g.op("Mul", [g.op("Mul", [y, g.op("Add", [erf, g.const("one_f", _f32(1.0))], f"{p}.gelu.add")],
+                                 f"{p}.gelu.mul"), g.const("half", _f32(0.5))], f"{p}.gelu")
+    if act == "identity":
+        return y
+    raise ExportError(f"{layer.config_path}: activation {act!r} is not supported")
+
+
+def _normalise(g: _Graph, x: str, *, output: str | None) -> str:
     # torch.nn.functional.normalize: x / max(||x||, 1e-12).
-    norm = g.op("ReduceL2", [pooled], "norm", axes=[1], keepdims=1)
+    norm = g.op("ReduceL2", [x], "norm", axes=[1], keepdims=1)
     norm = g.op("Max", [norm, g.const("norm_min", _f32(1e-12))], "norm_c")
-    return g.op("Div", [pooled, norm], output=OUTPUT_NAME)
+    return g.op("Div", [x, norm], "norm_div", output=output)
+
+
+def _load_dense(info: ModelInfo) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """The (weight [out, in], bias [out] or None) of each Dense layer, float32."""
+    from safetensors.numpy import load_file
+
+    out = []
+    for layer in info.pipeline.dense:
+        try:
+            raw = load_file(str(layer.weights_path))
+        except Exception as exc:  # safetensors raises SafetensorError / OSError variants
+            raise ExportError(f"{layer.weights_path}: cannot read safetensors weights ({exc})") from None
+        expect = {"linear.weight": (layer.out_features, layer.in_features)}
+        if layer.bias:
+            expect["linear.bias"] = (layer.out_features,)
+        for key, shape in expect.items():
+            if key not in raw:
+                raise ExportError(f"{layer.weights_path}: missing tensor {key!r}")
+            if raw[key].shape != shape:
+                raise ExportError(f"{layer.weights_path}: tensor {key!r} has shape {raw[key].shape}, "
+                                  f"{layer.config_path.name} implies {shape}")
+        bias = np.ascontiguousarray(raw["linear.bias"], dtype=np.float32) if layer.bias else None
+        out.append((np.ascontiguousarray(raw["linear.weight"], dtype=np.float32), bias))
+    return out
 
 
 def build_model(model_dir: str | Path | ModelInfo | None = None) -> onnx.ModelProto:
@@ -339,6 +505,7 @@ def build_model(model_dir: str | Path | ModelInfo | None = None) -> onnx.ModelPr
         raise ExportError(f"{info.config_path}: model_type {info.model_type!r} is not supported; supported "
                           f"encoder families: {', '.join(FAMILIES)}")
     w = _Weights(info, _load_weights(info))
+    dense = _load_dense(info)
     g = _Graph()
     ids, mask = INPUT_NAMES
     x = _embeddings(g, w, info, ids, mask)
@@ -348,11 +515,11 @@ def build_model(model_dir: str | Path | ModelInfo | None = None) -> onnx.ModelPr
         bias = g.op("Add", [_relative_bias(g, w, info, ids), bias], "attention_bias")
     for i in range(info.num_layers):
         x = _encoder_layer(g, w, info, x, bias, i)
-    _pool_and_normalise(g, info, x, mask)
+    _head(g, info, dense, x, mask)
     graph = helper.make_graph(
         g.nodes, f"{info.name}-sentence-encoder",
         inputs=[helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"]) for n in INPUT_NAMES],
-        outputs=[helper.make_tensor_value_info(OUTPUT_NAME, TensorProto.FLOAT, ["batch", info.hidden_size])],
+        outputs=[helper.make_tensor_value_info(OUTPUT_NAME, TensorProto.FLOAT, ["batch", info.dim])],
         initializer=g.inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
@@ -411,20 +578,24 @@ def cache_key(info: ModelInfo, *, optimize: bool) -> str:
         digest.update(f"onnxruntime={onnxruntime.__version__};".encode())
     digest.update(weights_hash(info).encode())
     for extra in (info.config_path, info.model_dir / "sentence_bert_config.json",
-                  info.model_dir / "1_Pooling" / "config.json"):
+                  info.model_dir / "1_Pooling" / "config.json", info.model_dir / "tokenizer_config.json",
+                  *info.pipeline.files()):
         digest.update(extra.name.encode())
         if extra.is_file():
             _hash_file(extra, digest)
+    # What the folder alone does not say: the prompt tokens a pooling leaves out (a setting).
+    digest.update(f"prompt_tokens_excluded={info.pipeline.prompt_tokens_excluded};".encode())
     return digest.hexdigest()
 
 
 def _set_metadata(model: onnx.ModelProto, info: ModelInfo, *, optimize: bool) -> None:
     props = {
         "model_name": info.name,
-        "dim": str(info.hidden_size),
+        "dim": str(info.dim),
         "max_seq_length": str(info.max_seq_length),
         "pooling": info.pooling_mode,
-        "normalize": "l2",
+        "normalize": "l2" if info.normalized else "none",
+        "pipeline": info.pipeline.describe(),
         "exporter_version": EXPORTER_VERSION,
         "weights_sha256": weights_hash(info),
         "optimized": str(optimize).lower(),

@@ -28,6 +28,8 @@ from typing import Literal
 import numpy as np
 import onnx
 
+from kwe_core.model import ModelInfo
+
 Mode = Literal["dynamic", "static"]
 Calibration = Literal["minmax", "entropy", "percentile"]
 # Which MatMuls stay fp32:
@@ -178,7 +180,7 @@ SHIPPED = Int8Variant("dynamic, per-channel, only Q/K/attention-out int8 (measur
                       exclude="measured")
 
 
-def int8_cached_path(model_dir: str | Path | None = None, *, cache_dir: str | Path | None = None) -> Path:
+def int8_cached_path(model_dir: str | Path | ModelInfo | None = None, *, cache_dir: str | Path | None = None) -> Path:
     """Where ensure_int8_onnx keeps the int8 graph: beside the fp32 export, keyed by it."""
     import hashlib
 
@@ -192,7 +194,7 @@ def int8_cached_path(model_dir: str | Path | None = None, *, cache_dir: str | Pa
     return fp32.with_name(f"{fp32.stem}-int8-{digest}.onnx")
 
 
-def ensure_int8_onnx(model_dir: str | Path | None = None, *, cache_dir: str | Path | None = None) -> Path:
+def ensure_int8_onnx(model_dir: str | Path | ModelInfo | None = None, *, cache_dir: str | Path | None = None) -> Path:
     """The cached int8 graph (the SHIPPED recipe) of the model folder, quantized first if missing."""
     import os
 

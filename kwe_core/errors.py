@@ -16,6 +16,10 @@ class BackendError(KeywordEmbedderError, RuntimeError):
     """The backend cannot be loaded or cannot run a batch; the message says which and why."""
 
 
+class ModelError(KeywordEmbedderError, ValueError):
+    """The model folder is missing a file or a file is invalid; the message names the path."""
+
+
 def extra_missing(extra: str, feature: str, missing: str) -> str:
     """The one wording of a missing optional extra: the install line first, then what is missing.
 

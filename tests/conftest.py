@@ -10,7 +10,6 @@ stopped at the end of the session if this session started it.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,20 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
 KAFKA_SH = ROOT / "deploy" / "local" / "kafka.sh"
 REGISTRY_SH = ROOT / "deploy" / "local" / "registry.sh"
-
-
-def debian_tool(name: str, package: str, unavailable_var: str) -> str:
-    """The path of a program that .ci/run installs from Debian's `package`: skips where it is not
-    installed, and fails under CI unless .ci/run said why it could not install it (`unavailable_var`)."""
-    found = shutil.which(name)
-    if found is None:
-        unavailable = os.environ.get(unavailable_var)
-        if unavailable:
-            pytest.skip(f"{name}: {unavailable}")
-        if os.environ.get("CI"):
-            pytest.fail(f"{name} not found: .ci/run must install Debian's {package} package first")
-        pytest.skip(f"{name} not installed: `apt-get install {package}` (Debian)")
-    return found
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

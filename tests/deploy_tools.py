@@ -10,9 +10,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
+from tests.ci_tools import missing
 from worker.config import Settings, env_name, load_settings, setting_fields
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,9 +91,8 @@ def kustomize_build(path: Path, *extra: str) -> list[dict[str, Any]]:
     cmd = kustomize_command()
     if cmd is None:
         # CI installs it (.ci/run: make tools); a developer without Go is told how.
-        if os.environ.get("CI"):
-            pytest.fail("kustomize not found: .ci/run must run `make tools` first")
-        pytest.skip("kustomize not installed: run `make tools` (needs Go) to render deploy/k8s")
+        missing("kustomize not found", ci_step="run `make tools`",
+                hint="run `make tools` (needs Go) to render deploy/k8s")
     out = subprocess.run([*cmd, "build", *extra, str(path)], capture_output=True, text=True)
     assert out.returncode == 0, f"kustomize build {path} failed:\n{out.stderr}"
     return yaml_docs(out.stdout)

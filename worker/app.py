@@ -72,9 +72,12 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Ass
     # registered, stops the worker in seconds (SchemaRegistryFailure).
     encoder, decode = registry_formats(settings, codec)
     tokenizer = KeywordTokenizer.from_model(info, prompt=prompt)
+    # A pooling with include_prompt false leaves the prompt's tokens out: the graph is built for them.
+    info = info.with_prompt(tokenizer.prompt_tokens)
     loaded = load_backend(settings, model=info)
     backend, profile = loaded.backend, loaded.profile
     log.info("backend loaded", backend=backend.name, model=info.name, dim=backend.dim, profile=profile.name,
+             pipeline=info.pipeline.describe(),
              buckets=list(profile.bounds), max_len=tokenizer.max_len, pad_to=loaded.settings.pad_to,
              prompt_name=prompt.name, prompt=prompt.text or None, output_dim=codec.dim,
              output_encoding=codec.encoding)
@@ -97,11 +100,16 @@ def output_codec(settings: Settings, info: ModelInfo, prompt: Prompt) -> OutputC
     dim = settings.truncate_dim or info.dim
     int8_range = None
     if settings.output_encoding == "int8":
+        if not settings.int8_range and not info.normalized:
+            raise SettingsError(f"output_encoding=int8: {info.name} gives vectors that are not normalised (its "
+                                f"pipeline has no Normalize module), so the default int8_range, 6/sqrt(dim) for "
+                                f"unit vectors, does not fit them; set int8_range to the range of its components")
         r = settings.int8_range or default_int8_range(dim)
         int8_range = (-r, r)
     return OutputCodec(model=info.name, dim=dim, encoding=settings.output_encoding,  # type: ignore[arg-type]
                        truncate_dim=settings.truncate_dim, prompt_name=prompt.name, prompt=prompt.text,
-                       int8_range=int8_range, fields=parse_output_fields(settings.output_fields))
+                       int8_range=int8_range, fields=parse_output_fields(settings.output_fields),
+                       normalized=info.normalized)
 
 
 def registry_formats(settings: Settings, codec: OutputCodec) -> tuple[ValueEncoder, Decode | None]:

@@ -274,11 +274,13 @@ class Settings:
                                                "byte, first dimension in the high bit: sentence-transformers' "
                                                "ubinary). docs/models.md, Shorter and smaller vectors.")
     truncate_dim: int = _setting(0, "Keep the first N dimensions of each embedding and renormalise (Matryoshka "
-                                 "truncation, sentence-transformers' truncate_dim); 0: the model's full width. "
+                                 "truncation, sentence-transformers' truncate_dim; a model without a Normalize "
+                                 "module keeps its scale); 0: the model's full width. "
                                  "Refused above the model's width. Only meaningful for models trained for it: "
                                  "others lose accuracy fast.", minimum=0)
     int8_range: float = _setting(0.0, "output_encoding=int8: components are quantised over [-r, r] in 255 "
-                                 "steps (values outside are clipped); 0: r = min(1, 6/sqrt(dim)).", minimum=0.0)
+                                 "steps (values outside are clipped); 0: r = min(1, 6/sqrt(dim)), for unit vectors "
+                                 "(a model that does not normalise needs an explicit r).", minimum=0.0)
     prompt: str = _setting("", "A literal prefix put before every keyword before tokenisation (e.g. 'query: ' "
                            "for e5 models); it takes the place of prompt_name.")
     prompt_name: str = _setting("auto", "A prompt by name from the model's config_sentence_transformers.json "

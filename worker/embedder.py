@@ -1,4 +1,4 @@
-"""`Embedder`: the offline Python API (texts in, L2-normalised float32 vectors out).
+"""`Embedder`: the offline Python API (texts in, float32 vectors out, as sentence-transformers' encode).
 
     from worker import Embedder
     vectors = Embedder().embed(["running shoes", "東京 ラーメン"])   # [2, 384] float32
@@ -8,7 +8,9 @@ longest item, so short queries do not pay for long ones; the rows come back in i
 The default graph is the plain export run with ONNX Runtime's session-time optimisations
 (`optimize=True` picks the offline-fused one; see benchmarks/results/ort_grid.md for why not).
 Padding does not change a vector (masked positions get exactly zero attention weight and are
-left out of the mean), so the result does not depend on the batch composition.
+left out of the pooling), so the result does not depend on the batch composition. The vectors
+are unit length where the model's pipeline ends in a Normalize module (`normalized`), as every
+packaged model's does; a dot-product model's are not (docs/models.md).
 
 `cache_bytes` (default: worker.cache.DEFAULT_CACHE_BYTES, 0 turns it off) keeps the vectors of
 texts already embedded, keyed by their token IDs after truncation: a repeat, in the same call or
@@ -19,7 +21,7 @@ export; its quality against fp32 is in benchmarks/results/int8.md).
 Prompts and smaller vectors, as the Kafka worker's settings of the same names:
 
     e5 = Embedder(model_dir, prompt_name="query")     # or prompt="query: "; default: the model's default_prompt_name
-    short = Embedder(truncate_dim=256).embed(texts)    # [N, 256], renormalised
+    short = Embedder(truncate_dim=256).embed(texts)    # [N, 256], renormalised (normalised models)
     bits = Embedder().quantize(vectors, "binary")      # uint8 [N, dim / 8], packed sign bits
 """
 
@@ -63,6 +65,8 @@ class Embedder:
         self.truncate_dim = truncate_dim or 0
         self.prompt = Prompt.resolve(self.info, prompt=prompt, prompt_name=prompt_name)
         self.tokenizer = KeywordTokenizer.from_model(self.info, prompt=self.prompt)
+        # A pooling with include_prompt false leaves the prompt's tokens out: the graph is built for them.
+        self.info = self.info.with_prompt(self.tokenizer.prompt_tokens)
         # The plain graph by default: with ONNX Runtime's own session-time fusions (level ALL)
         # it measured ~10-15% faster than the offline-fused graph on this project's CPUs
         # (benchmarks/results/ort_grid.md); both match the reference equally.
@@ -82,15 +86,29 @@ class Embedder:
         return self.truncate_dim or self.info.dim
 
     @property
+    def normalized(self) -> bool:
+        """Whether embed's rows are unit length (the model's pipeline ends in Normalize)."""
+        return self.info.normalized
+
+    @property
     def int8_range(self) -> tuple[float, float]:
-        """The calibration range quantize(..., "int8") uses (the worker's default int8_range)."""
+        """The calibration range quantize(..., "int8") uses by default (the worker's default int8_range).
+
+        It assumes unit vectors: for a model that does not normalise, pass quantize an int8_range.
+        """
+        if not self.normalized:
+            raise ValueError(f"Embedder: {self.model_name} gives vectors that are not normalised (no Normalize "
+                             f"module); the default int8 range 6/sqrt(dim) is for unit vectors: pass "
+                             f"quantize(..., int8_range=(lo, hi))")
         r = default_int8_range(self.dim)
         return (-r, r)
 
-    def quantize(self, vectors: np.ndarray, encoding: Literal["int8", "binary"]) -> np.ndarray:
-        """int8 [N, dim] over `int8_range`, or uint8 [N, ceil(dim / 8)] packed sign bits (kwe_core.vectors)."""
+    def quantize(self, vectors: np.ndarray, encoding: Literal["int8", "binary"], *,
+                 int8_range: tuple[float, float] | None = None) -> np.ndarray:
+        """int8 [N, dim] over `int8_range` (default: the `int8_range` property), or uint8
+        [N, ceil(dim / 8)] packed sign bits (kwe_core.vectors)."""
         if encoding == "int8":
-            return quantize_int8(vectors, *self.int8_range)
+            return quantize_int8(vectors, *(int8_range or self.int8_range))
         if encoding == "binary":
             return pack_binary(vectors)
         raise ValueError(f"Embedder.quantize: encoding must be 'int8' or 'binary', got {encoding!r}")
@@ -104,10 +122,11 @@ class Embedder:
         return self.tokenizer.max_len
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """[N, dim] float32, row i the unit-norm embedding of texts[i]."""
+        """[N, dim] float32, row i the embedding of texts[i] (unit norm where `normalized`)."""
         if isinstance(texts, str):
             raise TypeError("Embedder.embed takes a list of texts, not one string")
-        return truncate(self.embed_encoded(self.tokenizer.encode(texts)), self.truncate_dim)
+        return truncate(self.embed_encoded(self.tokenizer.encode(texts)), self.truncate_dim,
+                        renormalise=self.normalized)
 
     def embed_encoded(self, encoded: Sequence[Encoded]) -> np.ndarray:
         """[N, model dim] float32 of already tokenized texts (not truncated: the cache keeps full rows)."""

@@ -43,8 +43,13 @@ class KeywordTokenizer:
         self._n_special = tokenizer.num_special_tokens_to_add(False)
         self.prompt = prompt or Prompt()
         # What every encoding holds besides the text: the special tokens and the prompt's own.
-        self._n_fixed = (len(tokenizer.encode(self.prompt.text, add_special_tokens=True).ids)
-                         if self.prompt.text else self._n_special)
+        prompt_ids = tokenizer.encode(self.prompt.text, add_special_tokens=True).ids if self.prompt.text else []
+        self._n_fixed = len(prompt_ids) if self.prompt.text else self._n_special
+        # sentence-transformers' prompt_length: the prompt tokenized alone, less its trailing
+        # special token ([SEP], </s>) when it has one; a pooling with include_prompt false
+        # leaves these first positions out.
+        special = {i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special}
+        self._prompt_tokens = len(prompt_ids) - (1 if prompt_ids and prompt_ids[-1] in special else 0)
 
     @classmethod
     def from_model_dir(cls, path: str | Path, max_len: int | None = None, *,
@@ -72,6 +77,12 @@ class KeywordTokenizer:
     def special_tokens(self) -> int:
         """Tokens every encoding has ([CLS], [SEP], the prompt's): an encoding of no more has no text."""
         return int(self._n_fixed)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """How many leading tokens of every encoding are the prompt's, as sentence-transformers
+        counts them for include_prompt=false (its leading special token included); 0 without one."""
+        return self._prompt_tokens
 
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
         # One text at a time on the calling thread, never encode_batch: that wakes the tokenizers'

@@ -14,8 +14,9 @@ before the wrapper's `timeout`, and a stage whose prerequisite failed is recorde
    for load, buckets and parity;
 3. load: the plan deserialised by the TensorRT backend (sidecar checks, I/O, profiles);
 4. buckets: every bucket at its largest shape on its own thread and context, as the
-   bucketer's dispatchers do, against ONNX Runtime on the same padded rows: finite, unit
-   norm, cosine >= 0.999; the 33-64 and 65-256-token batches are real queries joined end to end;
+   bucketer's dispatchers do, against ONNX Runtime on the same padded rows: finite, the same
+   norms (unit for a normalising model), cosine >= 0.999; the 33-64 and 65-256-token batches
+   are real queries joined end to end;
 5. parity: the golden rows and the long rows through the real bucketer on TensorRT against
    ONNX Runtime on CPU (same ONNX file), the golden rows also against the
    sentence-transformers reference: cosine >= 0.999 (FP16);
@@ -285,11 +286,9 @@ def run_each_bucket(backend: Any, profile: Profile, batches: Sequence[list[np.nd
                 ms = (time.perf_counter() - t0) * 1000
             finally:
                 ctx.close()
-            norms = np.linalg.norm(out, axis=1)
             results[i] = {"bucket": i, "shape": [b.max_batch, b.max_len], "ms": round(ms, 3),
                           "tokens": [int(mask.sum(1).min()), int(mask.sum(1).max())],
                           "finite": bool(np.isfinite(out).all()),
-                          "unit_norm": bool(np.allclose(norms, 1.0, atol=1e-2)),
                           "_out": out}
         except Exception as exc:  # noqa: BLE001 - recorded per bucket, the others still run
             results[i] = {"bucket": i, "error": failure(f"buckets[{i}]", exc)}
@@ -307,7 +306,10 @@ def run_each_bucket(backend: Any, profile: Profile, batches: Sequence[list[np.nd
             cos = cosines(out, ref)
             r["min_cosine_vs_onnxruntime"] = float(np.nan_to_num(cos, nan=-1.0).min())
             r["max_abs_diff"] = float(np.nan_to_num(np.abs(out - ref), nan=np.inf).max())
-            r["ok"] = r["finite"] and r["unit_norm"] and r["min_cosine_vs_onnxruntime"] >= MIN_COSINE
+            # The norms ONNX Runtime gives: unit length for a model that normalises, the model's
+            # own scale for one that does not (docs/models.md).
+            r["norms_match"] = bool(np.allclose(np.linalg.norm(out, axis=1), np.linalg.norm(ref, axis=1), rtol=1e-2))
+            r["ok"] = r["finite"] and r["norms_match"] and r["min_cosine_vs_onnxruntime"] >= MIN_COSINE
         else:
             r["ok"] = False
     return results
@@ -391,7 +393,7 @@ def main(out: Path | None = None, *, onnx: Path | None = None, tokenizer: Path |
         finally:
             ref.close()
         bad = [r["bucket"] for r in rows if not r["ok"]]
-        return {"ok": not bad, "why": f"bucket(s) {bad} failed (error, non-finite, not unit norm or cosine "
+        return {"ok": not bad, "why": f"bucket(s) {bad} failed (error, non-finite, norms off or cosine "
                                       f"< {MIN_COSINE})", "threshold": MIN_COSINE, "buckets": rows}
 
     def parity(_deadline: float) -> dict[str, Any]:

@@ -24,7 +24,8 @@ BackendName = Literal["onnxruntime", "tensorrt"]
 @runtime_checkable
 class InferenceContext(Protocol):
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        """[B, L] int64 ids and mask in, [B, dim] float32 L2-normalised embeddings out.
+        """[B, L] int64 ids and mask in, [B, dim] float32 embeddings out (L2-normalised where the
+        model's pipeline ends in Normalize, kwe_core.model.ModelInfo.normalized).
 
         B and L must fit the context's shape limits (for TensorRT, its profile's max shape).
         """

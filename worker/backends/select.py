@@ -162,6 +162,14 @@ def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = 
     The backend's embedding size must be the model's.
     """
     backend: Backend
+    excluded = model.pipeline.prompt_tokens_excluded
+    if excluded and (kind == "tensorrt" or onnx_path):
+        # The graph built for a prompt leaves its tokens out of the pooling; a plan or a given
+        # ONNX file was built without knowing the prompt.
+        given = "a TensorRT plan" if kind == "tensorrt" else f"onnx_path {onnx_path}"
+        raise BackendError(f"{model.model_dir}: its pooling leaves the prompt's {excluded} tokens out "
+                           f"(include_prompt false), which {given} cannot be checked for; run it on onnxruntime "
+                           "with the worker's own export (no onnx_path)")
     if kind == "tensorrt":
         if precision != "fp32":
             raise BackendError(f"setting 'precision': {precision!r} is for the onnxruntime backend; "
@@ -180,7 +188,7 @@ def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = 
             from engines.quantize_int8 import QuantizeError, ensure_int8_onnx
 
             try:
-                onnx_path = ensure_int8_onnx(model.model_dir)
+                onnx_path = ensure_int8_onnx(model)
             except QuantizeError as exc:  # e.g. a family the int8 recipe does not cover
                 raise BackendError(f"{model.model_dir}: {exc}") from exc
         elif not onnx_path:
@@ -190,8 +198,9 @@ def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = 
         backend = OnnxRuntimeBackend(onnx_path, intra_op_threads=intra_op_threads, allow_spinning=allow_spinning)
     if backend.dim != model.dim:
         backend.close()
-        raise BackendError(f"{kind}: the backend gives {backend.dim}-d vectors but {model.config_path} says "
-                           f"hidden_size {model.dim}; the ONNX file or plan belongs to another model")
+        raise BackendError(f"{kind}: the backend gives {backend.dim}-d vectors but the model in {model.model_dir} "
+                           f"gives {model.dim} ({model.pipeline.describe()}); the ONNX file or plan belongs to "
+                           "another model")
     return backend
 
 

@@ -275,6 +275,9 @@ def _neighbours(vectors: dict[str, np.ndarray], texts: dict[str, str]) -> None:
     ids = list(vectors)
     matrix = np.stack([vectors[q] for q in ids])
     probes = Embedder().embed(list(NEIGHBOUR_PROBES))
+    # Cosine even for a model whose vectors are not unit length (the packaged one's are).
+    matrix /= np.maximum(np.linalg.norm(matrix, axis=1, keepdims=True), 1e-12)
+    probes /= np.maximum(np.linalg.norm(probes, axis=1, keepdims=True), 1e-12)
     print("nearest neighbours among the embedded keywords (cosine):")
     for probe, vec in zip(NEIGHBOUR_PROBES, probes):
         scores = matrix @ vec

@@ -1,9 +1,12 @@
-"""`keyword-embedder models`: the encoder families, what was verified for each, and the checks.
+"""`keyword-embedder models`: the encoder families and pipelines, what was verified for each, and the checks.
 
-Without flags it prints what is on record (worker/families.py). `--check` reruns the checks
-that need no GPU: each family's fixture export against its transformers vectors (from a source
-checkout: the fixtures live in tests/data/families/) and the real models whose PyPI packages
-are installed.
+Without flags it prints what is on record (worker/families.py): the families, the
+sentence-transformers pipelines that run (and what is refused), the pipeline each known model
+runs, and the installed real models' pipelines read from their folders. `--model DIR` prints
+what one model folder runs (or the one line saying why it cannot). `--check` reruns the checks
+that need no GPU: each family's fixture export against its transformers vectors, each pipeline
+fixture against sentence-transformers' encode (from a source checkout: the fixtures live in
+tests/data/), and every real model that is installed.
 """
 
 from __future__ import annotations
@@ -13,35 +16,99 @@ import os
 import sys
 from pathlib import Path
 
+PROG = "keyword-embedder models"
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true",
-                        help="Rerun the checks here: fixture parity per family and pooling, and installed real models.")
+                        help="Rerun the checks here: fixture parity per family and pooling, each pipeline fixture, "
+                             "and every installed real model.")
     parser.add_argument("--fixtures", type=Path, default=None,
-                        help="Folder of the family fixtures (default: tests/data/families in this checkout).")
+                        help="Folder of the family fixtures (default: tests/data/families in this checkout); the "
+                             "pipeline fixtures and real-model references are read beside it.")
+    parser.add_argument("--model", type=Path, default=None, metavar="DIR",
+                        help="Print what this model folder runs (family, width, pipeline) and exit.")
 
 
 def main(args: argparse.Namespace) -> int:
     from kwe_core.model import FAMILIES
-    from worker.families import FAMILY_STATUS, MIN_COS, REPO_FIXTURES
+    from kwe_core.st_pipeline import POOLING_MODES
+    from worker.families import FAMILY_STATUS, KNOWN_PIPELINES, MIN_COS, REPO_FIXTURES
 
-    print(f"Encoder families (config.json model_type): {', '.join(FAMILIES)}; pooling mean or cls; "
-          f"ONNX Runtime on CPU, TensorRT from the same ONNX graph.\n")
+    if args.model is not None:
+        return _describe(args.model)
+    print(f"Encoder families (config.json model_type): {', '.join(FAMILIES)}; then the model's sentence-transformers "
+          f"modules (modules.json); ONNX Runtime on CPU, TensorRT from the same ONNX graph.\n")
     for s in FAMILY_STATUS:
         print(f"{s.family}\n  e.g.        {s.examples}\n  exporter:   {s.specifics}\n"
               f"  fixture:    tiny random model vs transformers, cos >= {MIN_COS} per row, mean and cls, "
               f"padded batches (tests/test_families.py)\n  real model: {s.real_model}\n  TensorRT:   {s.tensorrt}")
+    print("\nPipelines (sentence-transformers modules after the encoder, built into the ONNX graph; docs/models.md)\n"
+          f"  runs:     Pooling {', '.join(POOLING_MODES)} (several: concatenated), include_prompt false; Dense with "
+          "Identity, Tanh, ReLU, GELU, Sigmoid or SiLU; Normalize only where listed (else the output says "
+          "normalized: false)\n"
+          "  refused:  any other module type (named, never skipped), Dense weights only in pytorch_model.bin, "
+          "Dense use_residual, modules on token embeddings\n"
+          "  no modules.json: pooling from 1_Pooling/config.json (mean without it), then L2-normalised\n"
+          "  fixtures: tests/data/pipelines, vs sentence-transformers' encode: cos and norm per row "
+          "(tests/test_pipelines.py)")
+    print("\nKnown models (the pipeline its modules.json lists; what checked it here)")
+    for k in KNOWN_PIPELINES:
+        print(f"  {k.model:<38} {k.family:<12} {k.pipeline}\n  {'':<38} {'':<12} checked: {k.checked}")
+    print("\nInstalled real models (read from their folders)")
+    for name, folder, line in _installed():
+        print(f"  {name:<38} {line}" + (f"\n  {'':<38} {folder}" if folder else ""))
     if not args.check:
-        print("\nRerun the checks: keyword-embedder models --check")
+        print("\nRerun the checks: keyword-embedder models --check; one folder: keyword-embedder models --model DIR")
         return 0
     return _check(args.fixtures or REPO_FIXTURES)
 
 
-def _check(fixtures: Path) -> int:
-    import numpy as np
+def _cache() -> Path:
+    return Path(os.environ.get("KWE_CACHE_DIR") or Path.home() / ".cache" / "keyword-embedder") / "models"
 
+
+def _installed() -> list[tuple[str, Path | None, str]]:
+    from kwe_core.model import ModelError, ModelInfo, ModelNotFoundError
+    from worker.families import REAL_MODELS, real_model_dir
+
+    out: list[tuple[str, Path | None, str]] = []
+    for model in REAL_MODELS:
+        try:
+            folder = real_model_dir(model, _cache(), unpack=False)
+            info = ModelInfo.from_dir(folder)
+        except ModelNotFoundError as exc:
+            out.append((model.name, None, f"not available: {exc} ({model.install})"))
+        except ModelError as exc:
+            out.append((model.name, None, f"cannot run: {exc}"))
+        else:
+            out.append((model.name, folder, f"{info.model_type}, {info.dim}-d, {info.pipeline.describe()}"))
+    return out
+
+
+def _describe(folder: Path) -> int:
+    from kwe_core.model import ModelError, ModelInfo
+
+    try:
+        info = ModelInfo.from_dir(folder)
+    except ModelError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    prompts = ", ".join(f"{k}={v!r}" for k, v in info.prompts) or "none"
+    print(f"{info.name} ({info.model_dir})\n"
+          f"  family:     {info.model_type}, {info.num_layers} layers, hidden {info.hidden_size}, "
+          f"max {info.max_seq_length} tokens\n"
+          f"  pipeline:   {info.pipeline.describe()}\n"
+          f"  vectors:    {info.dim}-d, {'unit length (L2-normalised)' if info.normalized else 'not normalised'}"
+          + (f"; similarity_fn_name {info.similarity}" if info.similarity else "") + "\n"
+          f"  prompts:    {prompts}" + (f" (default {info.default_prompt_name!r})" if info.default_prompt_name else ""))
+    return 0
+
+
+def _check(fixtures: Path) -> int:
     from kwe_core.model import FAMILIES, ModelNotFoundError
-    from worker.families import MIN_COS, assemble_split_model, cosines, fixture_parity
+    from worker.families import (MIN_COS, NORM_TOL, REAL_MODELS, REAL_NORM_TOL, fixture_parity, pipeline_fixtures,
+                                 pipeline_parity, real_model_dir, real_parity)
 
     failed = 0
     print("\nfixture parity (worst row's cosine vs transformers)")
@@ -54,27 +121,31 @@ def _check(fixtures: Path) -> int:
                 p = fixture_parity(fixtures / family, pooling)
                 failed += not p.ok
                 print(f"  {family:<12} {pooling:<8} {p.single:>10.7f} {p.batched:>10.7f}  {'ok' if p.ok else 'FAIL'}")
-    print("\nreal models")
-    cache = Path(os.environ.get("KWE_CACHE_DIR") or Path.home() / ".cache" / "keyword-embedder") / "models"
-    try:
-        folder = assemble_split_model(cache)
-    except ModelNotFoundError as exc:
-        print(f"  all-mpnet-base-v2: skipped ({exc})")
-    else:
-        from worker.embedder import Embedder
-
-        ref_file = fixtures / "real-all-mpnet-base-v2.npz"
-        if not ref_file.is_file():
-            print(f"  all-mpnet-base-v2: skipped (no reference vectors at {ref_file})")
-        else:
-            with np.load(ref_file) as ref:
-                texts, expected = [str(t) for t in ref["texts"]], ref["vectors"].astype(np.float32)
-            with Embedder(folder, cache_bytes=0) as emb:
-                worst = float(cosines(emb.embed(texts), expected).min())
-            failed += worst < MIN_COS
-            print(f"  all-mpnet-base-v2 ({folder}): worst of {len(texts)} rows {worst:.7f} vs sentence-transformers  "
-                  f"{'ok' if worst >= MIN_COS else 'FAIL'}")
-    print(f"  all-MiniLM-L6-v2: tests/test_parity.py (golden vectors)")
+    data = fixtures.parent
+    found = pipeline_fixtures(data / "pipelines")
+    print(f"\npipeline fixtures (vs sentence-transformers' encode: worst cosine, worst |norm ratio - 1| <= {NORM_TOL})")
+    if not found or not (fixtures / "versions.json").is_file():
+        print(f"  skipped: no pipeline fixtures at {data / 'pipelines'}")
+    for fixture in found if (fixtures / "versions.json").is_file() else []:
+        q = pipeline_parity(fixture, families=fixtures)
+        failed += not q.ok
+        print(f"  {q.name:<40} {min(q.single, q.batched):>10.7f} {q.norm_error:>9.1e}  "
+              f"{'ok' if q.ok else 'FAIL' + ('' if q.ids_match else ' (token IDs differ)')}\n"
+              f"  {'':<40} {q.pipeline}")
+    print(f"\nreal models (vs sentence-transformers: worst cosine, worst |norm ratio - 1| <= {REAL_NORM_TOL})")
+    for model in REAL_MODELS:
+        try:
+            folder = real_model_dir(model, _cache())
+        except ModelNotFoundError as exc:
+            print(f"  {model.name}: skipped ({exc})")
+            continue
+        if not (data / model.reference).is_file():
+            print(f"  {model.name}: skipped (no reference vectors at {data / model.reference})")
+            continue
+        r = real_parity(model, folder, data)
+        failed += not r.ok
+        print(f"  {r.name} ({r.folder}): worst of {r.rows} rows {r.worst:.7f}, norms {r.norm_error:.1e}  "
+              f"{'ok' if r.ok else 'FAIL'}\n  {'':<4}{r.pipeline}")
     if failed:
-        print(f"\n{failed} check(s) below cos {MIN_COS}", file=sys.stderr)
+        print(f"\n{failed} check(s) below cos {MIN_COS} or off in norm", file=sys.stderr)
     return 1 if failed else 0

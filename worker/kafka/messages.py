@@ -39,6 +39,9 @@ H_DIM = "kwe-dim"
 H_INT8_RANGE = "kwe-int8-range"
 H_PROMPT_NAME = "kwe-prompt-name"
 H_PROMPT = "kwe-prompt"
+# Written (as b"false") only when the vectors are not unit length: the model's pipeline has no
+# Normalize module (docs/models.md); absent, they are L2-normalised.
+H_NORMALIZED = "kwe-normalized"
 H_REASON = "kwe-dlq-reason"
 H_SRC_TOPIC = "kwe-source-topic"
 H_SRC_PARTITION = "kwe-source-partition"
@@ -200,9 +203,11 @@ class OutputCodec:
     """Encodes embeddings for one model, prompt, width and encoding.
 
     `dim` is the width written (truncate_dim when set, else the model's); vectors arrive at the
-    model's width and are truncated and renormalised here, after the cache, so cached rows
-    stay full-width. The optional fields (prompt_name, int8_range) are written only when they
-    apply, so the default record is unchanged.
+    model's width and are truncated here (and renormalised, for a model that normalises), after
+    the cache, so cached rows stay full-width. The optional fields (prompt_name, int8_range, and
+    normalized: false with its kwe-normalized header for a model without a Normalize module) are
+    written only when they apply, so the default record is unchanged. The registry formats carry
+    the header, not the field: their registered schemas stay as they are.
     """
 
     model: str
@@ -213,6 +218,7 @@ class OutputCodec:
     prompt: str = ""
     int8_range: tuple[float, float] | None = None  # required by (and only written for) int8
     fields: FieldMap = field(default_factory=lambda: FieldMap())  # output_fields (JSON only)
+    normalized: bool = True  # the model's vectors are unit length (its pipeline ends in Normalize)
     _headers: Headers = field(init=False, repr=False, compare=False)
     _extra: dict[str, object] = field(init=False, repr=False, compare=False)
     _shaped: bool = field(init=False, repr=False, compare=False)  # output_fields set (read per record)
@@ -234,6 +240,8 @@ class OutputCodec:
             extra["prompt_name"] = self.prompt_name
             if self.prompt_name is not None:
                 headers.append((H_PROMPT_NAME, self.prompt_name.encode("utf-8")))
+        if not self.normalized:
+            headers.append((H_NORMALIZED, b"false"))
         object.__setattr__(self, "_headers", headers)
         object.__setattr__(self, "_extra", extra)
         object.__setattr__(self, "_shaped", bool(self.fields))
@@ -248,7 +256,7 @@ class OutputCodec:
         gives (a float32 array for float-list), or with `raw_bytes` the bytes behind the base64 of the
         other encodings (the registry formats write them as `bytes`)."""
         if self.truncate_dim:
-            vec = truncate(vec, self.truncate_dim)
+            vec = truncate(vec, self.truncate_dim, renormalise=self.normalized)
         record: dict[str, object] = {
             "id": qid,
             "embedding": (embedding_bytes(vec, self.encoding, self.int8_range)
@@ -266,6 +274,8 @@ class OutputCodec:
 
     def value(self, qid: str, vec: np.ndarray, tokens: int, truncated: bool) -> bytes:
         record = self.record(qid, vec, tokens, truncated)
+        if not self.normalized:
+            record["normalized"] = False
         if self._shaped:
             record = apply_output_fields(record, self.fields)
         return orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -274,7 +284,8 @@ class OutputCodec:
 # The fields of the JSON output record (schemas/output.schema.json), for output_fields; `uuid`
 # is written only when output_fields names it: the query ID as a UUID (uuid5 in UUID_NAMESPACE),
 # for stores whose point IDs must be UUIDs (Qdrant, Weaviate).
-OUTPUT_FIELDS = ("id", "embedding", "encoding", "dim", "model", "tokens", "truncated", "int8_range", "prompt_name")
+OUTPUT_FIELDS = ("id", "embedding", "encoding", "dim", "model", "tokens", "truncated", "int8_range", "prompt_name",
+                 "normalized")
 UUID_FIELD = "uuid"
 UUID_NAMESPACE = uuid.NAMESPACE_URL  # uuid.uuid5(uuid.NAMESPACE_URL, query_id)
 
