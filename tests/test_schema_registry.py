@@ -104,7 +104,7 @@ def test_without_auto_register_the_output_schema_must_exist(schema_registry: str
     with pytest.raises(SchemaRegistryFailure, match="not registered.*schema_auto_register"):
         out.check(DIM)
     assert f"{topic}-value" not in client.get_subjects()  # nothing registered behind the user's back
-    # Registered by its owner (as the README shows): the worker uses it.
+    # Registered by its owner (as docs/formats.md shows): the worker uses it.
     client.register_schema(f"{topic}-value", Schema(schema_file("avro", "float-list").read_text(), "AVRO"))
     out = RegistryOutput(settings, codec, client)
     out.check(DIM)

@@ -1,8 +1,8 @@
 """Against the real secured broker (deploy/local/kafka.sh start --secure): SASL_SSL with SCRAM-SHA-512,
-a local CA, the StandardAuthorizer and the README's ACLs.
+a local CA, the StandardAuthorizer and the ACLs of docs/security.md.
 
 Topics and groups are named `keywords.<id>`, `embeddings.<id>`, `keywords-dlq.<id>`,
-`keyword-embedder.<id>`, `keyword-embedder-reader-<id>`: the ACLs grant the README's defaults
+`keyword-embedder.<id>`, `keyword-embedder-reader-<id>`: the ACLs grant the default names
 literally and these through prefixed patterns, so each test has fresh topics and offsets.
 """
 

@@ -212,7 +212,7 @@ class Settings:
         "at-least-once", "'at-least-once': an output may be written again after a crash (at most the "
         "in-flight records). 'exactly-once': outputs, dead letters and input offsets commit in one Kafka "
         "transaction per transaction_interval_ms, so a read_committed reader sees each record once; "
-        "costs a pipeline drain per transaction (README, Delivery guarantees).")
+        "costs a pipeline drain per transaction (docs/delivery.md).")
     member_id: str = _setting("", "This member's stable identity, part of its transactional.id in exactly-once "
                               "mode, so a restarted member fences its zombie; unique among live members. "
                               "Empty: the hostname (the pod name in Kubernetes).")
@@ -230,7 +230,7 @@ class Settings:
                                          "(UTF-8 text, query ID in the message key), or a Schema Registry "
                                          "format ('avro', 'json-schema', 'protobuf': a record with string fields "
                                          "id and text, any schema the registry holds; needs "
-                                         "schema_registry_url and the registry extra). README, Schema Registry.")
+                                         "schema_registry_url and the registry extra). docs/formats.md, Schema Registry formats.")
     output_format: OutputFormat = _setting("json", "Output value format: 'json' (schemas/output.schema.json), or "
                                            "a Schema Registry format ('avro', 'json-schema', 'protobuf') with the "
                                            "schemas in schemas/registry/ (the embedding as a list of floats for "
@@ -240,11 +240,11 @@ class Settings:
         None, "Shape the JSON output for a sink connector that reads named fields: 'embedding=vector' renames, "
         "'-model' drops, 'uuid=id' writes the query ID as a UUID (uuid5, URL namespace) under that name, "
         "'+collection_name=keywords' adds a constant; repeat the flag (--output-fields=-model: with '=' when it "
-        "starts with '-') or comma-separate. JSON output only. README, Sink-ready output.", default_factory=tuple)
+        "starts with '-') or comma-separate. JSON output only. docs/formats.md, Sink-ready output.", default_factory=tuple)
     pass_headers: tuple[str, ...] = _setting(
         None, "Input header names copied onto each embedding (repeat the flag or comma-separate; '*': all). "
         "Never a kwe-* header: the worker's own are not overwritten. Dead letters carry all input headers "
-        "already (README, Headers and trace context).", default_factory=tuple)
+        "already (docs/formats.md, Header pass-through).", default_factory=tuple)
     trace_context: bool = _setting(True, "W3C Trace Context: an input record's traceparent (and tracestate) "
                                    "header gives its embedding and dead letter a child traceparent (same "
                                    "trace, new span ID). Records without one cost nothing.")
@@ -272,7 +272,7 @@ class Settings:
                                                "(base64 of one signed byte per dimension over int8_range, stated "
                                                "in each record) or 'binary' (base64 of the sign bits, 8 per "
                                                "byte, first dimension in the high bit: sentence-transformers' "
-                                               "ubinary). README, Models and outputs.")
+                                               "ubinary). docs/models.md, Shorter and smaller vectors.")
     truncate_dim: int = _setting(0, "Keep the first N dimensions of each embedding and renormalise (Matryoshka "
                                  "truncation, sentence-transformers' truncate_dim; a model without a Normalize "
                                  "module keeps its scale); 0: the model's full width. "

@@ -40,7 +40,7 @@ class FamilyStatus:
     tensorrt: str        # whether a TensorRT build of the family was checked
 
 
-_NO_TRT = ("not built: no GPU with TensorRT has been available (README, GPU); the graph uses only "
+_NO_TRT = ("not built: no GPU with TensorRT has been available (docs/gpu.md); the graph uses only "
            "standard opset-17 operators")
 FAMILY_STATUS: tuple[FamilyStatus, ...] = (
     FamilyStatus("bert", "all-MiniLM-L6-v2 (default), bge-small-en-v1.5, e5-small-v2",

@@ -10,6 +10,11 @@
 #                                  port with the same data: a broker restart as clients see it;
 #                                  --down-for keeps it down that long first (an outage)
 #   deploy/local/kafka.sh libs     print the classpath folder (resolving the jars first)
+#   deploy/local/kafka.sh topics ARGS...
+#                                  Kafka's own kafka-topics.sh (org.apache.kafka.tools.TopicCommand) run from
+#                                  those jars, for a machine without a Kafka distribution, e.g.
+#                                  topics --bootstrap-server HOST:PORT --create --topic T --partitions 6
+#                                  (and --describe, --delete, --list: the same arguments as kafka-topics.sh)
 #
 #   --brokers N (with start): a cluster of N KRaft nodes (combined broker+controller, node ids 1..N,
 #   one static controller quorum) in $KWE_KAFKA_RUN/node-I, with default.replication.factor=N
@@ -21,7 +26,7 @@
 #
 #   --secure (with start, stop, status, restart): a second, secured broker of its own: one SASL_SSL
 #   listener (SCRAM-SHA-512 users made at format time, a local CA and broker certificate), an mTLS
-#   controller listener, the StandardAuthorizer with the README's ACLs; all on 127.0.0.1. Its start
+#   controller listener, the StandardAuthorizer with the ACLs of docs/security.md; all on 127.0.0.1. Its start
 #   prints KAFKA_SECURE_CONFIG_DIR=DIR (ca.pem and one librdkafka properties file per user: admin,
 #   worker, producer, reader, intruder) and then KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:PORT as the last
 #   line. Passwords are random per fresh start. Needs openssl as well (the CA and certificate).
@@ -164,7 +169,7 @@ L4J
 
 
 # ---------------------------------------------------------------------------------- secured broker
-# The users of the README's ACLs; 'intruder' is not a user: its file has worker's name and a wrong password.
+# The users of the ACLs of docs/security.md; 'intruder' is not a user: its file has worker's name and a wrong password.
 users=(admin worker producer reader)
 
 need_openssl() {
@@ -267,7 +272,7 @@ PROPS
   )
 }
 
-# The README's ACLs. Each base name is granted as a LITERAL pattern (the defaults themselves) and as
+# The ACLs of docs/security.md. Each base name is granted as a LITERAL pattern (the defaults themselves) and as
 # a PREFIXED pattern with a dot ('keywords.' ...), so that tests and side deployments can use
 # 'keywords.<anything>' with the same rights, while 'keywords' never covers 'keywords-dlq'.
 # AclCommand takes one principal and one pattern type per call: the calls run side by side.
@@ -646,6 +651,7 @@ case "${1:-}" in
   status) if is_cluster; then cluster_status; else cmd_status; fi ;;
   restart) need_java; shift; if is_cluster; then cluster_restart "$@"; else cmd_restart "$@"; fi ;;
   libs) need_java; resolve_libs ;;
-  *) echo "usage: $0 start [--brokers N]|stop|status|restart [--node I] [--hard] [--down-for S]|libs [--secure]" >&2
+  topics) need_java; shift; libs="$(resolve_libs)"; exec java -cp "$libs/*" org.apache.kafka.tools.TopicCommand "$@" ;;
+  *) echo "usage: $0 start [--brokers N]|stop|status|restart [--node I] [--hard] [--down-for S]|libs|topics ARGS [--secure]" >&2
      exit 2 ;;
 esac

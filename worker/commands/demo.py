@@ -57,7 +57,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--partitions", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=300.0, help="Give up waiting for output after this.")
     parser.add_argument("--processing-guarantee", choices=("at-least-once", "exactly-once"), default="at-least-once",
-                        help="The workers' delivery guarantee (README, Delivery guarantees).")
+                        help="The workers' delivery guarantee (docs/delivery.md).")
     parser.add_argument("--keep-topics", action="store_true", help="Do not delete the demo topics at the end.")
     add_client_flags(parser)
 

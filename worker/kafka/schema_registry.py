@@ -211,7 +211,7 @@ class RegistryOutput:
             if isinstance(exc, SchemaRegistryError) and exc.http_status_code == 404:
                 raise SchemaRegistryFailure(
                     f"output_format={self._fmt}: the schema {self.schema_path.name} is not registered under the "
-                    f"output subject at {self._url} ({describe(exc)}); register it (README, Schema Registry) or "
+                    f"output subject at {self._url} ({describe(exc)}); register it (docs/formats.md, Schema Registry formats) or "
                     f"set schema_auto_register=true") from None
             if isinstance(exc, SchemaRegistryError) and exc.http_status_code == 409:
                 raise SchemaRegistryFailure(

@@ -10,7 +10,7 @@ in-flight table empties: every output acknowledged), then each partition's next 
 and the transaction committed; the next one begins with the next consumed record. So the
 outputs in a transaction are exactly those of the offsets it commits: there is no record whose
 output is committed and whose offset is not, or the reverse. The cost is the drain bubble once
-per interval (README, "Delivery guarantees").
+per interval (docs/delivery.md).
 
 Errors of the transactional calls, as librdkafka classifies them:
 - retriable: the call is repeated (send_offsets_to_transaction RETRIES times; commit_transaction
