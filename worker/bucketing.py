@@ -62,6 +62,7 @@ from kwe_core.profiles import PAD_POLICIES, PadPolicy, Profile
 from worker.backends.base import Backend, InferenceContext, requires_serial_dispatch
 from worker.batch_policy import BucketView, plan_merge
 from worker.cost_model import CostModel
+from worker.errors import WorkerError
 from worker.padding import pad_batch
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,9 @@ OnComplete = Callable[[Sequence[int], np.ndarray, "BatchStats"], None]
 OnError = Callable[[Sequence[int], BaseException], None]
 
 
-class BucketerError(RuntimeError):
-    """The bucketer was used wrongly (submit after stop, start twice) or cannot start."""
+class BucketerError(WorkerError):
+    """The bucketer was used wrongly (submit after stop, start twice) or cannot start: a fatal
+    worker error (the pipeline trips the latch with it)."""
 
 
 class BucketerStoppedError(BucketerError):
