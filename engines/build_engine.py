@@ -32,7 +32,7 @@ from typing import Any
 
 from engines.cuda_context import primary_context
 from engines.export_onnx import FP32_NODE_PREFIXES
-from kwe_core.errors import BackendError
+from kwe_core.errors import BackendError, KeywordEmbedderError
 from kwe_core.profiles import Profile, ProfileError
 
 # The two network inputs the ONNX export has, both [batch, seq] integer tensors.
@@ -52,7 +52,7 @@ class PlanSidecarError(BackendError):
     """The plan's sidecar is missing or invalid, or says the plan does not fit this machine/model."""
 
 
-class EngineBuildError(RuntimeError):
+class EngineBuildError(KeywordEmbedderError, RuntimeError):
     """TensorRT could not parse the ONNX file or build the plan; the message carries its errors."""
 
 
