@@ -585,7 +585,7 @@ def test_a_bug_in_the_bucketer_former_trips_the_latch_and_liveness_names_the_thr
     assert isinstance(latch.error, ThreadDiedError) and "kwe-bucket-former" in str(latch.error)
     ok, why = live()
     assert not ok
-    b.stop(drain=False, timeout=0.5)
+    b.stop(Deadline.after(0.5), drain=False)
 
 
 def test_a_bucketer_stop_returns_by_its_timeout_while_a_backend_call_hangs() -> None:
@@ -606,7 +606,7 @@ def test_a_bucketer_stop_returns_by_its_timeout_while_a_backend_call_hangs() -> 
         b.submit(0, np.arange(1, 5, dtype=np.int64))
         assert entered.wait(5.0)
         start = time.monotonic()
-        b.stop(drain=True, timeout=0.3)
+        b.stop(Deadline.after(0.3), drain=True)
         assert time.monotonic() - start < 0.3 + 0.5 + 0.3
         assert all(t.daemon for t in b.threads)  # cannot hold the process at exit either
     finally:

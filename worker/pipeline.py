@@ -221,7 +221,8 @@ class Pipeline:
 
     def _shutdown(self) -> None:
         clean = not self._abort.is_set() and not self.latch.is_set()
-        never_run = self._bucketer.stop(drain=clean, timeout=max(0.1, self._drain_by.left()) if clean else 0.5)
+        # The drain's own deadline: a second signal that shortens it shortens this drain too.
+        never_run = self._bucketer.stop(self._drain_by if clean else Deadline.after(0.5), drain=clean)
         self._output.stop(self._commit_by if clean else Deadline.after(0.5))
         if clean:
             unacked = self._producer.flush(self._commit_by)
