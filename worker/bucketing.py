@@ -358,19 +358,24 @@ class Bucketer:
                                          for lane in self._lanes)
 
     def _snapshot(self) -> Snapshot:
-        longest = self.pad_to == "longest"
+        pad_to, budget = self.pad_to, self._budget
+        longest = pad_to == "longest"
         lanes = []
         for lane in self._lanes:
             if not lane.has_room():
                 lanes.append(LaneSnapshot((), False, False))
                 continue
-            queued = [QueuedBucket(b.index, len(b.items), b.items[0].t_submit, b.longest if longest else b.bound,
-                                   b.max_batch if longest else b.limit, self._is_full(b))
-                      for b in (self._buckets[i] for i in lane.buckets) if b.items]
+            queued = []
+            for i in lane.buckets:
+                b = self._buckets[i]
+                if b.items:
+                    n = len(b.items)
+                    queued.append(QueuedBucket(b.index, n, b.items[0].t_submit, b.longest if longest else b.bound,
+                                               b.max_batch if longest else b.limit,
+                                               is_full(n, b.longest, pad_to, b.limit, b.max_batch, budget)))
             lanes.append(LaneSnapshot(queued, True, lane.idle > len(lane.ready) + lane.forming))
-        return Snapshot(lanes, self._delay, eager=self._eager, flush_all=self._stopping and self._drain,
-                        prices=self._costs.prices() if self._costs is not None else None,
-                        token_budget=self._budget)
+        return Snapshot(lanes, self._delay, self._eager, self._stopping and self._drain,
+                        self._costs.prices() if self._costs is not None else None, budget)
 
     def _take(self, b: _Bucket) -> list[_Item]:
         """Pop the next batch of bucket b, oldest first, within max_batch and the token budget."""
