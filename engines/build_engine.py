@@ -32,7 +32,7 @@ from typing import Any
 
 from engines.cuda_context import primary_context
 from engines.export_onnx import FP32_NODE_PREFIXES
-from kwe_core.errors import BackendError, KeywordEmbedderError
+from kwe_core.errors import GPU_INSTALL_HINT, BackendError, KeywordEmbedderError
 from kwe_core.profiles import Profile, ProfileError
 
 # The two network inputs the ONNX export has, both [batch, seq] integer tensors.
@@ -41,7 +41,6 @@ INPUT_NAMES: tuple[str, ...] = ("input_ids", "attention_mask")
 DEFAULT_ALIGN = 8
 DEFAULT_WORKSPACE_GIB = 4.0
 SIDECAR_SCHEMA = 1
-GPU_INSTALL_HINT = "pip install 'keyword-embedder[gpu]'"
 
 
 class AlignmentError(ProfileError):

@@ -155,3 +155,14 @@ def test_an_error_no_command_catches_is_one_line_and_exit_1(monkeypatch: pytest.
     assert main(["settings"]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
         "keyword-embedder settings: too few samples to fit the prices (3 of 7)"]
+
+
+@pytest.mark.parametrize("command", ["consume", "produce"])
+def test_a_bad_client_setting_is_one_line_and_exit_2(command: str, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from worker.cli import main
+
+    io = ["--output", str(tmp_path / "out.jsonl")] if command == "consume" else ["--input", str(tmp_path / "in.tsv")]
+    assert main([command, "--bootstrap-servers", "127.0.0.1:1", "--topic", "t", *io, "--kafka-config", "acks"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"keyword-embedder {command}: ") and "expected key=value" in line

@@ -690,3 +690,22 @@ def test_a_replaced_client_is_destroyed_on_a_thread_of_its_own_never_the_deliver
         time.sleep(0.01)
     wrapper.stop(2.0)
     assert destroyed == ["kwe-retire-producer"] and wrapper.abandoned == 0
+
+
+def test_the_isolating_backend_passes_on_typed_members_only() -> None:
+    from worker.backends.base import requires_serial_dispatch
+    from worker.backends.isolating import IsolatingBackend
+
+    class Serial:
+        name, dim, max_contexts, requires_serial_dispatch = "tensorrt", 4, 2, True
+        plan = "private to the backend"
+
+    class Plain:
+        name, dim, max_contexts = "onnxruntime", 4, None
+
+    canary = np.arange(1, 4, dtype=np.int64)
+    serial, plain = IsolatingBackend(Serial(), canary), IsolatingBackend(Plain(), canary)  # type: ignore[arg-type]
+    assert requires_serial_dispatch(serial) and not requires_serial_dispatch(plain)
+    assert (serial.name, serial.dim, serial.max_contexts) == ("tensorrt", 4, 2)
+    with pytest.raises(AttributeError):
+        serial.plan  # noqa: B018 - no attribute is forwarded untyped

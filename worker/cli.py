@@ -125,10 +125,10 @@ def _command(name: str, entry: tuple[str, str], rest: list[str], signals: Any) -
     except KeyboardInterrupt:
         return 130
     except KeywordEmbedderError as exc:
-        # What a command did not map to its own exit code (each catches the root where it
-        # knows the code): the one line the error was written for, exit 1, never a traceback.
+        # What a command did not catch itself: the one line the error was written for, and its
+        # exit code (2 for a setting, else 1), never a traceback.
         print(f"keyword-embedder {name}: {exc}", file=sys.stderr)
-        return 1
+        return exc.exit_code
 
 
 if __name__ == "__main__":
