@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from worker.keyword_files import BadLines, read_keywords
+from kwe_core.errors import KeywordEmbedderError
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_QUERIES = ROOT.parent / "shared" / "data" / "queries"
@@ -28,7 +29,7 @@ def default_sources() -> list[Path]:
     return shared or [p for p in SHIPPED if p.is_file()]
 
 
-class PoolExhaustedError(RuntimeError):
+class PoolExhaustedError(KeywordEmbedderError, RuntimeError):
     """More fresh keywords were asked for than the sources hold."""
 
 

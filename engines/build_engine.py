@@ -32,7 +32,7 @@ from typing import Any
 
 from engines.cuda_context import primary_context
 from engines.export_onnx import FP32_NODE_PREFIXES
-from kwe_core.errors import BackendError
+from kwe_core.errors import GPU_INSTALL_HINT, BackendError, KeywordEmbedderError
 from kwe_core.profiles import Profile, ProfileError
 
 # The two network inputs the ONNX export has, both [batch, seq] integer tensors.
@@ -41,7 +41,6 @@ INPUT_NAMES: tuple[str, ...] = ("input_ids", "attention_mask")
 DEFAULT_ALIGN = 8
 DEFAULT_WORKSPACE_GIB = 4.0
 SIDECAR_SCHEMA = 1
-GPU_INSTALL_HINT = "pip install 'keyword-embedder[gpu]'"
 
 
 class AlignmentError(ProfileError):
@@ -52,7 +51,7 @@ class PlanSidecarError(BackendError):
     """The plan's sidecar is missing or invalid, or says the plan does not fit this machine/model."""
 
 
-class EngineBuildError(RuntimeError):
+class EngineBuildError(KeywordEmbedderError, RuntimeError):
     """TensorRT could not parse the ONNX file or build the plan; the message carries its errors."""
 
 

@@ -51,6 +51,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from kwe_core.model import FAMILIES, ModelError, ModelInfo, default_model_dir
 from kwe_core.st_pipeline import Dense
+from kwe_core.errors import KeywordEmbedderError
 
 # Bump whenever the emitted graph changes: it is part of the cache key.
 EXPORTER_VERSION = "2"
@@ -66,7 +67,7 @@ ENV_CACHE_DIR = "KWE_CACHE_DIR"
 FUSED_CHECK_TOL = 1e-4
 
 
-class ExportError(RuntimeError):
+class ExportError(KeywordEmbedderError, RuntimeError):
     """The model cannot be exported; the message names the model folder or file and the reason."""
 
 

@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 
 from kwe_core.model import ModelInfo
+from kwe_core.errors import KeywordEmbedderError
 
 Mode = Literal["dynamic", "static"]
 Calibration = Literal["minmax", "entropy", "percentile"]
@@ -45,7 +46,7 @@ Calibration = Literal["minmax", "entropy", "percentile"]
 Exclusion = Literal["none", "attn-act", "sensitive", "sensitive+ffn-out", "measured"]
 
 
-class QuantizeError(RuntimeError):
+class QuantizeError(KeywordEmbedderError, RuntimeError):
     """A variant cannot be built; the message names the variant and the reason."""
 
 

@@ -23,11 +23,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from kwe_core.errors import KeywordEmbedderError
 
 INT8_LEVELS = 255
 
 
-class VectorError(ValueError):
+class VectorError(KeywordEmbedderError, ValueError):
     """A truncation or quantisation the vectors cannot take; the message says why."""
 
 

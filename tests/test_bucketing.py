@@ -19,6 +19,7 @@ import pytest
 
 from worker.bucketing import BatchStats, Bucketer, BucketerError, BucketerStoppedError
 from worker.calibration import SHAPES
+from worker.deadline import Deadline
 from worker.cost_model import CostModel, Prices
 from worker.metrics import Metrics
 from kwe_core.profiles import Bucket, PadPolicy, Profile
@@ -459,7 +460,7 @@ def test_stop_timeout_drops_what_did_not_finish() -> None:
     # The batch of seq 0 is stuck past the timeout; it is released only after stop gave up,
     # so seq 1 must be dropped rather than run.
     stopper_result: list[list[int]] = []
-    stopper = threading.Thread(target=lambda: stopper_result.append(b.stop(drain=True, timeout=0.05)))
+    stopper = threading.Thread(target=lambda: stopper_result.append(b.stop(Deadline.after(0.05), drain=True)))
     stopper.start()
     # Wait until stop() has given up (after its 50 ms) before letting the stuck batch finish.
     # Nothing public shows that moment, so this polls the private flag; the poll only decides
@@ -468,6 +469,31 @@ def test_stop_timeout_drops_what_did_not_finish() -> None:
         if b._abort:
             break
         time.sleep(0.01)
+    backend.gate.release()
+    stopper.join(WAIT)
+    assert stopper_result == [[1]]
+    assert res.seqs() == [0] and b.pending() == 0 and no_worker_threads()
+
+
+def test_a_shortened_deadline_shortens_a_drain_already_under_way() -> None:
+    """The second stop request: the Deadline the drain holds is shortened, and the drain ends."""
+    backend = FakeBackend(gate=True)
+    b, clock, backend, res = make(profile(), backend, delay_ms=0.0)
+    b.submit(0, ids(0, 3))
+    backend.wait_calls(1)  # running, held at the gate
+    b.submit(1, ids(1, 7))
+    deadline = Deadline.after(3600.0)  # the first request: an hour to drain
+    stopper_result: list[list[int]] = []
+    stopper = threading.Thread(target=lambda: stopper_result.append(b.stop(deadline, drain=True)))
+    stopper.start()
+    time.sleep(0.05)
+    assert stopper.is_alive() and not b._abort  # draining: waiting for the gated batch
+    deadline.shorten(0.0)  # the second request
+    for _ in range(int(WAIT / 0.01)):  # when to go on, not a timing assertion (as above)
+        if b._abort:
+            break
+        time.sleep(0.01)
+    assert b._abort  # before the fix the drain waited the hour out
     backend.gate.release()
     stopper.join(WAIT)
     assert stopper_result == [[1]]

@@ -209,6 +209,19 @@ def test_policy_stops_at_once_before_connecting_and_after_a_grace_later() -> Non
     assert policy.decide(auth) is not None
 
 
+def test_client_error_is_one_decision_for_every_error_callback() -> None:
+    from worker.errors import WorkerError
+    from worker.kafka.errors import KafkaSetupError
+
+    policy = FailurePolicy()
+    fatal = WorkerError("fatal consumer error")
+    refused = policy.client_error(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED), fatal, topic="t", op="read")
+    assert isinstance(refused, KafkaSetupError) and "not authorised to read topic 't'" in str(refused)
+    fenced = policy.client_error(KafkaError(KafkaError._FATAL, "fenced", fatal=True), fatal)
+    assert isinstance(fenced, KafkaSetupError) and str(fenced) == "fatal Kafka client error: fenced"
+    assert policy.client_error(KafkaError(KafkaError._TRANSPORT, "Connection refused"), fatal) is None
+
+
 # ------------------------------------------------------------------ the deploy examples
 
 

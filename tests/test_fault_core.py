@@ -585,7 +585,7 @@ def test_a_bug_in_the_bucketer_former_trips_the_latch_and_liveness_names_the_thr
     assert isinstance(latch.error, ThreadDiedError) and "kwe-bucket-former" in str(latch.error)
     ok, why = live()
     assert not ok
-    b.stop(drain=False, timeout=0.5)
+    b.stop(Deadline.after(0.5), drain=False)
 
 
 def test_a_bucketer_stop_returns_by_its_timeout_while_a_backend_call_hangs() -> None:
@@ -606,7 +606,7 @@ def test_a_bucketer_stop_returns_by_its_timeout_while_a_backend_call_hangs() -> 
         b.submit(0, np.arange(1, 5, dtype=np.int64))
         assert entered.wait(5.0)
         start = time.monotonic()
-        b.stop(drain=True, timeout=0.3)
+        b.stop(Deadline.after(0.3), drain=True)
         assert time.monotonic() - start < 0.3 + 0.5 + 0.3
         assert all(t.daemon for t in b.threads)  # cannot hold the process at exit either
     finally:
@@ -690,3 +690,22 @@ def test_a_replaced_client_is_destroyed_on_a_thread_of_its_own_never_the_deliver
         time.sleep(0.01)
     wrapper.stop(2.0)
     assert destroyed == ["kwe-retire-producer"] and wrapper.abandoned == 0
+
+
+def test_the_isolating_backend_passes_on_typed_members_only() -> None:
+    from worker.backends.base import requires_serial_dispatch
+    from worker.backends.isolating import IsolatingBackend
+
+    class Serial:
+        name, dim, max_contexts, requires_serial_dispatch = "tensorrt", 4, 2, True
+        plan = "private to the backend"
+
+    class Plain:
+        name, dim, max_contexts = "onnxruntime", 4, None
+
+    canary = np.arange(1, 4, dtype=np.int64)
+    serial, plain = IsolatingBackend(Serial(), canary), IsolatingBackend(Plain(), canary)  # type: ignore[arg-type]
+    assert requires_serial_dispatch(serial) and not requires_serial_dispatch(plain)
+    assert (serial.name, serial.dim, serial.max_contexts) == ("tensorrt", 4, 2)
+    with pytest.raises(AttributeError):
+        serial.plan  # noqa: B018 - no attribute is forwarded untyped

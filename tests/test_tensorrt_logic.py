@@ -60,6 +60,7 @@ from worker.backends.tensorrt import (
     stage_batch,
 )
 from worker.config import Settings
+from worker.deadline import Deadline
 from kwe_core.profiles import Bucket, Profile, ProfileError, load_profile
 from tests.fakes.gpu import DIM, FakeTrt, install_fakes
 from tests.fakes.gpu import tiny_onnx as _tiny_onnx
@@ -478,7 +479,7 @@ def test_bucketer_runs_a_shared_memory_backend_from_one_dispatcher(
     lengths = [5, 12, 30, 60, 200, 7, 16]
     for seq, n in enumerate(lengths):
         bucketer.submit(seq, np.arange(1, n + 1, dtype=np.int64))
-    assert bucketer.stop(drain=True, timeout=10) == []
+    assert bucketer.stop(Deadline.after(10), drain=True) == []
     assert not errors and sorted(done) == list(range(len(lengths)))
     for seq, n in enumerate(lengths):
         assert done[seq][3] == gpu.bucket_for(n)  # ran on its bucket's profile

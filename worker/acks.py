@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from worker.inflight import InFlightTable
+from worker.inflight import InFlight, InFlightTable
 from worker.kafka.producer import GiveUp, nothing
 from worker.metrics import Metrics
 
@@ -25,12 +25,18 @@ class Acknowledger:
         self.embedded_count = 0
         self.dead_lettered_count = 0
 
+    def _done(self, seq: int) -> InFlight | None:
+        """The record leaves the table and its offset is done; None if it had left already."""
+        rec = self._inflight.finish(seq)
+        if rec is not None:
+            rec.part.done(rec.offset)
+        return rec
+
     def embedded(self, seq: int) -> Callable[[], None]:
         def ack() -> None:
-            rec = self._inflight.finish(seq)
+            rec = self._done(seq)
             if rec is None:
                 return
-            rec.part.done(rec.offset)
             self.embedded_count += 1
             self._metrics.count_produced()
             if rec.t_produced:
@@ -59,10 +65,7 @@ class Acknowledger:
 
     def dead_lettered(self, seq: int, reason: str) -> Callable[[], None]:
         def ack() -> None:
-            rec = self._inflight.finish(seq)
-            if rec is None:
-                return
-            rec.part.done(rec.offset)
-            self.dead_lettered_count += 1
-            self._metrics.count_dead_lettered(reason)
+            if self._done(seq) is not None:
+                self.dead_lettered_count += 1
+                self._metrics.count_dead_lettered(reason)
         return ack

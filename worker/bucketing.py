@@ -25,31 +25,21 @@ contexts must never run at once (`requires_serial_dispatch`, TensorRT with one s
 activation memory) gets one lane for every bucket and ONE dispatcher that creates, runs and
 closes all the contexts, still bucket i on context i.
 
-Flush rules, for the buckets of one lane whose ready queue has room:
-1. a bucket is *full* when it holds max_batch items or a batch of it would fill the
-   padded-token budget (bound x batch for pad_to="bucket", the current longest item x batch
-   for pad_to="longest"); it is *due* when its oldest item has waited max_queue_delay_ms.
-2. among full or due buckets, the one whose oldest item is oldest goes first ("oldest
-   deadline first"): a rare bucket is never passed over by a busy one once its item is older.
-   A full batch is formed ahead (one per dispatcher) while the engine is busy; a due partial
-   batch is bound late, when a dispatcher is free to run it, so items arriving meanwhile still
-   join it, and nothing younger is formed ahead of it. So every item leaves within its deadline
-   plus the batch running and at most one formed before it became due.
-3. `eager=True` (the default, chosen by measurement, see benchmarks/results/bucketing.md):
-   when a dispatcher of the lane is idle and nothing is full or due, the bucket with the
-   oldest item is flushed at once instead of letting the engine idle until its deadline. Under
-   load the dispatchers are never idle, so batches still fill; with a light load it trades
-   larger batches for latency the engine had spare capacity for anyway.
-4. with a cost model (`costs`, the worker's merge_buckets setting): a batch of a bucket that is
-   not full (an eager or a due flush) takes whole neighbouring buckets along when one call
-   costs less than two at the measured prices, padded to the longest of them; never while any
-   bucket of the lane is full. The decision is worker/batch_policy.py's pure function; the
-   former only applies it, and every finished call refines the prices.
+Flush rules (full, due, oldest first, eager, merge): worker/flush_policy.py, pure functions of a
+snapshot of the buckets and the clock. The former takes the snapshot under the lock, asks
+`next_flush`, and applies the answer; so every item leaves within its deadline plus the batch
+running and at most one formed before it became due. `eager=True` is the default, chosen by
+measurement (benchmarks/results/bucketing.md); `costs` (the worker's merge_buckets setting)
+gives the prices merging reads, and every finished call refines them.
+
+Stopping: `stop(deadline)` drains until the `Deadline` (worker/deadline.py) expires, re-reading
+it, so a second stop request that shortens the deadline shortens the drain under way.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -60,21 +50,26 @@ import numpy as np
 
 from kwe_core.profiles import PAD_POLICIES, PadPolicy, Profile
 from worker.backends.base import Backend, InferenceContext, requires_serial_dispatch
-from worker.batch_policy import BucketView, plan_merge
 from worker.cost_model import CostModel
+from worker.deadline import Deadline
+from worker.errors import WorkerError
+from worker.flush_policy import Flush, LaneSnapshot, QueuedBucket, Snapshot, batch_count, is_full, next_flush
 from worker.padding import pad_batch
 
 log = logging.getLogger(__name__)
 
-# stop(timeout=): how long past its timeout it waits for the threads to end.
+# stop(deadline): how long past its deadline it waits for the threads to end, and how often it
+# re-reads the deadline while draining.
 JOIN_GRACE_S = 0.5
+STOP_STEP_S = 0.05
 
 OnComplete = Callable[[Sequence[int], np.ndarray, "BatchStats"], None]
 OnError = Callable[[Sequence[int], BaseException], None]
 
 
-class BucketerError(RuntimeError):
-    """The bucketer was used wrongly (submit after stop, start twice) or cannot start."""
+class BucketerError(WorkerError):
+    """The bucketer was used wrongly (submit after stop, start twice) or cannot start: a fatal
+    worker error (the pipeline trips the latch with it)."""
 
 
 class BucketerStoppedError(BucketerError):
@@ -300,15 +295,17 @@ class Bucketer:
         with self._lock:
             self._form_cv.notify_all()
 
-    def stop(self, *, drain: bool = True, timeout: float | None = None) -> list[int]:
+    def stop(self, deadline: Deadline | None = None, *, drain: bool = True) -> list[int]:
         """Stop taking items and join every thread; returns the seqs that were never run.
 
-        drain=True: everything queued is flushed (without waiting for deadlines) and run;
-        after `timeout` seconds the rest is dropped. drain=False: queued items are dropped at
-        once. Batches already running on the backend cannot be interrupted; they finish and are
-        delivered before stop() returns, so no callback ever runs after it.
+        drain=True: everything queued is flushed (without waiting for deadlines) and run; once
+        `deadline` expires the rest is dropped (None: no limit). The deadline is re-read while
+        draining, so a second stop request that shortens it shortens the drain already under
+        way. drain=False: queued items are dropped at once. Batches already running on the
+        backend cannot be interrupted; they finish and are delivered before stop() returns, so
+        no callback ever runs after it (threads are joined until JOIN_GRACE_S past the deadline).
         """
-        join_by = None if timeout is None else time.monotonic() + timeout + JOIN_GRACE_S
+        deadline = deadline if deadline is not None else Deadline()
         with self._lock:
             if not self._started:
                 self._stopping = True
@@ -320,18 +317,20 @@ class Bucketer:
             self._form_cv.notify_all()
             self._ready_cv.notify_all()
             if drain:
-                deadline = None if timeout is None else time.monotonic() + timeout
                 while not self._finished_locked():
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
+                    remaining = deadline.left()
+                    if remaining <= 0:
                         break
-                    self._idle_cv.wait(remaining)
+                    # In steps: a shortened deadline is seen without waiting for a notify.
+                    self._idle_cv.wait(min(remaining, STOP_STEP_S))
                 if not self._finished_locked():
                     self._abort = True
                     self._form_cv.notify_all()
                     self._ready_cv.notify_all()
+        join_by = deadline.before(-JOIN_GRACE_S)
         for t in self._threads:
-            t.join(None if join_by is None else max(0.0, join_by - time.monotonic()))
+            left = join_by.left()
+            t.join(None if math.isinf(left) else left)
         stuck = [t.name for t in self._threads if t.is_alive()]
         if stuck:
             log.warning("bucketer threads still running at stop (a backend call that does not return): %s",
@@ -348,12 +347,9 @@ class Bucketer:
         return dropped
 
     # ------------------------------------------------------------------ flush rules (lock held)
+    # The decisions are worker/flush_policy.py's pure functions; here they are fed and applied.
     def _is_full(self, b: _Bucket) -> bool:
-        n = len(b.items)
-        if self.pad_to == "bucket":
-            return n >= b.limit  # max_batch cut by the budget at the bound
-        # pad_to="longest": the budget counts what the batch would really be padded to.
-        return n >= b.max_batch or n * b.longest >= self._budget
+        return is_full(len(b.items), b.longest, self.pad_to, b.limit, b.max_batch, self._budget)
 
     def _finished_locked(self) -> bool:
         if self._live_dispatchers == 0:
@@ -361,84 +357,47 @@ class Bucketer:
         return self._queued == 0 and all(not lane.ready and not lane.forming and not lane.running
                                          for lane in self._lanes)
 
-    def _pick(self, now: float) -> tuple[_Bucket | None, float | None]:
-        """The bucket to flush next, or (None, seconds until the earliest deadline, or None)."""
-        best: _Bucket | None = None
-        wait: float | None = None
-        flush_all = self._stopping and self._drain
+    def _snapshot(self) -> Snapshot:
+        pad_to, budget = self.pad_to, self._budget
+        longest = pad_to == "longest"
+        lanes = []
         for lane in self._lanes:
             if not lane.has_room():
-                continue  # a dispatcher taking a batch notifies the former
-            cand: _Bucket | None = None  # the full-or-due bucket with the oldest item
-            oldest: _Bucket | None = None
+                lanes.append(LaneSnapshot((), False, False))
+                continue
+            queued = []
             for i in lane.buckets:
                 b = self._buckets[i]
-                if not b.items:
-                    continue
-                head = b.items[0].t_submit
-                if oldest is None or head < oldest.items[0].t_submit:
-                    oldest = b
-                if flush_all or now - head >= self._delay or self._is_full(b):
-                    if cand is None or head < cand.items[0].t_submit:
-                        cand = b
-                else:
-                    left = head + self._delay - now
-                    wait = left if wait is None else min(wait, left)
-            # A dispatcher of this lane is waiting with nothing formed for it.
-            waiting = lane.idle > len(lane.ready) + lane.forming
-            choice: _Bucket | None = None
-            if cand is not None:
-                # A full batch is formed ahead, while the engine is busy (it cannot grow). A
-                # due partial batch is bound late, when a dispatcher is free to run it: it
-                # cannot run sooner anyway, and meanwhile more items join it. Nothing younger
-                # is formed ahead of it, which keeps the oldest-deadline-first order.
-                if flush_all or waiting or self._is_full(cand):
-                    choice = cand
-            elif self._eager and waiting:
-                choice = oldest
-            if choice is not None and (best is None or choice.items[0].t_submit < best.items[0].t_submit):
-                best = choice
-        return best, wait
+                if b.items:
+                    n = len(b.items)
+                    queued.append(QueuedBucket(b.index, n, b.items[0].t_submit, b.longest if longest else b.bound,
+                                               b.max_batch if longest else b.limit,
+                                               is_full(n, b.longest, pad_to, b.limit, b.max_batch, budget)))
+            lanes.append(LaneSnapshot(queued, True, lane.idle > len(lane.ready) + lane.forming))
+        return Snapshot(lanes, self._delay, self._eager, self._stopping and self._drain,
+                        self._costs.prices() if self._costs is not None else None, budget)
 
     def _take(self, b: _Bucket) -> list[_Item]:
         """Pop the next batch of bucket b, oldest first, within max_batch and the token budget."""
-        taken: list[_Item] = []
-        if self.pad_to == "bucket":
-            for _ in range(min(b.limit, len(b.items))):
-                taken.append(b.items.popleft())
-        else:
-            longest = 0
-            while b.items and len(taken) < b.max_batch:
-                n = max(longest, len(b.items[0].ids))
-                if taken and n * (len(taken) + 1) > self._budget:
-                    break
-                longest = n
-                taken.append(b.items.popleft())
+        n = batch_count(len(b.items), (len(it.ids) for it in b.items), self.pad_to, b.limit, b.max_batch,
+                        self._budget)
+        taken = [b.items.popleft() for _ in range(n)]
         b.longest = max((len(it.ids) for it in b.items), default=0)
         self._queued -= len(taken)
         return taken
 
-    def _take_planned(self, b: _Bucket, lane: _Lane) -> tuple[_Bucket, list[_Item], int]:
-        """The next batch led by bucket b: b alone, or with the neighbours the policy merges in."""
-        if self._costs is None or len(lane.buckets) == 1 or self._is_full(b):
+    def _take_flush(self, flush: Flush) -> tuple[_Bucket, list[_Item], int]:
+        """The batch `flush` names: its lead bucket's next batch, or whole buckets merged."""
+        if len(flush.buckets) == 1:
+            b = self._buckets[flush.lead]
             return b, self._take(b), 1
-        views = [BucketView(i, len(self._buckets[i].items), self._padded_len(self._buckets[i]),
-                            self._buckets[i].max_batch if self.pad_to == "longest" else self._buckets[i].limit,
-                            self._is_full(self._buckets[i]))
-                 for i in lane.buckets if self._buckets[i].items]
-        plan = plan_merge(b.index, views, self._costs.prices(), token_budget=self._budget)
-        if len(plan) == 1:
-            return b, self._take(b), 1
-        members = [self._buckets[i] for i in plan]
+        members = [self._buckets[i] for i in flush.buckets]
         items = [it for m in members for it in m.items]
         for m in members:
             m.items.clear()
             m.longest = 0
         self._queued -= len(items)
         return max(members, key=lambda m: m.bound), items, len(members)
-
-    def _padded_len(self, b: _Bucket) -> int:
-        return b.longest if self.pad_to == "longest" else b.bound
 
     # ------------------------------------------------------------------ threads
     def _form_loop(self) -> None:
@@ -448,12 +407,12 @@ class Bucketer:
                     while True:
                         if self._abort or (self._stopping and self._queued == 0):
                             return
-                        bucket, wait = self._pick(self._clock())
-                        if bucket is not None:
+                        decision = next_flush(self._snapshot(), self._clock())
+                        if isinstance(decision, Flush):
                             break
-                        self._form_cv.wait(wait)
-                    lane = self._lanes[bucket.lane]
-                    target, items, merged = self._take_planned(bucket, lane)
+                        self._form_cv.wait(decision.seconds)
+                    lane = self._lanes[decision.lane]
+                    target, items, merged = self._take_flush(decision)
                     lane.forming += 1
                 # Padding outside the lock: submitters and dispatchers are not held up by it.
                 batch = self._pad(target, items, merged)

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Generic, Literal, NamedTuple, Protocol, TypeVar
 
 import numpy as np
+from kwe_core.errors import KeywordEmbedderError
 
 # An OrderedDict entry costs its hash-table slot (amortised over the table's doubling) plus a
 # linked-list node; measured with tracemalloc at 75 bytes on CPython 3.11, rounded up so the
@@ -63,7 +64,7 @@ _KEY_DTYPE = np.dtype("<i8")
 _MAX_ID = np.iinfo(np.int64).max
 
 
-class CacheError(ValueError):
+class CacheError(KeywordEmbedderError, ValueError):
     """A key or vector the cache cannot take; the message says which and why."""
 
 

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kwe_core.errors import KeywordEmbedderError
 from worker import __version__
 
 # name -> (module under worker.commands, one-line summary)
@@ -123,6 +124,11 @@ def _command(name: str, entry: tuple[str, str], rest: list[str], signals: Any) -
         return int(module.main(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except KeywordEmbedderError as exc:
+        # What a command did not catch itself: the one line the error was written for, and its
+        # exit code (2 for a setting, else 1), never a traceback.
+        print(f"keyword-embedder {name}: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

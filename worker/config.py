@@ -162,6 +162,8 @@ SubjectStrategy = Literal["topic", "record", "topic-record"]
 class SettingsError(KeywordEmbedderError, ValueError):
     """A setting has an invalid value; the message names the setting and its source."""
 
+    exit_code = 2  # a usage error, as argparse's
+
 
 # Settings whose value is one of a few words are typed with a Literal; its words are the
 # setting's choices (setting_choices), so the type, the check and the docs cannot disagree.

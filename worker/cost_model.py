@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from kwe_core.errors import KeywordEmbedderError
 
 # Features are scaled so that the 3x3 normal equations are well conditioned for B up to a few
 # hundred and B*L up to the token budget.
@@ -87,7 +88,7 @@ class _Stats:
         return _Stats(self.xx + other.xx, self.xy + other.xy, self.yy + other.yy, self.weight + other.weight)
 
 
-class CostModelError(ValueError):
+class CostModelError(KeywordEmbedderError, ValueError):
     """Too few or degenerate samples to fit the three prices."""
 
 

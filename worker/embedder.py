@@ -33,6 +33,7 @@ from typing import Literal, cast, get_args
 
 import numpy as np
 
+from kwe_core.errors import KeywordEmbedderError
 from kwe_core.model import PROMPT_AUTO, ModelInfo, Prompt, default_model_dir
 from kwe_core.vectors import check_truncate_dim, default_int8_range, pack_binary, quantize_int8, truncate
 from worker.backends.onnxruntime import OnnxRuntimeBackend
@@ -43,6 +44,10 @@ from worker.config import Precision
 from worker.tokenize import Encoded, KeywordTokenizer
 
 
+class EmbedderError(KeywordEmbedderError, ValueError):
+    """An option the Embedder cannot take; the message names it and what it may be."""
+
+
 class Embedder:
     def __init__(self, model_dir: str | Path | None = None, *, onnx_path: str | Path | None = None,
                  intra_op_threads: int = 0, batch_size: int = 64, token_budget: int = 4096,
@@ -50,13 +55,13 @@ class Embedder:
                  precision: Precision = "fp32", prompt: str | None = None, prompt_name: str = PROMPT_AUTO,
                  truncate_dim: int | None = None) -> None:
         if batch_size < 1:
-            raise ValueError(f"Embedder: batch_size must be >= 1, got {batch_size}")
+            raise EmbedderError(f"Embedder: batch_size must be >= 1, got {batch_size}")
         if token_budget < 1:
-            raise ValueError(f"Embedder: token_budget must be >= 1, got {token_budget}")
+            raise EmbedderError(f"Embedder: token_budget must be >= 1, got {token_budget}")
         if precision not in get_args(Precision):
-            raise ValueError(f"Embedder: precision must be one of {', '.join(get_args(Precision))}, got {precision!r}")
+            raise EmbedderError(f"Embedder: precision must be one of {', '.join(get_args(Precision))}, got {precision!r}")
         if precision == "int8" and (onnx_path is not None or optimize):
-            raise ValueError("Embedder: precision='int8' picks its own graph; it does not combine with "
+            raise EmbedderError("Embedder: precision='int8' picks its own graph; it does not combine with "
                              "onnx_path or optimize")
         self.info = ModelInfo.from_dir(model_dir if model_dir is not None else default_model_dir())
         self.model_dir = self.info.model_dir
@@ -97,7 +102,7 @@ class Embedder:
         It assumes unit vectors: for a model that does not normalise, pass quantize an int8_range.
         """
         if not self.normalized:
-            raise ValueError(f"Embedder: {self.model_name} gives vectors that are not normalised (no Normalize "
+            raise EmbedderError(f"Embedder: {self.model_name} gives vectors that are not normalised (no Normalize "
                              f"module); the default int8 range 6/sqrt(dim) is for unit vectors: pass "
                              f"quantize(..., int8_range=(lo, hi))")
         r = default_int8_range(self.dim)
@@ -111,7 +116,7 @@ class Embedder:
             return quantize_int8(vectors, *(int8_range or self.int8_range))
         if encoding == "binary":
             return pack_binary(vectors)
-        raise ValueError(f"Embedder.quantize: encoding must be 'int8' or 'binary', got {encoding!r}")
+        raise EmbedderError(f"Embedder.quantize: encoding must be 'int8' or 'binary', got {encoding!r}")
 
     @property
     def model_name(self) -> str:

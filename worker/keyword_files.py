@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
+from kwe_core.errors import KeywordEmbedderError
 
 FORMATS = ("auto", "tsv", "lines", "jsonl")
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 
 
-class KeywordFileError(ValueError):
+class KeywordFileError(KeywordEmbedderError, ValueError):
     """A keyword file cannot be read; the message names the file and, where it applies, the line."""
 
 

@@ -161,13 +161,15 @@ class Pipeline:
     def run(self) -> int:
         """Runs until stopped; returns the process exit code (0, 1 on a fatal error, 130 aborted)."""
         s = self.settings
-        self._bucketer.start()
-        self._output.start()
-        self._producer.start()
-        log.info("worker started", processing_guarantee=s.processing_guarantee, group=s.group_id, input_topic=s.input_topic, output_topic=s.output_topic,
-                 dead_letter_topic=s.dead_letter_topic, max_in_flight=s.max_in_flight,
-                 max_in_flight_bytes=s.max_in_flight_bytes)
         try:
+            # Inside the try: a bucketer that cannot create its backend contexts is a fatal
+            # error like any other (exit 1, one line), and the shutdown below still runs.
+            self._bucketer.start()
+            self._output.start()
+            self._producer.start()
+            log.info("worker started", processing_guarantee=s.processing_guarantee, group=s.group_id,
+                     input_topic=s.input_topic, output_topic=s.output_topic, dead_letter_topic=s.dead_letter_topic,
+                     max_in_flight=s.max_in_flight, max_in_flight_bytes=s.max_in_flight_bytes)
             self._delivery.start()
             self._member.subscribe(s.input_topic, self._delivery)
             while not self._stop.is_set() and not self.latch.is_set():
@@ -219,7 +221,8 @@ class Pipeline:
 
     def _shutdown(self) -> None:
         clean = not self._abort.is_set() and not self.latch.is_set()
-        never_run = self._bucketer.stop(drain=clean, timeout=max(0.1, self._drain_by.left()) if clean else 0.5)
+        # The drain's own deadline: a second signal that shortens it shortens this drain too.
+        never_run = self._bucketer.stop(self._drain_by if clean else Deadline.after(0.5), drain=clean)
         self._output.stop(self._commit_by if clean else Deadline.after(0.5))
         if clean:
             unacked = self._producer.flush(self._commit_by)

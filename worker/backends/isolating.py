@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import structlog
 
-from worker.backends.base import Backend, InferenceContext
+from worker.backends.base import Backend, InferenceContext, requires_serial_dispatch
 from worker.errors import BackendBrokenError
 
 log = structlog.get_logger(__name__)
@@ -87,10 +87,8 @@ class IsolatingBackend:
         self.name: str = backend.name
         self.dim: int = backend.dim
         self.max_contexts: int | None = backend.max_contexts
-
-    def __getattr__(self, name: str) -> object:
-        # Backend-specific attributes the bucketer may read (e.g. requires_serial_dispatch).
-        return getattr(self._backend, name)
+        # The one optional ability the bucketer reads (worker.backends.base), passed on as it is.
+        self.requires_serial_dispatch: bool = requires_serial_dispatch(backend)
 
     def create_context(self, index: int) -> InferenceContext:
         return IsolatingContext(self._backend.create_context(index), self.dim, self._canary)

@@ -1,7 +1,8 @@
 """The benchmark's one error type."""
 
 from __future__ import annotations
+from kwe_core.errors import KeywordEmbedderError
 
 
-class BenchError(RuntimeError):
+class BenchError(KeywordEmbedderError, RuntimeError):
     """The benchmark cannot run (bad input file, incomplete run); the message says why."""

@@ -64,11 +64,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kwe_core.errors import BackendError
-    from kwe_core.model import ModelError, ModelInfo, default_model_dir
-    from kwe_core.profiles import ProfileError, load_profile
+    from kwe_core.errors import KeywordEmbedderError
+    from kwe_core.model import ModelInfo, default_model_dir
+    from kwe_core.profiles import load_profile
     from worker.backends.select import DEFAULT_PROFILE, open_backend
-    from worker.benchmark.errors import BenchError
     from worker.benchmark.inputs import read_queries
     from worker.benchmark.policies import BucketerOptions
     from worker.benchmark.report import render_markdown
@@ -122,7 +121,7 @@ def main(args: argparse.Namespace) -> int:
             baseline = open_backend("onnxruntime", info, onnx_path=getattr(backend, "path", args.onnx),
                                     intra_op_threads=args.baseline_threads)
             backends.append(baseline)
-    except (BenchError, ProfileError, ModelError, BackendError) as exc:
+    except KeywordEmbedderError as exc:  # a file, the model, the profile or the backend: exit 2
         for b in backends:
             b.close()
         return fail(exc)
@@ -148,7 +147,7 @@ def main(args: argparse.Namespace) -> int:
         input_desc=bad.as_dict() if bad is not None else {"strict": True})
     try:
         report = run_benchmark(encoded, backend, cfg, log=log, baseline_backend=baseline)
-    except BenchError as exc:
+    except KeywordEmbedderError as exc:  # the run itself failed: exit 1
         return fail(exc, 1)
     finally:
         for b in backends:
@@ -177,8 +176,8 @@ def _worker_settings(args: argparse.Namespace):  # noqa: ANN202 - Settings, impo
 
 def calibrate(args: argparse.Namespace, fail) -> int:  # noqa: ANN001
     """`bench --calibrate`: measure the cost model afresh (and cache it for the worker), print it."""
-    from kwe_core.errors import BackendError
-    from kwe_core.model import ModelError, ModelInfo, default_model_dir
+    from kwe_core.errors import KeywordEmbedderError
+    from kwe_core.model import ModelInfo, default_model_dir
     from worker.app import calibration_key
     from worker.backends.select import intra_op_threads, open_backend
     from worker.calibration import backend_key, cache_key, default_cache_dir, load_or_measure
@@ -195,7 +194,7 @@ def calibrate(args: argparse.Namespace, fail) -> int:  # noqa: ANN001
         info = ModelInfo.from_dir(args.model_dir or default_model_dir())
         backend = open_backend("onnxruntime", info, onnx_path=args.onnx, intra_op_threads=settings.intra_op_threads,
                                allow_spinning=settings.ort_allow_spinning)
-    except (ModelError, BackendError) as exc:
+    except KeywordEmbedderError as exc:
         return fail(exc)
     try:
         ctx = backend.create_context(0)

@@ -43,8 +43,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from engines.build_engine import (
-        AlignmentError,
-        EngineBuildError,
         GpuExtraMissingError,
         PlanSidecarError,
         build_engine,
@@ -52,9 +50,9 @@ def main(args: argparse.Namespace) -> int:
         import_gpu_extra,
         profile_shapes,
     )
-    from kwe_core.errors import BackendError
-    from kwe_core.model import ModelError, ModelInfo, default_model_dir
-    from kwe_core.profiles import ProfileError, load_profile
+    from kwe_core.errors import KeywordEmbedderError
+    from kwe_core.model import ModelInfo, default_model_dir
+    from kwe_core.profiles import load_profile
 
     def fail(msg: object) -> int:
         print(f"{PROG}: {msg}", file=sys.stderr)
@@ -64,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
         info = ModelInfo.from_dir(args.model_dir or default_model_dir())
         profile = load_profile(args.profile, args.profiles or None, model_max_len=info.max_seq_length)
         profile_shapes(profile)
-    except (ProfileError, AlignmentError, ModelError) as exc:
+    except KeywordEmbedderError as exc:  # the model folder, the profile or its alignment
         return fail(exc)
     # Before any export: without TensorRT nothing below can succeed, so say so at once.
     try:
@@ -93,6 +91,6 @@ def main(args: argparse.Namespace) -> int:
     try:
         build_engine(onnx_path, profile, args.output, fp16=args.fp16, workspace_gib=args.workspace_gib,
                      timing_cache=args.timing_cache or None)
-    except (EngineBuildError, BackendError) as exc:
+    except KeywordEmbedderError as exc:
         return fail(exc)
     return 0

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from confluent_kafka import Consumer, KafkaError, Message
 
-from worker.config import SettingsError, load_settings
+from worker.config import load_settings
 from worker.kafka.client_config import add_client_flags, client_config
 from worker.kafka.errors import fatal_reason
 
@@ -66,11 +66,8 @@ def main(args: argparse.Namespace) -> int:
         "enable.partition.eof": False,
         "isolation.level": "read_uncommitted" if args.read_uncommitted else "read_committed",
     }
-    try:
-        config.update(client_config(load_settings(args)))
-    except SettingsError as exc:
-        print(f"keyword-embedder consume: {exc}", file=sys.stderr)
-        return 2
+    # A bad setting is a SettingsError: the CLI prints its one line, exit 2.
+    config.update(client_config(load_settings(args)))
     fatal: list[str] = []
 
     def on_error(err: KafkaError, topic: str | None = None) -> None:

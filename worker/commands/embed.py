@@ -47,10 +47,8 @@ def main(args: argparse.Namespace) -> int:
         print("keyword-embedder embed: nothing to embed (give TEXT arguments or --input FILE)", file=sys.stderr)
         return 2
 
-    from engines.export_onnx import ExportError
-    from kwe_core.errors import BackendError
+    from kwe_core.errors import KeywordEmbedderError
     from worker.embedder import Embedder
-    from kwe_core.model import ModelError
     from kwe_core.vectors import truncate
 
     try:
@@ -58,7 +56,7 @@ def main(args: argparse.Namespace) -> int:
                             batch_size=args.batch_size, optimize=args.fused, precision=args.precision,
                             prompt=args.prompt, prompt_name=args.prompt_name, truncate_dim=args.truncate_dim,
                             **({} if args.cache_bytes is None else {"cache_bytes": args.cache_bytes}))
-    except (ExportError, BackendError, ModelError, ValueError) as exc:
+    except KeywordEmbedderError as exc:  # the model, its export, the backend or an option
         print(f"keyword-embedder embed: {exc}", file=sys.stderr)
         return 1
     started = time.perf_counter()

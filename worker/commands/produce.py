@@ -17,7 +17,7 @@ import orjson
 from confluent_kafka import KafkaError, Message, Producer
 from tqdm import tqdm
 
-from worker.config import SettingsError, load_settings
+from worker.config import load_settings
 from worker.kafka.client_config import add_client_flags, client_config
 from worker.kafka.errors import fatal_reason
 from worker.keyword_files import FORMATS, BadLines, KeywordFileError, read_keywords
@@ -57,11 +57,8 @@ def main(args: argparse.Namespace) -> int:
     # to linger.ms later (--kafka-config linger.ms=... still overrides).
     config = {"bootstrap.servers": args.bootstrap_servers, "enable.idempotence": True, "acks": "all",
               "linger.ms": 0 if args.rate else 20}
-    try:
-        config.update(client_config(load_settings(args)))
-    except SettingsError as exc:
-        print(f"keyword-embedder produce: {exc}", file=sys.stderr)
-        return 2
+    # A bad setting is a SettingsError: the CLI prints its one line, exit 2.
+    config.update(client_config(load_settings(args)))
     failures: list[str] = []
     fatal: list[str] = []
 

@@ -234,11 +234,10 @@ class GroupMember:
 
     # ------------------------------------------------------------------ errors, stats
     def _on_error(self, err: KafkaError) -> None:
-        reason = self._failures.decide(err, group=self._group)
-        if reason is not None:
-            self._latch.trip(KafkaSetupError(reason))
-        elif err.fatal():
-            self._latch.trip(WorkerError(f"fatal consumer error: {err.str()} ({err.name()})"))
+        stop = self._failures.client_error(err, WorkerError(f"fatal consumer error: {err.str()} ({err.name()})"),
+                                           group=self._group)
+        if stop is not None:
+            self._latch.trip(stop)
         else:
             self._errors.warn("consumer error", err)
 

@@ -143,3 +143,15 @@ class FailurePolicy:
             if now - self._streak_start >= self._grace and self._streak_reports >= self._min_reports:
                 return reason
         return None
+
+    def client_error(self, err: KafkaError, fatal: WorkerError, *, topic: str | None = None, op: Op = "connect",
+                     group: str | None = None) -> WorkerError | None:
+        """What a client's error callback does with `err`: the error the worker stops with (the
+        rule above refused it, or librdkafka calls it fatal: then `fatal`), or None for a
+        transient error, which the caller only logs. One decision for every client's error_cb."""
+        reason = self.decide(err, topic=topic, op=op, group=group)
+        if reason is not None:
+            return KafkaSetupError(reason)
+        if err.fatal():
+            return fatal
+        return None
