@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.bucketing import BatchStats
+from worker.batch_stats import BatchStats
 from worker.metrics import Metrics
 from worker.probes import MetricsServer, readiness_body
 

@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from worker.bucketing import BatchStats
+from worker.batch_stats import BatchStats
 from worker.health import LiveCheck, always_alive
 from worker.rdkafka_stats import partition_lags
 
