@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 
-from worker.bucketing import BatchStats, Bucketer, BucketerError, BucketerStoppedError
+from worker.batch_stats import BatchStats
+from worker.bucketing import Bucketer, BucketerError, BucketerStoppedError
 from worker.calibration import SHAPES
 from worker.deadline import Deadline
 from worker.cost_model import CostModel, Prices

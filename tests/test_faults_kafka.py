@@ -27,7 +27,7 @@ from tests.kafka_tools import (
 )
 from worker.config import Settings
 from worker.kafka.admin import ensure_topics
-from worker.metrics import MetricsServer
+from worker.probes import MetricsServer
 from worker.pipeline import Pipeline
 
 pytestmark = pytest.mark.kafka

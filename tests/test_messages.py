@@ -342,7 +342,7 @@ def test_dead_letter_example_in_the_schema_is_what_the_code_writes() -> None:
 
 
 def test_output_fields_rename_and_drop_in_the_records_order() -> None:
-    from worker.kafka.messages import parse_output_fields
+    from worker.output_fields import parse_output_fields
 
     fields = parse_output_fields(["embedding=vector", "-model", " -tokens "])
     codec = OutputCodec(model="m", dim=2, encoding="float-list", fields=fields)
@@ -362,7 +362,7 @@ def test_output_fields_rename_and_drop_in_the_records_order() -> None:
     (["embedding=id"], "two output fields would be named 'id'"),
 ])
 def test_output_fields_refuse_what_cannot_be_meant(items: list[str], error: str) -> None:
-    from worker.kafka.messages import parse_output_fields
+    from worker.output_fields import parse_output_fields
 
     with pytest.raises(ValueError, match=error):
         parse_output_fields(items)
@@ -383,7 +383,7 @@ def test_output_fields_are_checked_with_the_settings() -> None:
 def test_output_fields_make_a_qdrant_point_the_query_id_as_a_uuid_and_a_constant_collection() -> None:
     import uuid
 
-    from worker.kafka.messages import parse_output_fields
+    from worker.output_fields import parse_output_fields
 
     fields = parse_output_fields(["embedding=vector", "id=query_id", "uuid=id", "+collection_name=keywords",
                                   "-model", "-encoding", "-dim", "-tokens", "-truncated"])

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.bucketing import BatchStats
-from worker.metrics import Metrics, MetricsServer, readiness_body
+from worker.batch_stats import BatchStats
+from worker.metrics import Metrics
+from worker.probes import MetricsServer, readiness_body
 
 STATS_SAMPLE = Path(__file__).resolve().parent / "data" / "librdkafka_stats.json"
 

@@ -152,8 +152,7 @@ def test_choices_come_from_the_literal_types() -> None:
     from typing import get_args
 
     from kwe_core.profiles import PAD_POLICIES
-    from worker.backends.base import BackendName
-    from worker.kafka.messages import OutputEncoding
+    from worker.names import BackendName, OutputEncoding
     from worker.logs import LogLevel
 
     fields = {f.name: f for f in setting_fields()}

@@ -14,8 +14,10 @@ from worker.backends.base import Backend
 from worker.config import Settings, SettingsError
 from worker.cost_model import CostModel
 from worker.intake import Decode
-from worker.kafka.messages import REGISTRY_FORMATS, OutputCodec, ValueEncoder, parse_output_fields
+from worker.kafka.messages import OutputCodec, ValueEncoder
 from worker.metrics import Metrics
+from worker.names import REGISTRY_FORMATS
+from worker.output_fields import parse_output_fields
 from worker.pipeline import Pipeline
 from worker.tokenize import KeywordTokenizer
 

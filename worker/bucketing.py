@@ -50,6 +50,7 @@ import numpy as np
 
 from kwe_core.profiles import PAD_POLICIES, PadPolicy, Profile
 from worker.backends.base import Backend, InferenceContext, requires_serial_dispatch
+from worker.batch_stats import BatchStats
 from worker.cost_model import CostModel
 from worker.deadline import Deadline
 from worker.errors import WorkerError
@@ -63,7 +64,7 @@ log = logging.getLogger(__name__)
 JOIN_GRACE_S = 0.5
 STOP_STEP_S = 0.05
 
-OnComplete = Callable[[Sequence[int], np.ndarray, "BatchStats"], None]
+OnComplete = Callable[[Sequence[int], np.ndarray, BatchStats], None]
 OnError = Callable[[Sequence[int], BaseException], None]
 
 
@@ -74,25 +75,6 @@ class BucketerError(WorkerError):
 
 class BucketerStoppedError(BucketerError):
     """submit() after stop() began: the item was not taken."""
-
-
-@dataclass(frozen=True)
-class BatchStats:
-    """Per-batch measurements: what Metrics.observe_batch and the benchmark read."""
-
-    bucket: int
-    bound: int
-    size: int
-    pad_len: int
-    real_tokens: int
-    padded_tokens: int
-    queue_wait_s: Sequence[float]  # per item: submit -> dispatch start
-    backend_s: float
-    merged: int = 1  # length buckets whose items share this batch (worker/batch_policy.py)
-
-    @property
-    def padding_waste(self) -> float:
-        return 1.0 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0
 
 
 @dataclass(slots=True)

@@ -22,9 +22,9 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from kwe_core.errors import KeywordEmbedderError
 from kwe_core.profiles import PadPolicy
-from worker.backends.base import BackendName
-from worker.kafka.messages import (REGISTRY_FORMATS, InputFormat, OutputEncoding, OutputFormat, parse_output_fields)
 from worker.logs import LogFormat, LogLevel
+from worker.names import REGISTRY_FORMATS, BackendName, InputFormat, OutputEncoding, OutputFormat
+from worker.output_fields import parse_output_fields
 from worker.redact import MASK, is_secret_key
 from worker.cache import DEFAULT_CACHE_BYTES
 

@@ -1,4 +1,5 @@
-"""Liveness: is this worker still making progress, or should it be restarted?
+"""Liveness: is this worker still making progress, or should it be restarted? And the shape of
+the liveness and readiness checks that /healthz and /readyz (worker/probes.py) call.
 
 Read by the metrics server's request threads; everything it reads is owned elsewhere and read
 atomically (the latch's event, threads' liveness, the committer's last-progress time).
@@ -7,10 +8,22 @@ atomically (the latch's event, threads' liveness, the committer's last-progress 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from worker.latch import FatalLatch
+
+# The readiness callable returns (ready, detail). The detail is either named checks
+# ({"assigned": True, "backend_loaded": False, ...}, what Pipeline.ready() returns) or a
+# plain reason string; either way /readyz shows it, so a failing probe says why.
+ReadyCheck = Callable[[], tuple[bool, Mapping[str, bool] | str]]
+# The liveness callable returns (alive, reason); /healthz answers 503 with the reason when not alive.
+LiveCheck = Callable[[], tuple[bool, str]]
+
+
+def always_alive() -> tuple[bool, str]:
+    """The liveness check of a worker that has none of its own (tests, the demo)."""
+    return True, "ok"
 
 
 @dataclass

@@ -1,4 +1,7 @@
-"""Prometheus metrics and the /metrics, /healthz, /readyz HTTP server.
+"""The Prometheus series: what an operator watches, in a registry of their own.
+
+The HTTP server that exposes them (/metrics, beside /healthz and /readyz) is worker/probes.py;
+librdkafka's statistics are read into lags by worker/rdkafka_stats.py.
 
 Nothing here is module-level state: each `Metrics` owns its own `CollectorRegistry`, so two
 workers in one process (tests, the demo) never share or collide on series, and tests can
@@ -8,20 +11,18 @@ methods below; it never touches prometheus_client itself.
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from collections.abc import Callable, Container, Iterator, Mapping, Sequence
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Literal, Protocol
+from collections.abc import Callable, Container, Iterator
+from typing import Any, Literal
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from worker.bucketing import BatchStats
+from worker.batch_stats import BatchStats
+from worker.health import LiveCheck, always_alive
+from worker.rdkafka_stats import partition_lags
 
 PREFIX = "kwe_"
 REBALANCE_KINDS = ("assign", "revoke", "lost")
@@ -119,7 +120,7 @@ class Metrics:
         # What /healthz answers, as a series (read at scrape time), so an alert sees a worker that is
         # up but failing its liveness check; and process_start_time_seconds, whose changes count
         # restarts where kube-state-metrics is not there (deploy/prometheus/alerts.yml).
-        self._live: LiveCheck = _always_alive
+        self._live: LiveCheck = always_alive
         r.register(_HealthCollector(lambda: self._live))
         ProcessCollector(registry=r)
         # Series that exist from the start read 0 instead of "no data", so rate() and
@@ -209,50 +210,16 @@ class Metrics:
 
     def update_from_stats(self, stats_json: str | bytes,
                           owned: Container[tuple[str, int]] | None = None) -> int:
-        """Sets the per-partition lag gauge from a librdkafka statistics callback payload.
-
-        librdkafka (`statistics.interval.ms`) hands `stats_cb` a JSON document whose
-        `topics.<name>.partitions.<id>.consumer_lag` is the high watermark minus the
-        committed offset. Two kinds of entries carry no lag and are skipped: the internal
-        partition -1 (the "unassigned" queue every topic has) and a consumer_lag of -1
-        (not known yet: no committed offset or no watermark fetched). `owned`, when given,
-        holds the (topic, partition) pairs this member owns now: librdkafka keeps reporting
-        a revoked partition for a while, and its stale lag must not come back after
-        `forget_partition` dropped it. Returns how many partitions were set.
+        """Sets the per-partition lag gauge from a librdkafka statistics callback payload
+        (worker/rdkafka_stats.py reads it); returns how many partitions were set.
 
         Raises ValueError when the payload is not a librdkafka statistics object, so a
         caller can log it; the stats callback must not take the worker down either way.
         """
-        try:
-            stats = json.loads(stats_json)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"librdkafka statistics are not JSON: {exc}") from None
-        if not isinstance(stats, dict):
-            raise ValueError("librdkafka statistics are not a JSON object")
-        topics = stats.get("topics") or {}
-        if not isinstance(topics, Mapping):
-            raise ValueError("librdkafka statistics: 'topics' is not an object")
-        updated = 0
-        for topic, tdata in topics.items():
-            partitions = tdata.get("partitions") if isinstance(tdata, Mapping) else None
-            if not isinstance(partitions, Mapping):
-                continue
-            for pid_text, pdata in partitions.items():
-                try:
-                    pid = int(pid_text)
-                except ValueError:
-                    continue
-                if pid < 0 or not isinstance(pdata, Mapping):
-                    continue
-                lag = pdata.get("consumer_lag", -1)
-                # bool is an int subclass; a JSON true is not a lag.
-                if not isinstance(lag, int) or isinstance(lag, bool) or lag < 0:
-                    continue
-                if owned is not None and (topic, pid) not in owned:
-                    continue
-                self.set_lag(topic, pid, lag)
-                updated += 1
-        return updated
+        lags = partition_lags(stats_json, owned)
+        for lag in lags:
+            self.set_lag(lag.topic, lag.partition, lag.lag)
+        return len(lags)
 
     def forget_partition(self, topic: str, partition: int) -> None:
         """Drops the lag series of a partition this worker no longer owns.
@@ -350,154 +317,3 @@ class _HealthCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}healthy", "1 when the liveness check passes (/healthz answers 200), "
                                 "0 when it fails (fatal error, dead thread, stalled commit point).",
                                 value=1.0 if alive else 0.0)
-
-
-# The readiness callable returns (ready, detail). The detail is either named checks
-# ({"assigned": True, "backend_loaded": False, ...}, what Pipeline.ready() returns) or a
-# plain reason string; either way /readyz shows it, so a failing probe says why.
-ReadyCheck = Callable[[], tuple[bool, Mapping[str, bool] | str]]
-# The liveness callable returns (alive, reason); /healthz answers 503 with the reason when not alive.
-LiveCheck = Callable[[], tuple[bool, str]]
-
-
-def _always_alive() -> tuple[bool, str]:
-    return True, "ok"
-
-
-def readiness_body(ready: bool, detail: Mapping[str, bool] | str) -> dict[str, object]:
-    """The /readyz JSON: `ready`, `reason` (one line) and, for named checks, `checks`."""
-    body: dict[str, object] = {"ready": bool(ready)}
-    if isinstance(detail, str):
-        body["reason"] = detail or ("ready" if ready else "not ready")
-        return body
-    checks = {str(k): bool(v) for k, v in detail.items()}
-    failing = sorted(k for k, ok in checks.items() if not ok)
-    body["checks"] = checks
-    if ready:
-        body["reason"] = "ready"
-    else:
-        body["reason"] = ("not ready: " + ", ".join(failing) + " false") if failing else "not ready"
-    return body
-
-
-class _Server(ThreadingHTTPServer):
-    # Request threads must not keep the process alive if a scraper hangs mid-request.
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], metrics: Metrics, ready: ReadyCheck, live: LiveCheck) -> None:
-        self.metrics = metrics
-        self.ready = ready
-        self.live = live
-        super().__init__(address, _Handler)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _Server
-    protocol_version = "HTTP/1.1"
-    # Keep-alive connections from scrapers idle between scrapes; bound how long a handler
-    # thread waits on one so threads do not pile up behind dead clients.
-    timeout = 30
-    # Set per request: HEAD sends the headers of the GET answer without its body.
-    _head = False
-
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        self._route(head=False)
-
-    def do_HEAD(self) -> None:  # noqa: N802 (some load balancers probe with HEAD)
-        self._route(head=True)
-
-    def _route(self, head: bool) -> None:
-        self._head = head
-        path = self.path.split("?", 1)[0]
-        if path == "/metrics":
-            self._send(HTTPStatus.OK, self.server.metrics.render(), CONTENT_TYPE_LATEST)
-        elif path == "/healthz":
-            self._healthz()
-        elif path == "/readyz":
-            self._readyz()
-        else:
-            self._send(HTTPStatus.NOT_FOUND, b"not found\n", "text/plain; charset=utf-8")
-
-    def _healthz(self) -> None:
-        try:
-            alive, reason = self.server.live()
-        except Exception as exc:  # a failing check is a failing worker, never a dropped connection
-            alive, reason = False, f"liveness check failed: {type(exc).__name__}: {exc}"
-        status = HTTPStatus.OK if alive else HTTPStatus.SERVICE_UNAVAILABLE
-        self._send(status, reason.encode() + b"\n", "text/plain; charset=utf-8")
-
-    def _readyz(self) -> None:
-        body: dict[str, object]
-        try:
-            ready, detail = self.server.ready()
-            body = readiness_body(ready, detail)
-        except Exception as exc:  # a failing check means "not ready", never a dropped connection
-            ready = False
-            body = {"ready": False, "reason": f"readiness check failed: {type(exc).__name__}: {exc}"}
-        status = HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE
-        self._send(status, json.dumps(body, sort_keys=True).encode() + b"\n", "application/json")
-
-    def _send(self, status: HTTPStatus, body: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if not self._head:
-            self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        # Probes and scrapes arrive every few seconds; access lines on stderr would drown the
-        # worker's own logs.
-        pass
-
-
-class MetricsServer:
-    """Serves /metrics, /healthz and /readyz on its own thread until `stop()`.
-
-    `port=0` binds an ephemeral port (read it back from `.port` after `start()`); the
-    setting metrics_port=0 meaning "disabled" is the caller's decision, not this class's.
-    """
-
-    def __init__(self, metrics: Metrics, host: str, port: int, ready: ReadyCheck,
-                 live: LiveCheck = _always_alive) -> None:
-        self._metrics = metrics
-        metrics.watch_liveness(live)
-        self._host = host
-        self._requested_port = port
-        self._ready = ready
-        self._live = live
-        self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def port(self) -> int:
-        if self._server is None:
-            return self._requested_port
-        return int(self._server.server_address[1])
-
-    def start(self) -> None:
-        if self._server is not None:
-            raise RuntimeError("metrics server already started")
-        # Binding here, not in a background thread, so a port in use fails start() loudly.
-        self._server = _Server((self._host, self._requested_port), self._metrics, self._ready, self._live)
-        # Not a daemon: the owner must call stop(), which keeps shutdown ordering explicit.
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="kwe-metrics-http")
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        server, thread = self._server, self._thread
-        if server is None:
-            return
-        server.shutdown()
-        server.server_close()
-        if thread is not None:
-            thread.join(timeout_s)
-        self._server = self._thread = None
-
-    def __enter__(self) -> MetricsServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

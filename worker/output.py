@@ -22,7 +22,7 @@ import structlog
 
 from worker.acks import Acknowledger
 from worker.backends.isolating import PartialBatchError
-from worker.bucketing import BatchStats
+from worker.batch_stats import BatchStats
 from worker.cache import EmbeddingCache
 from worker.dead_letters import DeadLetters
 from worker.deadline import Deadline

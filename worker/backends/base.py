@@ -8,17 +8,17 @@ context needs no locking of its own.
 
 from __future__ import annotations
 
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 # Defined in the lowest layer because the engine build raises it too; every backend raises it.
 from kwe_core.errors import BackendError
+# The backends the worker can run on: defined among the shared names, which the settings read
+# without importing the backends; re-exported here beside the protocol.
+from worker.names import BackendName
 
 __all__ = ["Backend", "BackendError", "BackendName", "InferenceContext", "requires_serial_dispatch"]
-
-# The backends the worker can run on; the settings add "auto" (worker.config.BackendSetting).
-BackendName = Literal["onnxruntime", "tensorrt"]
 
 
 @runtime_checkable

@@ -31,7 +31,8 @@ import numpy as np
 from kwe_core.profiles import PadPolicy, Profile
 from worker.backends.base import Backend, InferenceContext, requires_serial_dispatch
 from worker.benchmark.errors import BenchError
-from worker.bucketing import BatchStats, Bucketer
+from worker.batch_stats import BatchStats
+from worker.bucketing import Bucketer
 from worker.cost_model import CostModel
 from worker.cache import EmbeddingCache, key
 from worker.padding import pad_batch

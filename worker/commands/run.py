@@ -58,7 +58,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
         return 2
     pipeline = assembled.pipeline
     signals.on_stop = pipeline.request_stop
-    from worker.metrics import MetricsServer
+    from worker.probes import MetricsServer
 
     server = None
     if settings.metrics_port:
