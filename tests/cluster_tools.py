@@ -370,8 +370,9 @@ class Stream:
                                  f"{self.guarantee}:\n{w.log()[-4000:]}")
 
     def take_overs(self) -> list[str]:
-        """Each exactly-once take-over of a hung producer, as '<member>: <partitions rewound>'."""
-        return [f"{name}: {e.get('partitions')} (hung commit landed for {e.get('hung_commit_landed_for')})"
+        """Each exactly-once take-over of a hung or fenced producer, as '<member>: <partitions rewound>'."""
+        return [f"{name}: {e.get('partitions')} ({e.get('reason', 'hung')}; hung commit landed for "
+                f"{e.get('hung_commit_landed_for')})"
                 for name, w in self.members.items()
                 for e in w.events("a new producer took over; partitions rewound to their committed offsets")]
 
@@ -512,7 +513,7 @@ class Stream:
         lines = [f.line(self.guarantee, ids) for f in self.measure()]
         lines.append(f"{self.guarantee:<13} | stream: {ids} IDs at {self.rate:g}/s, {len(counts)} arrived, "
                      f"{sum(counts.values()) - len(counts)} duplicates{(' e.g. ' + ', '.join(dups[:5])) if dups else ''}")
-        lines += [f"{self.guarantee:<13} | a new producer took over from a hung one in {t}" for t in self.take_overs()]
+        lines += [f"{self.guarantee:<13} | a new producer took over in {t}" for t in self.take_overs()]
         text = "\n".join(lines)
         path = os.environ.get("KWE_CLUSTER_REPORT")
         if path:

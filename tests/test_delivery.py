@@ -126,7 +126,8 @@ def test_exactly_once_opens_on_intake_pauses_while_closing_and_commits_once_drai
     e.finish_all()
     e.d.finish(Deadline.after(1.0), lambda s: None, drained=True, aborted=False)
     assert e.txn.committed == 2 and e.d.phase == "finished" and e.d.summary() == {
-        "transactions_committed": 2, "transactions_aborted": 0, "producers_taken_over": 0}
+        "transactions_committed": 2, "transactions_aborted": 0, "producers_taken_over": 0,
+        "producers_taken_over_fenced": 0}
 
 
 def test_exactly_once_finish_undrained_stops_writes_then_aborts() -> None:

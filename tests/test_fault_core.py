@@ -709,3 +709,41 @@ def test_the_isolating_backend_passes_on_typed_members_only() -> None:
     assert (serial.name, serial.dim, serial.max_contexts) == ("tensorrt", 4, 2)
     with pytest.raises(AttributeError):
         serial.plan  # noqa: B018 - no attribute is forwarded untyped
+
+
+def test_a_fenced_poll_goes_to_the_transaction_loop_and_the_delivery_thread_serves_on() -> None:
+    """Exactly-once: confluent-kafka raises a transactional producer's fatal _FENCED from poll. It may
+    be the broker's transaction timeout after a coordinator outage, which a new producer takes over
+    (worker/kafka/transactions.py), so the delivery thread reports it as a failed write and keeps
+    serving, instead of stopping the worker (and itself) before the transaction loop can decide.
+    Failed before the fix: the latch tripped and the delivery thread ended. Other guarantees: as before."""
+    fenced = KafkaError(KafkaError._FENCED, "Producer fenced by newer instance", fatal=True)
+
+    class Fenced(FakeProducer):
+        raised = False
+
+        def poll(self, timeout: float) -> int:
+            if not self.raised:
+                self.raised = True
+                raise KafkaException(fenced)
+            return super().poll(timeout)
+
+    for exactly_once in (True, False):
+        latch = FatalLatch()
+        wrapper = OutputProducer({}, latch, producer_factory=Fenced, poll_interval_s=0.01)
+        failed: list[str] = []
+        if exactly_once:
+            wrapper.fail_writes_into(failed.append)
+        wrapper.start()
+        deadline = time.monotonic() + 5
+        while not (failed or latch.is_set()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if exactly_once:
+            assert not latch.is_set(), latch.error
+            assert failed and "fenced" in failed[0] and wrapper.thread.is_alive()
+            acked: list[bool] = []
+            assert wrapper.produce("out", b"k", b"v", [], lambda: acked.append(True))
+            assert wrapper.flush(Deadline.after(5.0)) == 0 and acked == [True]
+        else:
+            assert isinstance(latch.error, DeliveryError) and "fenced" in str(latch.error)
+        wrapper.stop(2.0)

@@ -17,6 +17,7 @@ from worker.kafka.offsets import OffsetTracker
 from worker.kafka.transactions import (WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, TransactionError, TransactionFencedError,
                                        TransactionHungError, Transactions, drained_waiter, kind_of, transactional_config,
                                        transactional_id)
+import worker.kafka.transactions as txmod
 from worker.latch import FatalLatch
 
 
@@ -944,3 +945,131 @@ def test_a_hung_call_while_stopping_is_not_taken_over(short_hang: None) -> None:
     finally:
         stuck.release.set()
     assert isinstance(loop.latch.error, TransactionHungError) and loop.stuck == []
+
+
+# --------------------- fenced by the broker's transaction timeout: a new producer takes over
+def _fenced_abort(loop: TakeOverLoop, *, age_s: float = 61.0, at: int = 5) -> FakeTxnProducer:
+    """Records `at` and the next consumed into a transaction that outlived transaction_timeout_ms while the
+    coordinator was frozen: a write timed out (abortable, "requires epoch bump"), and the abort is
+    answered PRODUCER_FENCED (the coordinator aborted the transaction on its timeout and bumped the
+    epoch), which librdkafka raises as fatal _FENCED. Returns the fenced producer."""
+    fenced = loop.producer
+    loop.consume(0, at, at + 1)
+    loop.finish(0, at)  # produced into the open transaction, never visible
+    loop.clock.now += age_s
+    fenced.errors["abort"] = [FENCED]
+    loop.txn.write_failed("could not write to topic 'out': Local: Message timed out (_MSG_TIMED_OUT)")
+    loop.txn.step(flow_paused=False)
+    return fenced
+
+
+def test_a_producer_fenced_by_the_brokers_transaction_timeout_is_taken_over_and_the_stream_goes_on(
+        short_hang: None) -> None:
+    """CI, tests/test_cluster_kafka.py (the group's coordinator node frozen): the other member's
+    transaction outlived transaction_timeout_ms, its abort was fenced (fatal _FENCED), and it exited 1,
+    though transactional ids are unique per member: no zombie, the broker timed the transaction out.
+    A coordinator outage longer than the transaction timeout crash-looped every member. Failed before
+    the fix (the latch tripped with TransactionFencedError)."""
+    loop = TakeOverLoop()
+    takes: list[str] = []
+    loop.txn.on_take_over = takes.append
+    fenced = _fenced_abort(loop)
+    assert not loop.latch.is_set(), loop.latch.error
+    # The group's verdict comes first: intake stays paused and nothing is made for FENCE_SETTLE_S.
+    assert loop.txn.closing and len(loop.producers) == 1
+    loop.finish(0, 6)  # a straggler of the fenced transaction
+    loop.clock.now += txmod.FENCE_SETTLE_S
+    loop.txn.step(flow_paused=False)
+    assert not loop.latch.is_set(), loop.latch.error
+    new = loop.producer
+    assert new is not fenced and loop.txn.producer is new and new.calls == ["init"]
+    assert loop.consumer.seeks == [("in", 0, 5)]  # back to the group's committed offset
+    assert loop.outcomes[-1][0] == "taken_over" and loop.txn.taken_over == loop.txn.taken_over_fenced == 1
+    assert takes == ["fenced"] and not loop.txn.closing
+    # The stream goes on: consumed again, committed once, through the new producer.
+    loop.consume(0, 5, 6, 7)
+    for off in (5, 6, 7):
+        loop.finish(0, off)
+    loop.txn.step(flow_paused=True)
+    assert new.visible == ["out-0-5", "out-0-6", "out-0-7"] and new.offsets == {("in", 0): 8}
+    assert fenced.visible == [] and fenced.offsets == {}
+    assert _committed_without_output(loop) == [] and not loop.latch.is_set()
+
+
+def test_a_fence_the_brokers_timeout_cannot_explain_stops_the_member_naming_a_second_process() -> None:
+    """A transaction younger than transaction_timeout_ms cannot have been timed out by the broker:
+    another process took over this member's transactional id. It stops, as before, and says so."""
+    loop = TakeOverLoop()
+    _fenced_abort(loop, age_s=20.0)
+    assert isinstance(loop.latch.error, TransactionFencedError)
+    assert "same member id" in str(loop.latch.error) and len(loop.producers) == 1
+    assert all(p.offsets == {} for p in loop.producers)
+
+
+def test_partitions_lost_while_a_fenced_take_over_waits_stop_the_member_as_a_zombie(short_hang: None) -> None:
+    """The stronger signal: a SIGSTOPped member resumed after its successor (the same identity) took
+    over is fenced and finds its session expired; the group's verdict wins, nobody else is fenced."""
+    loop = TakeOverLoop()
+    _fenced_abort(loop)
+    loop.txn.lost()
+    assert isinstance(loop.latch.error, TransactionFencedError) and "zombie" in str(loop.latch.error)
+    loop.clock.now += txmod.FENCE_SETTLE_S
+    loop.txn.step(flow_paused=False)
+    loop.txn.finish(drained_waiter(lambda: 0, lambda s: None), 1.0)
+    assert len(loop.producers) == 1 and loop.txn.taken_over == 0
+    assert "abort" not in loop.producer.calls[loop.producer.calls.index("abort") + 1:]
+
+
+def test_fenced_take_overs_are_bounded_then_the_member_stops_committing_nothing_past(short_hang: None) -> None:
+    """Two processes with one member id fence each other for ever, each fence after a take-over:
+    after FENCED_TAKE_OVERS in FENCED_WINDOW_S the member stops, naming that cause."""
+    loop = TakeOverLoop()
+    at = 5
+    for _ in range(txmod.FENCED_TAKE_OVERS):
+        loop.commit_one(at)  # a transaction that commits: the stream moves
+        _fenced_abort(loop, at=at + 1)
+        loop.clock.now += txmod.FENCE_SETTLE_S
+        loop.txn.step(flow_paused=False)
+        assert not loop.latch.is_set(), loop.latch.error
+        assert loop.consumer.seeks[-1] == ("in", 0, at + 1)
+        loop.in_flight.clear()
+        at += 1
+    assert loop.txn.taken_over_fenced == txmod.FENCED_TAKE_OVERS
+    loop.commit_one(at)
+    _fenced_abort(loop, at=at + 1)
+    assert isinstance(loop.latch.error, TransactionFencedError)
+    assert "second process may be using the same member id" in str(loop.latch.error)
+    assert len(loop.producers) == txmod.FENCED_TAKE_OVERS + 1
+    loop.txn.step(flow_paused=False)
+    loop.finish(0, at + 2)  # a straggler of the fenced transaction
+    loop.txn.finish(drained_waiter(lambda: len(loop.in_flight), lambda s: None), 1.0)
+    # Nothing committed past the fenced transactions: every committed offset has its output.
+    assert _committed_without_output(loop) == []
+    assert max(p.offsets.get(("in", 0), 0) for p in loop.producers) == at + 1
+
+
+def test_a_stop_while_a_fenced_take_over_waits_commits_nothing(short_hang: None) -> None:
+    loop = TakeOverLoop()
+    _fenced_abort(loop)
+    loop.txn.stop.start(5.0)
+    loop.finish(0, 6)
+    loop.txn.finish(drained_waiter(lambda: len(loop.in_flight), lambda s: None), 1.0)
+    assert not loop.latch.is_set(), loop.latch.error  # exits 0, as a SIGTERM does
+    assert len(loop.producers) == 1 and all(p.offsets == {} for p in loop.producers)
+    assert loop.txn.closing and loop.tracker.partitions() == []
+
+
+def test_a_revoke_while_a_fenced_take_over_waits_commits_nothing(short_hang: None) -> None:
+    loop = TakeOverLoop()
+    _fenced_abort(loop)
+    calls = list(loop.producer.calls)
+    assert not loop.txn.on_revoke(lambda timeout_s: True, 1.0)
+    assert loop.producer.calls == calls and not loop.latch.is_set()
+
+
+def test_fenced_on_begin_with_no_transaction_open_stops_the_member() -> None:
+    loop = Loop()
+    loop.producer.fenced = True
+    loop.txn.ensure_open()
+    assert isinstance(loop.latch.error, TransactionFencedError) and "same member id" in str(loop.latch.error)
+    assert loop.txn.state == "idle"

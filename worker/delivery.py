@@ -128,7 +128,8 @@ class ExactlyOnce:
                            on_outcome=metrics.observe_transaction, on_progress=committer.progressed, stop=stop,
                            write_gate=producer.write_gate,
                            # A hung transactional call: a new producer takes over (librdkafka 5456/5511).
-                           replace_producer=producer.replace_client, forget_revoked=in_flight.drop_revoked)
+                           replace_producer=producer.replace_client, forget_revoked=in_flight.drop_revoked,
+                           on_take_over=metrics.count_take_over)
         # A failed write fails the transaction (aborted, its records consumed again), not the worker.
         producer.fail_writes_into(txn.write_failed)
         return cls(txn, count, producer.interrupt)
@@ -172,7 +173,7 @@ class ExactlyOnce:
 
     def summary(self) -> dict[str, Any]:
         return {"transactions_committed": self.txn.committed, "transactions_aborted": self.txn.aborted,
-                "producers_taken_over": self.txn.taken_over}
+                "producers_taken_over": self.txn.taken_over, "producers_taken_over_fenced": self.txn.taken_over_fenced}
 
 
 def delivery_kind(settings: Settings) -> type[AtLeastOnce] | type[ExactlyOnce]:

@@ -115,6 +115,10 @@ class Metrics:
         self.transaction_time = Histogram(f"{PREFIX}transaction_seconds",
                                           "Exactly-once: begin to commit (or abort) of a transaction.",
                                           buckets=TRANSACTION_BUCKETS, registry=r)
+        self.take_overs = Counter(f"{PREFIX}producer_take_overs",
+                                  "Exactly-once: a new producer took over the member's transactional id, by reason "
+                                  "(hung: a transactional call did not return; fenced: the broker timed the "
+                                  "transaction out, as after a coordinator outage).", ["reason"], registry=r)
         self.backend_info = Info(f"{PREFIX}backend", "Inference backend, model and bucket profile in use.",
                                  registry=r)
         # What /healthz answers, as a series (read at scrape time), so an alert sees a worker that is
@@ -131,10 +135,15 @@ class Metrics:
             self.hop.labels(hop=hop)
         for outcome in ("committed", "aborted", "taken_over"):
             self.transactions.labels(outcome=outcome)
+        for reason in ("hung", "fenced"):
+            self.take_overs.labels(reason=reason)
 
     def observe_transaction(self, outcome: str, seconds: float) -> None:
         self.transactions.labels(outcome=outcome).inc()
         self.transaction_time.observe(seconds)
+
+    def count_take_over(self, reason: str) -> None:
+        self.take_overs.labels(reason=reason).inc()
 
     # --- messages ----------------------------------------------------------------------
     def count_consumed(self, n: int = 1) -> None:

@@ -22,7 +22,9 @@ a broker restart, a record the broker refused): it sends nothing more of it, and
 fails with _STATE. The record is given up (its in-flight slot released, its offset left
 unfinished), the transaction loop aborts at once and consumes the records again, so nothing is
 written twice; it bounds how often (worker/kafka/transactions.py). Authorisation and missing-topic
-errors, and fatal ones (fenced), still stop the worker.
+errors, and fatal ones, still stop the worker; except _FENCED, raised from poll, which goes to the
+transaction loop like a failed write: the broker may have timed the transaction out (a coordinator
+outage), and a new producer may take over (worker/kafka/transactions.py decides).
 
 `write_gate`: the output thread holds it while it takes a batch's live records and produces them;
 the transaction loop holds it while it replaces the offset state and aborts, so no record of an
@@ -243,15 +245,35 @@ class OutputProducer:
         return True
 
     def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._poll(self._interval):
+                return
+            self._retire_abandoned()
+        # Serve what was acknowledged while stopping, so no callback is left unrun.
+        self._poll(0)
+
+    def _poll(self, timeout_s: float) -> bool:
+        """One poll of the current client; False when its fatal error stops the worker."""
+        generation = self._generation
         try:
-            while not self._stop.is_set():
-                self._producer.poll(self._interval)
-                self._retire_abandoned()
-            # Serve what was acknowledged while stopping, so no callback is left unrun.
-            self._producer.poll(0)
+            self._producer.poll(timeout_s)
+            return True
         except KafkaException as exc:
-            # A transactional producer raises its fatal error (fenced) from poll itself.
-            self._latch.trip(DeliveryError(f"fatal producer error: {describe(exc.args[0])}"))
+            # A transactional producer raises its fatal error (fenced) from poll itself
+            # (confluent-kafka's error_cb turns librdkafka's _FATAL event into an exception).
+            err = exc.args[0]
+            if generation != self._generation:
+                return True  # a replaced client's, fenced by its successor on purpose
+            if self._fail_transaction is not None and err.code() == KafkaError._FENCED:
+                # Exactly-once: the transaction loop tells a broker-side timeout from a zombie, and
+                # a new producer may take over (transactions.py); its calls raise the same error.
+                # Failing the open transaction makes it look now, not after a drain that cannot end.
+                log.warning("producer fenced; the transaction loop decides whether a new producer takes over",
+                            error=describe(err))
+                self._fail_transaction(f"the producer was fenced: {describe(err)}")
+                return True
+            self._latch.trip(DeliveryError(f"fatal producer error: {describe(err)}"))
+            return False
 
     def _on_error(self, err: KafkaError, generation: int = 0) -> None:
         if generation != self._generation:

@@ -20,8 +20,17 @@ Errors of the transactional calls, as librdkafka classifies them:
 - txn_requires_abort: abort, then rewind every owned partition to where this transaction began
   (the last committed offset) with fresh offset state, so nothing consumed into the aborted
   transaction is produced into a later one;
-- fatal (fenced by a newer member with the same transactional.id, or by the broker after the
-  transaction timeout): the latch trips, nothing more is written, the worker exits non-zero;
+- fatal: the latch trips, nothing more is written, the worker exits non-zero. Except `_FENCED`
+  on a transaction open for at least transaction_timeout_s, as after a coordinator outage: the
+  coordinator aborted it on its timeout and bumped the epoch (Kafka's TransactionMetadata
+  prepareFenceProducerEpoch), so librdkafka's EndTxn, or its KIP-360 InitProducerId of an abort
+  that "requires epoch bump", is answered PRODUCER_FENCED, which it raises as fatal _FENCED
+  (rdkafka_txnmgr.c rd_kafka_txn_handle_EndTxn, rdkafka_idempotence.c rd_kafka_idemp_check_error).
+  Transactional ids are unique per member, so that is no zombie: after FENCE_SETTLE_S (for the
+  stronger signal, the group's: partitions lost with that old transaction, in `lost`, still stop
+  the member as a zombie) a new producer takes over as for a hung call (below), at most
+  FENCED_TAKE_OVERS times in FENCED_WINDOW_S; then, and on a fence the broker's timeout cannot
+  explain (a younger transaction), the member stops: a second process uses its member id;
 - hung (the call did not return within its timeout + HANG_MARGIN_S): when a coordinator's node
   dies, librdkafka can keep waiting on it long after the call's timeout (librdkafka issues 5456
   and 5511; measured on the three-broker cluster, tests/test_cluster_kafka.py). `take_over`
@@ -58,7 +67,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
 import structlog
@@ -86,6 +95,17 @@ TAKE_OVER_INIT_S = 30.0
 # Transactions failed by a write, in a row, before the member stops; the wait before each retry.
 WRITE_FAILURES = 5
 WRITE_RETRY_BACKOFF_S = 0.5
+# A fence on a transaction the broker timed out: how long intake waits before a new producer takes
+# over, so the group's verdict comes first (a resumed zombie's consumer finds its session expired
+# within a second or a heartbeat, 3 s, and `lost` stops it); and at most how many such take-overs
+# in how long (two processes with one member id would fence each other for ever).
+FENCE_SETTLE_S = 5.0
+FENCED_TAKE_OVERS = 3
+FENCED_WINDOW_S = 600.0
+# How much sooner than our own clock says the coordinator may time a transaction out: it times from
+# its first AddPartitionsToTxn (after our begin_transaction) on its wall clock, which may run ahead.
+TIMEOUT_CLOCK_SLACK_S = 1.0
+TakeOverReason = Literal["hung", "fenced"]
 
 
 class TransactionFencedError(WorkerError):
@@ -96,6 +116,17 @@ class TransactionError(WorkerError):
     """A transaction could neither be completed nor aborted cleanly, and this member was not
     fenced: it stops, and aborts the open transaction on the way out (best effort), so
     read_committed readers are not held back until transaction_timeout_ms."""
+
+
+@dataclass(frozen=True)
+class Fence:
+    """A fatal _FENCED on a transaction the broker timed out, waiting for its take-over."""
+    call: str
+    error: str
+    age_s: float
+    take_over_at: float
+    # Where each partition with work in the transaction began, if its state was replaced already.
+    starts: dict[tuple[str, int], int] | None = None
 
 
 class TransactionHungError(WorkerError):
@@ -180,7 +211,10 @@ class Transactions:
     # a hung call stops the member.
     replace_producer: Callable[[threading.Thread], TransactionalProducer] | None = None
     forget_revoked: Callable[[], int] = lambda: 0
+    # A new producer starts taking over, and why (kwe_producer_take_overs_total).
+    on_take_over: Callable[[TakeOverReason], None] = lambda reason: None
     taken_over: int = 0
+    taken_over_fenced: int = 0
     state: State = "idle"
     began_at: float = 0.0
     committed: int = 0
@@ -199,6 +233,9 @@ class Transactions:
     _halted: bool = field(default=False, repr=False)
     # The helper thread of the last bounded call (a take-over after a resumable call hands it on).
     _last_call: threading.Thread | None = field(default=None, repr=False)
+    # A fence waiting for its take-over, and when the recent fenced take-overs began.
+    _fence: Fence | None = field(default=None, repr=False)
+    _fenced_at: list[float] = field(default_factory=list, repr=False)
 
     # ------------------------------------------------------------------ lifecycle
     def init(self, timeout_s: float = 30.0) -> bool:
@@ -227,7 +264,7 @@ class Transactions:
         with self._write_lock:
             failed = self._write_failure is not None
         return (self.state == "closing" or self._abort_reason is not None or failed or self._halted
-                or self.clock() < self._resume_at)
+                or self._fence is not None or self.clock() < self._resume_at)
 
     def write_failed(self, reason: str) -> None:
         """Any thread: a write of the open transaction failed; it is aborted at the next step."""
@@ -260,7 +297,14 @@ class Transactions:
     def ensure_open(self) -> None:
         """Called with consumed records before intake sees them: they belong to an open transaction."""
         if self.state == "idle" and not self.latch.is_set() and not self._halted:
-            self.producer.begin_transaction()
+            try:
+                self.producer.begin_transaction()
+            except KafkaException as exc:
+                if kind_of(exc) != "fatal":
+                    raise
+                # Fenced with no transaction open: no broker timeout explains it (`_fatal`).
+                self._fatal("begin_transaction", exc)
+                return
             self.state = "open"
             self.began_at = self.clock()
 
@@ -278,6 +322,8 @@ class Transactions:
         transactional id (measured); the successor, or the broker, aborts what was left open."""
         if self.state == "idle":
             return
+        # (A fenced producer waiting for its take-over has an old transaction: the group's verdict,
+        # this member is a zombie, wins over the take-over.)
         if self.clock() - self.began_at < self.transaction_timeout_s / 2:
             self.request_abort("partitions lost")
             return
@@ -290,6 +336,10 @@ class Transactions:
         """One poll-loop turn: start closing when the interval is up or intake would pause
         anyway; commit once drained; abort when asked to."""
         if self.latch.is_set():
+            return
+        if self._fence is not None:
+            if self.clock() >= self._fence.take_over_at:
+                self.take_over(self._fence.starts, reason="fenced")
             return
         if self.state == "idle":
             # A failure reported for an already aborted transaction's record fails nothing here.
@@ -353,7 +403,7 @@ class Transactions:
             raise answer[0]
 
     def _call(self, what: str, fn: Callable[[], None], *, resume_s: float = 0.0
-              ) -> Literal["ok", "abort", "fatal", "hung", "unfinished"]:
+              ) -> Literal["ok", "abort", "fatal", "fenced", "hung", "unfinished"]:
         """Runs a transactional call, retrying its retriable errors RETRIES times. A resumable call
         (resume_s > 0: commit_transaction, abort_transaction) is resumed for resume_s instead:
         librdkafka keeps it under way after a retriable timeout, expects it to be called again, and
@@ -392,13 +442,43 @@ class Transactions:
                         "complete it)", self._last_call)
                     return "hung"
                 if kind == "fatal":
-                    self.latch.trip(TransactionFencedError(
-                        f"{what} failed: {exc.args[0]} (this member was fenced: a newer one took over its "
-                        "transactional id, or its transaction outlived transaction_timeout_ms)"))
-                    return "fatal"
+                    return self._fatal(what, exc)
                 log.warning("transactional call failed; aborting the transaction", call=what,
                             error=str(exc.args[0]))
                 return "abort"
+
+    def _fatal(self, what: str, exc: KafkaException) -> Literal["fatal", "fenced"]:
+        """A fatal error of a transactional call: "fenced" when a new producer is to take over after
+        FENCE_SETTLE_S (see the module docstring), else the latch trips."""
+        err = exc.args[0]
+        age = self.clock() - self.began_at if self.state != "idle" else 0.0
+        if not (isinstance(err, KafkaError) and err.code() == KafkaError._FENCED):
+            self.latch.trip(TransactionFencedError(
+                f"{what} failed: {err} (this member was fenced: a newer one took over its transactional id, or "
+                "its transaction outlived transaction_timeout_ms)"))
+            return "fatal"
+        if self.state == "idle" or age < self.transaction_timeout_s - TIMEOUT_CLOCK_SLACK_S:
+            self.latch.trip(TransactionFencedError(
+                f"{what} failed: {err} (this member was fenced {age:.0f} s into its transaction, before "
+                f"transaction_timeout_ms ({self.transaction_timeout_s:.0f} s) let the broker time it out: another "
+                "process took over its transactional id; is a second process running with the same member id?)"))
+            return "fatal"
+        now = self.clock()
+        self._fenced_at = [t for t in self._fenced_at if now - t < FENCED_WINDOW_S]
+        if self.replace_producer is None or self.stop.started or len(self._fenced_at) >= FENCED_TAKE_OVERS:
+            why = ("no new producer may take over" if self.replace_producer is None else "stopping"
+                   if self.stop.started else
+                   f"fenced {len(self._fenced_at) + 1} times in {FENCED_WINDOW_S:.0f} s, each taken over; a second "
+                   "process may be using the same member id (its transactional id), each fencing the other")
+            self.latch.trip(TransactionFencedError(
+                f"{what} failed: {err} (fenced {age:.0f} s into its transaction, past transaction_timeout_ms: "
+                f"the broker may have timed it out; {why})"))
+            return "fatal"
+        self._fence = Fence(what, str(err), age, now + FENCE_SETTLE_S)
+        log.warning("producer fenced after its transaction outlived transaction_timeout_ms (the coordinator "
+                    "timed it out); a new producer takes over unless the group says this member is a zombie",
+                    call=what, error=str(err), transaction_age_s=round(age, 1), take_over_in_s=FENCE_SETTLE_S)
+        return "fenced"
 
     def commit(self) -> bool:
         """Sends the offsets and commits; everything consumed must be finished. True if committed."""
@@ -408,7 +488,7 @@ class Transactions:
             return False
         offsets = self._offsets()
         positions = [TopicPartition(p.topic, p.partition, off) for p, off in offsets]
-        result: Literal["ok", "abort", "fatal", "hung", "unfinished"] = "ok"
+        result: Literal["ok", "abort", "fatal", "fenced", "hung", "unfinished"] = "ok"
         if positions:
             metadata = self.consumer.consumer_group_metadata()
             # Not resumable (rd_kafka_send_offsets_to_transaction returns non-resumable): an
@@ -429,7 +509,7 @@ class Transactions:
         if result == "hung":
             self.take_over()
             return False
-        if result == "fatal":
+        if result in ("fatal", "fenced"):
             return False
         for p, off in offsets:
             p.request_commit(off)
@@ -456,6 +536,9 @@ class Transactions:
             return
         if aborted == "unfinished":
             self._halt("abort_transaction was still under way")
+            return
+        if aborted == "fenced" and self._fence is not None:
+            self._fence = replace(self._fence, starts=starts)
             return
         if aborted != "ok":
             # "fatal" tripped the latch already (fenced, or hung); otherwise the abort failed on its own.
@@ -490,23 +573,46 @@ class Transactions:
                 log.warning("could not rewind a partition", partition=f"{tp.topic}[{tp.partition}]",
                             error=str(exc.args[0]))
 
-    def take_over(self, starts: dict[tuple[str, int], int] | None = None) -> None:
-        """A transactional call hung: a new producer takes over (see the module docstring). The
-        member stops (the latch trips) when it cannot: no replacement available, too many calls
-        still stuck, or the new producer cannot fence the old one or read the committed offsets."""
-        hung = self._hung or TransactionHungError("a transactional call hung")
-        self._hung = None
-        self._stuck = [t for t in self._stuck if t.is_alive()]
-        if self.replace_producer is None or hung.call is None or len(self._stuck) >= STUCK_CALLS:
-            self._give_up(hung, "stopping so that a restarted member aborts the open transaction")
-            return
-        self._stuck.append(hung.call)
-        log.warning("transactional call hung; a new producer takes over", error=str(hung),
-                    stuck_calls=len(self._stuck))
+    def take_over(self, starts: dict[tuple[str, int], int] | None = None, *,
+                  reason: TakeOverReason = "hung") -> None:
+        """A transactional call hung, or the producer was fenced by the broker's transaction timeout:
+        a new producer takes over (see the module docstring). The member stops (the latch trips)
+        when it cannot: no replacement available, too many calls still stuck, or the new producer
+        cannot fence the old one or read the committed offsets."""
+        give_up: Callable[[str], None]
+        if reason == "hung":
+            hung = self._hung or TransactionHungError("a transactional call hung")
+            self._hung = None
+            self._stuck = [t for t in self._stuck if t.is_alive()]
+            if self.replace_producer is None or hung.call is None or len(self._stuck) >= STUCK_CALLS:
+                self._give_up(hung, "stopping so that a restarted member aborts the open transaction")
+                return
+            self._stuck.append(hung.call)
+            old_call = hung.call
+            log.warning("transactional call hung; a new producer takes over", error=str(hung),
+                        stuck_calls=len(self._stuck))
+
+            def give_up(why: str) -> None:
+                self._give_up(hung, why)
+        else:
+            fence, self._fence = self._fence, None
+            assert fence is not None and self.replace_producer is not None
+            self._fenced_at.append(self.clock())
+            self.taken_over_fenced += 1
+            # Its last call has returned (fenced): the old client is destroyed at once.
+            old_call = self._last_call or threading.Thread(target=lambda: None)
+            log.warning("producer fenced by the broker's transaction timeout; a new producer takes over",
+                        call=fence.call, error=fence.error, transaction_age_s=round(fence.age_s, 1),
+                        fenced_take_overs_in_window=len(self._fenced_at), bound=FENCED_TAKE_OVERS)
+
+            def give_up(why: str) -> None:
+                self.latch.trip(TransactionFencedError(f"{fence.call} failed: {fence.error} (fenced after "
+                                                       f"transaction_timeout_ms); {why}"))
+        self.on_take_over(reason)
         with self.write_gate:
             if starts is None:  # (an abort that hung has replaced the state already)
                 starts = self._fresh_state()
-            self.producer = self.replace_producer(hung.call)
+            self.producer = self.replace_producer(old_call)
             forgotten = self.forget_revoked()
         self.state = "idle"  # the old transaction is the new producer's to end, at its init
         try:
@@ -514,14 +620,14 @@ class Transactions:
                 self._halt("the new producer was initialising")
                 return
         except WorkerError as exc:
-            self._give_up(hung, f"the new producer could not take over: {exc}")
+            give_up(f"the new producer could not take over: {exc}")
             return
         # The old transaction is complete now (init_transactions waits for that): the group's
         # committed offsets say whether the hung commit landed.
         try:
             answer = self._committed(list(starts))
         except KafkaException as exc:
-            self._give_up(hung, f"the committed offsets could not be read after it: {exc.args[0]}")
+            give_up(f"the committed offsets could not be read after it: {exc.args[0]}")
             return
         if answer is None:
             self._halt("the group's committed offsets were being read")
@@ -533,7 +639,7 @@ class Transactions:
         landed = [f"{tp.topic}[{tp.partition}]" for tp in rewind if tp.offset != starts[(tp.topic, tp.partition)]]
         log.warning("a new producer took over; partitions rewound to their committed offsets",
                     partitions=[f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in rewind],
-                    hung_commit_landed_for=landed, in_flight_forgotten=forgotten)
+                    reason=reason, hung_commit_landed_for=landed, in_flight_forgotten=forgotten)
         self._finish("taken_over")
 
     def _halt(self, during: str) -> None:
@@ -598,7 +704,8 @@ class Transactions:
         wait_s, else abort it (and rewind the partitions that stay). True if committed or idle."""
         if self.state == "idle":
             return True
-        if self.latch.is_set():
+        if self.latch.is_set() or self._fence is not None:
+            # Fenced: nothing of it commits; the take-over rewinds the partitions that stay.
             return False
         if self._abort_reason is None and wait_drained(wait_s):
             return self.commit()
@@ -632,6 +739,10 @@ class Transactions:
         holds back read_committed readers until it times out. After a fatal error: abort, best
         effort (a fenced producer cannot; the broker or the successor aborts it)."""
         if self.state == "idle":
+            return
+        if self._fence is not None:
+            # The fenced producer can neither commit nor abort; the new producer was not made yet.
+            self._halt("a fenced producer's take-over was pending")
             return
         drained = not self.latch.is_set() and self._abort_reason is None and wait_drained(wait_s)
         if self.state == "idle":
