@@ -56,7 +56,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.fresh_keywords import FreshKeywords, default_sources  # noqa: E402
 from benchmarks.kafka_vs_offline import cpu_seconds  # noqa: E402
-from tests.kafka_tools import WorkerProcess, http_get, produce_queries  # noqa: E402
+from tests.kafka_tools import WorkerProcess, free_port, http_get, produce_queries  # noqa: E402
 from worker.kafka.admin import ensure_topics  # noqa: E402
 from worker.loadgen import arrivals  # noqa: E402
 
@@ -300,9 +300,15 @@ def _sample_timeline(side: Side, broker_pid: int | None, gen_pid: Callable[[], i
                 body = ""
             for line in body.splitlines():
                 if line.startswith(("kwe_paused_partitions ", "kwe_in_flight_keywords ", "kwe_batch_size_count",
-                                    "kwe_batch_size_sum", "kwe_consumed_messages_total", "kwe_produced_messages_total")):
+                                    "kwe_batch_size_sum", "kwe_consumed_messages_total", "kwe_produced_messages_total",
+                                    "kwe_queue_wait_seconds_sum", "kwe_queue_wait_seconds_count",
+                                    "kwe_backend_seconds_sum", "kwe_backend_seconds_count", "kwe_hop_seconds_sum",
+                                    "kwe_hop_seconds_count", "kwe_real_tokens_total", "kwe_padded_tokens_total",
+                                    "kwe_merged_batches_total")):
                     name, _, value = line.rpartition(" ")
                     key = name.split("{")[0]
+                    if 'hop="' in name:
+                        key += "_" + name.split('hop="')[1].split('"')[0]
                     row[key] = row.get(key, 0.0) + float(value)
         k += 1
         into.append(row)
@@ -401,6 +407,95 @@ def level_line(label: str, rate: float, name: str, res: dict[str, Any]) -> str:
             f"    p99 by {WINDOW_S:g} s window: {windows_line(res['windows'])}")
 
 
+# --------------------------------------------------------------------------- overload
+def rss_bytes(pid: int | None) -> int:
+    """Resident set size of a process (VmRSS), 0 when unknown."""
+    if pid is None:
+        return 0
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def overload_verdict(t_send_ms: np.ndarray, t_out_ms: np.ndarray, high_end_ms: float, *, goal_p99_ms: float,
+                     settle_s: float = 10.0) -> dict[str, Any]:
+    """After an overload phase ending at high_end_ms: when the lag drained (the last record sent
+    during the overload was written), the backlog it left and how fast it drained, and the p99 of
+    what was sent from settle_s after the drain on, against the goal."""
+    high = t_send_ms < high_end_ms
+    drained_ms = float(t_out_ms[high].max()) if high.any() else high_end_ms
+    backlog = int((high & (t_out_ms > high_end_ms)).sum())
+    after = t_send_ms >= drained_ms + settle_s * 1000
+    lat = t_out_ms - t_send_ms
+    p99_after = float(np.percentile(lat[after], 99)) if after.any() else math.nan
+    drain_s = max(0.0, (drained_ms - high_end_ms) / 1000)
+    return {"backlog_at_high_end": backlog, "drain_s": drain_s,
+            "drain_kw_s": backlog / drain_s if drain_s > 0 else math.nan,
+            "p99_after_settle_ms": p99_after, "n_after_settle": int(after.sum()),
+            "settled": bool(after.any() and p99_after <= goal_p99_ms)}
+
+
+def overload_round(side: Side, pool: FreshKeywords, bootstrap: str, peak: float, tmp: Path, *, high: float,
+                   high_s: float, low: float, low_s: float, goal_p99_ms: float, seed: int = 7) -> dict[str, Any]:
+    """high x peak for high_s seconds, then low x peak for low_s, open loop; RSS sampled throughout."""
+    pid = side.worker.proc.pid if side.worker.proc else None
+    rss: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        t0 = time.monotonic()
+        while not stop.wait(0.5):
+            rss.append((round(time.monotonic() - t0, 2), rss_bytes(pid)))
+
+    rss0 = rss_bytes(pid)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    tag = f"ov-{side.name}-{uuid.uuid4().hex[:6]}-"
+    phases = []
+    for k, (frac, secs) in enumerate(((high, high_s), (low, low_s))):
+        rows = pool.take(math.ceil(peak * frac * secs))
+        src = tmp / f"{tag}{k}.tsv"
+        src.write_text("".join(f"{tag}{k}-{q}\t{t}\n" for q, t in rows), encoding="utf-8")
+        start_ms = time.time() * 1000
+        gen = subprocess.Popen([sys.executable, "-m", "worker.cli", "produce", "--bootstrap-servers", bootstrap,
+                                "--topic", side.topics[0], "--input", str(src), "--rate", f"{peak * frac:.3f}",
+                                "--seed", str(seed + k), "--no-progress"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        while gen.poll() is None:
+            _drain(side.out_reader, side.out_ts, None, 0.05)
+            _drain(side.in_reader, side.in_ts, None, 0)
+        out, err = gen.communicate()
+        if gen.returncode != 0:
+            raise SystemExit(f"produce failed: {err}")
+        phases.append({"load": frac, "rate": peak * frac, "seconds": secs, "sent": int(out.split()[1]),
+                       "start_ms": start_ms, "end_ms": time.time() * 1000, "producer_report": out.strip()})
+    sent = sum(p["sent"] for p in phases)
+    _collect(side.in_reader, side.in_ts, tag, sent, 60)
+    _collect(side.out_reader, side.out_ts, tag, sent, 300)
+    stop.set()
+    sampler.join()
+    keys = [k for k in side.in_ts if k.startswith(tag)]
+    done = [k for k in keys if k in side.out_ts]
+    t_in = np.array([side.in_ts[k] for k in done], dtype=np.float64)
+    t_out = np.array([side.out_ts[k] for k in done], dtype=np.float64)
+    high_end = float(max(side.in_ts[k] for k in keys if k.startswith(f"{tag}0-")))
+    verdict = overload_verdict(t_in, t_out, high_end, goal_p99_ms=goal_p99_ms)
+    low_phase = t_in > high_end
+    for k in keys:
+        side.in_ts.pop(k, None)
+        side.out_ts.pop(k, None)
+    peak_rss = max((b for _, b in rss), default=rss0)
+    return {"phases": phases, "sent": sent, "missing": sent - len(done), "rss_start_bytes": rss0,
+            "rss_peak_bytes": peak_rss, "rss_growth_mib": (peak_rss - rss0) / 2**20, "rss": rss,
+            **verdict, "goal_p99_ms": goal_p99_ms,
+            "low_phase_windows": window_stats(t_in[low_phase], (t_out - t_in)[low_phase]),
+            "high_phase_windows": window_stats(t_in[~low_phase], (t_out - t_in)[~low_phase])}
+
+
 # --------------------------------------------------------------------------- report
 def summarise(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Per level and variant: quartiles over rounds of p50/p99, and the paired p99 ratio to the first variant."""
@@ -491,6 +586,22 @@ def render_windows(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merge_reports(reports: list[dict[str, Any]], command: str) -> dict[str, Any]:
+    """Invocations of the same levels and variants (e.g. one round each, same --peak) as one report:
+    their rounds side by side, in the order given."""
+    first = reports[0]
+    for r in reports[1:]:
+        if r["levels"] != first["levels"] or r["variant_order"] != first["variant_order"]:
+            raise SystemExit("--merge: the reports must have the same --levels and variants")
+    runs = {lvl: {name: [x for r in reports for x in r["runs"][lvl].get(name, [])] for name in first["variant_order"]}
+            for lvl in first["runs"]}
+    loads = [r["load_average_at_start"][0] for r in reports] + [r["load_average_at_end"][0] for r in reports]
+    return {**first, "command": command, "rounds": sum(r["rounds"] for r in reports), "runs": runs,
+            "merged_from": [r["command"] for r in reports],
+            "conditions": first["conditions"] + f"; {len(reports)} invocations merged, load average "
+                                                f"{min(loads):.1f}-{max(loads):.1f} at their starts and ends"}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, nargs="+", default=None,
@@ -503,6 +614,16 @@ def main() -> int:
                          "is read a level at this fraction (every window kept); 0: none")
     ap.add_argument("--catchup-backlog", type=int, default=8000)
     ap.add_argument("--catchup-duration", type=float, default=25.0, help="seconds of the catch-up level")
+    ap.add_argument("--catchup-restart", action="store_true",
+                    help="diagnosis: on odd rounds, restart the worker between the backlog and the catch-up level (does the "
+                         "transient live in the worker's state or outside it?)")
+    ap.add_argument("--overload", type=float, nargs=4, metavar=("HIGH", "HIGH_S", "LOW", "LOW_S"), default=None,
+                    help="instead of the levels: HIGH x the sustained rate for HIGH_S seconds, then LOW x for LOW_S, "
+                         "e.g. 2 60 0.5 60; reports RSS growth, what was lost, the drain and the p99 after it")
+    ap.add_argument("--goal-p99-ms", type=float, default=100.0, help="--overload: the low level's p99 goal")
+    ap.add_argument("--peak", type=float, default=None,
+                    help="use this as 100%% (keywords/s) instead of the first variant's measured steady rate "
+                         "(runs split over several invocations then offer the same rates)")
     ap.add_argument("--backend", default=None, help="`run --backend` for every worker (default: the worker's own)")
     ap.add_argument("--timeline", action="store_true",
                     help="sample every 0.5 s during each level: Dirty/Writeback pages, worker/broker/generator CPU, "
@@ -522,7 +643,18 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="shuffle of the keyword pool")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
+    ap.add_argument("--merge", type=Path, nargs="+", default=None,
+                    help="measure nothing: merge these --json reports (same levels and variants) into --json/--markdown")
     args = ap.parse_args()
+    if args.merge:
+        merged = merge_reports([json.loads(p.read_text()) for p in args.merge],
+                               " ".join(["benchmarks/kafka_latency.py", *sys.argv[1:]]))
+        if args.json:
+            args.json.write_text(json.dumps(merged, indent=2, default=float) + "\n")
+        if args.markdown:
+            args.markdown.write_text(render_markdown(merged))
+        print(render_markdown(merged))
+        return 0
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     if not bootstrap:
         raise SystemExit("set KAFKA_BOOTSTRAP_SERVERS (run through deploy/local/with-kafka.sh)")
@@ -546,9 +678,11 @@ def main() -> int:
     sides: list[Side] = []
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {str(level): defaultdict(list) for level in args.levels}
     catchup_runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    overload: dict[str, dict[str, Any]] = {}
     catchup_sustained: dict[str, list[dict[str, float]]] = defaultdict(list)
     sustained: dict[str, dict[str, float]] = {}
     rates: dict[str, float] = {}
+    peak = math.nan
     try:
         for name, wargs in variants:
             run = f"lat-{name}-{uuid.uuid4().hex[:6]}"
@@ -570,7 +704,20 @@ def main() -> int:
             s = sustained[side.name]
             print(f"sustained from a backlog of {args.backlog:,}: {side.name} steady {s['steady_kw_s']:.0f} kw/s, "
                   f"whole backlog {s['whole_kw_s']:.0f} kw/s", flush=True)
-        peak = sustained[sides[0].name]["steady_kw_s"]
+        peak = args.peak or sustained[sides[0].name]["steady_kw_s"]
+        if args.overload:
+            high, high_s, low, low_s = args.overload
+            for side in sides:
+                ov = overload_round(side, pool, bootstrap, peak, tmp, high=high, high_s=high_s, low=low, low_s=low_s,
+                                    goal_p99_ms=args.goal_p99_ms)
+                overload[side.name] = ov
+                print(f"overload {side.name}: {high:g}x {peak * high:.0f} kw/s for {high_s:g} s, then {low:g}x for "
+                      f"{low_s:g} s: sent {ov['sent']}, missing {ov['missing']}, RSS growth {ov['rss_growth_mib']:.1f} "
+                      f"MiB, backlog {ov['backlog_at_high_end']} drained in {ov['drain_s']:.1f} s "
+                      f"({ov['drain_kw_s']:.0f} kw/s), p99 from 10 s after the drain {ov['p99_after_settle_ms']:.0f} "
+                      f"ms (goal {args.goal_p99_ms:g}); low-phase p99 by window: {windows_line(ov['low_phase_windows'])}",
+                      flush=True)
+            args.levels, args.rounds, args.catchup = [], 0, 0
         per_second = sum(peak * lvl for lvl in args.levels) * len(sides) * args.rounds
         catchup_need = (args.catchup_backlog + math.ceil(peak * args.catchup * args.catchup_duration)) \
             * len(sides) * args.rounds if args.catchup else 0
@@ -596,6 +743,10 @@ def main() -> int:
                     # The backlog, then at once (the moment its last embedding is read) live traffic.
                     s = backlog_round(side, pool.take(args.catchup_backlog), bootstrap, f"cu{rnd}-{side.name}-")
                     catchup_sustained[side.name].append(s)
+                    if args.catchup_restart and rnd % 2 == 1:
+                        side.worker.stop()
+                        side.worker = replace(side.worker, proc=None, metrics_port=free_port()).start()
+                        side.worker.wait_ready(180)
                     res = kafka_level(side, pool.take(math.ceil(rate * args.catchup_duration)), bootstrap, rate,
                                       args.catchup_duration, 500 + rnd, args.spacing, tmp, broker_pid,
                                       warmup_fraction=0.0, timeline=args.timeline)
@@ -629,6 +780,7 @@ def main() -> int:
         "duration_s": args.duration, "rounds": args.rounds, "levels": args.levels,
         "variants": dict(variants), "roots": {k: str(v) for k, v in roots.items()}, "variant_order": [n for n, _ in variants], "sustained": sustained,
         "rates": rates, "runs": {k: dict(v) for k, v in runs.items()}, "backend": args.backend or "default",
+        "peak_kw_s": peak if sides and sustained else None, "overload": overload,
         "catchup": {"load": args.catchup, "backlog": args.catchup_backlog, "duration_s": args.catchup_duration,
                     "rate": (sustained[sides[0].name]["steady_kw_s"] * args.catchup) if sides and sustained else None,
                     "runs": dict(catchup_runs), "sustained": dict(catchup_sustained)},

@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks.fresh_keywords import FreshKeywords, PoolExhaustedError
 from benchmarks.kafka_latency import (MAX_GENERATOR_LAG_P99_MS, MAX_HIT_RATE, cache_hit_rate, generator_verdict,
+                                     overload_verdict,
                                      render_markdown, schedule_lag_ms, summarise, window_stats, windows_line)
 from worker.loadgen import arrivals
 
@@ -117,3 +118,15 @@ def test_a_rejected_level_is_left_out_of_the_medians_and_counted() -> None:
     }
     (row,) = summarise(report)
     assert row["rejected"] == 1 and row["p99"]["median"] == 60
+
+
+def test_overload_verdict_finds_the_drain_and_judges_the_p99_after_it() -> None:
+    # 10 s of overload (latency growing 0 -> 4 s), then 20 s at a comfortable rate (the backlog
+    # drains until 14 s, latency 20 ms after it).
+    send = np.arange(0, 30_000, 10, dtype=np.float64)
+    lat = np.where(send < 10_000, send * 0.4, np.maximum(20.0, 4_000 - (send - 10_000)))
+    out = send + lat
+    v = overload_verdict(send, out, high_end_ms=10_000 - 10, goal_p99_ms=100.0)
+    assert v["drain_s"] == pytest.approx(3.99, abs=0.02)  # the last overload record out at ~13.98 s
+    assert v["backlog_at_high_end"] > 0 and v["settled"] and v["p99_after_settle_ms"] == 20.0
+    assert not overload_verdict(send, out, high_end_ms=9_990, goal_p99_ms=10.0)["settled"]
