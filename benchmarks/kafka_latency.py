@@ -48,6 +48,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -335,8 +336,15 @@ def kafka_level(side: Side, rows: list[tuple[str, str]], bootstrap: str, rate: f
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_timeline, args=(side, broker_pid, lambda: gen.pid, stop, samples),
                                daemon=True) if timeline else None
+    jstat = None
     if sampler:
         sampler.start()
+        exe = shutil.which("jstat") or (str(Path(os.readlink(f"/proc/{broker_pid}/exe")).with_name("jstat"))
+                                        if broker_pid else None)
+        if broker_pid and exe and Path(exe).is_file():
+            # One sampler process for the level: the broker's GC time (its JVM pauses hold every fetch and ack).
+            jstat = subprocess.Popen([exe, "-gcutil", "-t", str(broker_pid), "1000"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
     give_up = time.monotonic() + duration + 120
     while gen.poll() is None and time.monotonic() < give_up:
         _drain(side.out_reader, side.out_ts, side.recv_ts, 0.05)
@@ -352,6 +360,10 @@ def kafka_level(side: Side, rows: list[tuple[str, str]], bootstrap: str, rate: f
     stop.set()
     if sampler:
         sampler.join()
+    broker_gc: list[str] = []
+    if jstat is not None:
+        jstat.terminate()
+        broker_gc = [line for line in jstat.communicate()[0].splitlines() if line.strip()]
     cpu1 = (cpu_seconds(side.worker.proc.pid if side.worker.proc else None), cpu_seconds(broker_pid))
     after = scrape(side.worker.url)
     order = [f"{tag}{q}" for q, _ in rows]
@@ -395,6 +407,7 @@ def kafka_level(side: Side, rows: list[tuple[str, str]], bootstrap: str, rate: f
            "broker_cpu_s": round(cpu1[1] - cpu0[1], 2), "hops": hop_breakdown(before, after)}
     if timeline:
         res["timeline"] = samples
+        res["broker_gc"] = broker_gc  # jstat -gcutil -t every second: ..., YGC YGCT FGC FGCT ... GCT
     return res
 
 
@@ -457,9 +470,13 @@ def overload_round(side: Side, pool: FreshKeywords, bootstrap: str, peak: float,
     tag = f"ov-{side.name}-{uuid.uuid4().hex[:6]}-"
     phases = []
     for k, (frac, secs) in enumerate(((high, high_s), (low, low_s))):
-        rows = pool.take(math.ceil(peak * frac * secs))
+        want = math.ceil(peak * frac * secs)
+        rows: list[tuple[str, str]] = []
+        while len(rows) < want:  # more than the pool holds when recycled (cache off): take it in parts
+            rows += pool.take(min(want - len(rows), max(1, len(pool) // 2)))
         src = tmp / f"{tag}{k}.tsv"
-        src.write_text("".join(f"{tag}{k}-{q}\t{t}\n" for q, t in rows), encoding="utf-8")
+        # The position in the ID: a recycled pool repeats its IDs, every record needs its own.
+        src.write_text("".join(f"{tag}{k}-{i}-{q}\t{t}\n" for i, (q, t) in enumerate(rows)), encoding="utf-8")
         start_ms = time.time() * 1000
         gen = subprocess.Popen([sys.executable, "-m", "worker.cli", "produce", "--bootstrap-servers", bootstrap,
                                 "--topic", side.topics[0], "--input", str(src), "--rate", f"{peak * frac:.3f}",
@@ -782,7 +799,7 @@ def main() -> int:
         "rates": rates, "runs": {k: dict(v) for k, v in runs.items()}, "backend": args.backend or "default",
         "peak_kw_s": peak if sides and sustained else None, "overload": overload,
         "catchup": {"load": args.catchup, "backlog": args.catchup_backlog, "duration_s": args.catchup_duration,
-                    "rate": (sustained[sides[0].name]["steady_kw_s"] * args.catchup) if sides and sustained else None,
+                    "rate": peak * args.catchup,
                     "runs": dict(catchup_runs), "sustained": dict(catchup_sustained)},
     }
     if args.json:

@@ -23,8 +23,8 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
 # Above what a 2-core runner sustains open loop (~1,000-2,000 keywords/s here), so the first phase
 # is an overload on any box this runs on; the second is a trickle any box keeps up with.
-HIGH_RATE = 4000.0
-HIGH_S, LOW_S = 12.0, 8.0
+HIGH_RATE = 2500.0
+HIGH_S, LOW_S = 8.0, 6.0
 RSS_GROWTH_MIB = 64
 
 
