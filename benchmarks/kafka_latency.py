@@ -549,6 +549,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = ["# Latency through Kafka (open loop, keywords not seen before in the run)\n",
              f"Command: `{report['command']}`  ",
              f"Conditions: {report['conditions']}\n",
+             *([f"Merged from: {'; '.join(f'`{c}`' for c in report['merged_from'])}\n"] if report.get("merged_from") else []),
              "Sustained from a backlog (keywords/s): " + "; ".join(
                  f"{n}: steady {s['steady_kw_s']:.0f}, whole backlog {s['whole_kw_s']:.0f} ({s['n']:,} keywords)"
                  for n, s in report["sustained"].items()) + "\n",
