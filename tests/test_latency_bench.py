@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks.fresh_keywords import FreshKeywords, PoolExhaustedError
-from benchmarks.kafka_latency import MAX_HIT_RATE, cache_hit_rate, render_markdown, summarise
+from benchmarks.kafka_latency import (MAX_GENERATOR_LAG_P99_MS, MAX_HIT_RATE, cache_hit_rate, generator_verdict,
+                                     overload_verdict,
+                                     render_markdown, schedule_lag_ms, summarise, window_stats, windows_line)
+from worker.loadgen import arrivals
 
 
 def test_fresh_keywords_are_distinct_and_never_handed_out_twice(tmp_path: Path) -> None:
@@ -35,7 +40,9 @@ def test_cache_hit_rate_counts_hits_and_joins_of_the_level_only() -> None:
 
 def _run(p50: float, p99: float, hits: float = 0.0) -> dict:
     return {"p50_ms": p50, "p99_ms": p99, "mean_batch": 2.0, "cache_hit_rate": hits, "keeps_up": True,
-            "missing": 0, "hops": {}}
+            "missing": 0, "hops": {}, "reader_p50_ms": p50 + 5, "reader_p99_ms": p99 + 5, "valid": True,
+            "windows": [{"start_s": 0, "n": 10, "p50_ms": p50, "p99_ms": p99, "max_ms": p99}],
+            "generator": {"lag_p99_ms": 1.0}}
 
 
 def test_summary_gives_quartiles_over_rounds_and_the_paired_ratio() -> None:
@@ -66,3 +73,60 @@ def test_a_pool_recycles_only_when_told_the_cache_is_off(tmp_path: Path) -> None
     assert pool.recycled == 1 and len(again) == 8 and set(again) <= set(first) | set(pool._rows)
     with pytest.raises(PoolExhaustedError):
         pool.take(11)  # more than the whole pool even recycled
+
+
+def test_window_stats_show_a_transient_the_level_p99_would_average_away() -> None:
+    # 30 s of sends, one a 10 ms; the first 5 s wait 2 s each, the rest 20 ms.
+    t = np.arange(0, 30_000, 10, dtype=np.float64) + 1_000_000
+    lat = np.where(t - t[0] < 5_000, 2_000.0, 20.0)
+    windows = window_stats(t, lat, 5.0)
+    assert [w["start_s"] for w in windows] == [0, 5, 10, 15, 20, 25]
+    assert windows[0]["p99_ms"] == 2_000 and all(w["p99_ms"] == 20 for w in windows[1:])
+    assert sum(w["n"] for w in windows) == len(t)
+    assert windows_line(windows) == "2000 / 20 / 20 / 20 / 20 / 20"
+    # An empty window (a pause in sending) is left out rather than reported as zero latency.
+    gap = window_stats(np.array([0.0, 1.0, 12_000.0]), np.array([5.0, 5.0, 9.0]), 5.0)
+    assert [w["start_s"] for w in gap] == [0, 10]
+    assert window_stats(np.array([]), np.array([])) == []
+
+
+def test_generator_lag_is_measured_against_the_schedule_and_rejects_a_late_sender() -> None:
+    planned = np.array(list(itertools.islice(arrivals(200.0, float("inf"), "poisson", seed=3), 1000)))
+    start_ms = 1.7e12
+    on_time = start_ms + 1000 * planned + 1.0  # 1 ms of send overhead each: on time
+    lag = schedule_lag_ms(on_time, planned)
+    assert lag.max() == pytest.approx(0.0, abs=1e-6)
+    assert generator_verdict(lag)["valid"]
+    # The sender stalls 50 ms for the last 5% of the records: p99 is 50 ms behind.
+    stalled = on_time.copy()
+    stalled[950:] += 50.0
+    verdict = generator_verdict(schedule_lag_ms(stalled, planned))
+    assert verdict["lag_p99_ms"] == pytest.approx(50.0) and not verdict["valid"]
+    assert f"{MAX_GENERATOR_LAG_P99_MS:g} ms" in verdict["why"]
+    # 1% of records late is within p99: still valid (a single hiccup does not reject a level).
+    hiccup = on_time.copy()
+    hiccup[500:505] += 80.0
+    assert generator_verdict(schedule_lag_ms(hiccup, planned))["valid"]
+
+
+def test_a_rejected_level_is_left_out_of_the_medians_and_counted() -> None:
+    bad = {**_run(500, 5000), "valid": False}
+    report = {
+        "levels": [0.5], "variant_order": ["new"], "rates": {"0.5": 100.0}, "rounds": 3,
+        "runs": {"0.5": {"new": [_run(10, 50), bad, _run(12, 70)]}},
+        "command": "x", "conditions": "y", "sustained": {"new": {"steady_kw_s": 200, "whole_kw_s": 180, "n": 4000}},
+    }
+    (row,) = summarise(report)
+    assert row["rejected"] == 1 and row["p99"]["median"] == 60
+
+
+def test_overload_verdict_finds_the_drain_and_judges_the_p99_after_it() -> None:
+    # 10 s of overload (latency growing 0 -> 4 s), then 20 s at a comfortable rate (the backlog
+    # drains until 14 s, latency 20 ms after it).
+    send = np.arange(0, 30_000, 10, dtype=np.float64)
+    lat = np.where(send < 10_000, send * 0.4, np.maximum(20.0, 4_000 - (send - 10_000)))
+    out = send + lat
+    v = overload_verdict(send, out, high_end_ms=10_000 - 10, goal_p99_ms=100.0)
+    assert v["drain_s"] == pytest.approx(3.99, abs=0.02)  # the last overload record out at ~13.98 s
+    assert v["backlog_at_high_end"] > 0 and v["settled"] and v["p99_after_settle_ms"] == 20.0
+    assert not overload_verdict(send, out, high_end_ms=9_990, goal_p99_ms=10.0)["settled"]

@@ -1,0 +1,51 @@
+"""Offered twice what the worker can do, then half: nothing is lost and memory stays bounded.
+
+Issue 37: an open-loop stream above capacity must not grow the worker's memory (flow control
+pauses the partitions at max_in_flight; the rest waits in the broker, not in the process), and
+when the stream falls below capacity the lag drains and every keyword comes out. The figures
+against the sustained rate (2x for 60 s, then 50% for 60 s; drain rate, p99 after the drain) are
+benchmarks/kafka_latency.py --overload's; this is the short form that proves the two invariants.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from benchmarks.fresh_keywords import FreshKeywords, default_sources
+from benchmarks.kafka_latency import Side, _reader, backlog_round, overload_round, rss_bytes
+from tests.kafka_tools import WorkerProcess
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+# Above what a 2-core runner sustains open loop (~1,000-2,000 keywords/s here), so the first phase
+# is an overload on any box this runs on; the second is a trickle any box keeps up with.
+HIGH_RATE = 2500.0
+HIGH_S, LOW_S = 8.0, 6.0
+RSS_GROWTH_MIB = 64
+
+
+def test_an_overload_loses_nothing_and_keeps_memory_bounded(
+        kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path) -> None:
+    topics = (make_topic("kw", 6), make_topic("emb", 6), make_topic("dlq", 1))
+    worker = WorkerProcess(kafka_bootstrap, *topics, group_id, tmp_path / "w.log", ("--cache-bytes", "0")).start()
+    side = Side("ov", [], worker, topics, _reader(kafka_bootstrap, f"{group_id}-rin", topics[0]),
+                _reader(kafka_bootstrap, f"{group_id}-rout", topics[1]))
+    pool = FreshKeywords(default_sources(), recycle=True)
+    try:
+        worker.wait_ready(180)
+        backlog_round(side, pool.take(2000), kafka_bootstrap, "warmup-")  # warm: RSS measured from here
+        assert worker.proc is not None and rss_bytes(worker.proc.pid) > 0
+        ov = overload_round(side, pool, kafka_bootstrap, HIGH_RATE, tmp_path, high=1.0, high_s=HIGH_S,
+                            low=0.05, low_s=LOW_S, goal_p99_ms=float("inf"))
+    finally:
+        side.close()
+    print(f"sent {ov['sent']}, missing {ov['missing']}, RSS {ov['rss_start_bytes'] / 2**20:.0f} MiB + "
+          f"{ov['rss_growth_mib']:.1f} MiB, backlog at the end of the overload {ov['backlog_at_high_end']}, "
+          f"drained {ov['drain_s']:.1f} s later ({ov['drain_kw_s']:.0f} kw/s)")
+    assert ov["missing"] == 0, ov["missing"]
+    assert ov["backlog_at_high_end"] > 0, "the first phase was no overload: raise HIGH_RATE"
+    assert ov["rss_growth_mib"] <= RSS_GROWTH_MIB, ov["rss"]
