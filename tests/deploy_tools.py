@@ -13,7 +13,8 @@ from typing import Any
 import yaml
 
 from tests.ci_tools import missing
-from worker.config import Settings, env_name, load_settings, setting_fields
+from worker.config import Settings, setting_fields
+from worker.settings_loader import env_name, load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -15,7 +15,8 @@ import pytest
 import structlog
 from confluent_kafka import KafkaError
 
-from worker.config import Settings, SettingsError, add_setting_flags, load_settings
+from worker.config import Settings, SettingsError
+from worker.settings_loader import add_setting_flags, load_settings
 from worker.kafka.client_config import client_config, client_env, read_properties, secret_values
 from worker.kafka.consumer import consumer_config
 from worker.kafka.errors import FailurePolicy, fatal_reason

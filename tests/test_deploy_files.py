@@ -35,7 +35,8 @@ from tests.deploy_tools import (
     yaml_docs,
 )
 from worker.cli import SUBCOMMANDS
-from worker.config import Settings, flag_name, setting_fields
+from worker.config import Settings, setting_fields
+from worker.settings_loader import flag_name
 from worker.metrics import Metrics
 from kwe_core.model import MODEL_PIP_SPEC
 

@@ -12,21 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from worker.config import (
-    KAFKA_VALUE_RULES,
-    MIN_MESSAGE_TIMEOUT_MS,
-    RESERVED_KAFKA_KEYS,
-    Settings,
-    SettingsError,
-    add_setting_flags,
-    env_name,
-    flag_name,
-    load_settings,
-    reference_markdown,
-    reference_table,
-    setting_choices,
-    setting_fields,
-)
+from worker.config import Settings, SettingsError, setting_choices, setting_fields
+from worker.kafka_overrides import KAFKA_VALUE_RULES, MIN_MESSAGE_TIMEOUT_MS, RESERVED_KAFKA_KEYS
+from worker.settings_docs import reference_markdown, reference_table
+from worker.settings_loader import add_setting_flags, env_name, flag_name, load_settings
 from worker.kafka.consumer import consumer_config
 from worker.cli import bool_words
 from worker.kafka.producer import producer_config

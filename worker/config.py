@@ -1,147 +1,31 @@
-"""One typed settings object for the worker.
+"""One typed settings object for the worker: the `Settings` schema and its checks.
 
-Every field of `Settings` is a setting: it has a default, a command-line flag
-(`--input-topic`), a `KWE_*` environment variable (`KWE_INPUT_TOPIC`) and a key in
-the TOML config file (`input_topic = "..."`). Precedence, lowest to highest:
-default < config file < environment < flag. `docs/settings.md` is generated from
-this module (`keyword-embedder settings --markdown`) and a test keeps it in step.
+Every field of `Settings` is a setting: a default, a help text, a type (a `Literal` for a
+setting of a few words) and optional bounds; `Settings()` refuses a value of the wrong type,
+word or range, naming the setting. Where the values come from (flags, `KWE_*` environment,
+TOML file, and their precedence) is worker/settings_loader.py; the librdkafka keys
+kafka_config refuses are worker/kafka_overrides.py; docs/settings.md is rendered from this
+schema by worker/settings_docs.py (`keyword-embedder settings --markdown`), and a test keeps
+it in step.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import math
-import os
-import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from kwe_core.errors import KeywordEmbedderError
 from kwe_core.profiles import PadPolicy
+from worker.kafka_overrides import RECORD_FRAMING_BYTES, kafka_override_error, librdkafka_int
 from worker.logs import LogFormat, LogLevel
 from worker.names import REGISTRY_FORMATS, BackendName, InputFormat, OutputEncoding, OutputFormat
 from worker.output_fields import parse_output_fields
 from worker.redact import MASK, is_secret_key
 from worker.cache import DEFAULT_CACHE_BYTES
-
-ENV_PREFIX = "KWE_"
-
-# librdkafka keys that --kafka-config may not set: each either has a setting of its own (one
-# source of truth, no silent "which one won?"), is set by the worker itself, or is what
-# at-least-once delivery rests on. Aliases are listed too (librdkafka reads both spellings).
-_AUTO_COMMIT = "the worker commits offsets itself, only after the output is acknowledged"
-_CALLBACK = "the worker sets this callback itself"
-RESERVED_KAFKA_KEYS: dict[str, str] = {
-    "bootstrap.servers": "use the bootstrap_servers setting",
-    "metadata.broker.list": "use the bootstrap_servers setting",
-    "group.id": "use the group_id setting",
-    "enable.auto.commit": _AUTO_COMMIT,
-    "auto.commit.enable": _AUTO_COMMIT,
-    "enable.auto.offset.store": "the worker stores offsets itself, only after the output is acknowledged",
-    "offset.store.method": "offsets are committed to the consumer group on the broker",
-    "isolation.level": "the worker sets it: it reads committed input only (read_committed), and manages it "
-                       "for exactly-once",
-    "transactional.id": "the worker decides whether it writes in transactions; a transactional producer "
-                        "used outside them fails every write",
-    "group.protocol": "the worker's rebalance handling is built for the classic protocol with "
-                      "cooperative-sticky assignment, not KIP-848's consumer protocol",
-    "group.remote.assignor": "it only applies to group.protocol=consumer, which the worker does not use",
-    "retries": "librdkafka retries until message.timeout.ms; a retry limit turns a broker restart into a "
-               "failed write (raise or lower message.timeout.ms instead)",
-    "message.send.max.retries": "librdkafka retries until message.timeout.ms; a retry limit turns a broker "
-                                "restart into a failed write (raise or lower message.timeout.ms instead)",
-    **{key: _CALLBACK for key in ("error_cb", "stats_cb", "throttle_cb", "on_delivery", "on_commit", "logger")},
-}
-
-# A write may fail for good only after message.timeout.ms. Below a minute, a routine broker
-# failover fails writes: KRaft notices a dead broker after broker.session.timeout.ms (9 s),
-# then elects leaders and spreads metadata, and a rolling restart moves leaders for tens of
-# seconds; the worker would stop (or, before, re-produce) for an event that heals itself.
-MIN_MESSAGE_TIMEOUT_MS = 60_000
-
-# What a Kafka size limit (the producer's message.max.bytes, a topic's max.message.bytes) must
-# hold besides one record's key, value and headers: the record batch header (61 bytes) and the
-# record's varint lengths, rounded up.
-RECORD_FRAMING_BYTES = 512
-
-
-def _int_or_none(value: str) -> int | None:
-    try:
-        return int(value.strip())
-    except ValueError:
-        return None
-
-
-def _true(value: str) -> bool:
-    return value.strip().lower() in ("true", "t", "1")  # librdkafka's spellings of a true boolean
-
-
-def _acks_all(value: str) -> bool:
-    return value.strip().lower() in ("all", "-1")
-
-
-def _in_flight_ok(value: str) -> bool:
-    n = _int_or_none(value)
-    return n is not None and 1 <= n <= 5
-
-
-def _message_timeout_ok(value: str) -> bool:
-    n = _int_or_none(value)
-    return n is not None and (n == 0 or n >= MIN_MESSAGE_TIMEOUT_MS)
-
-
-def _cooperative(value: str) -> bool:
-    return [part.strip() for part in value.split(",")] == ["cooperative-sticky"]
-
-
-@dataclass(frozen=True)
-class KafkaValueRule:
-    """The values a librdkafka key may take in kafka_config, in words, and why."""
-
-    check: Callable[[str], bool]
-    allowed: str
-    why: str
-
-
-_ACKS = KafkaValueRule(_acks_all, "all (or -1)", "with fewer acknowledgements a written embedding can be lost "
-                       "when a leader fails, after its input offset was committed")
-_IN_FLIGHT = KafkaValueRule(_in_flight_ok, "1 to 5", "the idempotent producer keeps order and avoids duplicates "
-                            "only up to 5 requests in flight per connection")
-_TIMEOUT = KafkaValueRule(_message_timeout_ok, f"at least {MIN_MESSAGE_TIMEOUT_MS} (or 0, no limit)",
-                          "a shorter timeout fails writes during a routine broker failover")
-
-# librdkafka keys that --kafka-config may set only to the values that keep the guarantees.
-# enable.gapless.guarantee is allowed either way: commit-after-write does not rest on the
-# order of output writes (each one is acknowledged on its own), and true only makes more
-# errors fatal, which the worker stops on.
-KAFKA_VALUE_RULES: dict[str, KafkaValueRule] = {
-    "enable.idempotence": KafkaValueRule(_true, "true", "without it a retried write after a broker error can "
-                                         "duplicate or reorder output records"),
-    "acks": _ACKS,
-    "request.required.acks": _ACKS,
-    "partition.assignment.strategy": KafkaValueRule(
-        _cooperative, "cooperative-sticky", "an eager strategy (range, roundrobin) revokes every partition of "
-        "every member at each rebalance, so in-flight work is dropped and redone"),
-    "max.in.flight.requests.per.connection": _IN_FLIGHT,
-    "max.in.flight": _IN_FLIGHT,
-    "message.timeout.ms": _TIMEOUT,
-    "delivery.timeout.ms": _TIMEOUT,
-    "queuing.strategy": KafkaValueRule(lambda v: v.strip().lower() == "fifo", "fifo", "lifo reorders output records"),
-}
-
-
-def kafka_override_error(key: str, value: str) -> str | None:
-    """Why `key=value` may not be passed to librdkafka, or None when it may."""
-    if key in RESERVED_KAFKA_KEYS:
-        return f"{key!r} cannot be overridden ({RESERVED_KAFKA_KEYS[key]})"
-    rule = KAFKA_VALUE_RULES.get(key)
-    if rule is not None and not rule.check(value):
-        return f"{key}={value.strip()!r} is refused: it must be {rule.allowed} ({rule.why})"
-    return None
 
 
 # librdkafka's values; "" leaves the key unset (librdkafka's default, or what the config file says).
@@ -368,9 +252,9 @@ class Settings:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            # Type first: Settings(...) built in code skips _coerce, and a str compared with
+            # Type first: Settings(...) built in code skips the loader's _coerce, and a str compared with
             # an int minimum would raise a bare TypeError that names no setting.
-            kind = _field_type(f)
+            kind = setting_type(f)
             if kind is tuple:
                 ok = isinstance(value, tuple) and all(isinstance(x, str) for x in value)
             elif kind is float:
@@ -401,7 +285,7 @@ class Settings:
                 raise SettingsError(f"setting 'kafka_config': {problem}")
         # The producer refuses a record above its message.max.bytes (MSG_SIZE_TOO_LARGE), so
         # a dead letter of the largest allowed size must fit, with room for the batch framing.
-        max_request = _int_or_none(self.librdkafka_overrides().get("message.max.bytes", "none"))
+        max_request = librdkafka_int(self.librdkafka_overrides().get("message.max.bytes", "none"))
         if max_request is not None and self.dead_letter_max_bytes + RECORD_FRAMING_BYTES > max_request:
             raise SettingsError(f"setting 'dead_letter_max_bytes': {self.dead_letter_max_bytes} does not fit "
                                 f"kafka_config message.max.bytes={max_request}; set it to at most "
@@ -470,7 +354,7 @@ def _type_hints() -> dict[str, Any]:
     return get_type_hints(Settings)
 
 
-def _field_type(f: dataclasses.Field[Any]) -> type:
+def setting_type(f: dataclasses.Field[Any]) -> type:
     hint = _type_hints()[f.name]
     if get_origin(hint) is Literal:
         kinds = {type(word) for word in get_args(hint)}
@@ -484,183 +368,3 @@ def setting_choices(f: dataclasses.Field[Any]) -> tuple[Any, ...]:
     """The words a Literal-typed setting takes (nested Literals flattened); () for other settings."""
     hint = _type_hints()[f.name]
     return get_args(hint) if get_origin(hint) is Literal else ()
-
-
-def flag_name(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def env_name(name: str) -> str:
-    return ENV_PREFIX + name.upper()
-
-
-def split_kafka_config(raw: str) -> tuple[str, ...]:
-    """`a=1,b=2` -> ("a=1", "b=2"); a piece without '=' belongs to the previous value.
-
-    librdkafka list values are comma-separated themselves (debug=cgrp,fetch), so a plain
-    split on ',' would turn `debug=cgrp,fetch` into a broken item "fetch". A leading piece
-    without '=' is kept as its own item, so validation still reports it.
-    """
-    items: list[str] = []
-    for piece in raw.split(","):
-        if not piece.strip():
-            continue
-        if "=" not in piece and items:
-            items[-1] += "," + piece.strip()
-        else:
-            items.append(piece.strip())
-    return tuple(items)
-
-
-def _coerce(name: str, raw: Any, source: str) -> Any:
-    f = {f.name: f for f in setting_fields()}[name]
-    kind = _field_type(f)
-    try:
-        if kind is tuple:
-            if isinstance(raw, str):
-                if name != "kafka_config":  # a list of names: header names, output fields
-                    return tuple(part.strip() for part in raw.split(",") if part.strip())
-                return split_kafka_config(raw)
-            if isinstance(raw, (list, tuple)) and all(isinstance(x, str) for x in raw):
-                if name != "kafka_config":  # `--pass-headers a,b --pass-headers c`
-                    return tuple(part.strip() for x in raw for part in x.split(",") if part.strip())
-                return tuple(raw)
-            if isinstance(raw, dict) and name == "kafka_config":
-                # A TOML table: [kafka_config] with "security.protocol" = "SASL_SSL" lines.
-                # Numbers and booleans are written as librdkafka expects its strings.
-                return tuple(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in raw.items())
-            raise TypeError("expected key=value strings or a table")
-        if kind is bool:
-            if isinstance(raw, bool):
-                return raw
-            return {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}[str(raw).lower()]
-        # bool is an int subclass: TOML `max_in_flight = true` must not read as 1.
-        if isinstance(raw, bool):
-            raise TypeError(f"expected {'an integer' if kind is int else 'a number'}")
-        if kind is int and isinstance(raw, float):
-            raise TypeError("expected an integer")
-        if kind is str and not isinstance(raw, str):
-            raise TypeError("expected a string")
-        value = kind(raw.strip() if isinstance(raw, str) and kind is not str else raw)
-        if kind is float and not math.isfinite(value):
-            raise ValueError("expected a finite number")
-        return value
-    except (TypeError, ValueError, KeyError) as exc:
-        raise SettingsError(f"setting {name!r} from {source}: cannot read {raw!r} as {kind.__name__} ({exc})") from None
-
-
-# Short spellings users type (`run --group G`); the canonical flag stays the documented one.
-FLAG_ALIASES: dict[str, tuple[str, ...]] = {"group_id": ("--group",)}
-
-
-def add_setting_flags(parser: argparse.ArgumentParser, only: Sequence[str] | None = None) -> None:
-    """One flag per setting (or per setting named in `only`); unset flags stay None so lower layers show through."""
-    parser.add_argument("--config", metavar="FILE", help="TOML config file; keys are the setting names.")
-    for f in setting_fields():
-        if only is not None and f.name not in only:
-            continue
-        kind = _field_type(f)
-        help_text = f"{f.metadata['help']} [env {env_name(f.name)}]"
-        if kind is tuple:
-            parser.add_argument(flag_name(f.name), dest=f.name, action="append",
-                                metavar="KEY=VALUE" if f.name == "kafka_config" else "NAME",
-                                default=None, help=help_text)
-        elif kind is bool:
-            # --x / --no-x, as argparse users expect; `--x true` and `--x=false` still work
-            # (worker.cli.bool_words rewrites them before parsing).
-            parser.add_argument(flag_name(f.name), *FLAG_ALIASES.get(f.name, ()), dest=f.name,
-                                action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            parser.add_argument(flag_name(f.name), *FLAG_ALIASES.get(f.name, ()), dest=f.name, default=None,
-                                metavar=f.name.upper(), help=help_text)
-
-
-def load_settings(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None,
-                  config_file: str | Path | None = None) -> Settings:
-    env = os.environ if env is None else env
-    names = {f.name for f in setting_fields()}
-    values: dict[str, Any] = {}
-    path = config_file or (getattr(args, "config", None) if args is not None else None) or env.get(ENV_PREFIX + "CONFIG")
-    if path:
-        try:
-            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise SettingsError(f"config file {path}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise SettingsError(f"config file {path}: not valid TOML ({exc})") from None
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise SettingsError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
-        for key, raw in data.items():
-            values[key] = _coerce(key, raw, f"config file {path}")
-    for name in names:
-        if env_name(name) in env:
-            values[name] = _coerce(name, env[env_name(name)], f"environment {env_name(name)}")
-    if args is not None:
-        for name in names:
-            raw = getattr(args, name, None)
-            if raw is not None:
-                values[name] = _coerce(name, raw, f"flag {flag_name(name)}")
-    return Settings(**values)
-
-
-def _cell(text: str) -> str:
-    # A '|' inside a cell would end it and shift every later column of the row.
-    return text.replace("|", "\\|")
-
-
-REFERENCE_HEADER = (
-    "# Settings reference\n\n"
-    "<!-- Generated file: do not edit. Regenerate with\n"
-    "     keyword-embedder settings --markdown > docs/settings.md\n"
-    "     (tests/test_settings.py fails when this file and worker/config.py disagree). -->\n\n"
-    "Every setting has a default, a command-line flag, a `KWE_*` environment variable and a key in "
-    "the TOML config file (`--config FILE` or `KWE_CONFIG`). Precedence, lowest to highest: "
-    "default < config file < environment < flag. An invalid value stops the worker at start with "
-    "a message naming the setting.\n\n"
-)
-
-
-def reference_markdown() -> str:
-    """The whole of docs/settings.md: header, table, and the refused librdkafka overrides."""
-    return REFERENCE_HEADER + reference_table() + "\n" + refused_kafka_table()
-
-
-def refused_kafka_table() -> str:
-    """The librdkafka keys and values kafka_config refuses, and why."""
-    lines = [
-        "## librdkafka settings that `kafka_config` refuses\n",
-        "Every other librdkafka setting passes through to the consumer and the producer (security.protocol, "
-        "sasl.\\*, ssl.\\*, linger.ms, compression.type, fetch.\\*, client.rack, ...).\n",
-        "| key | allowed | why |",
-        "|---|---|---|",
-    ]
-    for key, reason in RESERVED_KAFKA_KEYS.items():
-        lines.append(f"| `{key}` | never | {_cell(reason)} |")
-    for key, rule in KAFKA_VALUE_RULES.items():
-        lines.append(f"| `{key}` | {_cell(rule.allowed)} | {_cell(rule.why)} |")
-    return "\n".join(lines) + "\n"
-
-
-def reference_table() -> str:
-    """The settings reference as a Markdown table (docs/settings.md)."""
-    lines = [
-        "| setting (config key) | flag | environment | default | description |",
-        "|---|---|---|---|---|",
-    ]
-    defaults = Settings()
-    for f in setting_fields():
-        default = getattr(defaults, f.name)
-        shown = "(none)" if default in ("", ()) else f"`{_cell(str(default))}`"
-        desc = f.metadata["help"]
-        if isinstance(default, bool):
-            desc += f" On with `{flag_name(f.name)}`, off with `--no-{flag_name(f.name)[2:]}`."
-        choices = [c for c in setting_choices(f) if c != ""]
-        if choices:
-            desc += " One of: " + ", ".join(f"`{c}`" for c in choices) + "."
-        if f.metadata.get("minimum") is not None or f.metadata.get("maximum") is not None:
-            low, high = f.metadata.get("minimum"), f.metadata.get("maximum")
-            desc += (f" Range: {low} to {high}." if low is not None and high is not None
-                     else f" Minimum: {low}." if low is not None else f" Maximum: {high}.")
-        lines.append(f"| `{f.name}` | `{flag_name(f.name)}` | `{env_name(f.name)}` | {shown} | {_cell(desc)} |")
-    return "\n".join(lines) + "\n"

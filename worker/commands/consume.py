@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from confluent_kafka import Consumer, KafkaError, Message
 
-from worker.config import load_settings
+from worker.settings_loader import load_settings
 from worker.kafka.client_config import add_client_flags, client_config
 from worker.kafka.errors import fatal_reason
 

@@ -28,7 +28,8 @@ import orjson
 from confluent_kafka import Consumer, KafkaError, Message, Producer
 from tqdm import tqdm
 
-from worker.config import SettingsError, load_settings
+from worker.config import SettingsError
+from worker.settings_loader import load_settings
 from worker.kafka.client_config import add_client_flags, client_config, client_env
 from worker.cache import hit_rate_line
 from worker.keyword_files import read_keywords

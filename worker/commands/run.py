@@ -14,7 +14,7 @@ from typing import Any
 
 import structlog
 
-from worker.config import add_setting_flags, load_settings
+from worker.settings_loader import add_setting_flags, load_settings
 from worker.stop_signals import StopDuringStartup, StopSignals, startup_stopped_message
 from worker.logs import configure_logging
 

@@ -21,8 +21,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from worker.config import CLIENT_SETTINGS, RESERVED_KAFKA_KEYS, Settings, SettingsError, add_setting_flags, env_name, \
-    kafka_pairs
+from worker.config import CLIENT_SETTINGS, Settings, SettingsError, kafka_pairs
+from worker.kafka_overrides import RESERVED_KAFKA_KEYS
+from worker.settings_loader import add_setting_flags, env_name
 from worker.redact import is_secret_key
 
 # Typed setting -> librdkafka key.

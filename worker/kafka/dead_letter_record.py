@@ -35,7 +35,7 @@ class DeadLetter:
     def size(self) -> int:
         """The bytes that count against dead_letter_max_bytes: key, value, and each header's name,
         value and two length fields (at most 5 bytes each as varints). The rest of the record's
-        framing is a fixed few dozen bytes (config.RECORD_FRAMING_BYTES covers it)."""
+        framing is a fixed few dozen bytes (kafka_overrides.RECORD_FRAMING_BYTES covers it)."""
         return len(self.key or b"") + len(self.value) + _headers_size(self.headers)
 
 

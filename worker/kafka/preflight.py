@@ -18,7 +18,8 @@ from typing import Any, Literal
 from confluent_kafka import KafkaError, KafkaException, TopicCollection
 from confluent_kafka.admin import AclOperation, AdminClient, ConfigResource, ResourceType
 
-from worker.config import RECORD_FRAMING_BYTES, Settings
+from worker.config import Settings
+from worker.kafka_overrides import RECORD_FRAMING_BYTES
 from worker.kafka.errors import PreflightError, fatal_reason
 
 Access = Literal["read", "write"]
