@@ -545,6 +545,7 @@ class _Backend:
     """A 2-dimensional backend whose every call first runs `before` (to hang it, or not)."""
 
     name, dim, max_contexts = "fake", 2, None
+    requires_serial_dispatch = False
 
     def __init__(self, before: Any) -> None:
         self._before = before

@@ -87,9 +87,10 @@ class IsolatingBackend:
         self.name: str = backend.name
         self.dim: int = backend.dim
         self.max_contexts: int | None = backend.max_contexts
+        self.requires_serial_dispatch: bool = backend.requires_serial_dispatch
 
     def __getattr__(self, name: str) -> object:
-        # Backend-specific attributes the bucketer may read (e.g. requires_serial_dispatch).
+        # Backend-specific attributes that logs and benchmarks read (e.g. an ONNX Runtime path).
         return getattr(self._backend, name)
 
     def create_context(self, index: int) -> InferenceContext:
