@@ -1,16 +1,18 @@
-"""OpenVINO backend (CPU): the exported ONNX graph compiled once, one infer request per context.
+"""OpenVINO backend (CPU): the exported ONNX graph compiled for each context, one infer request each.
 
-Thread ownership: the compiled model is shared and read-only; each context owns one
-`InferRequest`, and a context is owned by one dispatcher thread (worker/backends/base.py), so
-no request is ever run from two threads at once and none needs a lock.
+Thread ownership: each context owns its compiled model and its `InferRequest`, and a context is
+owned by one dispatcher thread (worker/backends/base.py), so no request is ever run from two
+threads at once. The one compiled at load (which tells the embedding size) is handed to the
+first context; a lock guards that hand-over, as contexts may be created on their own threads.
 
 Why these settings:
-- Threads and streams are set explicitly: NUM_STREAMS = the contexts the caller will create
-  (one per dispatcher), INFERENCE_NUM_THREADS = threads per context x streams, and CPU pinning
-  off. Left to itself OpenVINO sizes its own pools to the machine and pins them, which fights
-  the dispatchers and the worker's other threads for the same cores. One compiled model with
-  one stream per context measured the same as one compiled model per context (2 contexts x
-  1 thread, 64 x 8 calls: 53.9 vs 53.5 calls/s) and compiles once.
+- Threads and streams are set explicitly: NUM_STREAMS = 1 and INFERENCE_NUM_THREADS = the
+  threads per context, CPU pinning off. Left to itself OpenVINO sizes its own pools to the
+  machine and pins them, which fights the dispatchers and the worker's other threads for the
+  same cores. One compiled model (one stream) per context, measured against one compiled model
+  with a stream per context, 2 contexts x 1 thread calling at once: 1054 / 874 vs 807 / 703
+  calls/s at 1 x 8 (two rounds), 46.8 / 45.9 vs 46.0 / 45.5 at 64 x 8; one stream shared by two
+  requests runs them one at a time (491 and 24.4 calls/s). The second compile loads the cached blob.
 - precision "bf16" sets INFERENCE_PRECISION_HINT=bf16: matrix products on the CPU's bf16 units
   (AMX or AVX-512 BF16); "f32" keeps fp32 arithmetic. Whether bf16 is good enough is decided by
   the parity gate (worker/backends/auto.py), never assumed.
@@ -25,6 +27,7 @@ Imported lazily (worker/backends/select.py): the `openvino` extra is optional.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,7 +103,7 @@ class OpenVinoBackend:
     requires_serial_dispatch: bool = False
 
     def __init__(self, onnx_path: str | Path, *, precision: OvPrecision = "bf16", threads: int = 1,
-                 streams: int = 1, cache_dir: str | Path | None = None) -> None:
+                 cache_dir: str | Path | None = None) -> None:
         ov = import_openvino()
         self.path = Path(onnx_path).expanduser()
         if not self.path.is_file():
@@ -108,14 +111,13 @@ class OpenVinoBackend:
                                "(run `keyword-embedder export-onnx`, or let Embedder export it)")
         if precision not in ("bf16", "f32"):
             raise BackendError(f"openvino: precision must be 'bf16' or 'f32', got {precision!r}")
-        if threads < 1 or streams < 1:
-            raise BackendError(f"openvino: threads ({threads}) and streams ({streams}) must be >= 1")
+        if threads < 1:
+            raise BackendError(f"openvino: threads must be >= 1, got {threads}")
         self.precision: OvPrecision = precision
         self.threads = threads
-        self.streams = streams
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        config = {"INFERENCE_PRECISION_HINT": precision, "NUM_STREAMS": str(streams),
-                  "INFERENCE_NUM_THREADS": str(threads * streams), "ENABLE_CPU_PINNING": "NO",
+        config = {"INFERENCE_PRECISION_HINT": precision, "NUM_STREAMS": "1",
+                  "INFERENCE_NUM_THREADS": str(threads), "ENABLE_CPU_PINNING": "NO",
                   "CACHE_DIR": str(self.cache_dir)}
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
@@ -124,9 +126,11 @@ class OpenVinoBackend:
         try:
             # From the file path, not a read model: with CACHE_DIR a warm start loads the compiled
             # blob without parsing the ONNX file at all (0.66 s of a cold compile here).
-            self._compiled = ov.Core().compile_model(str(self.path), "CPU", config)
-            inputs = {i.get_any_name() for i in self._compiled.inputs}
-            outputs = {o.get_any_name(): o for o in self._compiled.outputs}
+            self._core = ov.Core()
+            self._config = config
+            compiled = self._core.compile_model(str(self.path), "CPU", config)
+            inputs = {i.get_any_name() for i in compiled.inputs}
+            outputs = {o.get_any_name(): o for o in compiled.outputs}
             if inputs != {INPUT_IDS, ATTENTION_MASK} or OUTPUT not in outputs:
                 raise BackendError(f"openvino: {self.path} has inputs {sorted(inputs)} and outputs "
                                    f"{sorted(outputs)}; expected {INPUT_IDS}, {ATTENTION_MASK} -> {OUTPUT}")
@@ -138,15 +142,25 @@ class OpenVinoBackend:
             raise
         except Exception as exc:  # RuntimeError from the frontend or the CPU plugin
             raise BackendError(f"openvino: cannot load {self.path}: {exc}") from None
-        self.output = self._compiled.output(OUTPUT)
+        self.output = OUTPUT
+        self._first: Any = compiled
+        self._lock = threading.Lock()
         self._closed = False
 
     def create_context(self, index: int) -> OpenVinoContext:
-        if self._closed:
-            raise BackendError(f"openvino: {self.path}: create_context() after close()")
-        return OpenVinoContext(self, index, self._compiled.create_infer_request())
+        with self._lock:
+            if self._closed:
+                raise BackendError(f"openvino: {self.path}: create_context() after close()")
+            compiled, self._first = self._first, None
+        if compiled is None:
+            try:
+                compiled = self._core.compile_model(str(self.path), "CPU", self._config)
+            except Exception as exc:  # noqa: BLE001 - the plugin's RuntimeError
+                raise BackendError(f"openvino: cannot compile {self.path} for context {index}: {exc}") from None
+        return OpenVinoContext(self, index, compiled.create_infer_request())
 
     def close(self) -> None:
         # Freed when the last reference (ours and the contexts' requests) goes.
-        self._closed = True
-        self._compiled = None
+        with self._lock:
+            self._closed = True
+            self._first = None

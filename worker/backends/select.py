@@ -176,12 +176,12 @@ def model_info(settings: Settings) -> ModelInfo:
 def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = None, *, onnx_path: str | Path | None = None,
                  engine_path: str | Path | None = None, intra_op_threads: int = 0, fused: bool = False,
                  share_device_memory: bool = False, precision: Precision = "fp32",
-                 allow_spinning: bool = True, openvino_precision: OvPrecision = "bf16", streams: int = 1) -> Backend:
+                 allow_spinning: bool = True, openvino_precision: OvPrecision = "bf16") -> Backend:
     """The one place a backend is assembled (the worker, Embedder and the benchmark all come here).
 
     onnxruntime: `onnx_path`, or the cached export of `model` (`fused`: the offline-fused
     graph; precision "int8": the quantized graph, cached beside it); openvino: the same ONNX file compiled with `openvino_precision`,
-    `intra_op_threads` threads (0: the usable cores) for each of `streams` contexts at once;
+    `intra_op_threads` threads per context (0: the usable cores);
     tensorrt: the plan at `engine_path`, checked against `profile` and the ONNX file.
     The backend's embedding size must be the model's.
     """
@@ -213,7 +213,7 @@ def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = 
         from worker.backends.openvino import OpenVinoBackend
 
         backend = OpenVinoBackend(onnx_path or ensure_onnx(model, optimize=fused), precision=openvino_precision,
-                                  threads=intra_op_threads or usable_cores(), streams=streams)
+                                  threads=intra_op_threads or usable_cores())
     else:
         from worker.backends.onnxruntime import OnnxRuntimeBackend
 
@@ -277,7 +277,7 @@ def load_backend(settings: Settings, *, model: ModelInfo | None = None,
                            engine_path=settings.engine_path or None, intra_op_threads=threads,
                            share_device_memory=bool(getattr(settings, "trt_share_device_memory", False)),
                            precision=settings.precision, allow_spinning=settings.ort_allow_spinning,
-                           openvino_precision=settings.openvino_precision, streams=settings.dispatchers)
+                           openvino_precision=settings.openvino_precision)
     return Loaded(resolve_settings(settings, choice.backend, profile), model, backend, profile, choice.reason)
 
 
@@ -290,8 +290,7 @@ def choose_cpu(settings: Settings, model: ModelInfo, *, threads: int, ov_availab
     def open_candidate(cand: Candidate) -> Backend:
         return open_backend(cand.backend, model, onnx_path=settings.onnx_path or None, intra_op_threads=threads,
                             precision="int8" if cand.precision == "int8" else "fp32",
-                            allow_spinning=settings.ort_allow_spinning, openvino_precision=cand.ov_precision,
-                            streams=settings.dispatchers)
+                            allow_spinning=settings.ort_allow_spinning, openvino_precision=cand.ov_precision)
 
     key = auto.layout_key(model, onnx_path=settings.onnx_path, threads=threads, dispatchers=settings.dispatchers,
                           spinning=settings.ort_allow_spinning)
