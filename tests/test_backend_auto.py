@@ -96,6 +96,9 @@ def test_the_gate_checks_norms_too() -> None:
     ok, reason, min_cos, diff = auto.check_gate(rows * 1.001, rows)
     assert not ok and "norm" in reason and min_cos == pytest.approx(1.0, abs=1e-6) and diff == pytest.approx(1e-3, abs=1e-6)
     assert auto.check_gate(rows, rows)[0]
+    assert auto.check_gate(np.zeros_like(rows), np.zeros_like(rows))[0]  # all-zero rows agree
+    # Beyond unit length the norm check is relative: 1e-5 of a norm of 40 passes.
+    assert auto.check_gate(rows * 40 * (1 + 1e-5), rows * 40)[0]
     assert not auto.check_gate(np.full_like(rows, np.nan), rows)[0]
 
 
@@ -155,7 +158,7 @@ def test_int8_is_onnxruntime_only() -> None:
 def test_timing_is_bounded_by_the_budget() -> None:
     clock = FakeClock()
     slow = FakeCpuBackend("onnxruntime", clock, ms_per_token=1000.0)  # 8 s for the 1x8 shape alone
-    ms = auto.time_candidates({"x": slow.create_context(0).run}, rounds=50, budget_s=1.0, clock=clock)
+    ms = auto.time_candidates({"x": slow.create_context(0).run}, TOKENS, rounds=50, budget_s=1.0, clock=clock)
     assert set(ms["x"]) == {f"{r}x{n}" for r, n in auto.SHAPES}
     assert len(slow.calls) == 2 * len(auto.SHAPES)  # one warm-up and one timed round, then the budget
 

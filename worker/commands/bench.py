@@ -129,8 +129,8 @@ def main(args: argparse.Namespace) -> int:
         for b in backends:
             b.close()
         return fail(exc)
-    desc: dict = {"name": backend.name, "requested": args.backend}
-    if choice is not None:
+    desc: dict = {"name": backend.name}
+    if choice is not None:  # --backend auto: what it chose and why
         desc.update(choice=choice.candidate.label, choice_reason=choice.reason, choice_cached=choice.cached)
     if backend.name == "openvino":
         desc["precision"] = choice.candidate.ov_precision if choice is not None else args.openvino_precision
