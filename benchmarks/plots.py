@@ -181,8 +181,7 @@ PLOTS = (
          "the latency-vs-load curve at 8 rates, 10% to 100% of the sustained rate",
          waiting_for="issue 37 (latency after a catch-up; the latency-vs-load curve)"),
     Plot("backends.png", ("backends_offline.json", "backends_kafka.json"), draw_paired_ratios,
-         "throughput of the auto backend against ONNX Runtime fp32, offline and through Kafka",
-         waiting_for="issue 31 (OpenVINO and the auto backend)"),
+         "throughput of the auto backend against ONNX Runtime fp32, offline and through Kafka"),
 )
 
 

@@ -63,13 +63,16 @@ class WorkerProcess:
     root: Path = ROOT  # the checkout whose worker runs (`python -m` imports from the working directory)
     prefix: Sequence[str] = ()  # e.g. ("ip", "netns", "exec", NS): the worker runs in a network namespace
     host: str = "127.0.0.1"  # where its metrics server listens and is probed
+    # ONNX Runtime fp32 unless a test says otherwise: tests compare the worker's vectors with an
+    # Embedder's on the same backend within 1e-5, and auto may choose differently per thread layout.
+    backend: str = "onnxruntime"
 
     def start(self) -> WorkerProcess:
         cmd = [*self.prefix, sys.executable, "-m", "worker.cli", "run", "--bootstrap-servers", self.bootstrap,
                "--input-topic", self.input_topic, "--output-topic", self.output_topic,
                "--dead-letter-topic", self.dead_letter_topic, "--group-id", self.group,
                "--metrics-port", str(self.metrics_port), "--metrics-host", self.host,
-               "--log-format", "json", *self.extra]
+               "--log-format", "json", "--backend", self.backend, *self.extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KWE_")}
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, env=env)

@@ -26,6 +26,7 @@ class FakeOrtContext:
 class FakeOrt:
     name, dim = "onnxruntime", 384
     max_contexts: int | None = None
+    requires_serial_dispatch = False
 
     def __init__(self, onnx_path: Any, **kw: Any) -> None:
         self.closes = 0

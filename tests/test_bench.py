@@ -151,6 +151,7 @@ def test_run_bucketed_with_a_cache_fails_cleanly_when_the_leader_fails() -> None
 
     class Failing:
         name, dim, preferred_pad, max_contexts = "failing", 4, "longest", None
+        requires_serial_dispatch = False
 
         def create_context(self, index: int) -> Ctx:
             return Ctx()

@@ -81,6 +81,7 @@ class FakeContext:
 class FakeBackend:
     name = "fake"
     dim = 2
+    requires_serial_dispatch = False
 
     def __init__(self, *, max_contexts: int | None = None, gate: bool = False,
                  fail: Callable[[np.ndarray], bool] | None = None, broken_context: int | None = None) -> None:

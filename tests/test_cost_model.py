@@ -125,6 +125,7 @@ class _Ctx:
 class _Backend:
     name = "fake"
     dim = 2
+    requires_serial_dispatch = False
 
     def __init__(self, max_contexts: int | None) -> None:
         self.max_contexts = max_contexts

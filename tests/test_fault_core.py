@@ -545,6 +545,7 @@ class _Backend:
     """A 2-dimensional backend whose every call first runs `before` (to hang it, or not)."""
 
     name, dim, max_contexts = "fake", 2, None
+    requires_serial_dispatch = False
 
     def __init__(self, before: Any) -> None:
         self._before = before
@@ -693,7 +694,6 @@ def test_a_replaced_client_is_destroyed_on_a_thread_of_its_own_never_the_deliver
 
 
 def test_the_isolating_backend_passes_on_typed_members_only() -> None:
-    from worker.backends.base import requires_serial_dispatch
     from worker.backends.isolating import IsolatingBackend
 
     class Serial:
@@ -701,11 +701,11 @@ def test_the_isolating_backend_passes_on_typed_members_only() -> None:
         plan = "private to the backend"
 
     class Plain:
-        name, dim, max_contexts = "onnxruntime", 4, None
+        name, dim, max_contexts, requires_serial_dispatch = "onnxruntime", 4, None, False
 
     canary = np.arange(1, 4, dtype=np.int64)
     serial, plain = IsolatingBackend(Serial(), canary), IsolatingBackend(Plain(), canary)  # type: ignore[arg-type]
-    assert requires_serial_dispatch(serial) and not requires_serial_dispatch(plain)
+    assert serial.requires_serial_dispatch and not plain.requires_serial_dispatch
     assert (serial.name, serial.dim, serial.max_contexts) == ("tensorrt", 4, 2)
     with pytest.raises(AttributeError):
         serial.plan  # noqa: B018 - no attribute is forwarded untyped

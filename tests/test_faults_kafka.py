@@ -54,6 +54,7 @@ class FaultyBackend:
         self.failures = 0
         self.name, self.dim = backend.name, backend.dim
         self.max_contexts = backend.max_contexts
+        self.requires_serial_dispatch = backend.requires_serial_dispatch
 
     def create_context(self, index: int) -> Any:
         inner, outer = self._backend.create_context(index), self

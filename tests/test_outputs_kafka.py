@@ -41,7 +41,7 @@ def test_a_prompted_truncated_binary_stream_matches_the_embedder(
     assert sample.headers["kwe-encoding"] == b"binary" and sample.headers["kwe-dim"] == b"128"
     assert sample.headers["kwe-prompt"] == b"query: " and "kwe-prompt-name" not in sample.headers
     assert sample.value["prompt_name"] is None and sample.value["dim"] == 128
-    with Embedder(prompt="query: ", truncate_dim=128) as emb:
+    with Embedder(prompt="query: ", truncate_dim=128, backend="onnxruntime") as emb:
         expected = pack_binary(emb.embed([t for _, t in queries]))
     got = np.stack([np.frombuffer(base64.b64decode(by_id[q].value["embedding"]), np.uint8) for q, _ in queries])
     assert got.shape == expected.shape == (2000, 16)

@@ -33,6 +33,7 @@ class _NoContexts:
     name = "onnxruntime"
     dim = 4
     max_contexts = None
+    requires_serial_dispatch = False
 
     def create_context(self, index: int) -> Any:
         raise RuntimeError("out of device memory")

@@ -47,7 +47,7 @@ def _ctx(topic: str) -> SerializationContext:
 def _embed(texts: list[str]) -> np.ndarray:
     from worker import Embedder
 
-    with Embedder() as emb:
+    with Embedder(backend="onnxruntime") as emb:
         return emb.embed(texts)
 
 

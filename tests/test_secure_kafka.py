@@ -119,7 +119,7 @@ def test_producer_worker_reader_end_to_end(kafka_secure: SecureCluster, secure_t
     from worker import Embedder
 
     texts = [t for _, t in queries]
-    expected = Embedder().embed(texts)
+    expected = Embedder(backend="onnxruntime").embed(texts)
     got_vectors = np.stack([decode_embedding(records[q]["embedding"], records[q]["encoding"]) for q, _ in queries])
     assert np.abs(got_vectors - expected).max() < 1e-5
     [dead_letter] = [orjson.loads(line) for line in dead.read_bytes().splitlines()]

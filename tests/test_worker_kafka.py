@@ -37,7 +37,7 @@ def onnx_ready() -> None:
 def embedder():  # noqa: ANN201
     from worker import Embedder
 
-    return Embedder()
+    return Embedder(backend="onnxruntime")
 
 
 def topics(make_topic: Callable[..., str], partitions: int) -> tuple[str, str, str]:
@@ -347,3 +347,39 @@ def test_a_member_joining_mid_stream_takes_partitions_without_loss(
         assert duplicates == 0
     else:
         assert duplicates <= 1000
+
+
+def test_a_worker_on_openvino_delivers_every_id_with_the_embedders_vectors(
+        kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path, onnx_ready: None) -> None:
+    """--backend openvino (bf16) end to end: every ID delivered and committed, each vector within the parity
+    gate of the Embedder's on the same backend and precision, and /metrics names the backend."""
+    pytest.importorskip("openvino")
+    from worker import Embedder
+
+    names = topics(make_topic, 2)
+    queries = load_queries(0, 2000)
+    produce_queries(kafka_bootstrap, names[0], queries)
+    [w] = workers(1, kafka_bootstrap, names, group_id, tmp_path, ("--output-encoding", "base64-f32",
+                                                                     "--cache-bytes", "0"))
+    w.backend = "openvino"
+    w.start()
+    reader = TopicReader(kafka_bootstrap, names[1], group_id + "-reader")
+    try:
+        reader.wait_for({q for q, _ in queries}, 300, alive=[w])
+        metrics = http_get(w.url + "/metrics")[1].decode()
+        assert w.stop() == 0
+    finally:
+        if w.proc and w.proc.poll() is None:
+            w.kill()
+    reader.settle(1.0)
+    reader.close()
+    assert committed_offsets(kafka_bootstrap, group_id, names[0], 2) == end_offsets(kafka_bootstrap, names[0], 2)
+    by_id = {r.key: r for r in reader.records}
+    assert set(by_id) == {q for q, _ in queries}
+    info = next(line for line in metrics.splitlines() if line.startswith("kwe_backend_info{"))
+    assert 'backend="openvino"' in info and 'precision="bf16"' in info and 'cpu="' in info
+    with Embedder(backend="openvino", openvino_precision="bf16", cache_bytes=0) as emb:
+        expected = emb.embed([t for _, t in queries])
+    got = np.stack([np.frombuffer(base64.b64decode(by_id[q].value["embedding"]), dtype="<f4") for q, _ in queries])
+    cos = (got * expected).sum(1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(expected, axis=1))
+    assert cos.min() >= 0.9999, float(cos.min())

@@ -47,9 +47,15 @@ class Assembled:
 def calibration_key(settings: Settings, info: ModelInfo) -> dict[str, Any]:
     """What changes the price of a backend call, besides the backend and the machine (worker/calibration.py)."""
     weights = info.weights_path.stat()
-    return {"model": str(info.model_dir), "weights": [weights.st_size, weights.st_mtime_ns], "onnx": settings.onnx_path,
-            "precision": settings.precision, "intra_op_threads": settings.intra_op_threads,
-            "spinning": settings.ort_allow_spinning, "dispatchers": settings.dispatchers}
+    key: dict[str, Any] = {"model": str(info.model_dir), "weights": [weights.st_size, weights.st_mtime_ns],
+                           "onnx": settings.onnx_path, "precision": settings.precision,
+                           "intra_op_threads": settings.intra_op_threads, "spinning": settings.ort_allow_spinning,
+                           "dispatchers": settings.dispatchers}
+    if settings.backend == "openvino":  # the cost model follows the chosen backend and its arithmetic
+        from worker.backends.openvino import version
+
+        key.update(openvino_precision=settings.openvino_precision, openvino=version())
+    return key
 
 
 def cost_model(settings: Settings, info: ModelInfo, backend: Backend) -> CostModel | None:
@@ -65,7 +71,8 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Ass
     resolved (backend, profile, pad_to). Raises ModelError / BackendError / ProfileError with
     messages that name the file or setting.
     """
-    from worker.backends.select import load_backend, model_info
+    from worker.backends.select import load_backend, model_info, precision_label
+    from worker.calibration import cpu_model
 
     info = model_info(settings)
     prompt = Prompt.resolve(info, prompt=settings.prompt, prompt_name=settings.prompt_name)
@@ -84,7 +91,9 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Ass
              prompt_name=prompt.name, prompt=prompt.text or None, output_dim=codec.dim,
              output_encoding=codec.encoding)
     metrics = metrics if metrics is not None else Metrics()
-    metrics.set_backend_info(backend.name, info.name, profile.name)
+    # Set once the choice is made: the metrics server (and /readyz) only starts after this returns.
+    metrics.set_backend_info(backend.name, info.name, profile.name, precision=precision_label(loaded.settings),
+                             cpu=cpu_model())
     costs = cost_model(loaded.settings, info, backend) if loaded.settings.merge_buckets else None
     if costs is not None:
         metrics.watch_costs(costs)

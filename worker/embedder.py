@@ -15,6 +15,9 @@ packaged model's does; a dot-product model's are not (docs/models.md).
 `cache_bytes` (default: worker.cache.DEFAULT_CACHE_BYTES, 0 turns it off) keeps the vectors of
 texts already embedded, keyed by their token IDs after truncation: a repeat, in the same call or
 a later one, is not run again, and gets bit for bit the vector computed the first time.
+`backend` (default "auto"): ONNX Runtime fp32, or OpenVINO where it measured faster on this machine
+and passed the fp32 parity gate (worker/backends/auto.py, cached as the worker's choice is);
+"onnxruntime" or "openvino" (with `openvino_precision`, the openvino extra) as given.
 `precision="int8"` runs the quantized graph (engines/quantize_int8.py, cached beside the fp32
 export; its quality against fp32 is in benchmarks/results/int8.md).
 
@@ -29,18 +32,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, cast, get_args
+from typing import Literal, get_args
 
 import numpy as np
 
 from kwe_core.errors import KeywordEmbedderError
 from kwe_core.model import PROMPT_AUTO, ModelInfo, Prompt, default_model_dir
 from kwe_core.vectors import check_truncate_dim, default_int8_range, pack_binary, quantize_int8, truncate
+from worker.backends.auto import CpuChoice
+from worker.backends.base import OvPrecision
 from worker.backends.onnxruntime import OnnxRuntimeBackend
-from worker.backends.select import open_backend
+from worker.backends.openvino import OpenVinoBackend
+from worker.backends.select import choose_cpu, open_backend
 from worker.padding import pad_batch
 from worker.cache import DEFAULT_CACHE_BYTES, EmbeddingCache, key
-from worker.config import Precision
+from worker.config import BackendSetting, Precision, Settings
 from worker.tokenize import Encoded, KeywordTokenizer
 
 
@@ -53,13 +59,19 @@ class Embedder:
                  intra_op_threads: int = 0, batch_size: int = 64, token_budget: int = 4096,
                  optimize: bool = False, cache_bytes: int = DEFAULT_CACHE_BYTES,
                  precision: Precision = "fp32", prompt: str | None = None, prompt_name: str = PROMPT_AUTO,
-                 truncate_dim: int | None = None) -> None:
+                 truncate_dim: int | None = None, backend: BackendSetting = "auto",
+                 openvino_precision: OvPrecision = "bf16") -> None:
         if batch_size < 1:
             raise EmbedderError(f"Embedder: batch_size must be >= 1, got {batch_size}")
         if token_budget < 1:
             raise EmbedderError(f"Embedder: token_budget must be >= 1, got {token_budget}")
         if precision not in get_args(Precision):
             raise EmbedderError(f"Embedder: precision must be one of {', '.join(get_args(Precision))}, got {precision!r}")
+        if backend == "tensorrt":
+            raise EmbedderError("Embedder runs on CPU: backend must be 'auto', 'onnxruntime' or 'openvino' "
+                                "(TensorRT runs in the worker, with a plan and a bucket profile)")
+        if backend not in get_args(BackendSetting):
+            raise EmbedderError(f"Embedder: backend must be one of auto, onnxruntime, openvino; got {backend!r}")
         if precision == "int8" and (onnx_path is not None or optimize):
             raise EmbedderError("Embedder: precision='int8' picks its own graph; it does not combine with "
                              "onnx_path or optimize")
@@ -75,9 +87,23 @@ class Embedder:
         # The plain graph by default: with ONNX Runtime's own session-time fusions (level ALL)
         # it measured ~10-15% faster than the offline-fused graph on this project's CPUs
         # (benchmarks/results/ort_grid.md); both match the reference equally.
-        self.backend = cast(OnnxRuntimeBackend, open_backend(
-            "onnxruntime", self.info, onnx_path=onnx_path, intra_op_threads=intra_op_threads, fused=optimize,
-            precision=precision))
+        self.backend_choice: CpuChoice | None = None
+        self.backend: OnnxRuntimeBackend | OpenVinoBackend
+        if backend == "auto":
+            if optimize and onnx_path is None:
+                from engines.export_onnx import ensure_onnx
+
+                onnx_path = ensure_onnx(self.info, optimize=True)
+            settings = Settings(onnx_path=str(onnx_path or ""), precision=precision, dispatchers=1,
+                                intra_op_threads=intra_op_threads, ort_allow_spinning=True)
+            self.backend_choice, chosen = choose_cpu(settings, self.info, threads=intra_op_threads)
+            assert isinstance(chosen, (OnnxRuntimeBackend, OpenVinoBackend))
+            self.backend = chosen
+        else:
+            opened = open_backend(backend, self.info, onnx_path=onnx_path, intra_op_threads=intra_op_threads,
+                                  fused=optimize, precision=precision, openvino_precision=openvino_precision)
+            assert isinstance(opened, (OnnxRuntimeBackend, OpenVinoBackend))
+            self.backend = opened
         self.onnx_path = self.backend.path
         self.batch_size = batch_size
         self.token_budget = token_budget

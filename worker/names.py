@@ -10,7 +10,9 @@ from typing import Literal
 
 # The backends the worker can run on; the settings add "auto" (worker.config.BackendSetting).
 # worker/backends/base.py re-exports it beside the Backend protocol.
-BackendName = Literal["onnxruntime", "tensorrt"]
+BackendName = Literal["onnxruntime", "openvino", "tensorrt"]
+# OpenVINO's arithmetic: bf16 on the CPU's bf16 matrix units (INFERENCE_PRECISION_HINT), or f32.
+OvPrecision = Literal["bf16", "f32"]
 
 # The Schema Registry formats (worker/kafka/schema_registry.py): confluent-kafka's serdes, the
 # registry's wire format (magic byte, schema ID, payload).

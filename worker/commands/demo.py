@@ -162,6 +162,7 @@ def _run(args: argparse.Namespace, bootstrap: str, security: dict[str, str], key
                 return 1
             time.sleep(0.1)
     print("demo: both workers joined the group and own partitions (/readyz is 200)")
+    print(f"demo: inference backend {_backend_line(_get(f'http://127.0.0.1:{procs[0][1]}/metrics')[1])}")
 
     sent_ms: dict[str, int] = {}
 
@@ -293,3 +294,13 @@ def _neighbours(vectors: dict[str, np.ndarray], texts: dict[str, str]) -> None:
                 break
         shown = "; ".join(picked)
         print(f"    {probe!r} -> {shown}")
+
+
+def _backend_line(metrics_text: str) -> str:
+    """What kwe_backend_info says the worker runs on: "openvino (bf16, AMD EPYC)" (auto chose it at start)."""
+    for line in metrics_text.splitlines():
+        if line.startswith("kwe_backend_info{"):
+            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1:line.rindex("}")].split('",'))
+            get = {k.strip(): v.strip('"') for k, v in labels.items()}.get
+            return f"{get('backend', '?')} ({get('precision', '?')}, {get('cpu', '?')})"
+    return "unknown (no kwe_backend_info)"

@@ -20,6 +20,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--onnx", type=Path, default=None, help="ONNX file (default: the cached export).")
     parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: all cores).")
+    parser.add_argument("--backend", choices=("auto", "onnxruntime", "openvino"), default="auto",
+                        help="auto: the CPU backend measured fastest here that passes the fp32 parity gate (cached); "
+                             "openvino needs the openvino extra.")
+    parser.add_argument("--openvino-precision", choices=("bf16", "f32"), default="bf16",
+                        help="Arithmetic of --backend openvino.")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--fused", action="store_true",
                         help="Use the offline-fused export instead of the plain one (see benchmarks/results/ort_grid.md).")
@@ -55,6 +60,7 @@ def main(args: argparse.Namespace) -> int:
         embedder = Embedder(args.model_dir, onnx_path=args.onnx, intra_op_threads=args.threads,
                             batch_size=args.batch_size, optimize=args.fused, precision=args.precision,
                             prompt=args.prompt, prompt_name=args.prompt_name, truncate_dim=args.truncate_dim,
+                            backend=args.backend, openvino_precision=args.openvino_precision,
                             **({} if args.cache_bytes is None else {"cache_bytes": args.cache_bytes}))
     except KeywordEmbedderError as exc:  # the model, its export, the backend or an option
         print(f"keyword-embedder embed: {exc}", file=sys.stderr)
