@@ -263,6 +263,10 @@ def test_the_worker_runs_from_the_images_filesystem(image: str, kafka_bootstrap:
         assert {v.shape for v in vectors.values()} == {(384,)}
         assert np.allclose([np.linalg.norm(v) for v in vectors.values()], 1.0, atol=1e-3)
         assert _probe(port, "/readyz") == 200 and _probe(port, "/healthz") == 200
+        # The image installs the openvino extra, so auto measured both runtimes and said which it kept.
+        (info,) = [line for line in http_get(f"http://127.0.0.1:{port}/metrics", timeout=5.0)[1].decode().splitlines()
+                   if line.startswith("kwe_backend_info{")]
+        assert 'backend="openvino"' in info or 'backend="onnxruntime"' in info, info
     except BaseException:
         proc.send_signal(signal.SIGTERM)  # the same stop, so that run-image.py removes what it unpacked
         try:
@@ -274,14 +278,16 @@ def test_the_worker_runs_from_the_images_filesystem(image: str, kafka_bootstrap:
             proc.wait()
         raise
 
-    # The same vectors as this checkout's embedder (the ONNX export of the image vs the cache's).
+    # The same vectors as this checkout's embedder (the ONNX export of the image vs the cache's), within
+    # the parity gate: auto may keep OpenVINO bf16 in the image's worker (1 thread x 2 dispatchers) and
+    # another candidate here (every core x 1), and bf16 agrees with fp32 to cos 0.9999, not to 1e-4.
     from worker import Embedder
 
     some = keywords[:: KEYWORDS // 20]
-    with Embedder(cache_bytes=0) as emb:
+    with Embedder(cache_bytes=0, backend="onnxruntime") as emb:
         here = emb.embed([text for _, text in some])
     image_vectors = np.stack([vectors[qid] for qid, _ in some])
-    assert np.abs(here - image_vectors).max() < 1e-4
+    assert (here * image_vectors).sum(axis=1).min() >= 0.9999, info
 
     # SIGTERM to run-image.py, which sends it to PID 1 (as docker stop does). The stop is timed to
     # PID 1's exit; run-image.py then removes the unpacked root (seconds) before it exits itself.
