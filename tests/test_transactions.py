@@ -409,14 +409,14 @@ def test_a_transactional_call_that_hangs_stops_the_member() -> None:
         real(positions, metadata, timeout)
 
     loop.producer.send_offsets_to_transaction = hang  # type: ignore[method-assign]
-    import worker.kafka.transactions as txmod
-    old_margin, txmod.HANG_MARGIN_S = txmod.HANG_MARGIN_S, 0.1
+    import worker.kafka.bounded_calls as calls
+    old_margin, calls.HANG_MARGIN_S = calls.HANG_MARGIN_S, 0.1
     try:
         loop.consume(0, 1)
         loop.finish(0, 1)
         loop.txn.step(flow_paused=True)
     finally:
-        txmod.HANG_MARGIN_S = old_margin
+        calls.HANG_MARGIN_S = old_margin
         release.set()
     assert isinstance(loop.latch.error, TransactionHungError)
     assert "send_offsets_to_transaction" in str(loop.latch.error)
@@ -658,9 +658,9 @@ class Stuck:
 
 @pytest.fixture
 def short_hang(monkeypatch: pytest.MonkeyPatch) -> None:
-    import worker.kafka.transactions as txmod
+    import worker.kafka.bounded_calls as calls
 
-    monkeypatch.setattr(txmod, "HANG_MARGIN_S", 0.1)
+    monkeypatch.setattr(calls, "HANG_MARGIN_S", 0.1)
 
 
 class TakeOverLoop(Loop):
@@ -783,9 +783,9 @@ def test_while_earlier_hung_calls_still_block_the_member_stops(short_hang: None,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Each take-over leaves a librdkafka client blocked in its call: past STUCK_CALLS of them the
     member stops (its restart frees them) instead of piling up clients."""
-    import worker.kafka.transactions as txmod
+    import worker.kafka.take_over as take_over
 
-    monkeypatch.setattr(txmod, "STUCK_CALLS", 1)
+    monkeypatch.setattr(take_over, "STUCK_CALLS", 1)
     loop = TakeOverLoop()
     with Stuck(loop.producer, "send_offsets_to_transaction"):
         loop.commit_one()
