@@ -47,9 +47,9 @@ States (`state`), on the poll thread:
 
 Every wait is bounded by a `Deadline` on the injected clock, within the stop deadline.
 
-A failed write (worker/kafka/producer.py: a delivery error, or a produce refused with _STATE once
+A failed write (worker/kafka/exactly_once_producer.py: a delivery error, or a produce refused with _STATE once
 librdkafka made the transaction abortable) arrives through `write_failed` from the thread that saw
-it, before its record leaves the in-flight table (worker/acks.py `given_up`), so a commit, which
+it, before its record leaves the in-flight table (ExactlyOnceProducer.release), so a commit, which
 waits for the table to empty, always sees it. The next `step` (or a commit about to happen) aborts
 and rewinds at once, without waiting for the pipeline to drain: librdkafka sends nothing more of
 an abortable transaction, so its queued records would only come back when abort_transaction
@@ -169,11 +169,11 @@ class Transactions:
     sleep: Callable[[float], None] = time.sleep
     # The shutdown deadline (infinite until a stop): no transactional call, retry or wait runs past it.
     stop: Deadline = field(default_factory=Deadline)
-    # Held while the offset state is replaced and the transaction aborted (the producer's write gate).
+    # Held while the offset state is replaced and the transaction aborted (ExactlyOnceProducer.write_gate).
     write_gate: AbstractContextManager[Any] = field(default_factory=nullcontext)
     # After a hung call: a new producer replaces `producer` (given the thread still blocked in the
-    # old one; OutputProducer.replace_client), and the in-flight records of revoked offset state
-    # are forgotten (InFlightTable.drop_revoked): the old producer will never report them. None:
+    # old one; ExactlyOnceProducer.replace_client), and the in-flight records of revoked offset state
+    # are forgotten (ExactlyOnceProducer.drop_revoked): the old producer will never report them. None:
     # a hung call stops the member.
     replace_producer: Callable[[threading.Thread], TransactionalProducer] | None = None
     forget_revoked: Callable[[], int] = lambda: 0
