@@ -601,7 +601,7 @@ class Transactions:
         if isinstance(self.latch.error, TransactionFencedError):
             return  # a zombie does not abort (see `lost`): its successor or the broker does
         # Whatever is still in flight is not written after the abort (it would fail: no
-        # transaction is open), and records it purges are not delivery errors (producer.PURGED).
+        # transaction is open), and records it purges are not delivery errors (exactly_once_producer.PURGED).
         stop_writes()
         try:
             # No rewind and no wait for what is in flight: no later transaction follows, so a
