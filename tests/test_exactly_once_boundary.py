@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # What at-least-once runs: the pipeline, intake, the output stage and dead letters, acknowledgement,
 # the in-flight table, the delivery interface (with AtLeastOnce), the producer and the committer.
 AT_LEAST_ONCE = ["worker/pipeline.py", "worker/intake.py", "worker/output.py", "worker/dead_letters.py",
-                 "worker/acks.py", "worker/inflight.py", "worker/delivery.py", "worker/kafka/producer.py",
+                 "worker/acks.py", "worker/inflight.py", "worker/delivery.py", "worker/delivery_types.py",
+                 "worker/kafka/producer.py",
                  "worker/kafka/committer.py", "worker/kafka/offsets.py"]
 # Exactly-once's names: the write gate, failed-write routing, the client take-over, the transaction loop.
 NAMES = ["write_gate", "fail_writes_into", "given_up", "drop_revoked", "replace_client", "PURGED", "take_over",

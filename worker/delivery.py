@@ -39,11 +39,11 @@ only what it uses (the committer and the producer) and runs no exactly-once code
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Any
 
 from worker.config import Settings
 from worker.deadline import Deadline
+from worker.delivery_types import AroundBatch, Delivery, Phase, Serve
 from worker.inflight import InFlightTable
 from worker.kafka.committer import Committer
 from worker.kafka.offsets import PartitionOffsets
@@ -51,27 +51,9 @@ from worker.kafka.producer import OutputProducer, RecordWriter
 from worker.latch import FatalLatch
 from worker.metrics import Metrics
 
-Serve = Callable[[float], None]
-Phase = Literal["created", "running", "finished"]
-# Wraps the output thread's handling of one batch (exactly-once: in the write gate; None: nothing).
-AroundBatch = Callable[[Callable[[Any], None]], Callable[[Any], None]]
+__all__ = ["AroundBatch", "AtLeastOnce", "Delivery", "Phase", "Serve", "build_delivery", "producer_config_for"]
 # The at-least-once revoke commit: at most this long inside the callback.
 REVOKE_COMMIT_S = 5.0
-
-
-class Delivery(Protocol):
-    phase: Phase
-    writer: RecordWriter
-    around_batch: AroundBatch | None
-
-    def start(self) -> None: ...
-    def poll_step(self, *, flow_paused: bool) -> str | None: ...
-    def before_intake(self) -> None: ...
-    def on_revoke(self, parts: list[PartitionOffsets], wait_s: float) -> bool: ...
-    def on_lost(self) -> None: ...
-    def drain_step(self) -> None: ...
-    def finish(self, deadline: Deadline, serve: Serve, *, drained: bool, aborted: bool) -> None: ...
-    def summary(self) -> dict[str, Any]: ...
 
 
 class AtLeastOnce:

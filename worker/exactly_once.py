@@ -23,7 +23,7 @@ from typing import Any
 
 from worker.config import Settings
 from worker.deadline import Deadline
-from worker.delivery import AroundBatch, Phase, Serve
+from worker.delivery_types import AroundBatch, Phase, Serve
 from worker.inflight import InFlightTable
 from worker.kafka.committer import Committer
 from worker.kafka.exactly_once_producer import ExactlyOnceProducer

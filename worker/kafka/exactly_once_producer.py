@@ -39,12 +39,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import structlog
 from confluent_kafka import KafkaError
 
-from worker.inflight import InFlightTable
+from worker.kafka.offsets import PartitionOffsets
 from worker.kafka.producer import Headers, OutputProducer, describe
 
 log = structlog.get_logger(__name__)
@@ -61,12 +61,24 @@ T = TypeVar("T")
 RETIRE_POLL_S = 0.01
 
 
+class InFlightRecord(Protocol):
+    part: PartitionOffsets
+
+
+class InFlightRecords(Protocol):
+    """The in-flight table (worker/inflight.py `InFlightTable`), as far as releasing records goes."""
+
+    def get(self, seq: int) -> InFlightRecord | None: ...
+    def finish(self, seq: int) -> InFlightRecord | None: ...
+    def remove_revoked(self) -> int: ...
+
+
 def nothing() -> None:
     """What a released record reports when its release fails nothing (purged by an abort)."""
 
 
 class ExactlyOnceProducer:
-    def __init__(self, producer: OutputProducer, inflight: InFlightTable) -> None:
+    def __init__(self, producer: OutputProducer, inflight: InFlightRecords) -> None:
         self._producer = producer
         self._inflight = inflight
         self.write_gate = threading.Lock()
@@ -200,7 +212,8 @@ def _retire(client: Any, stuck: threading.Thread, producer: OutputProducer) -> N
     """Waits for the call blocked in `client` to return, and for the delivery thread to be done with
     it (a poll of it under way when it was replaced); the last reference goes with this thread
     (rd_kafka_destroy may wait on the dead broker's connections: never on the delivery thread)."""
-    stuck.join()
+    if stuck.ident is not None:  # (a fenced producer's take-over may name a call never started)
+        stuck.join()
     renewed = producer.generation
     while producer.served_generation < renewed and producer.thread.is_alive():
         time.sleep(RETIRE_POLL_S)

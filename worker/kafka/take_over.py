@@ -25,18 +25,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal, Protocol
 
 import structlog
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from worker.deadline import Deadline
 from worker.errors import WorkerError
+from worker.kafka.bounded_calls import BoundedCalls
 from worker.kafka.transaction_errors import TransactionFencedError, TransactionHungError
-
-if TYPE_CHECKING:
-    from worker.kafka.transactions import GroupConsumer, Transactions
+from worker.latch import FatalLatch
 
 log = structlog.get_logger(__name__)
 
@@ -54,6 +54,12 @@ FENCED_TAKE_OVERS = 3
 FENCED_WINDOW_S = 600.0
 
 
+class GroupConsumer(Protocol):
+    def consumer_group_metadata(self) -> Any: ...
+    def seek(self, partition: TopicPartition) -> None: ...
+    def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]: ...
+
+
 @dataclass(frozen=True)
 class Fence:
     """A fatal _FENCED on a transaction the broker timed out, waiting for its take-over."""
@@ -65,7 +71,37 @@ class Fence:
     starts: dict[tuple[str, int], int] | None = None
 
 
-def take_over(txn: Transactions, starts: dict[tuple[str, int], int] | None, reason: TakeOverReason) -> None:
+class Loop(Protocol):
+    """What the take-over reads and changes of the transaction loop (worker/kafka/transactions.py
+    `Transactions`), on the poll thread."""
+    producer: Any
+    consumer: GroupConsumer
+    latch: FatalLatch
+    clock: Callable[[], float]
+    sleep: Callable[[float], None]
+    stop: Deadline
+    timeout_s: float
+    state: Literal["idle", "open", "closing"]
+    write_gate: AbstractContextManager[Any]
+    replace_producer: Callable[[threading.Thread], Any] | None
+    forget_revoked: Callable[[], int]
+    on_take_over: Callable[[TakeOverReason], None]
+    taken_over_fenced: int
+    _hung: TransactionHungError | None
+    _stuck: list[threading.Thread]
+    _fence: Fence | None
+    _fenced_at: list[float]
+    _calls: BoundedCalls
+
+    def init(self, timeout_s: float = 30.0) -> bool: ...
+    def _give_up(self, hung: TransactionHungError, why: str) -> None: ...
+    def _fresh_state(self) -> dict[tuple[str, int], int]: ...
+    def _halt(self, during: str) -> None: ...
+    def _seek(self, positions: list[TopicPartition]) -> None: ...
+    def _finish(self, outcome: Literal["committed", "aborted", "taken_over"]) -> None: ...
+
+
+def take_over(txn: Loop, starts: dict[tuple[str, int], int] | None, reason: TakeOverReason) -> None:
     """A transactional call hung, or the producer was fenced by the broker's transaction timeout:
     a new producer takes over (see the module docstring). The member stops (the latch trips)
     when it cannot: no replacement available, too many calls still stuck, or the new producer

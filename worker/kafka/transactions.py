@@ -80,7 +80,8 @@ from worker.deadline import Deadline
 from worker.kafka import bounded_calls
 from worker.kafka.bounded_calls import BoundedCalls
 from worker.kafka.offsets import OffsetTracker, PartitionOffsets
-from worker.kafka.take_over import FENCE_SETTLE_S, FENCED_TAKE_OVERS, FENCED_WINDOW_S, Fence, TakeOverReason, take_over
+from worker.kafka.take_over import (FENCE_SETTLE_S, FENCED_TAKE_OVERS, FENCED_WINDOW_S, Fence, GroupConsumer,
+                                    TakeOverReason, take_over)
 from worker.kafka.transaction_errors import TransactionError, TransactionFencedError, TransactionHungError
 from worker.latch import FatalLatch
 
@@ -110,12 +111,6 @@ class TransactionalProducer(Protocol):
                                     timeout: float) -> None: ...
     def commit_transaction(self, timeout: float) -> None: ...
     def abort_transaction(self, timeout: float) -> None: ...
-
-
-class GroupConsumer(Protocol):
-    def consumer_group_metadata(self) -> Any: ...
-    def seek(self, partition: TopicPartition) -> None: ...
-    def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]: ...
 
 
 def transactional_id(group: str, member: str) -> str:
