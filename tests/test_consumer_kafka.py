@@ -12,6 +12,7 @@ from worker.config import Settings
 from worker.delivery import AtLeastOnce
 from worker.kafka.committer import Committer
 from worker.kafka.consumer import GroupMember, consumer_config
+from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch
 from worker.metrics import Metrics
 
@@ -33,7 +34,8 @@ def test_consume_returns_a_lone_record_without_waiting_out_the_timeout(
         kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str) -> None:
     topic = make_topic("lone", 1)
     member = _member(kafka_bootstrap, group_id)
-    member.subscribe(topic, AtLeastOnce(member._committer))
+    member.subscribe(topic, AtLeastOnce(member._committer, OutputProducer({}, member._latch,
+                                                                          producer_factory=lambda config: object())))
     try:
         deadline = time.monotonic() + 30
         while not member._committer.tracker.partitions():

@@ -48,3 +48,23 @@ def test_wait_rereads_the_deadline() -> None:
     assert not d.wait(event)  # returns once shortened, not after 30 s
     event.set()
     assert d.wait(event)
+
+
+def test_a_limited_deadline_ends_at_its_own_limit_or_the_shared_end_whichever_is_first() -> None:
+    """The waits of the transaction loop: a limit of their own that a later stop still cuts short."""
+    clock = Clock()
+    stop = Deadline(clock)
+    wait = stop.limited(10.0)
+    assert wait.left() == 10.0 and not wait.started  # a limit alone is no stop
+    clock.now += 4.0
+    assert wait.left() == 6.0
+    stop.start(2.0)  # a stop after the wait began shortens it
+    assert wait.left() == 2.0 and wait.started
+    assert stop.before(-1.0).limited(10.0).left() == 3.0  # a grace past the stop
+
+
+def test_after_runs_on_the_clock_it_is_given() -> None:
+    clock = Clock()
+    d = Deadline.after(5.0, clock)
+    clock.now += 5.0
+    assert d.expired()

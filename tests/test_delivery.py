@@ -7,8 +7,12 @@ from confluent_kafka import TopicPartition
 
 from tests.fakes.transactions import FakeTxnProducer
 from worker.deadline import Deadline
-from worker.delivery import AtLeastOnce, ExactlyOnce
+from worker.delivery import AtLeastOnce
+from worker.exactly_once import ExactlyOnce
+from worker.inflight import InFlightTable
 from worker.kafka.committer import Committer
+from worker.kafka.exactly_once_producer import ExactlyOnceProducer
+from worker.kafka.producer import OutputProducer
 from worker.kafka.transactions import Transactions
 from worker.latch import FatalLatch
 
@@ -34,7 +38,8 @@ def _at_least_once() -> tuple[AtLeastOnce, Committer, CommitConsumer]:
     consumer = CommitConsumer()
     committer = Committer(consumer, interval_s=0.0)
     committer.assign([TopicPartition("in", 0)])
-    return AtLeastOnce(committer), committer, consumer
+    return AtLeastOnce(committer, OutputProducer({}, FatalLatch(), producer_factory=lambda config: object())), \
+        committer, consumer
 
 
 def _finished(committer: Committer, *offsets: int) -> None:
@@ -91,7 +96,10 @@ class _Eos:
         def stop_writes() -> None:
             self.stopped_writes += 1
 
-        self.d = ExactlyOnce(self.txn, lambda: len(self.in_flight), stop_writes)
+        producer = ExactlyOnceProducer(OutputProducer({}, self.latch, producer_factory=lambda config: object()),
+                                       InFlightTable())
+        producer.interrupt = stop_writes  # type: ignore[method-assign]
+        self.d = ExactlyOnce(self.txn, lambda: len(self.in_flight), producer)
 
     def consume(self, *offsets: int) -> None:
         self.d.before_intake()
@@ -127,7 +135,7 @@ def test_exactly_once_opens_on_intake_pauses_while_closing_and_commits_once_drai
     e.d.finish(Deadline.after(1.0), lambda s: None, drained=True, aborted=False)
     assert e.txn.committed == 2 and e.d.phase == "finished" and e.d.summary() == {
         "transactions_committed": 2, "transactions_aborted": 0, "producers_taken_over": 0,
-        "producers_taken_over_fenced": 0}
+        "producers_taken_over_fenced": 0, "purged_by_abort": 0, "writes_given_up": 0}
 
 
 def test_exactly_once_finish_undrained_stops_writes_then_aborts() -> None:

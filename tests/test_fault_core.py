@@ -19,6 +19,8 @@ from worker.errors import BackendBrokenError, DeliveryError, ThreadDiedError, Wo
 from worker.flow import FlowControl
 from worker.health import Liveness
 from worker.kafka.committer import Committer
+from worker.inflight import InFlightTable
+from worker.kafka.exactly_once_producer import ExactlyOnceProducer
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch, guarded
 
@@ -179,8 +181,9 @@ def test_a_bug_in_acknowledging_stops_the_worker_instead_of_killing_the_delivery
 
 
 # ------------------------------------------------- exactly-once: a failed write fails the transaction
-def _transactional(latch: FatalLatch) -> tuple[OutputProducer, FakeProducer, list[str]]:
-    wrapper, fake = _producer(latch)
+def _transactional(latch: FatalLatch) -> tuple[ExactlyOnceProducer, FakeProducer, list[str]]:
+    plain, fake = _producer(latch)
+    wrapper = ExactlyOnceProducer(plain, InFlightTable())
     failed: list[str] = []
     wrapper.fail_writes_into(failed.append)
     return wrapper, fake, failed
@@ -240,7 +243,7 @@ def test_exactly_once_a_missing_acl_or_a_fatal_error_still_stops_the_worker(err:
 
 def test_a_record_purged_by_an_abort_leaves_the_in_flight_table() -> None:
     latch = FatalLatch()
-    wrapper, fake = _producer(latch)
+    wrapper, fake, _ = _transactional(latch)
     fake.fail_with = KafkaError(KafkaError._PURGE_QUEUE)
     released: list[int] = []
     wrapper.start()
@@ -497,7 +500,7 @@ def _member(wait_s: float) -> tuple[Any, Committer, FakeGroupConsumer, FatalLatc
     made: list[FakeGroupConsumer] = []
     member = GroupMember({}, committer, latch, Metrics(), revoke_wait_s=lambda: wait_s,
                          consumer_factory=lambda cfg: made.append(FakeGroupConsumer(cfg)) or made[0])
-    member.subscribe("t", AtLeastOnce(committer))
+    member.subscribe("t", AtLeastOnce(committer, OutputProducer({}, latch, producer_factory=lambda config: object())))
     return member, committer, made[0], latch
 
 
@@ -625,7 +628,8 @@ def test_a_replaced_client_is_not_polled_its_errors_are_muted_and_it_is_retired_
         made.append(FakeProducer(config))
         return made[-1]
 
-    wrapper = OutputProducer({"transactional.id": "t"}, latch, producer_factory=factory, poll_interval_s=0.01)
+    wrapper = ExactlyOnceProducer(OutputProducer({"transactional.id": "t"}, latch, producer_factory=factory,
+                                                 poll_interval_s=0.01), InFlightTable())
     old = made[0]
     assert wrapper.produce("out", b"k", b"old", [], lambda: None)  # never reported: the old one is not polled
     release = threading.Event()
@@ -671,21 +675,15 @@ def test_a_replaced_client_is_destroyed_on_a_thread_of_its_own_never_the_deliver
         return made[-1]
 
     latch = FatalLatch()
-    wrapper = OutputProducer({"transactional.id": "t"}, latch, producer_factory=factory, poll_interval_s=0.01)
-    done = threading.Thread(target=lambda: None)
-    done.start()
-    done.join()  # the call blocked in the old client has returned
-    wrapper.replace_client(done)
-    made.pop(0)  # the test's own reference
-
-    class RetireFirst(threading.Thread):
-        def start(self) -> None:
-            super().start()
-            if self.name == "kwe-retire-producer":
-                self.join()
-
-    monkeypatch.setattr(threading, "Thread", RetireFirst)
+    wrapper = ExactlyOnceProducer(OutputProducer({"transactional.id": "t"}, latch, producer_factory=factory,
+                                                 poll_interval_s=0.01), InFlightTable())
     wrapper.start()
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, args=(10,))
+    stuck.start()
+    wrapper.replace_client(stuck)
+    made.pop(0)  # the test's own reference
+    release.set()  # the call blocked in the old client returns
     deadline = time.monotonic() + 5
     while not destroyed and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -730,9 +728,11 @@ def test_a_fenced_poll_goes_to_the_transaction_loop_and_the_delivery_thread_serv
 
     for exactly_once in (True, False):
         latch = FatalLatch()
-        wrapper = OutputProducer({}, latch, producer_factory=Fenced, poll_interval_s=0.01)
+        plain = OutputProducer({}, latch, producer_factory=Fenced, poll_interval_s=0.01)
+        wrapper: OutputProducer | ExactlyOnceProducer = plain
         failed: list[str] = []
         if exactly_once:
+            wrapper = ExactlyOnceProducer(plain, InFlightTable())
             wrapper.fail_writes_into(failed.append)
         wrapper.start()
         deadline = time.monotonic() + 5

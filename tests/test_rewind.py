@@ -18,11 +18,13 @@ from tests.fakes.transactions import FakeTxnProducer
 from worker.acks import Acknowledger
 from worker.config import Settings
 from worker.dead_letters import DeadLetters
-from worker.delivery import ExactlyOnce
+from worker.exactly_once import ExactlyOnce
 from worker.inflight import InFlightTable
 from worker.intake import Intake
 from worker.kafka.committer import Committer
 from worker.kafka.consumer import GroupMember
+from worker.kafka.exactly_once_producer import ExactlyOnceProducer
+from worker.kafka.producer import OutputProducer
 from worker.kafka.transactions import Transactions
 from worker.latch import FatalLatch
 from worker.metrics import Metrics
@@ -64,7 +66,8 @@ class Member:
                                   consumer_factory=make)
         self.txn = Transactions(self.producer, self.member.client, self.committer.tracker, self.latch,
                                 lambda: len(self.inflight), interval_s=3600.0, sleep=lambda s: None)
-        self.delivery = ExactlyOnce(self.txn, lambda: len(self.inflight), lambda: None)
+        self.delivery = ExactlyOnce(self.txn, lambda: len(self.inflight), ExactlyOnceProducer(
+            OutputProducer({}, self.latch, producer_factory=lambda config: object()), self.inflight))
         self.submitted: list[int] = []
         self.intake = Intake(Settings(input_format="raw"), _Tokenizer(), self.committer.tracker, self.inflight,
                              lambda seq, ids: self.submitted.append(seq),

@@ -92,19 +92,14 @@ def test_a_failing_tracer_never_stops_the_output_stage() -> None:
 
     class Producer:
         keys: list[bytes] = []
-        write_gate = threading.Lock()
 
-        def produce(self, topic: str, key: bytes, value: bytes, headers: Any, on_delivered: Any,
-                    on_given_up: Any) -> bool:
+        def write(self, seq: int, topic: str, key: bytes, value: bytes, headers: Any, on_delivered: Any) -> bool:
             self.keys.append(key)
             return True
 
     class Acks:
         def embedded(self, seq: int) -> Any:
             return lambda: None
-
-        def given_up(self, seq: int) -> Any:
-            return lambda: False
 
     class Codec:
         headers: list[Any] = []

@@ -409,14 +409,14 @@ def test_a_transactional_call_that_hangs_stops_the_member() -> None:
         real(positions, metadata, timeout)
 
     loop.producer.send_offsets_to_transaction = hang  # type: ignore[method-assign]
-    import worker.kafka.transactions as txmod
-    old_margin, txmod.HANG_MARGIN_S = txmod.HANG_MARGIN_S, 0.1
+    import worker.kafka.bounded_calls as calls
+    old_margin, calls.HANG_MARGIN_S = calls.HANG_MARGIN_S, 0.1
     try:
         loop.consume(0, 1)
         loop.finish(0, 1)
         loop.txn.step(flow_paused=True)
     finally:
-        txmod.HANG_MARGIN_S = old_margin
+        calls.HANG_MARGIN_S = old_margin
         release.set()
     assert isinstance(loop.latch.error, TransactionHungError)
     assert "send_offsets_to_transaction" in str(loop.latch.error)
@@ -427,6 +427,8 @@ def test_records_purged_by_an_abort_are_not_delivery_errors() -> None:
     """Finding 3: abort_transaction purges the producer's queue; the delivery reports of the purged
     records (_PURGE_QUEUE, _PURGE_INFLIGHT) must not stop the worker as failed writes, and after
     the shutdown's abort nothing more is written."""
+    from worker.inflight import InFlightTable
+    from worker.kafka.exactly_once_producer import ExactlyOnceProducer
     from worker.kafka.producer import OutputProducer
 
     class Client:
@@ -437,7 +439,7 @@ def test_records_purged_by_an_abort_are_not_delivery_errors() -> None:
             self.reports.append(on_delivery)
 
     latch = FatalLatch()
-    producer = OutputProducer({}, latch, producer_factory=Client)
+    producer = ExactlyOnceProducer(OutputProducer({}, latch, producer_factory=Client), InFlightTable())
     acked: list[int] = []
     for i in range(3):
         assert producer.produce("out", b"k", b"v", [], lambda i=i: acked.append(i))
@@ -572,6 +574,8 @@ def test_a_refused_write_fails_its_transaction_before_its_record_leaves_the_in_f
     from worker.acks import Acknowledger
     from worker.inflight import InFlight, InFlightTable
     from worker.kafka.headers import InputHeaders
+    from worker.inflight import InFlightTable
+    from worker.kafka.exactly_once_producer import ExactlyOnceProducer
     from worker.kafka.producer import OutputProducer
     from worker.metrics import Metrics
 
@@ -592,7 +596,7 @@ def test_a_refused_write_fails_its_transaction_before_its_record_leaves_the_in_f
     latch = FatalLatch()
     inflight = InFlightTable()
     acks = Acknowledger(inflight, Metrics())
-    wrapper = OutputProducer({}, latch, producer_factory=Client)
+    wrapper = ExactlyOnceProducer(OutputProducer({}, latch, producer_factory=Client), inflight)
     client = wrapper.client
     tracker = OffsetTracker()
     part = tracker.assign("in", 0)
@@ -615,12 +619,12 @@ def test_a_refused_write_fails_its_transaction_before_its_record_leaves_the_in_f
     for off in (0, 1):
         part.track(off)
         inflight.add(off, InFlight(part, off, f"q{off}", 3, False, None, 1, None, InputHeaders()))
-    assert wrapper.produce("out", b"q0", b"q0", [], acks.embedded(0), acks.given_up(0))
+    assert wrapper.produce("out", b"q0", b"q0", [], acks.embedded(0), wrapper.release(0))
     client.reports[0](None, None)  # the delivery thread acknowledges q0
     clock.now = 1.5
     txn.step(flow_paused=False)
     assert txn.state == "closing"  # waits for q1
-    assert wrapper.produce("out", b"q1", b"too large", [], acks.embedded(1), acks.given_up(1))
+    assert wrapper.produce("out", b"q1", b"too large", [], acks.embedded(1), wrapper.release(1))
     txn.step(flow_paused=False)
     assert not latch.is_set(), latch.error
     assert "commit" not in client.calls and client.calls[-1] == "abort" and client.offsets == {}
@@ -658,9 +662,9 @@ class Stuck:
 
 @pytest.fixture
 def short_hang(monkeypatch: pytest.MonkeyPatch) -> None:
-    import worker.kafka.transactions as txmod
+    import worker.kafka.bounded_calls as calls
 
-    monkeypatch.setattr(txmod, "HANG_MARGIN_S", 0.1)
+    monkeypatch.setattr(calls, "HANG_MARGIN_S", 0.1)
 
 
 class TakeOverLoop(Loop):
@@ -783,9 +787,9 @@ def test_while_earlier_hung_calls_still_block_the_member_stops(short_hang: None,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Each take-over leaves a librdkafka client blocked in its call: past STUCK_CALLS of them the
     member stops (its restart frees them) instead of piling up clients."""
-    import worker.kafka.transactions as txmod
+    import worker.kafka.take_over as take_over
 
-    monkeypatch.setattr(txmod, "STUCK_CALLS", 1)
+    monkeypatch.setattr(take_over, "STUCK_CALLS", 1)
     loop = TakeOverLoop()
     with Stuck(loop.producer, "send_offsets_to_transaction"):
         loop.commit_one()

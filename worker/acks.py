@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Literal
 
 from worker.inflight import InFlight, InFlightTable
-from worker.kafka.producer import GiveUp, nothing
 from worker.metrics import Metrics
 
 Outcome = Literal["embedded", "dead_lettered"]
@@ -44,24 +43,6 @@ class Acknowledger:
             if rec.timestamp_ms is not None:
                 self._metrics.observe_end_to_end(rec.timestamp_ms)
         return ack
-
-    def given_up(self, seq: int) -> GiveUp:
-        """The record will never be delivered (purged by an abort, or exactly-once: its write
-        failed the transaction, which is aborted and the record consumed again). It leaves the
-        in-flight table with its offset not done; True if it belonged to a live offset state (the
-        open transaction), False if that state was already replaced (an aborted transaction's).
-
-        `fail` (the failed write's report to the transaction loop) runs for a live record before the
-        record leaves the table: the poll thread commits once nothing is in flight, so it must not
-        see the table without the record while the failure is not yet known (issue 32, finding 4)."""
-        def release(fail: Callable[[], None] = nothing) -> bool:
-            rec = self._inflight.get(seq)
-            live = rec is not None and not rec.part.revoked
-            if live:
-                fail()
-            self._inflight.finish(seq)
-            return live
-        return release
 
     def dead_lettered(self, seq: int, reason: str) -> Callable[[], None]:
         def ack() -> None:

@@ -14,16 +14,16 @@ from worker.acks import Acknowledger
 from worker.kafka.dead_letter_record import dead_letter_record
 from worker.kafka.headers import InputHeaders
 from worker.kafka.messages import Rejection
-from worker.kafka.producer import OutputProducer
+from worker.kafka.producer import RecordWriter
 
 log = structlog.get_logger(__name__)
 
 
 class DeadLetters:
-    def __init__(self, topic: str, max_bytes: int, producer: OutputProducer, acks: Acknowledger) -> None:
+    def __init__(self, topic: str, max_bytes: int, writer: RecordWriter, acks: Acknowledger) -> None:
         self._topic = topic
         self._max_bytes = max_bytes
-        self._producer = producer
+        self._writer = writer
         self._acks = acks
 
     def send(self, seq: int, msg: Message, headers: InputHeaders, rejection: Rejection) -> bool:
@@ -34,5 +34,5 @@ class DeadLetters:
                                     headers=headers, max_bytes=self._max_bytes)
         log.debug("dead-lettering", reason=rejection.reason, topic=msg.topic(), partition=msg.partition(),
                   offset=msg.offset())
-        return self._producer.produce(self._topic, record.key, record.value, record.headers,
-                                      self._acks.dead_lettered(seq, rejection.reason), self._acks.given_up(seq))
+        return self._writer.write(seq, self._topic, record.key, record.value, record.headers,
+                                  self._acks.dead_lettered(seq, rejection.reason))

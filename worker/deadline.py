@@ -4,7 +4,8 @@ The poll thread starts it at the first stop request (or a fatal error), with shu
 Every step of the shutdown (drain, flush, final commit or transaction, leaving the group) holds
 the same object and asks `left()` each time it waits, instead of computing an end time once: so
 a second signal, which `shorten`s it, shortens every wait already under way. `before(s)` is the
-same deadline ending s earlier: what a step leaves for the steps after it.
+same deadline ending s earlier: what a step leaves for the steps after it; `limited(s)` is the
+same deadline ending at most s from now: a wait bounded by both its own limit and the stop.
 
 Thread-safety: any thread may read it; `start`/`shorten` come from the poll thread and the
 signal handler (which runs on the main thread, between bytecodes): one lock.
@@ -26,15 +27,17 @@ class _End:
 
 class Deadline:
     def __init__(self, clock: Callable[[], float] = time.monotonic, *, _end: _End | None = None,
-                 _reserve: float = 0.0) -> None:
+                 _reserve: float = 0.0, _cap: float | None = None) -> None:
         self._clock = clock
         self._end = _end if _end is not None else _End()
         self._reserve = _reserve
+        # An end of this holder's own (`limited`), on the same clock; None: only the shared end.
+        self._cap = _cap
 
     @classmethod
-    def after(cls, seconds: float) -> Deadline:
-        """A deadline of its own, started now."""
-        d = cls()
+    def after(cls, seconds: float, clock: Callable[[], float] = time.monotonic) -> Deadline:
+        """A deadline of its own, started now (on `clock`, the caller's injected one)."""
+        d = cls(clock)
         d.start(seconds)
         return d
 
@@ -56,19 +59,31 @@ class Deadline:
             return self._end.at is not None
 
     def left(self) -> float:
-        """Seconds left (infinite before it starts), never negative."""
+        """Seconds left (infinite before it starts, unless `limited`), never negative."""
         with self._end.lock:
             at = self._end.at
-        if at is None:
+        if at is None and self._cap is None:
             return math.inf
-        return max(0.0, at - self._reserve - self._clock())
+        now = self._clock()
+        left = math.inf if at is None else at - self._reserve - now
+        if self._cap is not None:
+            left = min(left, self._cap - now)
+        return max(0.0, left)
 
     def expired(self) -> bool:
         return self.left() <= 0.0
 
     def before(self, reserve_s: float) -> Deadline:
-        """The same deadline, ending reserve_s earlier (shortened with it)."""
-        return Deadline(self._clock, _end=self._end, _reserve=self._reserve + reserve_s)
+        """The same deadline, ending reserve_s earlier (shortened with it); a negative reserve is a
+        grace past it."""
+        return Deadline(self._clock, _end=self._end, _reserve=self._reserve + reserve_s, _cap=self._cap)
+
+    def limited(self, seconds: float) -> Deadline:
+        """The same deadline, ending at most `seconds` from now: a wait with a limit of its own that
+        a stop (started or shortened later) still cuts short. `started` stays the shared end's."""
+        cap = self._clock() + max(0.0, seconds)
+        return Deadline(self._clock, _end=self._end, _reserve=self._reserve,
+                        _cap=cap if self._cap is None else min(self._cap, cap))
 
     def capped(self, seconds: float) -> float:
         """min(seconds, left()): a wait bounded by both its own limit and the deadline."""

@@ -84,10 +84,10 @@ class InFlightTable:
                 live.append((seq, rec))
         return live, dropped
 
-    def drop_revoked(self) -> int:
-        """Removes every record of a revoked offset state; returns how many. For records handed to
-        a producer that was replaced (worker/kafka/producer.py `replace_client`): their reports
-        will never come, and their partitions are consumed again."""
+    def remove_revoked(self) -> int:
+        """Removes every record of a revoked offset state; returns how many. For records whose
+        reports will never come (handed to a client that was replaced), and whose partitions are
+        consumed again."""
         with self._lock:
             gone = [seq for seq, rec in self._items.items() if rec.part.revoked]
             for seq in gone:

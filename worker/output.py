@@ -4,7 +4,8 @@ Threads:
 - dispatcher threads call `on_batch` / `on_batch_error` and return at once: they only queue,
   so the backend never waits for encoding or producing.
 - the output thread ("kwe-output") owns the queue's other end: it encodes embeddings and
-  hands records to the producer.
+  hands records to the writer (the producer, or exactly-once's wrapper of it, which also wraps
+  each batch in its write gate through `around_batch`; at-least-once takes no gate).
 The queue holds at most what flow control let in (max_in_flight keywords), so it needs no
 bound of its own.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +31,7 @@ from worker.errors import BackendBrokenError, WorkerError
 from worker.inflight import InFlight, InFlightTable
 from worker.kafka.messages import Rejection, ValueEncoder
 from worker.kafka.propagation import Propagation, find_traceparent
-from worker.kafka.producer import OutputProducer
+from worker.kafka.producer import RecordWriter
 from worker.latch import FatalLatch, guarded
 from worker.metrics import Metrics
 from worker.tracing import BatchSpans, epoch_ns
@@ -54,11 +55,16 @@ class _Failed:
     error: BaseException
 
 
+Item = _Finished | _Failed
+# Wraps the output thread's handling of one queued item (None: handled as it is).
+AroundBatch = Callable[[Callable[[Item], None]], Callable[[Item], None]]
+
+
 class OutputStage:
-    def __init__(self, topic: str, codec: ValueEncoder, producer: OutputProducer, inflight: InFlightTable,
+    def __init__(self, topic: str, codec: ValueEncoder, writer: RecordWriter, inflight: InFlightTable,
                  acks: Acknowledger, dead_letters: DeadLetters, metrics: Metrics, latch: FatalLatch, *,
                  cache: EmbeddingCache[int] | None = None, propagation: Propagation | None = None,
-                 spans: BatchSpans | None = None) -> None:
+                 spans: BatchSpans | None = None, around_batch: AroundBatch | None = None) -> None:
         self._topic = topic
         self._spans = spans  # one OpenTelemetry span per batch; None: no export
         self._trace_failed = False  # a span failed once (logged once; output thread only)
@@ -66,7 +72,8 @@ class OutputStage:
         self._propagation = propagation if propagation is not None and propagation.active else None
         self._cache = cache
         self._codec = codec
-        self._producer = producer
+        self._writer = writer
+        self._handle = self._handle_item if around_batch is None else around_batch(self._handle_item)
         self._inflight = inflight
         self._acks = acks
         self._dead_letters = dead_letters
@@ -118,13 +125,13 @@ class OutputStage:
         while (item := self._queue.get()) is not None:
             if self._latch.is_set():
                 continue  # stopping on an error: nothing more is produced, so nothing past it commits
-            # The gate: an exactly-once abort cannot fall between choosing a batch's live
-            # records and producing them (worker/kafka/producer.py).
-            with self._producer.write_gate:
-                if isinstance(item, _Finished):
-                    self._emit(item)
-                else:
-                    self._fail(item)
+            self._handle(item)
+
+    def _handle_item(self, item: Item) -> None:
+        if isinstance(item, _Finished):
+            self._emit(item)
+        else:
+            self._fail(item)
 
     def _emit(self, item: _Finished) -> None:
         t0 = time.monotonic()
@@ -146,8 +153,8 @@ class OutputStage:
             rec.t_produced = time.monotonic()
             out_headers = (headers if propagation is None or not rec.headers.headers
                            else propagation.output_headers(headers, rec.headers))
-            if not self._producer.produce(self._topic, rec.qid.encode("utf-8"), value, out_headers,
-                                          self._acks.embedded(seq), self._acks.given_up(seq)):
+            if not self._writer.write(seq, self._topic, rec.qid.encode("utf-8"), value, out_headers,
+                                      self._acks.embedded(seq)):
                 return
         t2 = time.monotonic()
         self._metrics.observe_hop("produce_call", t2 - t1)

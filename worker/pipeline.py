@@ -38,7 +38,7 @@ from worker.config import Settings
 from worker.cost_model import CostModel
 from worker.dead_letters import DeadLetters
 from worker.deadline import Deadline
-from worker.delivery import Delivery, delivery_kind
+from worker.delivery import Delivery, build_delivery, producer_config_for
 from worker.errors import ThreadDiedError, WorkerError
 from worker.flow import FlowControl
 from worker.health import Liveness
@@ -92,17 +92,18 @@ class Pipeline:
         self._flow = FlowControl(settings.max_in_flight, settings.max_in_flight_bytes,
                                  drain_target_s=max(1.0, settings.shutdown_timeout_s / 3))
         failures = FailurePolicy()
-        kind = delivery_kind(settings)
-        self._producer = OutputProducer(kind.producer_config(producer_config(settings), settings), self.latch,
+        self._producer = OutputProducer(producer_config_for(settings, producer_config(settings)), self.latch,
                                         failures=failures, producer_factory=producer_factory)
         self._acks = acks = Acknowledger(self._inflight, self.metrics)
-        dead_letters = DeadLetters(settings.dead_letter_topic, settings.dead_letter_max_bytes, self._producer, acks)
         self._committer = Committer(None, interval_s=settings.commit_interval_ms / 1000.0)
         self._member = GroupMember(consumer_config(settings), self._committer, self.latch, self.metrics,
                                    revoke_wait_s=self._revoke_wait_s, group=settings.group_id, failures=failures,
                                    consumer_factory=consumer_factory)
-        self._delivery: Delivery = kind.build(settings, self._committer, self._producer, self._member.client, self.latch,
-                                              self._inflight, self.metrics, self._commit_by)
+        self._delivery: Delivery = build_delivery(settings, self._committer, self._producer, self._member.client,
+                                                  self.latch, self._inflight, self.metrics, self._commit_by)
+        # Records are written through the delivery's writer (exactly-once wraps the producer).
+        dead_letters = DeadLetters(settings.dead_letter_topic, settings.dead_letter_max_bytes,
+                                   self._delivery.writer, acks)
         # worker.app.output_codec adds truncate_dim, the prompt and the int8 range (and
         # worker.app.output_encoder the registry formats); decode is a registry format's decoder.
         codec = codec or OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding)  # type: ignore[arg-type]
@@ -114,10 +115,10 @@ class Pipeline:
         self._spans = spans
         # Repeated keywords are answered from here without the model (0 bytes: off).
         cache = EmbeddingCache(settings.cache_bytes, backend.dim, observer=self.metrics) if settings.cache_bytes else None
-        self._output = OutputStage(settings.output_topic, codec, self._producer, self._inflight, acks, dead_letters,
-                                   self.metrics, self.latch, cache=cache,
+        self._output = OutputStage(settings.output_topic, codec, self._delivery.writer, self._inflight, acks,
+                                   dead_letters, self.metrics, self.latch, cache=cache,
                                    propagation=Propagation.of(settings.pass_headers, settings.trace_context),
-                                   spans=spans)
+                                   spans=spans, around_batch=self._delivery.around_batch)
         canary = tokenizer.encode([CANARY_TEXT])[0].ids
         self._bucketer = (bucketer_factory or Bucketer)(
             profile, IsolatingBackend(backend, canary), self._output.on_batch, on_error=self._output.on_batch_error,
@@ -239,4 +240,4 @@ class Pipeline:
                  dead_lettered=self._acks.dead_lettered_count, in_flight=self.in_flight(),
                  dropped_after_revoke=self._output.dropped, never_run=len(never_run or []),
                  left_group=self.left_group, processing_guarantee=self.settings.processing_guarantee,
-                 purged_by_abort=self._producer.purged, writes_given_up=self._producer.given_up, **self._delivery.summary())
+                 **self._delivery.summary())

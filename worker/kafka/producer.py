@@ -16,27 +16,12 @@ large, or the outage outlasted the timeout): the worker stops on it, and the rec
 offset is never committed. Producing a fresh copy instead would duplicate records, reorder a
 compacted key and retry errors that cannot succeed.
 
-Exactly-once is the exception (`fail_writes_into`): a failed write fails its transaction, not the
-worker. librdkafka has then made the transaction abortable (an OUT_OF_ORDER_SEQUENCE_NUMBER after
-a broker restart, a record the broker refused): it sends nothing more of it, and a produce into it
-fails with _STATE. The record is given up (its in-flight slot released, its offset left
-unfinished), the transaction loop aborts at once and consumes the records again, so nothing is
-written twice; it bounds how often (worker/kafka/transactions.py). Authorisation and missing-topic
-errors, and fatal ones, still stop the worker; except _FENCED, raised from poll, which goes to the
-transaction loop like a failed write: the broker may have timed the transaction out (a coordinator
-outage), and a new producer may take over (worker/kafka/transactions.py decides).
-
-`write_gate`: the output thread holds it while it takes a batch's live records and produces them;
-the transaction loop holds it while it replaces the offset state and aborts, so no record of an
-aborted transaction can be produced after the abort, into the next one.
-
-`replace_client` (exactly-once, under the write gate): a transactional call hung inside librdkafka
-(a coordinator's node died; worker/kafka/transactions.py `take_over`). A new librdkafka producer
-with the same configuration takes over, and its init_transactions fences the old one. The old one
-is abandoned, not closed: a thread is still blocked inside it. It is never polled again, so none
-of its callbacks run (its records' reports, its fenced error), and its error callback is muted in
-case one already queued runs. Once the blocked call returns, the delivery thread hands the old
-client to a short-lived thread that drops the last reference (librdkafka's destroy can block).
+Seams for a wrapper (exactly-once: worker/kafka/exactly_once_producer.py): a record's
+`on_failed` gets a failed write first, after the failures that stop the worker anyway
+(authorisation, a missing topic: FailurePolicy), and may take it over; `route_fatal` does the same
+for a fatal error raised from poll; `renew_client` swaps in a new client with the same
+configuration (the old one is never polled again and its error callback is muted) and hands the
+old one to the caller.
 """
 
 from __future__ import annotations
@@ -45,7 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
@@ -62,20 +47,20 @@ log = structlog.get_logger(__name__)
 
 # An outage shorter than this is ridden out by librdkafka's own retries.
 MESSAGE_TIMEOUT_MS = 3_600_000
-# Delivery reports of records an abort_transaction purged from the queue: not failures (the
-# records belonged to the aborted transaction, their input offsets stay unfinished).
-PURGED = frozenset({KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT})
 # How long a caller sleeps between produce() attempts while the local queue is full.
 BUFFER_WAIT_S = 0.005
 
 Headers = list[tuple[str, bytes | None]]
-# Releases a record that will never be delivered (worker/acks.py `given_up`); the callable it is
-# given (the failed write's report) runs first when the record belongs to the open transaction.
-GiveUp = Callable[[Callable[[], None]], bool]
+# A failed write (the error, and the message the worker would stop with): True when the wrapper
+# took it over (the record is accounted for), False when the worker stops.
+Failed = Callable[[KafkaError, str], bool]
 
 
-def nothing() -> None:
-    """What a released record reports when its release fails nothing (purged by an abort)."""
+class RecordWriter(Protocol):
+    """What the output stage and dead letters write through: OutputProducer, or a wrapper of it."""
+
+    def write(self, seq: int, topic: str, key: bytes | None, value: bytes, headers: Headers,
+              on_delivered: Callable[[], None]) -> bool: ...
 
 
 def producer_config(settings: Settings) -> dict[str, Any]:
@@ -116,24 +101,18 @@ class OutputProducer:
         self._errors = ThrottledLog()
         self._config = config
         self._factory = producer_factory
-        # Which client is current: the error callback of a replaced one is ignored.
+        # Which client is current: the error callback of a renewed one is ignored.
         self._generation = 0
+        # The generation of the last poll that returned (delivery thread): a renewed client is no
+        # longer referenced by the delivery thread once this reaches a later generation.
+        self.served_generation = 0
         self._producer = self._new_client()
-        # Replaced clients, each with the thread still blocked inside it (delivery thread retires them).
-        self._abandoned: list[tuple[Any, threading.Thread]] = []
-        self._abandoned_lock = threading.Lock()
-        self.replaced = 0
         self._interval = poll_interval_s
         self._stop = threading.Event()
         # Set when the worker aborts: callers waiting for queue room give up instead.
         self._interrupt = threading.Event()
-        # Exactly-once: where a failed write goes instead of the latch (set once, before start).
-        self._fail_transaction: Callable[[str], None] | None = None
-        self.write_gate = threading.Lock()
-        # Records purged by an aborted transaction (delivery thread only).
-        self.purged = 0
-        # Records given up after a failed write (exactly-once; any producing thread, a count only).
-        self.given_up = 0
+        # Where a fatal error raised from poll goes first (`route_fatal`); set once, before start.
+        self._fatal_route: Callable[[KafkaError], bool] | None = None
         self._thread = threading.Thread(target=guarded(latch, "kwe-delivery", self._serve), name="kwe-delivery")
 
     @property
@@ -142,69 +121,54 @@ class OutputProducer:
 
     @property
     def client(self) -> Any:
-        """The librdkafka producer, for the transactional calls (poll thread only)."""
+        """The current librdkafka producer (for a wrapper's own calls on it)."""
         return self._producer
 
     def _new_client(self) -> Any:
         generation = self._generation
         return self._factory({**self._config, "error_cb": lambda err: self._on_error(err, generation)})
 
-    def replace_client(self, stuck: threading.Thread) -> Any:
-        """A new librdkafka producer with the same configuration replaces the current one, which a
-        transactional call (running on `stuck`) never returned from; returns the new one. The caller
-        holds `write_gate` (no produce races the swap) and calls init_transactions on it next."""
-        with self._abandoned_lock:
-            self._abandoned.append((self._producer, stuck))
+    @property
+    def generation(self) -> int:
+        """How many times the client was renewed."""
+        return self._generation
+
+    def renew_client(self) -> Any:
+        """A new librdkafka producer with the same configuration replaces the current one, which is
+        returned: never polled again, its error callback muted. The caller makes sure no produce
+        races the swap, and owns the old client from here (librdkafka's destroy can block: where
+        its last reference ends matters)."""
+        old = self._producer
         self._generation += 1
         self._producer = self._new_client()
-        self.replaced += 1
-        return self._producer
+        return old
 
-    def _retire_abandoned(self) -> None:
-        """Delivery thread: a replaced client whose blocked call has returned is destroyed, on a
-        thread of its own (rd_kafka_destroy may wait on the dead broker's connections). The
-        client goes from the list straight into that thread's arguments: no local name here holds
-        it, so the last reference cannot end on this thread, whichever thread finishes first."""
-        with self._abandoned_lock:
-            if not self._abandoned:
-                return
-            done = [i for i, (_, stuck) in enumerate(self._abandoned) if not stuck.is_alive()]
-            for i in reversed(done):
-                threading.Thread(target=_drop, args=(self._abandoned.pop(i)[0],), name="kwe-retire-producer",
-                                 daemon=True).start()
-
-    @property
-    def abandoned(self) -> int:
-        """Replaced clients still blocked in a call."""
-        with self._abandoned_lock:
-            return len(self._abandoned)
-
-    def fail_writes_into(self, fail_transaction: Callable[[str], None]) -> None:
-        """Exactly-once: a failed write calls `fail_transaction(reason)`, from the thread that saw
-        it, instead of stopping the worker. Set before `start`."""
-        self._fail_transaction = fail_transaction
+    def route_fatal(self, route: Callable[[KafkaError], bool]) -> None:
+        """A fatal error raised from poll goes to `route` first; True: taken over, the delivery
+        thread serves on. Set before `start`."""
+        self._fatal_route = route
 
     def start(self) -> None:
         self._thread.start()
 
+    def write(self, seq: int, topic: str, key: bytes | None, value: bytes, headers: Headers,
+              on_delivered: Callable[[], None]) -> bool:
+        """The output stage's and dead letters' write (in-flight record `seq`, which a wrapper that
+        releases records itself needs; unused here)."""
+        return self.produce(topic, key, value, headers, on_delivered)
+
     def produce(self, topic: str, key: bytes | None, value: bytes, headers: Headers,
-                on_delivered: Callable[[], None], on_given_up: GiveUp = lambda fail: False) -> bool:
+                on_delivered: Callable[[], None], on_failed: Failed | None = None) -> bool:
         """Queues one record; `on_delivered` runs on the delivery thread once the broker has it.
 
-        False when the record was not queued (the worker is stopping on an error, or aborting):
-        its input offset then stays unfinished and is never committed. `on_given_up` releases a
-        record that will never be delivered: purged by an abort, or (exactly-once) its write
-        failed its transaction, whose failure it reports first if the record still belongs to the
-        open transaction (worker/acks.py). produce() returns True for a record given up so: it is
-        accounted for.
+        False when the record was not queued (the worker is stopping on an error, or interrupted):
+        its input offset then stays unfinished and is never committed. A failed write stops the
+        worker, unless `on_failed` takes it over (see the module docstring); produce() returns
+        True for a record taken over so: it is accounted for.
         """
         def delivered(err: KafkaError | None, msg: Message) -> None:
             if err is not None:
-                if err.code() in PURGED:
-                    self.purged += 1
-                    on_given_up(nothing)
-                    return
-                self._refused(topic, err, "could not write to topic", on_given_up)
+                self._refused(topic, err, "could not write to topic", on_failed)
                 return
             self._failures.connected()
             try:
@@ -224,31 +188,26 @@ class OutputProducer:
                 self._interrupt.wait(BUFFER_WAIT_S)
             except KafkaException as exc:
                 # Refused before queueing: too large for the producer's limit, unknown topic, not
-                # authorised (known from metadata), a transaction already failed (_STATE), ...
+                # authorised (known from metadata), a state the client refuses writes in (_STATE), ...
                 # None of these succeed on a retry of the same call.
-                return self._refused(topic, exc.args[0], "cannot write to topic", on_given_up)
+                return self._refused(topic, exc.args[0], "cannot write to topic", on_failed)
 
-    def _refused(self, topic: str, err: KafkaError, what: str, on_given_up: GiveUp) -> bool:
-        """A failed write; True when it only failed the open transaction (exactly-once)."""
+    def _refused(self, topic: str, err: KafkaError, what: str, on_failed: Failed | None) -> bool:
+        """A failed write; True when `on_failed` took it over."""
         reason = self._failures.decide(err, topic=topic, op="write")
         if reason is not None:
             self._latch.trip(KafkaSetupError(reason))
             return False
-        if self._fail_transaction is None or err.fatal():
-            self._latch.trip(DeliveryError(f"{what} {topic!r}: {describe(err)}"))
-            return False
-        self.given_up += 1
-        # Reported before the record leaves the in-flight table (see GiveUp); a record of an
-        # already aborted transaction (its state was replaced) fails nothing.
-        fail, why = self._fail_transaction, f"{what} {topic!r}: {describe(err)}"
-        on_given_up(lambda: fail(why))
-        return True
+        why = f"{what} {topic!r}: {describe(err)}"
+        if on_failed is not None and on_failed(err, why):
+            return True
+        self._latch.trip(DeliveryError(why))
+        return False
 
     def _serve(self) -> None:
         while not self._stop.is_set():
             if not self._poll(self._interval):
                 return
-            self._retire_abandoned()
         # Serve what was acknowledged while stopping, so no callback is left unrun.
         self._poll(0)
 
@@ -259,25 +218,21 @@ class OutputProducer:
             self._producer.poll(timeout_s)
             return True
         except KafkaException as exc:
-            # A transactional producer raises its fatal error (fenced) from poll itself
+            # librdkafka's fatal errors are raised from poll itself
             # (confluent-kafka's error_cb turns librdkafka's _FATAL event into an exception).
             err = exc.args[0]
             if generation != self._generation:
-                return True  # a replaced client's, fenced by its successor on purpose
-            if self._fail_transaction is not None and err.code() == KafkaError._FENCED:
-                # Exactly-once: the transaction loop tells a broker-side timeout from a zombie, and
-                # a new producer may take over (transactions.py); its calls raise the same error.
-                # Failing the open transaction makes it look now, not after a drain that cannot end.
-                log.warning("producer fenced; the transaction loop decides whether a new producer takes over",
-                            error=describe(err))
-                self._fail_transaction(f"the producer was fenced: {describe(err)}")
+                return True  # a renewed client's, fenced by its successor on purpose
+            if self._fatal_route is not None and self._fatal_route(err):
                 return True
             self._latch.trip(DeliveryError(f"fatal producer error: {describe(err)}"))
             return False
+        finally:
+            self.served_generation = generation
 
     def _on_error(self, err: KafkaError, generation: int = 0) -> None:
         if generation != self._generation:
-            # A replaced client (see replace_client): fenced by its successor, on purpose.
+            # A renewed client (see renew_client): fenced by its successor, on purpose.
             log.debug("error of a replaced producer ignored", error=describe(err))
             return
         reason = self._failures.decide(err, op="write")
@@ -299,8 +254,8 @@ class OutputProducer:
         return len(self._producer)
 
     def interrupt(self) -> None:
-        """Nothing more is written: produce() returns False from now on (an abort, or the
-        exactly-once shutdown's abort of the open transaction, after which a write would fail)."""
+        """Nothing more is written: produce() returns False from now on (an abort, or a wrapper's
+        shutdown step after which a write would fail)."""
         self._interrupt.set()
 
     def stop(self, timeout_s: float) -> None:
@@ -309,8 +264,3 @@ class OutputProducer:
             self._thread.join(max(0.0, timeout_s))
         if self._thread.is_alive():
             log.warning("delivery thread did not stop in time", timeout_s=timeout_s)
-
-
-def _drop(client: Any) -> None:
-    """The last reference to a replaced librdkafka client goes with this thread's arguments."""
-    del client

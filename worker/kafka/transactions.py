@@ -31,22 +31,25 @@ Errors of the transactional calls, as librdkafka classifies them:
   the member as a zombie) a new producer takes over as for a hung call (below), at most
   FENCED_TAKE_OVERS times in FENCED_WINDOW_S; then, and on a fence the broker's timeout cannot
   explain (a younger transaction), the member stops: a second process uses its member id;
-- hung (the call did not return within its timeout + HANG_MARGIN_S): when a coordinator's node
-  dies, librdkafka can keep waiting on it long after the call's timeout (librdkafka issues 5456
-  and 5511; measured on the three-broker cluster, tests/test_cluster_kafka.py). `take_over`
-  replaces the producer in the process: a new librdkafka producer with the same transactional.id
-  looks the coordinators up afresh, and its init_transactions fences the old one and completes
-  the old transaction (commits it if its commit had reached the coordinator, else aborts it).
-  Whether the hung commit landed is then read from the group's committed offsets, and every
-  partition with work in the transaction is rewound there with fresh offset state: a commit
-  that landed is not redone, one that did not is consumed again. While STUCK_CALLS earlier hung
-  calls still block (each holds an abandoned librdkafka client), the member stops instead. A stop
-  during the take-over, before the rewind (or while a commit or abort is still under way), halts
-  the member (`_halt`): nothing more is consumed or committed, and it exits as usual.
+- hung (the call did not return within its timeout + HANG_MARGIN_S; the calls run on helper
+  threads, worker/kafka/bounded_calls.py): a new producer takes over in the process
+  (worker/kafka/take_over.py), and every partition with work in the transaction is rewound to the
+  group's committed offsets. A stop during the take-over, before the rewind (or while a commit or
+  abort is still under way), halts the member (`_halt`): nothing more is consumed or committed,
+  and it exits as usual.
 
-A failed write (worker/kafka/producer.py: a delivery error, or a produce refused with _STATE once
+States (`state`), on the poll thread:
+
+    idle --ensure_open--> open --interval up / flow paused--> closing --drained: commit--> idle
+    open|closing --abort (failed write, revoke, lost, commit refused)--> idle (rewound)
+    open|closing --call hung / fenced past the timeout--> take-over --> idle (rewound)
+    any --stop during a take-over or an unfinished call--> halted (nothing more begins)
+
+Every wait is bounded by a `Deadline` on the injected clock, within the stop deadline.
+
+A failed write (worker/kafka/exactly_once_producer.py: a delivery error, or a produce refused with _STATE once
 librdkafka made the transaction abortable) arrives through `write_failed` from the thread that saw
-it, before its record leaves the in-flight table (worker/acks.py `given_up`), so a commit, which
+it, before its record leaves the in-flight table (ExactlyOnceProducer.release), so a commit, which
 waits for the table to empty, always sees it. The next `step` (or a commit about to happen) aborts
 and rewinds at once, without waiting for the pipeline to drain: librdkafka sends nothing more of
 an abortable transaction, so its queued records would only come back when abort_transaction
@@ -74,8 +77,12 @@ import structlog
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from worker.deadline import Deadline
-from worker.errors import WorkerError
+from worker.kafka import bounded_calls
+from worker.kafka.bounded_calls import BoundedCalls
 from worker.kafka.offsets import OffsetTracker, PartitionOffsets
+from worker.kafka.take_over import (FENCE_SETTLE_S, FENCED_TAKE_OVERS, FENCED_WINDOW_S, Fence, GroupConsumer,
+                                    TakeOverReason, take_over)
+from worker.kafka.transaction_errors import TransactionError, TransactionFencedError, TransactionHungError
 from worker.latch import FatalLatch
 
 log = structlog.get_logger(__name__)
@@ -86,55 +93,15 @@ State = Literal["idle", "open", "closing"]
 Outcome = Literal["committed", "aborted", "taken_over"]
 # How often a retriable error of a transactional call is retried before the transaction is aborted.
 RETRIES = 5
-# How much longer than its own timeout a transactional call may block before the member stops.
-HANG_MARGIN_S = 5.0
-# Take-overs while this many replaced producers still block in a hung call: the member stops instead.
-STUCK_CALLS = 3
-# How long the replacing producer may take to fence the old one (the coordinator may be moving).
-TAKE_OVER_INIT_S = 30.0
 # Transactions failed by a write, in a row, before the member stops; the wait before each retry.
 WRITE_FAILURES = 5
 WRITE_RETRY_BACKOFF_S = 0.5
-# A fence on a transaction the broker timed out: how long intake waits before a new producer takes
-# over, so the group's verdict comes first (a resumed zombie's consumer finds its session expired
-# within a second or a heartbeat, 3 s, and `lost` stops it); and at most how many such take-overs
-# in how long (two processes with one member id would fence each other for ever).
-FENCE_SETTLE_S = 5.0
-FENCED_TAKE_OVERS = 3
-FENCED_WINDOW_S = 600.0
 # How much sooner than our own clock says the coordinator may time a transaction out: it times from
 # its first AddPartitionsToTxn (after our begin_transaction) on its wall clock, which may run ahead.
 TIMEOUT_CLOCK_SLACK_S = 1.0
-TakeOverReason = Literal["hung", "fenced"]
-
-
-class TransactionFencedError(WorkerError):
-    """A newer member took over this member's transactional id, or its transaction timed out."""
-
-
-class TransactionError(WorkerError):
-    """A transaction could neither be completed nor aborted cleanly, and this member was not
-    fenced: it stops, and aborts the open transaction on the way out (best effort), so
-    read_committed readers are not held back until transaction_timeout_ms."""
-
-
-@dataclass(frozen=True)
-class Fence:
-    """A fatal _FENCED on a transaction the broker timed out, waiting for its take-over."""
-    call: str
-    error: str
-    age_s: float
-    take_over_at: float
-    # Where each partition with work in the transaction began, if its state was replaced already.
-    starts: dict[tuple[str, int], int] | None = None
-
-
-class TransactionHungError(WorkerError):
-    """A transactional call did not return in time; `call` is the thread still blocked in it."""
-
-    def __init__(self, message: str, call: threading.Thread | None = None) -> None:
-        super().__init__(message)
-        self.call = call
+__all__ = ["FENCE_SETTLE_S", "RETRIES", "WRITE_FAILURES", "WRITE_RETRY_BACKOFF_S", "TransactionError",
+           "TransactionFencedError", "TransactionHungError", "Transactions", "drained_waiter", "kind_of",
+           "transactional_config", "wait_until"]
 
 
 class TransactionalProducer(Protocol):
@@ -144,12 +111,6 @@ class TransactionalProducer(Protocol):
                                     timeout: float) -> None: ...
     def commit_transaction(self, timeout: float) -> None: ...
     def abort_transaction(self, timeout: float) -> None: ...
-
-
-class GroupConsumer(Protocol):
-    def consumer_group_metadata(self) -> Any: ...
-    def seek(self, partition: TopicPartition) -> None: ...
-    def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]: ...
 
 
 def transactional_id(group: str, member: str) -> str:
@@ -203,11 +164,11 @@ class Transactions:
     sleep: Callable[[float], None] = time.sleep
     # The shutdown deadline (infinite until a stop): no transactional call, retry or wait runs past it.
     stop: Deadline = field(default_factory=Deadline)
-    # Held while the offset state is replaced and the transaction aborted (the producer's write gate).
+    # Held while the offset state is replaced and the transaction aborted (ExactlyOnceProducer.write_gate).
     write_gate: AbstractContextManager[Any] = field(default_factory=nullcontext)
     # After a hung call: a new producer replaces `producer` (given the thread still blocked in the
-    # old one; OutputProducer.replace_client), and the in-flight records of revoked offset state
-    # are forgotten (InFlightTable.drop_revoked): the old producer will never report them. None:
+    # old one; ExactlyOnceProducer.replace_client), and the in-flight records of revoked offset state
+    # are forgotten (ExactlyOnceProducer.drop_revoked): the old producer will never report them. None:
     # a hung call stops the member.
     replace_producer: Callable[[threading.Thread], TransactionalProducer] | None = None
     forget_revoked: Callable[[], int] = lambda: 0
@@ -231,8 +192,8 @@ class Transactions:
     _hung: TransactionHungError | None = field(default=None, repr=False)
     # A stop came while a transaction could not be ended or rewound (`_halt`).
     _halted: bool = field(default=False, repr=False)
-    # The helper thread of the last bounded call (a take-over after a resumable call hands it on).
-    _last_call: threading.Thread | None = field(default=None, repr=False)
+    # The transactional calls, on helper threads (the last one's thread a take-over may hand on).
+    _calls: BoundedCalls = field(default_factory=BoundedCalls, repr=False)
     # A fence waiting for its take-over, and when the recent fenced take-overs began.
     _fence: Fence | None = field(default=None, repr=False)
     _fenced_at: list[float] = field(default_factory=list, repr=False)
@@ -241,16 +202,16 @@ class Transactions:
     def init(self, timeout_s: float = 30.0) -> bool:
         """Fences an older incarnation of this member and aborts its open transaction. False when
         a stop came first (each try is short, so a SIGTERM during it is honoured within a second)."""
-        deadline = self.clock() + timeout_s
+        limit = Deadline.after(timeout_s, self.clock)
         while True:
             if self.stop.started:
                 log.info("stopped before transactions were initialised")
                 return False
             try:
-                self.producer.init_transactions(max(0.5, min(1.0, deadline - self.clock())))
+                self.producer.init_transactions(max(0.5, limit.capped(1.0)))
                 return True
             except KafkaException as exc:
-                if kind_of(exc) == "retry" and self.clock() < deadline:
+                if kind_of(exc) == "retry" and not limit.expired():
                     log.warning("init_transactions failed; retrying", error=str(exc.args[0]))
                     self.sleep(0.5)
                     continue
@@ -365,42 +326,11 @@ class Transactions:
         return max(0.1, min(self.timeout_s, self.stop.left()))
 
     def _bounded(self, what: str, fn: Callable[[], None], grace_s: float = 0.2) -> None:
-        """Runs a blocking transactional call, at most timeout_s + HANG_MARGIN_S, and at most
-        grace_s past the shutdown deadline (re-read while waiting: a second signal shortens it).
-
-        librdkafka's own timeout does not always hold: after a hard broker restart,
-        send_offsets_to_transaction blocked for minutes (measured), holding the poll thread and
-        so the whole member. Past the bound the member stops (exit 1): nothing of the open
-        transaction is committed, and the restarted member's init_transactions aborts it.
-        """
-        answer: list[BaseException | None] = []
-
-        def call() -> None:
-            try:
-                fn()
-                answer.append(None)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-                answer.append(exc)
-
-        helper = threading.Thread(target=call, name="kwe-txn-call", daemon=True)
-        self._last_call = helper
-        helper.start()
-        end = time.monotonic() + self.timeout_s + HANG_MARGIN_S
-        while helper.is_alive():
-            now = time.monotonic()
-            end = min(end, now + self.stop.left() + grace_s)
-            if now >= end:
-                break
-            helper.join(min(0.05, end - now))
-        if not answer and not helper.is_alive():
-            helper.join()
-        if not answer and self.stop.expired():
-            raise TransactionHungError(f"{what} did not return before the shutdown deadline", helper)
-        if not answer:
-            raise TransactionHungError(f"{what} did not return within {self.timeout_s + HANG_MARGIN_S:.0f} s "
-                                       "(the transaction coordinator does not answer)", helper)
-        if answer[0] is not None:
-            raise answer[0]
+        """Runs a blocking transactional call on a helper thread (worker/kafka/bounded_calls.py), at
+        most timeout_s + HANG_MARGIN_S, and at most grace_s past the shutdown deadline (re-read while
+        waiting: a second signal shortens it). Past the bound: TransactionHungError."""
+        limit_s = self.timeout_s + bounded_calls.HANG_MARGIN_S
+        self._calls.run(what, fn, self.stop.before(-grace_s).limited(limit_s), self.stop, limit_s)
 
     def _call(self, what: str, fn: Callable[[], None], *, resume_s: float = 0.0
               ) -> Literal["ok", "abort", "fatal", "fenced", "hung", "unfinished"]:
@@ -413,7 +343,7 @@ class Transactions:
         (a new producer takes over, as for a call that never returned; its init ends the
         transaction), or "unfinished" when stopping."""
         attempt = 0
-        resume_until = self.clock() + resume_s
+        resume = Deadline.after(resume_s, self.clock)
         while True:
             attempt += 1
             try:
@@ -427,7 +357,7 @@ class Transactions:
                 return "hung"
             except KafkaException as exc:
                 kind = kind_of(exc)
-                more = attempt < RETRIES or self.clock() < resume_until
+                more = attempt < RETRIES or not resume.expired()
                 if kind == "retry" and more and not self.stop.expired():
                     log.warning("transactional call failed; retrying" if attempt < RETRIES else
                                 "transactional call still under way; resuming it", call=what,
@@ -439,7 +369,7 @@ class Transactions:
                         return "unfinished"
                     self._hung = TransactionHungError(
                         f"{what} still under way after {resume_s:.0f} s of resumed calls (the coordinator does not "
-                        "complete it)", self._last_call)
+                        "complete it)", self._calls.last)
                     return "hung"
                 if kind == "fatal":
                     return self._fatal(what, exc)
@@ -575,72 +505,8 @@ class Transactions:
 
     def take_over(self, starts: dict[tuple[str, int], int] | None = None, *,
                   reason: TakeOverReason = "hung") -> None:
-        """A transactional call hung, or the producer was fenced by the broker's transaction timeout:
-        a new producer takes over (see the module docstring). The member stops (the latch trips)
-        when it cannot: no replacement available, too many calls still stuck, or the new producer
-        cannot fence the old one or read the committed offsets."""
-        give_up: Callable[[str], None]
-        if reason == "hung":
-            hung = self._hung or TransactionHungError("a transactional call hung")
-            self._hung = None
-            self._stuck = [t for t in self._stuck if t.is_alive()]
-            if self.replace_producer is None or hung.call is None or len(self._stuck) >= STUCK_CALLS:
-                self._give_up(hung, "stopping so that a restarted member aborts the open transaction")
-                return
-            self._stuck.append(hung.call)
-            old_call = hung.call
-            log.warning("transactional call hung; a new producer takes over", error=str(hung),
-                        stuck_calls=len(self._stuck))
-
-            def give_up(why: str) -> None:
-                self._give_up(hung, why)
-        else:
-            fence, self._fence = self._fence, None
-            assert fence is not None and self.replace_producer is not None
-            self._fenced_at.append(self.clock())
-            self.taken_over_fenced += 1
-            # Its last call has returned (fenced): the old client is destroyed at once.
-            old_call = self._last_call or threading.Thread(target=lambda: None)
-            log.warning("producer fenced by the broker's transaction timeout; a new producer takes over",
-                        call=fence.call, error=fence.error, transaction_age_s=round(fence.age_s, 1),
-                        fenced_take_overs_in_window=len(self._fenced_at), bound=FENCED_TAKE_OVERS)
-
-            def give_up(why: str) -> None:
-                self.latch.trip(TransactionFencedError(f"{fence.call} failed: {fence.error} (fenced after "
-                                                       f"transaction_timeout_ms); {why}"))
-        self.on_take_over(reason)
-        with self.write_gate:
-            if starts is None:  # (an abort that hung has replaced the state already)
-                starts = self._fresh_state()
-            self.producer = self.replace_producer(old_call)
-            forgotten = self.forget_revoked()
-        self.state = "idle"  # the old transaction is the new producer's to end, at its init
-        try:
-            if not self.init(TAKE_OVER_INIT_S):
-                self._halt("the new producer was initialising")
-                return
-        except WorkerError as exc:
-            give_up(f"the new producer could not take over: {exc}")
-            return
-        # The old transaction is complete now (init_transactions waits for that): the group's
-        # committed offsets say whether the hung commit landed.
-        try:
-            answer = self._committed(list(starts))
-        except KafkaException as exc:
-            give_up(f"the committed offsets could not be read after it: {exc.args[0]}")
-            return
-        if answer is None:
-            self._halt("the group's committed offsets were being read")
-            return
-        # No committed offset: the hung commit did not land, and none came before it.
-        rewind = [TopicPartition(tp.topic, tp.partition, tp.offset if tp.offset >= 0 else starts[(tp.topic, tp.partition)])
-                  for tp in answer]
-        self._seek(rewind)
-        landed = [f"{tp.topic}[{tp.partition}]" for tp in rewind if tp.offset != starts[(tp.topic, tp.partition)]]
-        log.warning("a new producer took over; partitions rewound to their committed offsets",
-                    partitions=[f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in rewind],
-                    reason=reason, hung_commit_landed_for=landed, in_flight_forgotten=forgotten)
-        self._finish("taken_over")
+        """A new producer takes over (worker/kafka/take_over.py), or the member stops."""
+        take_over(self, starts, reason)
 
     def _halt(self, during: str) -> None:
         """A stop came while the transaction could not be ended and the partitions rewound: during
@@ -658,30 +524,6 @@ class Transactions:
             self.tracker.revoke(p.topic, p.partition)
         log.warning("stopping with the transaction unfinished: nothing more is consumed or committed; the "
                     "partitions resume from the group's committed offsets", during=during, partitions=dropped)
-
-    def _committed(self, partitions: list[tuple[str, int]]) -> list[TopicPartition] | None:
-        """The group's committed offsets, read from the broker; retried while the group coordinator
-        moves (at most TAKE_OVER_INIT_S). None when a stop came first."""
-        deadline = self.clock() + TAKE_OVER_INIT_S
-        while partitions:
-            if self.stop.started:
-                return None
-            try:
-                answer = self.consumer.committed([TopicPartition(t, p) for t, p in partitions],
-                                                 timeout=max(0.5, min(self.timeout_s, deadline - self.clock())))
-                failed = next((tp.error for tp in answer if tp.error is not None), None)
-                if failed is None:
-                    return answer
-                raise KafkaException(failed)
-            except KafkaException as exc:
-                # Only a read: anything but a fatal error is worth another try (a timeout raised by
-                # committed() is not flagged retriable, unlike the transactional calls' errors).
-                err = exc.args[0] if exc.args else None
-                if (isinstance(err, KafkaError) and err.fatal()) or self.clock() >= deadline:
-                    raise
-                log.warning("committed offsets not read; retrying", error=str(exc.args[0]))
-                self.sleep(0.5)
-        return []
 
     def _give_up(self, hung: TransactionHungError, why: str) -> None:
         self.latch.trip(TransactionHungError(f"{hung}; {why}", hung.call))
@@ -754,7 +596,7 @@ class Transactions:
         if isinstance(self.latch.error, TransactionFencedError):
             return  # a zombie does not abort (see `lost`): its successor or the broker does
         # Whatever is still in flight is not written after the abort (it would fail: no
-        # transaction is open), and records it purges are not delivery errors (producer.PURGED).
+        # transaction is open), and records it purges are not delivery errors (exactly_once_producer.PURGED).
         stop_writes()
         try:
             # No rewind and no wait for what is in flight: no later transaction follows, so a
@@ -766,19 +608,18 @@ class Transactions:
             log.info("open transaction not aborted on the way out", error=str(exc))
 
 
-def wait_until(check: Callable[[], bool], serve: Callable[[float], None], timeout_s: float,
-               clock: Callable[[], float] = time.monotonic, stop: Deadline | None = None) -> bool:
-    """Serves the group (or sleeps) until check() holds, timeout_s passes or `stop` expires."""
-    deadline = clock() + max(0.0, timeout_s)
+def wait_until(check: Callable[[], bool], serve: Callable[[float], None], deadline: Deadline) -> bool:
+    """Serves the group (or sleeps) until check() holds or `deadline` passes (re-read each turn)."""
     while not check():
-        if clock() >= deadline or (stop is not None and stop.expired()):
+        if deadline.expired():
             return False
         serve(0.01)
     return True
 
 
 def drained_waiter(in_flight: Callable[[], int], serve: Callable[[float], None],
-                   stop: Deadline | None = None) -> Callable[[float], bool]:
+                   stop: Deadline | None = None, clock: Callable[[], float] = time.monotonic) -> Callable[[float], bool]:
     """A wait_drained for `Transactions`: until nothing is in flight, at most the given seconds
-    (and never past `stop`, re-read while waiting)."""
-    return lambda timeout_s: wait_until(lambda: in_flight() == 0, serve, timeout_s, stop=stop)
+    (on `stop`'s clock, or `clock` without one) and never past `stop`, re-read while waiting."""
+    within = stop if stop is not None else Deadline(clock)
+    return lambda timeout_s: wait_until(lambda: in_flight() == 0, serve, within.limited(timeout_s))

@@ -1,0 +1,49 @@
+"""Exactly-once in one place (issue 36): the at-least-once path's modules name none of exactly-once's
+parts, and running at-least-once loads none of its modules."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# What at-least-once runs: the pipeline, intake, the output stage and dead letters, acknowledgement,
+# the in-flight table, the delivery interface (with AtLeastOnce), the producer and the committer.
+AT_LEAST_ONCE = ["worker/pipeline.py", "worker/intake.py", "worker/output.py", "worker/dead_letters.py",
+                 "worker/acks.py", "worker/inflight.py", "worker/delivery.py", "worker/delivery_types.py",
+                 "worker/kafka/producer.py",
+                 "worker/kafka/committer.py", "worker/kafka/offsets.py"]
+# Exactly-once's names: the write gate, failed-write routing, the client take-over, the transaction loop.
+NAMES = ["write_gate", "fail_writes_into", "given_up", "drop_revoked", "replace_client", "PURGED", "take_over",
+         "Transactions", "ExactlyOnceProducer", "txn", "transactional_config", "abort_transaction", "commit_transaction", "TransactionHungError", "TransactionFencedError"]
+# Loaded only when exactly-once runs.
+MODULES = ["worker.exactly_once", "worker.kafka.exactly_once_producer", "worker.kafka.transactions",
+           "worker.kafka.take_over", "worker.kafka.bounded_calls", "worker.kafka.transaction_errors"]
+
+
+def test_the_at_least_once_modules_name_nothing_of_exactly_once() -> None:
+    pattern = re.compile(r"\b(" + "|".join(NAMES) + r")\b")
+    found = [f"{path}:{n}: {m.group(1)}" for path in AT_LEAST_ONCE
+             for n, line in enumerate((ROOT / path).read_text().splitlines(), 1)
+             if (m := pattern.search(line))]
+    assert found == []
+
+
+def test_at_least_once_loads_no_exactly_once_module() -> None:
+    code = ("import sys\n"
+            "from worker.config import Settings\n"
+            "from worker.delivery import build_delivery, producer_config_for\n"
+            "from worker.kafka.committer import Committer\n"
+            "from worker.kafka.producer import OutputProducer\n"
+            "from worker.latch import FatalLatch\n"
+            "import worker.app, worker.pipeline\n"
+            "s = Settings()\n"
+            "producer = OutputProducer(producer_config_for(s, {}), FatalLatch(), producer_factory=lambda c: object())\n"
+            "d = build_delivery(s, Committer(None, interval_s=1.0), producer, None, FatalLatch(), None, None, None)\n"
+            "assert d.writer is producer and d.around_batch is None\n"
+            f"print(sorted(m for m in sys.modules if m in {MODULES!r}))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stderr
