@@ -209,6 +209,8 @@ class Side:
     # When the reader got each output record (ms, wall clock): the record timestamp is stamped at
     # produce(), before the producer's linger and the broker's acks; this is after both.
     recv_ts: dict[str, float] = field(default_factory=dict)
+    # The input partition of each record (the overload round's per-partition report).
+    in_part: dict[str, int] = field(default_factory=dict)
 
     def close(self) -> None:
         """Close the readers and stop the worker (SIGTERM, the graceful path)."""
@@ -227,7 +229,8 @@ def _reader(bootstrap: str, group: str, topic: str) -> Consumer:
     return c
 
 
-def _drain(reader: Consumer, into: dict[str, int], recv: dict[str, float] | None, timeout_s: float) -> int:
+def _drain(reader: Consumer, into: dict[str, int], recv: dict[str, float] | None, timeout_s: float,
+           parts: dict[str, int] | None = None) -> int:
     """One read: waits up to timeout_s for a record, then takes what is already fetched; returns how many."""
     # consume(n, timeout) returns early only once it has n records: wait for one, then take the rest.
     msgs = reader.consume(1, timeout=timeout_s)
@@ -243,6 +246,8 @@ def _drain(reader: Consumer, into: dict[str, int], recv: dict[str, float] | None
             into[key] = msg.timestamp()[1]
             if recv is not None:
                 recv[key] = now_ms
+            if parts is not None:
+                parts[key] = msg.partition()
             got += 1
     return got
 
@@ -452,6 +457,31 @@ def overload_verdict(t_send_ms: np.ndarray, t_out_ms: np.ndarray, high_end_ms: f
             "settled": bool(after.any() and p99_after <= goal_p99_ms)}
 
 
+def partition_spread(t_send_ms: np.ndarray, t_out_ms: np.ndarray, partition: np.ndarray,
+                     high_end_ms: float) -> dict[str, Any]:
+    """Per input partition, of the records sent during the overload (before high_end_ms): how
+    many, their wait's p50/p99 (ms), and when the partition's backlog reached zero (its last such
+    record written, seconds after the overload ended); and the spread of those drain times, which
+    is 0 when the worker serves its partitions fairly and the drain's length when it serves them
+    one after another."""
+    high = t_send_ms < high_end_ms
+    rows = {}
+    for p in np.unique(partition[high]):
+        mine = high & (partition == p)
+        wait = t_out_ms[mine] - t_send_ms[mine]
+        p50, p99 = np.percentile(wait, [50, 99])
+        rows[str(int(p))] = {"n": int(mine.sum()), "p50_ms": float(p50), "p99_ms": float(p99),
+                             "drained_s": max(0.0, float(t_out_ms[mine].max() - high_end_ms) / 1000)}
+    drained = [r["drained_s"] for r in rows.values()]
+    return {"partitions": rows, "drain_spread_s": (max(drained) - min(drained)) if drained else math.nan}
+
+
+def partition_line(spread: dict[str, Any]) -> str:
+    """`p0 p50/p99 ms, drained at s | ...` for the overload's printout."""
+    return " | ".join(f"p{p} {r['p50_ms'] / 1000:.1f}/{r['p99_ms'] / 1000:.1f} s, 0 at +{r['drained_s']:.1f} s"
+                      for p, r in sorted(spread["partitions"].items(), key=lambda kv: int(kv[0])))
+
+
 def overload_round(side: Side, pool: FreshKeywords, bootstrap: str, peak: float, tmp: Path, *, high: float,
                    high_s: float, low: float, low_s: float, goal_p99_ms: float, seed: int = 7) -> dict[str, Any]:
     """high x peak for high_s seconds, then low x peak for low_s, open loop; RSS sampled throughout."""
@@ -484,14 +514,16 @@ def overload_round(side: Side, pool: FreshKeywords, bootstrap: str, peak: float,
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         while gen.poll() is None:
             _drain(side.out_reader, side.out_ts, None, 0.05)
-            _drain(side.in_reader, side.in_ts, None, 0)
+            _drain(side.in_reader, side.in_ts, None, 0, side.in_part)
         out, err = gen.communicate()
         if gen.returncode != 0:
             raise SystemExit(f"produce failed: {err}")
         phases.append({"load": frac, "rate": peak * frac, "seconds": secs, "sent": int(out.split()[1]),
                        "start_ms": start_ms, "end_ms": time.time() * 1000, "producer_report": out.strip()})
     sent = sum(p["sent"] for p in phases)
-    _collect(side.in_reader, side.in_ts, tag, sent, 60)
+    deadline = time.monotonic() + 60
+    while sum(k.startswith(tag) for k in side.in_ts) < sent and time.monotonic() < deadline:
+        _drain(side.in_reader, side.in_ts, None, 0.2, side.in_part)
     _collect(side.out_reader, side.out_ts, tag, sent, 300)
     stop.set()
     sampler.join()
@@ -501,14 +533,16 @@ def overload_round(side: Side, pool: FreshKeywords, bootstrap: str, peak: float,
     t_out = np.array([side.out_ts[k] for k in done], dtype=np.float64)
     high_end = float(max(side.in_ts[k] for k in keys if k.startswith(f"{tag}0-")))
     verdict = overload_verdict(t_in, t_out, high_end, goal_p99_ms=goal_p99_ms)
+    spread = partition_spread(t_in, t_out, np.array([side.in_part[k] for k in done]), high_end)
     low_phase = t_in > high_end
     for k in keys:
         side.in_ts.pop(k, None)
         side.out_ts.pop(k, None)
+        side.in_part.pop(k, None)
     peak_rss = max((b for _, b in rss), default=rss0)
     return {"phases": phases, "sent": sent, "missing": sent - len(done), "rss_start_bytes": rss0,
             "rss_peak_bytes": peak_rss, "rss_growth_mib": (peak_rss - rss0) / 2**20, "rss": rss,
-            **verdict, "goal_p99_ms": goal_p99_ms,
+            **verdict, "goal_p99_ms": goal_p99_ms, "by_partition": spread,
             "low_phase_windows": window_stats(t_in[low_phase], (t_out - t_in)[low_phase]),
             "high_phase_windows": window_stats(t_in[~low_phase], (t_out - t_in)[~low_phase])}
 
@@ -734,6 +768,9 @@ def main() -> int:
                       f"MiB, backlog {ov['backlog_at_high_end']} drained in {ov['drain_s']:.1f} s "
                       f"({ov['drain_kw_s']:.0f} kw/s), p99 from 10 s after the drain {ov['p99_after_settle_ms']:.0f} "
                       f"ms (goal {args.goal_p99_ms:g}); low-phase p99 by window: {windows_line(ov['low_phase_windows'])}",
+                      flush=True)
+                print(f"  overload records by partition (wait p50/p99, backlog zero at): "
+                      f"{partition_line(ov['by_partition'])}; drain spread {ov['by_partition']['drain_spread_s']:.1f} s",
                       flush=True)
             args.levels, args.rounds, args.catchup = [], 0, 0
         per_second = sum(peak * lvl for lvl in args.levels) * len(sides) * args.rounds

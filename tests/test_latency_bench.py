@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.fresh_keywords import FreshKeywords, PoolExhaustedError
 from benchmarks.kafka_latency import (MAX_GENERATOR_LAG_P99_MS, MAX_HIT_RATE, cache_hit_rate, generator_verdict,
-                                     overload_verdict,
+                                     overload_verdict, partition_line, partition_spread,
                                      render_markdown, schedule_lag_ms, summarise, window_stats, windows_line)
 from worker.loadgen import arrivals
 
@@ -130,3 +130,21 @@ def test_overload_verdict_finds_the_drain_and_judges_the_p99_after_it() -> None:
     assert v["drain_s"] == pytest.approx(3.99, abs=0.02)  # the last overload record out at ~13.98 s
     assert v["backlog_at_high_end"] > 0 and v["settled"] and v["p99_after_settle_ms"] == 20.0
     assert not overload_verdict(send, out, high_end_ms=9_990, goal_p99_ms=10.0)["settled"]
+
+
+def test_partition_spread_shows_partitions_served_one_after_another() -> None:
+    # 10 s of overload on 3 partitions; a fair drain empties them together, a serial one in turn.
+    send = np.tile(np.arange(0, 10_000, 10, dtype=np.float64), 3)
+    part = np.repeat([0, 1, 2], 1000)
+    fair = partition_spread(send, send + 2_000, part, high_end_ms=10_000)
+    assert fair["drain_spread_s"] == pytest.approx(0.0)
+    assert {r["n"] for r in fair["partitions"].values()} == {1000}
+    serial = partition_spread(send, send + 2_000 + part * 5_000.0, part, high_end_ms=10_000)
+    assert serial["drain_spread_s"] == pytest.approx(10.0)
+    assert serial["partitions"]["2"]["drained_s"] == pytest.approx(11.99)
+    assert serial["partitions"]["0"]["p50_ms"] == pytest.approx(2_000)
+    assert serial["partitions"]["2"]["p99_ms"] == pytest.approx(12_000)
+    # Records sent after the overload are not the backlog's.
+    late = partition_spread(np.append(send, 20_000.0), np.append(send + 2_000, 99_000.0), np.append(part, 0), 10_000)
+    assert late["drain_spread_s"] == pytest.approx(0.0)
+    assert partition_line(serial).startswith("p0 2.0/2.0 s, 0 at +2.0 s | p1 ")
