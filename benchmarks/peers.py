@@ -10,7 +10,10 @@ its own mean pooling and normalisation. Each round runs, in rotating order, on t
 queries (the first `--n` TREC 2005 efficiency queries, repeats included, the cache off: this
 compares the model path; the cache is measured in benchmarks/cache_bench.py):
 - fastembed: `TextEmbedding.embed(texts)` with its defaults (batch 256, ORT's threads);
-- embedder: `Embedder(cache_bytes=0).embed(texts)` (sorted by length, tokenisation included);
+- embedder: `Embedder(cache_bytes=0, backend=--backend).embed(texts)` (sorted by length,
+  tokenisation included); `--backend auto` (the worker's default) measures ONNX Runtime and
+  OpenVINO at start-up and keeps the faster that passes the fp32 gate (worker/backends/auto.py);
+  the stream and the ceiling then run on that same choice;
 - bucketed: the worker's path offline: tokenize, then the real Bucketer (`cpu` profile) fed in
   file order through the max_in_flight window (tokenisation timed too);
 - ceiling: the backend alone at the best (batch, length, thread layout) found by a grid search
@@ -29,6 +32,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engines.export_onnx import default_cache_dir, ensure_onnx  # noqa: E402
-from worker.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402
+from worker.backends.base import Backend  # noqa: E402
+from worker.backends.select import open_backend  # noqa: E402
 from worker.benchmark.inputs import read_queries  # noqa: E402
 from worker.benchmark.policies import BucketerOptions, run_bucketed  # noqa: E402
 from worker.benchmark.report import quartiles  # noqa: E402
@@ -97,19 +102,23 @@ def make_fastembed(folder: Path, threads: int | None):  # noqa: ANN201 (optional
 
 
 # --------------------------------------------------------------------------- the ceiling
-def tokens_per_s(backend: OnnxRuntimeBackend, batch: int, length: int, contexts: int, min_s: float) -> float:
+def tokens_per_s(backend: Backend, batch: int, length: int, contexts: int, min_s: float) -> float:
     """Real tokens/s of `contexts` threads each calling the backend on [batch, length] (all real)."""
     rng = np.random.default_rng(batch * 1000 + length)
     ids = rng.integers(1000, 29000, (batch, length), dtype=np.int64)
     ids[:, 0], ids[:, -1] = 101, 102
     mask = np.ones_like(ids)
-    backend.run(ids, mask)  # warm this shape
+    # One inference context per thread, as the worker's dispatchers have (OpenVINO runs only
+    # through a context; ONNX Runtime's are cheap views of its one session).
+    ctxs = [backend.create_context(t) for t in range(contexts)]
+    for ctx in ctxs:
+        ctx.run(ids, mask)  # warm this shape
     calls = [0] * contexts
     stop = threading.Event()
 
     def loop(t: int) -> None:
         while not stop.is_set():
-            backend.run(ids, mask)
+            ctxs[t].run(ids, mask)
             calls[t] += 1
 
     threads = [threading.Thread(target=loop, args=(t,)) for t in range(contexts)]
@@ -120,16 +129,19 @@ def tokens_per_s(backend: OnnxRuntimeBackend, batch: int, length: int, contexts:
     stop.set()
     for t in threads:
         t.join()
-    return sum(calls) * batch * length / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    for ctx in ctxs:
+        ctx.close()
+    return sum(calls) * batch * length / elapsed
 
 
-def ceiling_grid(onnx_path: Path, batches: list[int], lengths: list[int], min_s: float
+def ceiling_grid(open_ours: Callable[[int], Backend], batches: list[int], lengths: list[int], min_s: float
                  ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     cores = os.cpu_count() or 1
     layouts = [(1, 0)] + ([(cores, 1)] if cores > 1 else [])  # (contexts, intra-op threads each)
     cells = []
     for contexts, threads in layouts:
-        backend = OnnxRuntimeBackend(onnx_path, intra_op_threads=threads)
+        backend = open_ours(threads)
         for b in batches:
             for length in lengths:
                 tps = max(tokens_per_s(backend, b, length, contexts, min_s) for _ in range(2))
@@ -147,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--queries", default=str(DEFAULT_QUERIES))
     ap.add_argument("--n", type=int, default=10000)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="ORT intra-op threads for ours (0: all cores)")
+    ap.add_argument("--backend", choices=("auto", "onnxruntime", "openvino"), default="auto",
+                    help="our backend (auto: the worker's default, measured at start-up)")
+    ap.add_argument("--threads", type=int, default=0, help="intra-op threads for ours (0: all cores)")
     ap.add_argument("--dispatchers", type=int, default=1, help="bucketed stream dispatchers (worker default 1)")
     ap.add_argument("--fastembed-threads", type=int, default=None, help="FastEmbed threads (default: its own)")
     ap.add_argument("--grid-batches", default="16,32,64,128,256")
@@ -160,15 +174,28 @@ def main(argv: list[str] | None = None) -> int:
     texts = [t for _, t in read_queries(args.queries, limit=args.n)]
     model_dir = default_model_dir()
     onnx_path = ensure_onnx(model_dir)
-    embedder = Embedder(model_dir, onnx_path=onnx_path, cache_bytes=0, intra_op_threads=args.threads)
+    embedder = Embedder(model_dir, onnx_path=onnx_path, cache_bytes=0, intra_op_threads=args.threads,
+                        backend=args.backend)
+    if embedder.backend_choice is not None:
+        kind, ov_precision = embedder.backend_choice.candidate.backend, embedder.backend_choice.candidate.ov_precision
+        ours = embedder.backend_choice.candidate.label
+    else:
+        kind, ov_precision = args.backend, "bf16"
+        ours = "onnxruntime/fp32" if kind == "onnxruntime" else "openvino/bf16"
+    print(f"ours: --backend {args.backend} -> {ours}", flush=True)
+
+    def open_ours(threads: int) -> Backend:
+        return open_backend(kind, embedder.info, onnx_path=onnx_path, intra_op_threads=threads,
+                            openvino_precision=ov_precision)
+
     folder = fastembed_folder(model_dir, onnx_path, default_cache_dir() / "fastembed-minilm", embedder.max_len)
     fe = make_fastembed(folder, args.fastembed_threads)
-    backend = OnnxRuntimeBackend(onnx_path, intra_op_threads=args.threads)
+    backend = open_ours(args.threads)
     profile = load_profile("cpu", model_max_len=embedder.max_len)
 
-    cells, best = ceiling_grid(onnx_path, [int(x) for x in args.grid_batches.split(",")],
+    cells, best = ceiling_grid(open_ours, [int(x) for x in args.grid_batches.split(",")],
                                [int(x) for x in args.grid_lengths.split(",")], args.grid_seconds)
-    ceil_backend = OnnxRuntimeBackend(onnx_path, intra_op_threads=best["intra_op_threads"])
+    ceil_backend = open_ours(best["intra_op_threads"])
 
     def run_fastembed() -> tuple[float, np.ndarray, int]:
         t0 = time.perf_counter()
@@ -239,11 +266,13 @@ def main(argv: list[str] | None = None) -> int:
         "cosine_min": {"fastembed vs embedder": cos_min(vectors["fastembed"], vectors["embedder"]),
                        "bucketed vs embedder": cos_min(vectors["bucketed"], vectors["embedder"])},
         "ceiling": {"best": best, "grid": cells},
-        "settings": {"threads": args.threads, "dispatchers": args.dispatchers,
+        "backend": {"setting": args.backend, "chosen": ours,
+                    "auto_reason": embedder.backend_choice.reason if embedder.backend_choice else None},
+        "settings": {"backend": args.backend, "threads": args.threads, "dispatchers": args.dispatchers,
                      "fastembed_threads": args.fastembed_threads},
         "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
                  "onnxruntime": __import__("onnxruntime").__version__,
-                 "fastembed": __import__("fastembed").__version__},
+                 "fastembed": __import__("fastembed").__version__, "openvino": _openvino_version()},
     }
     print(json.dumps({k: report[k] for k in ("ratios", "cosine_min")}, indent=2))
     if args.json:
@@ -253,8 +282,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _openvino_version() -> str | None:
+    try:
+        import openvino
+    except ImportError:
+        return None
+    return str(openvino.__version__)
+
+
 def _q(q: dict[str, float], fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(q['median'])} ({fmt.format(q['q1'])}-{fmt.format(q['q3'])})"
+
+
+def _ours(report: dict[str, Any]) -> str:
+    # Results written before --backend existed ran ours on ONNX Runtime fp32.
+    b = report.get("backend") or {"setting": "onnxruntime", "chosen": "onnxruntime/fp32"}
+    return f"`--backend {b['setting']}` ({b['chosen']})"
 
 
 def render(report: dict[str, Any]) -> str:
@@ -265,8 +308,10 @@ def render(report: dict[str, Any]) -> str:
         f"`{report['command']}`",
         "",
         f"{report['n']:,} TREC 2005 efficiency queries (file order, repeats included, cache off), "
-        f"{len(report['rounds'])} rounds in rotating order, same ONNX weights; FastEmbed "
-        f"{report['host']['fastembed']}, ONNX Runtime {report['host']['onnxruntime']}, "
+        f"{len(report['rounds'])} rounds in rotating order, same ONNX weights; ours on "
+        f"{_ours(report)}; FastEmbed "
+        f"{report['host']['fastembed']} (ONNX Runtime), ONNX Runtime {report['host']['onnxruntime']}, "
+        f"OpenVINO {report['host'].get('openvino') or 'absent'}, "
         f"{report['host']['cpus']} shared cores (absolute speeds drift; read the paired ratios).",
         "",
         "| configuration | keywords/s, median (q1-q3) |",
