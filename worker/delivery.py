@@ -25,13 +25,9 @@ AtLeastOnce (the committer; worker/kafka/committer.py) states:
 ExactlyOnce (worker/exactly_once.py: the transaction loop; worker/kafka/transactions.py has its
 states idle -> open -> closing -> idle, and the abort path) states there:
     created --start--> running --finish--> finished
-  start: init_transactions (bounded by the stop deadline: a SIGTERM during it ends it);
-  running: poll_step steps the transaction (closing when the interval is up or flow control
-  pauses, commit once drained, abort when asked) and pauses intake while one closes;
-  before_intake opens a transaction; on_revoke commits or aborts it; on_lost aborts a young one
-  or stops a zombie; finish commits if it drains within the deadline, else stops all writes and
-  aborts. Its writes go through the exactly-once producer (worker/kafka/exactly_once_producer.py:
-  the write gate around each batch, failed writes into the transaction, the client take-over).
+  (what each state does is written once, at the top of worker/exactly_once.py). Its writes go
+  through the exactly-once producer (worker/kafka/exactly_once_producer.py: the write gate around
+  each batch, failed writes into the transaction, the client take-over).
 
 `build_delivery` is the one place that asks which guarantee runs; at-least-once is built from
 only what it uses (the committer and the producer) and runs no exactly-once code.

@@ -18,7 +18,7 @@ from kwe_core.errors import BackendError
 # without importing the backends; re-exported here beside the protocol.
 from worker.names import BackendName, OvPrecision
 
-__all__ = ["Backend", "BackendError", "BackendName", "InferenceContext", "OvPrecision"]
+__all__ = ["Backend", "BackendError", "BackendName", "InferenceContext", "OvPrecision", "check_batch"]
 
 
 @runtime_checkable
@@ -51,3 +51,9 @@ class Backend(Protocol):
 
     def close(self) -> None: ...
 
+
+def check_batch(backend: str, input_ids: np.ndarray, attention_mask: np.ndarray) -> None:
+    """The one shape rule every CPU backend enforces before a call: ids and mask, the same [B, L]."""
+    if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
+        raise BackendError(f"{backend}: input_ids {input_ids.shape} and attention_mask "
+                           f"{attention_mask.shape} must be the same [batch, seq] shape")

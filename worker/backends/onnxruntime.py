@@ -14,6 +14,7 @@ from typing import Literal
 import numpy as np
 
 from kwe_core.errors import BackendError
+from worker.backends.base import check_batch
 
 GraphOptimization = Literal["disable", "basic", "extended", "all"]
 
@@ -108,9 +109,7 @@ class OnnxRuntimeBackend:
         """[B, L] ids and mask -> [B, dim] float32 (callable from any thread)."""
         if self._closed:
             raise BackendError(f"onnxruntime: {self.path}: run() after close()")
-        if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
-            raise BackendError(f"onnxruntime: input_ids {input_ids.shape} and attention_mask "
-                               f"{attention_mask.shape} must be the same [batch, seq] shape")
+        check_batch("onnxruntime", input_ids, attention_mask)
         if input_ids.shape[0] == 0:
             return np.zeros((0, self.dim), dtype=np.float32)
         feed = {

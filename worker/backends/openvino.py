@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from kwe_core.errors import BackendError, extra_missing
-from worker.backends.base import OvPrecision
+from worker.backends.base import OvPrecision, check_batch
 
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
@@ -77,9 +77,7 @@ class OpenVinoContext:
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         if self.closed:
             raise BackendError(f"openvino context {self.index}: run() after close()")
-        if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
-            raise BackendError(f"openvino: input_ids {input_ids.shape} and attention_mask "
-                               f"{attention_mask.shape} must be the same [batch, seq] shape")
+        check_batch("openvino", input_ids, attention_mask)
         if input_ids.shape[0] == 0:
             return np.zeros((0, self.backend.dim), dtype=np.float32)
         feed = {INPUT_IDS: np.ascontiguousarray(input_ids, dtype=np.int64),
