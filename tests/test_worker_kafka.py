@@ -311,7 +311,11 @@ def test_a_member_joining_mid_stream_takes_partitions_without_loss(
         kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path, onnx_ready: None) -> None:
     names = topics(make_topic, 6)
     queries = load_queries(9000, 6000)
-    produce_queries(kafka_bootstrap, names[0], queries)
+    # Half before the join, half once the second member holds partitions: on a fast backend the
+    # first member could otherwise finish everything before the join completes, and the second
+    # would have nothing to do.
+    before, after = queries[:3000], queries[3000:]
+    produce_queries(kafka_bootstrap, names[0], before)
     first, second = workers(2, kafka_bootstrap, names, group_id, tmp_path,
                             ("--intra-op-threads", "1", "--max-in-flight", "1000"))
     first.start()
@@ -322,6 +326,11 @@ def test_a_member_joining_mid_stream_takes_partitions_without_loss(
             reader.poll(0.1)
             assert time.monotonic() < deadline, first.log()[-3000:]
         second.start()  # the cooperative rebalance revokes some of the first member's partitions
+        while not any(e["partitions"] for e in second.events("partitions assigned")):
+            reader.poll(0.1)
+            assert time.monotonic() < deadline, second.log()[-3000:]
+            assert second.proc is not None and second.proc.poll() is None, second.log()[-3000:]
+        produce_queries(kafka_bootstrap, names[0], after)
         reader.wait_for({q for q, _ in queries}, 600, alive=[first, second])
         reader.settle(2.0)
         codes = [first.stop(), second.stop()]
