@@ -60,7 +60,8 @@ from confluent_kafka import KafkaException, TopicPartition
 from worker.deadline import Deadline
 from worker.kafka.bounded_calls import BoundedCalls
 from worker.kafka.offsets import OffsetTracker, PartitionOffsets
-from worker.kafka.take_over import FENCE_SETTLE_S, Fence, GroupConsumer, TakeOverReason, take_over
+from worker.kafka.rewind import GroupConsumer, fresh_state, seek
+from worker.kafka.take_over import FENCE_SETTLE_S, Fence, TakeOverReason, take_over
 from worker.kafka.transactional_calls import (RETRIES, CallResult, TransactionalProducer, bounded, call, call_timeout,
                                               fatal, kind_of)
 from worker.kafka.transaction_errors import TransactionError, TransactionFencedError, TransactionHungError
@@ -321,7 +322,7 @@ class Transactions:
         a record of the aborted transaction is dropped instead of produced into the next one.
         """
         with self.write_gate:
-            starts = self._fresh_state()
+            starts = fresh_state(self.tracker)
             aborted = call(self, "abort_transaction", lambda: self.producer.abort_transaction(call_timeout(self)),
                            resume_s=self.transaction_timeout_s)
         if aborted == "hung":
@@ -339,32 +340,10 @@ class Transactions:
                 self.latch.trip(TransactionError(f"the transaction could not be aborted ({reason})"))
             return
         rewind = [TopicPartition(topic, partition, start) for (topic, partition), start in starts.items()]
-        self._seek(rewind)
+        seek(self.consumer, rewind)
         log.warning("transaction aborted; partitions rewound", reason=reason,
                     partitions=[f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in rewind])
         self._finish("aborted")
-
-    def _fresh_state(self) -> dict[tuple[str, int], int]:
-        """Fresh offset state (the old one marked revoked, so a late completion of a record of the
-        aborted transaction is dropped) for every partition with work in the transaction; returns
-        where each began. The others keep their state and fetch position (a record already
-        fetched for them is still the next one). Under the write gate."""
-        starts: dict[tuple[str, int], int] = {}
-        for p in self.tracker.partitions():
-            start = p.committed if p.committed is not None else p.first
-            if start is not None:
-                starts[(p.topic, p.partition)] = start
-                self.tracker.assign(p.topic, p.partition)
-        return starts
-
-    def _seek(self, positions: list[TopicPartition]) -> None:
-        for tp in positions:
-            try:
-                self.consumer.seek(tp)
-            except KafkaException as exc:
-                # Not (or no longer) assigned: its next owner starts from the committed offset anyway.
-                log.warning("could not rewind a partition", partition=f"{tp.topic}[{tp.partition}]",
-                            error=str(exc.args[0]))
 
     def take_over(self, starts: dict[tuple[str, int], int] | None = None, *,
                   reason: TakeOverReason = "hung") -> None:
