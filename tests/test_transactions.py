@@ -501,7 +501,7 @@ def test_a_failed_write_aborts_at_once_without_waiting_for_the_records_librdkafk
     loop.clock.now += 2
     loop.txn.step(flow_paused=False)
     assert loop.producer.visible == ["out-0-0", "out-0-1"] and loop.producer.offsets == {("in", 0): 2}
-    assert loop.txn._write_failures_in_row == 0
+    assert loop.txn._writes.in_row == 0
 
 
 def test_writes_failing_transaction_after_transaction_stop_the_member_with_backoff_between() -> None:

@@ -28,21 +28,22 @@ States (`state`), on the poll thread:
 
 Every wait is bounded by a `Deadline` on the injected clock, within the stop deadline.
 
-A failed write (worker/kafka/exactly_once_producer.py: a delivery error, or a produce refused with _STATE once
-librdkafka made the transaction abortable) arrives through `write_failed` from the thread that saw
-it, before its record leaves the in-flight table (ExactlyOnceProducer.release), so a commit, which
-waits for the table to empty, always sees it. The next `step` (or a commit about to happen) aborts
-and rewinds at once, without waiting for the pipeline to drain: librdkafka sends nothing more of
-an abortable transaction, so its queued records would only come back when abort_transaction
-purges them. The abort holds the producer's write gate, so no record of the aborted transaction
-is produced after it. Intake then waits 0.5, 1, 2 and 4 s before the next tries; the fifth failed
-transaction in a row stops the worker (a write that keeps failing is not transient: a record the
-topic refuses, for instance).
+A failed write (worker/kafka/exactly_once_producer.py: a delivery error, or a produce refused with
+_STATE once librdkafka made the transaction abortable) arrives through `write_failed` from the
+thread that saw it (into worker/kafka/write_failures.py's mailbox), before its record leaves the
+in-flight table (ExactlyOnceProducer.release), so a commit, which waits for the table to empty,
+always sees it. The next `step` (or a commit about to happen) aborts and rewinds at once, without
+waiting for the pipeline to drain: librdkafka sends nothing more of an abortable transaction, so
+its queued records would only come back when abort_transaction purges them. The abort holds the
+producer's write gate, so no record of the aborted transaction is produced after it. Intake then
+waits 0.5, 1, 2 and 4 s before the next tries; the fifth failed transaction in a row stops the
+worker (a write that keeps failing is not transient: a record the topic refuses, for instance).
 
 Threads: everything here runs on the poll thread (including the rebalance callbacks, which
-librdkafka serves inside consume). The output and delivery threads only produce and
-acknowledge; `begin` happens before any record of a transaction is consumed and `commit`/`abort`
-only once none is left in flight, so no produce can race a state change of the transaction.
+librdkafka serves inside consume), but `write_failed`, which only posts to the failed-write
+mailbox (its own lock). The output and delivery threads only produce and acknowledge; `begin`
+happens before any record of a transaction is consumed and `commit`/`abort` only once none is left
+in flight, so no produce can race a state change of the transaction.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from worker.kafka.take_over import FENCE_SETTLE_S, Fence, TakeOverReason, take_o
 from worker.kafka.transactional_calls import (RETRIES, CallResult, TransactionalProducer, bounded, call, call_timeout,
                                               fatal, kind_of)
 from worker.kafka.transaction_errors import TransactionError, TransactionFencedError, TransactionHungError
+from worker.kafka.write_failures import WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, WriteFailures
 from worker.latch import FatalLatch
 
 log = structlog.get_logger(__name__)
@@ -73,9 +75,6 @@ State = Literal["idle", "open", "closing"]
 # taken_over: a hung call's transaction, ended by the producer that replaced the hung one (committed
 # if its commit had reached the coordinator, else aborted).
 Outcome = Literal["committed", "aborted", "taken_over"]
-# Transactions failed by a write, in a row, before the member stops; the wait before each retry.
-WRITE_FAILURES = 5
-WRITE_RETRY_BACKOFF_S = 0.5
 __all__ = ["FENCE_SETTLE_S", "RETRIES", "WRITE_FAILURES", "WRITE_RETRY_BACKOFF_S", "TransactionError",
            "TransactionFencedError", "TransactionHungError", "Transactions", "drained_waiter", "kind_of",
            "transactional_config", "wait_until"]
@@ -134,12 +133,8 @@ class Transactions:
     committed: int = 0
     aborted: int = 0
     _abort_reason: str | None = field(default=None, repr=False)
-    # A failed write, reported from the output or delivery thread (behind _write_lock).
-    _write_failure: str | None = field(default=None, repr=False)
-    _write_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    # Transactions failed by a write since the last commit, and when intake may resume.
-    _write_failures_in_row: int = field(default=0, repr=False)
-    _resume_at: float = field(default=0.0, repr=False)
+    # A failed write, reported from the output or delivery thread, and the retry bookkeeping.
+    _writes: WriteFailures = field(default_factory=WriteFailures, repr=False)
     # The threads still blocked in calls of replaced producers; the last hung call's error.
     _stuck: list[threading.Thread] = field(default_factory=list, repr=False)
     _hung: TransactionHungError | None = field(default=None, repr=False)
@@ -175,38 +170,28 @@ class Transactions:
     def closing(self) -> bool:
         """Intake must stay paused: the open transaction waits for its records to finish, or a
         failed write's abort, or the wait before its retry."""
-        with self._write_lock:
-            failed = self._write_failure is not None
-        return (self.state == "closing" or self._abort_reason is not None or failed or self._halted
-                or self._fence is not None or self.clock() < self._resume_at)
+        return (self.state == "closing" or self._abort_reason is not None or self._writes.pending() or self._halted
+                or self._fence is not None or self.clock() < self._writes.resume_at)
 
     def write_failed(self, reason: str) -> None:
         """Any thread: a write of the open transaction failed; it is aborted at the next step."""
-        with self._write_lock:
-            if self._write_failure is None:
-                self._write_failure = reason
-
-    def _take_write_failure(self) -> str | None:
-        with self._write_lock:
-            reason, self._write_failure = self._write_failure, None
-        return reason
+        self._writes.report(reason)
 
     def _aborted_on_failed_write(self) -> bool:
         """If a write failed the open transaction: aborts it now and returns True."""
-        if (reason := self._take_write_failure()) is None:
+        if (reason := self._writes.take()) is None:
             return False
         self._abort_failed_write(reason)
         return True
 
     def _abort_failed_write(self, reason: str) -> None:
         """Aborts and rewinds now (see the module docstring), or stops after WRITE_FAILURES in a row."""
-        self._write_failures_in_row += 1
-        if self._write_failures_in_row >= WRITE_FAILURES:
+        if not self._writes.count():
             self.latch.trip(TransactionError(
-                f"writes failed {self._write_failures_in_row} transactions in a row; the last: {reason}"))
+                f"writes failed {self._writes.in_row} transactions in a row; the last: {reason}"))
             return
         self.abort_and_rewind(reason)
-        self._resume_at = self.clock() + WRITE_RETRY_BACKOFF_S * 2 ** (self._write_failures_in_row - 1)
+        self._writes.back_off(self.clock())
 
     def ensure_open(self) -> None:
         """Called with consumed records before intake sees them: they belong to an open transaction."""
@@ -257,7 +242,7 @@ class Transactions:
             return
         if self.state == "idle":
             # A failure reported for an already aborted transaction's record fails nothing here.
-            self._take_write_failure()
+            self._writes.take()
             return
         if self._aborted_on_failed_write():
             return
@@ -310,7 +295,7 @@ class Transactions:
             p.confirm_commit(off)
         if offsets:
             self.on_progress()
-        self._write_failures_in_row = 0
+        self._writes.committed()
         log.debug("transaction committed", offsets=[f"{p.topic}[{p.partition}]@{off}" for p, off in offsets])
         self._finish("committed")
         return True
