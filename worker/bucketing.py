@@ -299,7 +299,7 @@ class Bucketer:
                     target, items, merged = self._take_flush(decision)
                     lane.forming += 1
                 # Padding outside the lock: submitters and dispatchers are not held up by it.
-                batch = pad(target, items, self.pad_to, merged)
+                batch = self._pad(target, items, merged)
                 with self._lock:
                     lane.forming -= 1
                     lane.ready.append(batch)
@@ -309,6 +309,9 @@ class Bucketer:
                 self._former_done = True
                 self._ready_cv.notify_all()
                 self._idle_cv.notify_all()
+
+    def _pad(self, b: Bucket, items: list[Item], merged: int = 1) -> Batch:
+        return pad(b, items, self.pad_to, merged)
 
     def _dispatch_loop(self, lane_no: int, ctx_ids: tuple[int, ...]) -> None:
         lane = self._lanes[lane_no]
