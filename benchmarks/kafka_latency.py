@@ -701,11 +701,7 @@ def main() -> int:
     if args.merge:
         merged = merge_reports([json.loads(p.read_text()) for p in args.merge],
                                " ".join(["benchmarks/kafka_latency.py", *sys.argv[1:]]))
-        if args.json:
-            args.json.write_text(json.dumps(merged, indent=2, default=float) + "\n")
-        if args.markdown:
-            args.markdown.write_text(render_markdown(merged))
-        print(render_markdown(merged))
+        write_report(merged, args.json, args.markdown)
         return 0
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     if not bootstrap:
@@ -840,12 +836,17 @@ def main() -> int:
                     "rate": peak * args.catchup,
                     "runs": dict(catchup_runs), "sustained": dict(catchup_sustained)},
     }
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2, default=float) + "\n")
-    if args.markdown:
-        args.markdown.write_text(render_markdown(report))
-    print(render_markdown(report))
+    write_report(report, args.json, args.markdown)
     return 0
+
+
+def write_report(report: dict[str, Any], json_path: Path | None, markdown_path: Path | None) -> None:
+    """The report as --json and --markdown ask, and as markdown on stdout."""
+    if json_path:
+        json_path.write_text(json.dumps(report, indent=2, default=float) + "\n")
+    if markdown_path:
+        markdown_path.write_text(render_markdown(report))
+    print(render_markdown(report))
 
 
 if __name__ == "__main__":

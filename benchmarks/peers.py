@@ -48,6 +48,7 @@ from worker.backends.select import open_backend  # noqa: E402
 from worker.benchmark.inputs import read_queries  # noqa: E402
 from worker.benchmark.policies import BucketerOptions, run_bucketed  # noqa: E402
 from worker.benchmark.report import quartiles  # noqa: E402
+from worker.benchmark.suite import round_order  # noqa: E402
 from worker.embedder import Embedder  # noqa: E402
 from kwe_core.model import ModelInfo, default_model_dir  # noqa: E402
 from kwe_core.profiles import load_profile  # noqa: E402
@@ -229,12 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[dict[str, float]] = []
     vectors: dict[str, np.ndarray] = {}
     for r in range(args.rounds):
-        k = r % len(names)
-        order = names[k:] + names[:k]
-        if r % 2:
-            order.reverse()
         got: dict[str, float] = {}
-        for name in order:
+        for name in round_order(names, r):
             seconds, vec, _ = configs[name]()
             if name == "ceiling":
                 got["ceiling_tokens_per_s"] = 1.0 / seconds

@@ -21,7 +21,9 @@ NAMES = ["write_gate", "fail_writes_into", "given_up", "drop_revoked", "replace_
          "Transactions", "ExactlyOnceProducer", "txn", "transactional_config", "abort_transaction", "commit_transaction", "TransactionHungError", "TransactionFencedError"]
 # Loaded only when exactly-once runs.
 MODULES = ["worker.exactly_once", "worker.kafka.exactly_once_producer", "worker.kafka.transactions",
-           "worker.kafka.take_over", "worker.kafka.bounded_calls", "worker.kafka.transaction_errors"]
+           "worker.kafka.take_over", "worker.kafka.bounded_calls", "worker.kafka.transaction_errors",
+           "worker.kafka.transactional_calls", "worker.kafka.rewind",
+           "worker.kafka.write_failures"]
 
 
 def test_the_at_least_once_modules_name_nothing_of_exactly_once() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from worker.padding import pad_batch
+from worker.padding import length_batches, pad_batch
 
 
 def test_pads_to_a_given_length_with_a_mask_over_the_tokens() -> None:
@@ -30,3 +30,15 @@ def test_a_row_longer_than_the_length_is_refused() -> None:
 def test_no_rows() -> None:
     ids, mask = pad_batch([], 8)
     assert ids.shape == mask.shape == (0, 8)
+
+
+@pytest.mark.parametrize(("lengths", "max_rows", "budget", "expected"), [
+    ([3, 1, 2], 8, None, [[1, 2, 0]]),  # sorted by length, stable
+    ([2, 2, 2, 2, 2], 2, None, [[0, 1], [2, 3], [4]]),  # at most max_rows
+    ([4, 4, 4], 8, 8, [[0, 1], [2]]),  # at most the padded-token budget
+    ([1, 1, 9], 8, None, [[0, 1], [2]]),  # padding may at most double the real tokens
+    ([20, 1], 8, 10, [[1], [0]]),  # a row longer than the budget runs alone
+    ([], 4, None, []),
+])
+def test_length_batches(lengths: list[int], max_rows: int, budget: int | None, expected: list[list[int]]) -> None:
+    assert length_batches(lengths, max_rows, budget) == expected

@@ -49,7 +49,7 @@ from worker.backends.select import (
     missing_gpu_packages,
     resolve_profile_name,
 )
-from worker.backends.tensorrt import (
+from worker.backends.tensorrt_plan import (
     BufferPlan,
     buffer_plan,
     check_batch,

@@ -14,6 +14,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from tests.fakes.transactions import ABORTABLE, FENCED, RETRIABLE, FakeTxnProducer
 from worker.errors import WorkerError
 from worker.kafka.offsets import OffsetTracker
+from worker.kafka.take_over import FENCED_TAKE_OVERS
 from worker.kafka.transactions import (WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, TransactionError, TransactionFencedError,
                                        TransactionHungError, Transactions, drained_waiter, kind_of, transactional_config,
                                        transactional_id)
@@ -500,7 +501,7 @@ def test_a_failed_write_aborts_at_once_without_waiting_for_the_records_librdkafk
     loop.clock.now += 2
     loop.txn.step(flow_paused=False)
     assert loop.producer.visible == ["out-0-0", "out-0-1"] and loop.producer.offsets == {("in", 0): 2}
-    assert loop.txn._write_failures_in_row == 0
+    assert loop.txn._writes.in_row == 0
 
 
 def test_writes_failing_transaction_after_transaction_stop_the_member_with_backoff_between() -> None:
@@ -1029,7 +1030,7 @@ def test_fenced_take_overs_are_bounded_then_the_member_stops_committing_nothing_
     after FENCED_TAKE_OVERS in FENCED_WINDOW_S the member stops, naming that cause."""
     loop = TakeOverLoop()
     at = 5
-    for _ in range(txmod.FENCED_TAKE_OVERS):
+    for _ in range(FENCED_TAKE_OVERS):
         loop.commit_one(at)  # a transaction that commits: the stream moves
         _fenced_abort(loop, at=at + 1)
         loop.clock.now += txmod.FENCE_SETTLE_S
@@ -1038,12 +1039,12 @@ def test_fenced_take_overs_are_bounded_then_the_member_stops_committing_nothing_
         assert loop.consumer.seeks[-1] == ("in", 0, at + 1)
         loop.in_flight.clear()
         at += 1
-    assert loop.txn.taken_over_fenced == txmod.FENCED_TAKE_OVERS
+    assert loop.txn.taken_over_fenced == FENCED_TAKE_OVERS
     loop.commit_one(at)
     _fenced_abort(loop, at=at + 1)
     assert isinstance(loop.latch.error, TransactionFencedError)
     assert "second process may be using the same member id" in str(loop.latch.error)
-    assert len(loop.producers) == txmod.FENCED_TAKE_OVERS + 1
+    assert len(loop.producers) == FENCED_TAKE_OVERS + 1
     loop.txn.step(flow_paused=False)
     loop.finish(0, at + 2)  # a straggler of the fenced transaction
     loop.txn.finish(drained_waiter(lambda: len(loop.in_flight), lambda s: None), 1.0)

@@ -19,7 +19,7 @@ import pytest
 from confluent_kafka import Consumer
 
 from tests.kafka_tools import (
-    TopicReader, WorkerProcess, committed_offsets, end_offsets, http_get, load_queries, produce, produce_queries,
+    Record, TopicReader, WorkerProcess, committed_offsets, end_offsets, http_get, load_queries, produce, produce_queries,
 )
 
 pytestmark = pytest.mark.kafka
@@ -48,6 +48,30 @@ def workers(n: int, bootstrap: str, names: tuple[str, str, str], group: str, tmp
             extra: tuple[str, ...] = ()) -> list[WorkerProcess]:
     inp, out, dlq = names
     return [WorkerProcess(bootstrap, inp, out, dlq, group, tmp_path / f"worker-{i}.log", extra) for i in range(n)]
+
+
+def embed_through_one_worker(bootstrap: str, make_topic: Callable[..., str], partitions: int, group: str,
+                             tmp_path: Path, queries: list[tuple[str, str]], timeout_s: float,
+                             extra: tuple[str, ...], backend: str = "onnxruntime") -> tuple[list[Record], str]:
+    """Produces the queries, runs one worker until every ID is read back, stops it (exit 0) and checks
+    commit-after-write (everything done is committed): (the records read, /metrics at the end)."""
+    names = topics(make_topic, partitions)
+    produce_queries(bootstrap, names[0], queries)
+    [w] = workers(1, bootstrap, names, group, tmp_path, extra)
+    w.backend = backend
+    w.start()
+    reader = TopicReader(bootstrap, names[1], group + "-reader")
+    try:
+        reader.wait_for({q for q, _ in queries}, timeout_s, alive=[w])
+        metrics = http_get(w.url + "/metrics")[1].decode()
+        assert w.stop() == 0
+    finally:
+        if w.proc and w.proc.poll() is None:
+            w.kill()
+    reader.settle(1.0)
+    reader.close()
+    assert committed_offsets(bootstrap, group, names[0], partitions) == end_offsets(bootstrap, names[0], partitions)
+    return reader.records, metrics
 
 
 def test_readyz_waits_for_assignment_and_metrics_count_the_work(
@@ -112,25 +136,13 @@ def test_readyz_waits_for_assignment_and_metrics_count_the_work(
 def test_one_worker_embeds_20k_queries_exactly_as_the_embedder(
         kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path, onnx_ready: None,
         embedder) -> None:  # noqa: ANN001
-    names = topics(make_topic, 3)
     queries = load_queries()
     assert len(queries) == 20000
-    produce_queries(kafka_bootstrap, names[0], queries)
-    [w] = workers(1, kafka_bootstrap, names, group_id, tmp_path, ("--output-encoding", "base64-f32"))
-    w.start()
-    reader = TopicReader(kafka_bootstrap, names[1], group_id + "-reader")
-    try:
-        reader.wait_for({q for q, _ in queries}, 600, alive=[w])
-        assert w.stop() == 0
-    finally:
-        if w.proc and w.proc.poll() is None:
-            w.kill()
-    reader.settle(1.0)
-    reader.close()
     # Commit-after-write: everything done, everything committed, exactly once here.
-    assert committed_offsets(kafka_bootstrap, group_id, names[0], 3) == end_offsets(kafka_bootstrap, names[0], 3)
-    by_id = {r.key: r for r in reader.records}
-    assert len(reader.records) == len(by_id) == 20000
+    records, _ = embed_through_one_worker(kafka_bootstrap, make_topic, 3, group_id, tmp_path, queries, 600,
+                                          ("--output-encoding", "base64-f32"))
+    by_id = {r.key: r for r in records}
+    assert len(records) == len(by_id) == 20000
 
     texts = dict(queries)
     ids = [q for q, _ in queries]
@@ -365,25 +377,11 @@ def test_a_worker_on_openvino_delivers_every_id_with_the_embedders_vectors(
     pytest.importorskip("openvino")
     from worker import Embedder
 
-    names = topics(make_topic, 2)
     queries = load_queries(0, 2000)
-    produce_queries(kafka_bootstrap, names[0], queries)
-    [w] = workers(1, kafka_bootstrap, names, group_id, tmp_path, ("--output-encoding", "base64-f32",
-                                                                     "--cache-bytes", "0"))
-    w.backend = "openvino"
-    w.start()
-    reader = TopicReader(kafka_bootstrap, names[1], group_id + "-reader")
-    try:
-        reader.wait_for({q for q, _ in queries}, 300, alive=[w])
-        metrics = http_get(w.url + "/metrics")[1].decode()
-        assert w.stop() == 0
-    finally:
-        if w.proc and w.proc.poll() is None:
-            w.kill()
-    reader.settle(1.0)
-    reader.close()
-    assert committed_offsets(kafka_bootstrap, group_id, names[0], 2) == end_offsets(kafka_bootstrap, names[0], 2)
-    by_id = {r.key: r for r in reader.records}
+    records, metrics = embed_through_one_worker(kafka_bootstrap, make_topic, 2, group_id, tmp_path, queries, 300,
+                                                ("--output-encoding", "base64-f32", "--cache-bytes", "0"),
+                                                backend="openvino")
+    by_id = {r.key: r for r in records}
     assert set(by_id) == {q for q, _ in queries}
     info = next(line for line in metrics.splitlines() if line.startswith("kwe_backend_info{"))
     assert 'backend="openvino"' in info and 'precision="bf16"' in info and 'cpu="' in info

@@ -16,14 +16,9 @@ All shared state (bucket queues, ready queues, counters, flags) sits behind one 
 three conditions on it: the former waits on `_form_cv`, dispatchers on `_ready_cv`, and
 `stop()` on `_idle_cv`.
 
-Lanes: with a backend that hands out any number of contexts (`max_contexts is None`, ONNX
-Runtime), one lane holds every bucket and `dispatchers` threads share its ready queue. With a
-backend that binds context i to bucket profile i (`max_contexts` set, TensorRT), there is one
-lane, one context and one dispatcher per bucket, and bucket i's batches only ever run on
-context i, whose optimisation profile covers exactly that bucket's shapes. A backend whose
-contexts must never run at once (`requires_serial_dispatch`, TensorRT with one shared block of
-activation memory) gets one lane for every bucket and ONE dispatcher that creates, runs and
-closes all the contexts, still bucket i on context i.
+Lanes (which buckets share a ready queue, which contexts each dispatcher owns), the queue
+records and the snapshot / take / pad operations on them: worker/bucket_queues.py, called here
+with the lock held (pad: on the former, outside it).
 
 Flush rules (full, due, oldest first, eager, merge): worker/flush_policy.py, pure functions of a
 snapshot of the buckets and the clock. The former takes the snapshot under the lock, asks
@@ -42,20 +37,18 @@ import logging
 import math
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from kwe_core.profiles import PAD_POLICIES, PadPolicy, Profile
 from worker.backends.base import Backend, InferenceContext
 from worker.batch_stats import BatchStats
+from worker.bucket_queues import Batch, Bucket, Item, bucket_full, pad, plan_layout, snapshot, take_flush
 from worker.cost_model import CostModel
 from worker.deadline import Deadline
 from worker.errors import WorkerError
-from worker.flush_policy import Flush, LaneSnapshot, QueuedBucket, Snapshot, batch_count, is_full, next_flush
-from worker.padding import pad_batch
+from worker.flush_policy import Flush, next_flush
 
 log = logging.getLogger(__name__)
 
@@ -75,50 +68,6 @@ class BucketerError(WorkerError):
 
 class BucketerStoppedError(BucketerError):
     """submit() after stop() began: the item was not taken."""
-
-
-@dataclass(slots=True)
-class _Item:
-    seq: int
-    ids: np.ndarray
-    t_submit: float
-
-
-@dataclass(slots=True)
-class _Bucket:
-    index: int
-    bound: int
-    limit: int  # profile.batch_limit(index): max_batch cut by the token budget at the bound
-    max_batch: int
-    lane: int
-    items: deque[_Item] = field(default_factory=deque)
-    longest: int = 0  # longest item queued (an upper bound after pops until recomputed)
-
-
-@dataclass(slots=True)
-class _Batch:
-    bucket: int  # the longest bucket whose items it holds: its shape limits (and TensorRT context)
-    items: list[_Item]
-    input_ids: np.ndarray
-    attention_mask: np.ndarray
-    real_tokens: int
-    merged: int
-
-
-@dataclass(slots=True)
-class _Lane:
-    buckets: list[int]
-    threads: int  # dispatchers serving this lane
-    ready: deque[_Batch] = field(default_factory=deque)
-    forming: int = 0  # batches taken from buckets and being padded by the former
-    idle: int = 0  # dispatchers of this lane waiting for a batch
-    running: int = 0  # batches being run by its dispatchers
-
-    def has_room(self) -> bool:
-        # At most one formed batch waiting per dispatcher: enough that no dispatcher ever waits
-        # for padding, few enough that items stay in their buckets (and batches keep filling)
-        # while the engine is busy.
-        return len(self.ready) + self.forming < self.threads
 
 
 class Bucketer:
@@ -155,30 +104,16 @@ class Bucketer:
         self._costs = costs
 
         n_buckets = len(profile.buckets)
+        if backend.max_contexts is not None and backend.max_contexts < n_buckets:
+            raise BucketerError(f"backend {backend.name} has {backend.max_contexts} contexts but profile "
+                                f"{profile.name!r} has {n_buckets} buckets; they must match one to one")
+        layout = plan_layout(profile, backend, dispatchers)
+        self._lanes = layout.lanes
+        self._buckets = layout.buckets
         # Which contexts each dispatcher thread creates, owns and runs, and whether it picks the
         # context by the batch's bucket (context i = bucket i) or runs every batch on its one context.
-        self._by_bucket = backend.max_contexts is not None
-        if backend.max_contexts is not None:
-            if backend.max_contexts < n_buckets:
-                raise BucketerError(f"backend {backend.name} has {backend.max_contexts} contexts but profile "
-                                    f"{profile.name!r} has {n_buckets} buckets; they must match one to one")
-            if backend.requires_serial_dispatch:
-                # The contexts share one block of activation memory (TensorRT share_device_memory):
-                # no two may run at once, so ONE thread owns all of them, one lane for every bucket.
-                self._lanes = [_Lane(list(range(n_buckets)), 1)]
-                self._thread_contexts = [tuple(range(n_buckets))]
-                lane_of = [0] * n_buckets
-            else:
-                # Context i is bound to bucket profile i: one lane, context and thread per bucket.
-                self._lanes = [_Lane([i], 1) for i in range(n_buckets)]
-                self._thread_contexts = [(i,) for i in range(n_buckets)]
-                lane_of = list(range(n_buckets))
-        else:
-            self._lanes = [_Lane(list(range(n_buckets)), dispatchers)]
-            self._thread_contexts = [(k,) for k in range(dispatchers)]
-            lane_of = [0] * n_buckets
-        self._buckets = [_Bucket(i, b.max_len, profile.batch_limit(i), b.max_batch, lane_of[i])
-                         for i, b in enumerate(profile.buckets)]
+        self._thread_contexts = layout.thread_contexts
+        self._by_bucket = layout.by_bucket
         self._budget = profile.token_budget
 
         self._lock = threading.Lock()
@@ -244,7 +179,7 @@ class Bucketer:
             if self._stopping or not self._started:
                 raise BucketerStoppedError("bucketer is stopped" if self._stopping else "bucketer not started")
             was_empty = not bucket.items
-            bucket.items.append(_Item(seq, ids, self._clock()))
+            bucket.items.append(Item(seq, ids, self._clock()))
             if n > bucket.longest:
                 bucket.longest = n
             self._queued += 1
@@ -329,9 +264,9 @@ class Bucketer:
         return dropped
 
     # ------------------------------------------------------------------ flush rules (lock held)
-    # The decisions are worker/flush_policy.py's pure functions; here they are fed and applied.
-    def _is_full(self, b: _Bucket) -> bool:
-        return is_full(len(b.items), b.longest, self.pad_to, b.limit, b.max_batch, self._budget)
+    # The decisions are worker/flush_policy.py's pure functions, fed by worker/bucket_queues.py.
+    def _is_full(self, b: Bucket) -> bool:
+        return bucket_full(b, self.pad_to, self._budget)
 
     def _finished_locked(self) -> bool:
         if self._live_dispatchers == 0:
@@ -339,47 +274,10 @@ class Bucketer:
         return self._queued == 0 and all(not lane.ready and not lane.forming and not lane.running
                                          for lane in self._lanes)
 
-    def _snapshot(self) -> Snapshot:
-        pad_to, budget = self.pad_to, self._budget
-        longest = pad_to == "longest"
-        lanes = []
-        for lane in self._lanes:
-            if not lane.has_room():
-                lanes.append(LaneSnapshot((), False, False))
-                continue
-            queued = []
-            for i in lane.buckets:
-                b = self._buckets[i]
-                if b.items:
-                    n = len(b.items)
-                    queued.append(QueuedBucket(b.index, n, b.items[0].t_submit, b.longest if longest else b.bound,
-                                               b.max_batch if longest else b.limit,
-                                               is_full(n, b.longest, pad_to, b.limit, b.max_batch, budget)))
-            lanes.append(LaneSnapshot(queued, True, lane.idle > len(lane.ready) + lane.forming))
-        return Snapshot(lanes, self._delay, self._eager, self._stopping and self._drain,
-                        self._costs.prices() if self._costs is not None else None, budget)
-
-    def _take(self, b: _Bucket) -> list[_Item]:
-        """Pop the next batch of bucket b, oldest first, within max_batch and the token budget."""
-        n = batch_count(len(b.items), (len(it.ids) for it in b.items), self.pad_to, b.limit, b.max_batch,
-                        self._budget)
-        taken = [b.items.popleft() for _ in range(n)]
-        b.longest = max((len(it.ids) for it in b.items), default=0)
-        self._queued -= len(taken)
-        return taken
-
-    def _take_flush(self, flush: Flush) -> tuple[_Bucket, list[_Item], int]:
-        """The batch `flush` names: its lead bucket's next batch, or whole buckets merged."""
-        if len(flush.buckets) == 1:
-            b = self._buckets[flush.lead]
-            return b, self._take(b), 1
-        members = [self._buckets[i] for i in flush.buckets]
-        items = [it for m in members for it in m.items]
-        for m in members:
-            m.items.clear()
-            m.longest = 0
+    def _take_flush(self, flush: Flush) -> tuple[Bucket, list[Item], int]:
+        target, items, merged = take_flush(self._buckets, flush, self.pad_to, self._budget)
         self._queued -= len(items)
-        return max(members, key=lambda m: m.bound), items, len(members)
+        return target, items, merged
 
     # ------------------------------------------------------------------ threads
     def _form_loop(self) -> None:
@@ -389,7 +287,11 @@ class Bucketer:
                     while True:
                         if self._abort or (self._stopping and self._queued == 0):
                             return
-                        decision = next_flush(self._snapshot(), self._clock())
+                        snap = snapshot(self._lanes, self._buckets, self.pad_to, self._budget,
+                                        delay=self._delay, eager=self._eager,
+                                        flush_all=self._stopping and self._drain,
+                                        prices=self._costs.prices() if self._costs is not None else None)
+                        decision = next_flush(snap, self._clock())
                         if isinstance(decision, Flush):
                             break
                         self._form_cv.wait(decision.seconds)
@@ -408,10 +310,8 @@ class Bucketer:
                 self._ready_cv.notify_all()
                 self._idle_cv.notify_all()
 
-    def _pad(self, b: _Bucket, items: list[_Item], merged: int = 1) -> _Batch:
-        rows = [it.ids for it in items]
-        input_ids, mask = pad_batch(rows, b.bound if self.pad_to == "bucket" else None)
-        return _Batch(b.index, items, input_ids, mask, sum(len(r) for r in rows), merged)
+    def _pad(self, b: Bucket, items: list[Item], merged: int = 1) -> Batch:
+        return pad(b, items, self.pad_to, merged)
 
     def _dispatch_loop(self, lane_no: int, ctx_ids: tuple[int, ...]) -> None:
         lane = self._lanes[lane_no]
@@ -466,7 +366,7 @@ class Bucketer:
             self._live_dispatchers -= 1
             self._idle_cv.notify_all()
 
-    def _run(self, ctx: InferenceContext, batch: _Batch) -> None:
+    def _run(self, ctx: InferenceContext, batch: Batch) -> None:
         seqs = [it.seq for it in batch.items]
         start = self._clock()
         try:

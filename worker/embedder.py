@@ -44,7 +44,7 @@ from worker.backends.base import OvPrecision
 from worker.backends.onnxruntime import OnnxRuntimeBackend
 from worker.backends.openvino import OpenVinoBackend
 from worker.backends.select import choose_cpu, open_backend
-from worker.padding import pad_batch
+from worker.padding import length_batches, pad_batch
 from worker.cache import DEFAULT_CACHE_BYTES, EmbeddingCache, key
 from worker.config import BackendSetting, Precision, Settings
 from worker.tokenize import Encoded, KeywordTokenizer
@@ -197,30 +197,9 @@ class Embedder:
         return out
 
     def _batches(self, encoded: Sequence[Encoded]) -> list[list[int]]:
-        """Row indices per batch: sorted by length, at most batch_size rows and token_budget padded tokens.
-
-        The budget, and the rule that padding may at most double a batch's real tokens, keep one
-        long text from dragging a batch of short ones up to its length (attention cost grows
-        with the square of the padded length); a text longer than the budget gets a batch of
-        its own.
-        """
-        # Stable sort by length: each batch is padded to its last (longest) item.
-        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i].ids))
-        batches: list[list[int]] = []
-        current: list[int] = []
-        real = 0  # real (unpadded) tokens in `current`
-        for i in order:
-            n = len(encoded[i].ids)
-            padded = (len(current) + 1) * n
-            if current and (len(current) >= self.batch_size or padded > self.token_budget
-                            or padded > 2 * (real + n)):
-                batches.append(current)
-                current, real = [], 0
-            current.append(i)
-            real += n
-        if current:
-            batches.append(current)
-        return batches
+        """Row indices per batch: sorted by length, at most batch_size rows and token_budget padded
+        tokens (worker/padding.py's `length_batches`)."""
+        return length_batches([len(e.ids) for e in encoded], self.batch_size, self.token_budget)
 
     def close(self) -> None:
         self._context.close()

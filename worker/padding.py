@@ -1,4 +1,6 @@
-"""The one padding function: token-id rows -> the [B, L] ids and mask arrays a backend takes.
+"""The one padding function: token-id rows -> the [B, L] ids and mask arrays a backend takes; and
+the one length grouping of a fixed set of rows into batches (`length_batches`: the offline
+`Embedder` and the auto backend's accuracy gate).
 
 Every batching path uses it: the bucketer (to the bucket bound or the batch's longest), the
 offline `Embedder`, and every benchmark policy, so that policies compared against each other
@@ -33,3 +35,29 @@ def pad_batch(rows: Sequence[np.ndarray], pad_len: int | None = None) -> tuple[n
     # A row's mask is 1 over its tokens: compare column positions with each row's length.
     mask = (np.arange(pad_len)[None, :] < lengths[:, None]).astype(np.int64)
     return input_ids, mask
+
+
+def length_batches(lengths: Sequence[int], max_rows: int, token_budget: int | None = None) -> list[list[int]]:
+    """Row indices per batch for rows of these lengths: sorted by length (stable, so each batch is
+    padded to its last row), at most max_rows rows and, given a budget, token_budget padded tokens.
+
+    The budget, and the rule that padding may at most double a batch's real tokens, keep one long
+    row from dragging a batch of short ones up to its length (attention cost grows with the
+    square of the padded length); a row longer than the budget gets a batch of its own.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    real = 0  # real (unpadded) tokens in `current`
+    for i in order:
+        n = lengths[i]
+        padded = (len(current) + 1) * n
+        if current and (len(current) >= max_rows or (token_budget is not None and padded > token_budget)
+                        or padded > 2 * (real + n)):
+            batches.append(current)
+            current, real = [], 0
+        current.append(i)
+        real += n
+    if current:
+        batches.append(current)
+    return batches

@@ -174,21 +174,9 @@ def layout_key(model: Any, *, onnx_path: str | Path | None, threads: int, dispat
 def gate_batches(token_ids: Sequence[Sequence[int]], batch: int = GATE_BATCH) -> list[tuple[list[int], np.ndarray, np.ndarray]]:
     """(row indices, ids, mask) batches of the gate texts, sorted by length, each padded to its longest,
     and cut where padding would double a batch's real tokens (the long edge rows run alone)."""
-    from worker.padding import pad_batch
+    from worker.padding import length_batches, pad_batch
 
-    order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]))
-    groups: list[list[int]] = []
-    current: list[int] = []
-    real = 0
-    for i in order:
-        n = len(token_ids[i])
-        if current and (len(current) >= batch or (len(current) + 1) * n > 2 * (real + n)):
-            groups.append(current)
-            current, real = [], 0
-        current.append(i)
-        real += n
-    if current:
-        groups.append(current)
+    groups = length_batches([len(t) for t in token_ids], batch)
     out = []
     for rows in groups:
         ids, mask = pad_batch([token_ids[i] for i in rows])

@@ -30,6 +30,16 @@ from worker.benchmark.report import quartiles
 from worker.tokenize import Encoded
 
 
+def round_order(names: Sequence[str], r: int) -> list[str]:
+    """The order of round r of paired runs: rotated every round and reversed every other one, so
+    that no configuration always runs first, last, or right after the same neighbour."""
+    k = r % len(names)
+    order = [*names[k:], *names[:k]]
+    if r % 2:
+        order.reverse()
+    return order
+
+
 @dataclass
 class BenchConfig:
     dataset: str
@@ -82,14 +92,8 @@ def run_benchmark(encoded: Sequence[Encoded], backend: Backend, cfg: BenchConfig
     per_round: list[dict[str, PolicyRun]] = []
     overhead: list[dict[str, float]] = []
     for r in range(cfg.rounds):
-        # Rotate the order every round and reverse it every other one, so that no policy
-        # always runs first, last, or right after the same neighbour.
-        k = r % len(names)
-        order = names[k:] + names[:k]
-        if r % 2:
-            order.reverse()
         results: dict[str, PolicyRun] = {}
-        for name in order:
+        for name in round_order(names, r):
             run = policies[name]()
             results[name] = run
             log(f"round {r + 1}/{cfg.rounds} {name:>24}: {run.keywords_per_s:8.1f} kw/s  "

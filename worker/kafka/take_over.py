@@ -30,11 +30,13 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import structlog
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaException, TopicPartition
 
 from worker.deadline import Deadline
 from worker.errors import WorkerError
 from worker.kafka.bounded_calls import BoundedCalls
+from worker.kafka.offsets import OffsetTracker
+from worker.kafka.rewind import GroupConsumer, committed_offsets, fresh_state, seek
 from worker.kafka.transaction_errors import TransactionFencedError, TransactionHungError
 from worker.latch import FatalLatch
 
@@ -54,12 +56,6 @@ FENCED_TAKE_OVERS = 3
 FENCED_WINDOW_S = 600.0
 
 
-class GroupConsumer(Protocol):
-    def consumer_group_metadata(self) -> Any: ...
-    def seek(self, partition: TopicPartition) -> None: ...
-    def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]: ...
-
-
 @dataclass(frozen=True)
 class Fence:
     """A fatal _FENCED on a transaction the broker timed out, waiting for its take-over."""
@@ -76,6 +72,7 @@ class Loop(Protocol):
     `Transactions`), on the poll thread."""
     producer: Any
     consumer: GroupConsumer
+    tracker: OffsetTracker
     latch: FatalLatch
     clock: Callable[[], float]
     sleep: Callable[[float], None]
@@ -95,9 +92,7 @@ class Loop(Protocol):
 
     def init(self, timeout_s: float = 30.0) -> bool: ...
     def _give_up(self, hung: TransactionHungError, why: str) -> None: ...
-    def _fresh_state(self) -> dict[tuple[str, int], int]: ...
     def _halt(self, during: str) -> None: ...
-    def _seek(self, positions: list[TopicPartition]) -> None: ...
     def _finish(self, outcome: Literal["committed", "aborted", "taken_over"]) -> None: ...
 
 
@@ -138,7 +133,7 @@ def take_over(txn: Loop, starts: dict[tuple[str, int], int] | None, reason: Take
     txn.on_take_over(reason)
     with txn.write_gate:
         if starts is None:  # (an abort that hung has replaced the state already)
-            starts = txn._fresh_state()
+            starts = fresh_state(txn.tracker)
         txn.producer = txn.replace_producer(old_call)
         forgotten = txn.forget_revoked()
     txn.state = "idle"  # the old transaction is the new producer's to end, at its init
@@ -163,34 +158,9 @@ def take_over(txn: Loop, starts: dict[tuple[str, int], int] | None, reason: Take
     # No committed offset: the hung commit did not land, and none came before it.
     rewind = [TopicPartition(tp.topic, tp.partition, tp.offset if tp.offset >= 0 else starts[(tp.topic, tp.partition)])
               for tp in answer]
-    txn._seek(rewind)
+    seek(txn.consumer, rewind)
     landed = [f"{tp.topic}[{tp.partition}]" for tp in rewind if tp.offset != starts[(tp.topic, tp.partition)]]
     log.warning("a new producer took over; partitions rewound to their committed offsets",
                 partitions=[f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in rewind],
                 reason=reason, hung_commit_landed_for=landed, in_flight_forgotten=forgotten)
     txn._finish("taken_over")
-
-
-def committed_offsets(consumer: GroupConsumer, partitions: list[tuple[str, int]], *, limit: Deadline,
-                      stop: Deadline, timeout_s: float, sleep: Callable[[float], None]) -> list[TopicPartition] | None:
-    """The group's committed offsets, read from the broker; retried while the group coordinator
-    moves (until `limit`). None when a stop came first."""
-    while partitions:
-        if stop.started:
-            return None
-        try:
-            answer = consumer.committed([TopicPartition(t, p) for t, p in partitions],
-                                        timeout=max(0.5, limit.capped(timeout_s)))
-            failed = next((tp.error for tp in answer if tp.error is not None), None)
-            if failed is None:
-                return answer
-            raise KafkaException(failed)
-        except KafkaException as exc:
-            # Only a read: anything but a fatal error is worth another try (a timeout raised by
-            # committed() is not flagged retriable, unlike the transactional calls' errors).
-            err = exc.args[0] if exc.args else None
-            if (isinstance(err, KafkaError) and err.fatal()) or limit.expired():
-                raise
-            log.warning("committed offsets not read; retrying", error=str(exc.args[0]))
-            sleep(0.5)
-    return []

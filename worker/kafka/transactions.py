@@ -12,31 +12,12 @@ outputs in a transaction are exactly those of the offsets it commits: there is n
 output is committed and whose offset is not, or the reverse. The cost is the drain bubble once
 per interval (docs/delivery.md).
 
-Errors of the transactional calls, as librdkafka classifies them:
-- retriable: the call is repeated (send_offsets_to_transaction RETRIES times; commit_transaction
-  and abort_transaction are resumed, as librdkafka expects after their retriable timeout, for up
-  to transaction_timeout_s: librdkafka refuses any other call meanwhile with _CONFLICT; still
-  under way then, they are taken over like a hung call);
-- txn_requires_abort: abort, then rewind every owned partition to where this transaction began
-  (the last committed offset) with fresh offset state, so nothing consumed into the aborted
-  transaction is produced into a later one;
-- fatal: the latch trips, nothing more is written, the worker exits non-zero. Except `_FENCED`
-  on a transaction open for at least transaction_timeout_s, as after a coordinator outage: the
-  coordinator aborted it on its timeout and bumped the epoch (Kafka's TransactionMetadata
-  prepareFenceProducerEpoch), so librdkafka's EndTxn, or its KIP-360 InitProducerId of an abort
-  that "requires epoch bump", is answered PRODUCER_FENCED, which it raises as fatal _FENCED
-  (rdkafka_txnmgr.c rd_kafka_txn_handle_EndTxn, rdkafka_idempotence.c rd_kafka_idemp_check_error).
-  Transactional ids are unique per member, so that is no zombie: after FENCE_SETTLE_S (for the
-  stronger signal, the group's: partitions lost with that old transaction, in `lost`, still stop
-  the member as a zombie) a new producer takes over as for a hung call (below), at most
-  FENCED_TAKE_OVERS times in FENCED_WINDOW_S; then, and on a fence the broker's timeout cannot
-  explain (a younger transaction), the member stops: a second process uses its member id;
-- hung (the call did not return within its timeout + HANG_MARGIN_S; the calls run on helper
-  threads, worker/kafka/bounded_calls.py): a new producer takes over in the process
-  (worker/kafka/take_over.py), and every partition with work in the transaction is rewound to the
-  group's committed offsets. A stop during the take-over, before the rewind (or while a commit or
-  abort is still under way), halts the member (`_halt`): nothing more is consumed or committed,
-  and it exits as usual.
+Errors of the transactional calls (worker/kafka/transactional_calls.py has the rules and why):
+retriable: retried, or resumed (commit and abort); txn_requires_abort: abort, then rewind every
+partition with work in the transaction to where it began, with fresh offset state; fatal: the
+latch trips, except a `_FENCED` the broker's transaction timeout explains, which a new producer
+takes over (worker/kafka/take_over.py), as it does a hung call (worker/kafka/bounded_calls.py).
+A stop during a take-over or an unfinished call halts the member (`_halt`).
 
 States (`state`), on the poll thread:
 
@@ -47,21 +28,22 @@ States (`state`), on the poll thread:
 
 Every wait is bounded by a `Deadline` on the injected clock, within the stop deadline.
 
-A failed write (worker/kafka/exactly_once_producer.py: a delivery error, or a produce refused with _STATE once
-librdkafka made the transaction abortable) arrives through `write_failed` from the thread that saw
-it, before its record leaves the in-flight table (ExactlyOnceProducer.release), so a commit, which
-waits for the table to empty, always sees it. The next `step` (or a commit about to happen) aborts
-and rewinds at once, without waiting for the pipeline to drain: librdkafka sends nothing more of
-an abortable transaction, so its queued records would only come back when abort_transaction
-purges them. The abort holds the producer's write gate, so no record of the aborted transaction
-is produced after it. Intake then waits 0.5, 1, 2 and 4 s before the next tries; the fifth failed
-transaction in a row stops the worker (a write that keeps failing is not transient: a record the
-topic refuses, for instance).
+A failed write (worker/kafka/exactly_once_producer.py: a delivery error, or a produce refused with
+_STATE once librdkafka made the transaction abortable) arrives through `write_failed` from the
+thread that saw it (into worker/kafka/write_failures.py's mailbox), before its record leaves the
+in-flight table (ExactlyOnceProducer.release), so a commit, which waits for the table to empty,
+always sees it. The next `step` (or a commit about to happen) aborts and rewinds at once, without
+waiting for the pipeline to drain: librdkafka sends nothing more of an abortable transaction, so
+its queued records would only come back when abort_transaction purges them. The abort holds the
+producer's write gate, so no record of the aborted transaction is produced after it. Intake then
+waits 0.5, 1, 2 and 4 s before the next tries; the fifth failed transaction in a row stops the
+worker (a write that keeps failing is not transient: a record the topic refuses, for instance).
 
 Threads: everything here runs on the poll thread (including the rebalance callbacks, which
-librdkafka serves inside consume). The output and delivery threads only produce and
-acknowledge; `begin` happens before any record of a transaction is consumed and `commit`/`abort`
-only once none is left in flight, so no produce can race a state change of the transaction.
+librdkafka serves inside consume), but `write_failed`, which only posts to the failed-write
+mailbox (its own lock). The output and delivery threads only produce and acknowledge; `begin`
+happens before any record of a transaction is consumed and `commit`/`abort` only once none is left
+in flight, so no produce can race a state change of the transaction.
 """
 
 from __future__ import annotations
@@ -71,18 +53,20 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import structlog
-from confluent_kafka import KafkaError, KafkaException, TopicPartition
+from confluent_kafka import KafkaException, TopicPartition
 
 from worker.deadline import Deadline
-from worker.kafka import bounded_calls
 from worker.kafka.bounded_calls import BoundedCalls
 from worker.kafka.offsets import OffsetTracker, PartitionOffsets
-from worker.kafka.take_over import (FENCE_SETTLE_S, FENCED_TAKE_OVERS, FENCED_WINDOW_S, Fence, GroupConsumer,
-                                    TakeOverReason, take_over)
+from worker.kafka.rewind import GroupConsumer, fresh_state, seek
+from worker.kafka.take_over import FENCE_SETTLE_S, Fence, TakeOverReason, take_over
+from worker.kafka.transactional_calls import (RETRIES, CallResult, TransactionalProducer, bounded, call, call_timeout,
+                                              fatal, kind_of)
 from worker.kafka.transaction_errors import TransactionError, TransactionFencedError, TransactionHungError
+from worker.kafka.write_failures import WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, WriteFailures
 from worker.latch import FatalLatch
 
 log = structlog.get_logger(__name__)
@@ -91,26 +75,9 @@ State = Literal["idle", "open", "closing"]
 # taken_over: a hung call's transaction, ended by the producer that replaced the hung one (committed
 # if its commit had reached the coordinator, else aborted).
 Outcome = Literal["committed", "aborted", "taken_over"]
-# How often a retriable error of a transactional call is retried before the transaction is aborted.
-RETRIES = 5
-# Transactions failed by a write, in a row, before the member stops; the wait before each retry.
-WRITE_FAILURES = 5
-WRITE_RETRY_BACKOFF_S = 0.5
-# How much sooner than our own clock says the coordinator may time a transaction out: it times from
-# its first AddPartitionsToTxn (after our begin_transaction) on its wall clock, which may run ahead.
-TIMEOUT_CLOCK_SLACK_S = 1.0
 __all__ = ["FENCE_SETTLE_S", "RETRIES", "WRITE_FAILURES", "WRITE_RETRY_BACKOFF_S", "TransactionError",
            "TransactionFencedError", "TransactionHungError", "Transactions", "drained_waiter", "kind_of",
            "transactional_config", "wait_until"]
-
-
-class TransactionalProducer(Protocol):
-    def init_transactions(self, timeout: float) -> None: ...
-    def begin_transaction(self) -> None: ...
-    def send_offsets_to_transaction(self, positions: list[TopicPartition], group_metadata: Any,
-                                    timeout: float) -> None: ...
-    def commit_transaction(self, timeout: float) -> None: ...
-    def abort_transaction(self, timeout: float) -> None: ...
 
 
 def transactional_id(group: str, member: str) -> str:
@@ -130,21 +97,6 @@ def transactional_config(producer_config: dict[str, Any], *, group: str, member:
     config["message.timeout.ms"] = min(int(config.get("message.timeout.ms", transaction_timeout_ms)),
                                        transaction_timeout_ms)
     return config
-
-
-def kind_of(exc: BaseException) -> Literal["retry", "abort", "fatal"]:
-    err = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
-    if not isinstance(err, KafkaError):
-        return "fatal"
-    if err.fatal():
-        return "fatal"
-    if err.txn_requires_abort():
-        return "abort"
-    if err.retriable():
-        return "retry"
-    # Not retriable and not marked abortable (a stale generation, a state error): the safe way
-    # out of an unknown transaction state is to abort it.
-    return "abort"
 
 
 @dataclass
@@ -181,12 +133,8 @@ class Transactions:
     committed: int = 0
     aborted: int = 0
     _abort_reason: str | None = field(default=None, repr=False)
-    # A failed write, reported from the output or delivery thread (behind _write_lock).
-    _write_failure: str | None = field(default=None, repr=False)
-    _write_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    # Transactions failed by a write since the last commit, and when intake may resume.
-    _write_failures_in_row: int = field(default=0, repr=False)
-    _resume_at: float = field(default=0.0, repr=False)
+    # A failed write, reported from the output or delivery thread, and the retry bookkeeping.
+    _writes: WriteFailures = field(default_factory=WriteFailures, repr=False)
     # The threads still blocked in calls of replaced producers; the last hung call's error.
     _stuck: list[threading.Thread] = field(default_factory=list, repr=False)
     _hung: TransactionHungError | None = field(default=None, repr=False)
@@ -222,38 +170,28 @@ class Transactions:
     def closing(self) -> bool:
         """Intake must stay paused: the open transaction waits for its records to finish, or a
         failed write's abort, or the wait before its retry."""
-        with self._write_lock:
-            failed = self._write_failure is not None
-        return (self.state == "closing" or self._abort_reason is not None or failed or self._halted
-                or self._fence is not None or self.clock() < self._resume_at)
+        return (self.state == "closing" or self._abort_reason is not None or self._writes.pending() or self._halted
+                or self._fence is not None or self.clock() < self._writes.resume_at)
 
     def write_failed(self, reason: str) -> None:
         """Any thread: a write of the open transaction failed; it is aborted at the next step."""
-        with self._write_lock:
-            if self._write_failure is None:
-                self._write_failure = reason
-
-    def _take_write_failure(self) -> str | None:
-        with self._write_lock:
-            reason, self._write_failure = self._write_failure, None
-        return reason
+        self._writes.report(reason)
 
     def _aborted_on_failed_write(self) -> bool:
         """If a write failed the open transaction: aborts it now and returns True."""
-        if (reason := self._take_write_failure()) is None:
+        if (reason := self._writes.take()) is None:
             return False
         self._abort_failed_write(reason)
         return True
 
     def _abort_failed_write(self, reason: str) -> None:
         """Aborts and rewinds now (see the module docstring), or stops after WRITE_FAILURES in a row."""
-        self._write_failures_in_row += 1
-        if self._write_failures_in_row >= WRITE_FAILURES:
+        if not self._writes.count():
             self.latch.trip(TransactionError(
-                f"writes failed {self._write_failures_in_row} transactions in a row; the last: {reason}"))
+                f"writes failed {self._writes.in_row} transactions in a row; the last: {reason}"))
             return
         self.abort_and_rewind(reason)
-        self._resume_at = self.clock() + WRITE_RETRY_BACKOFF_S * 2 ** (self._write_failures_in_row - 1)
+        self._writes.back_off(self.clock())
 
     def ensure_open(self) -> None:
         """Called with consumed records before intake sees them: they belong to an open transaction."""
@@ -264,7 +202,7 @@ class Transactions:
                 if kind_of(exc) != "fatal":
                     raise
                 # Fenced with no transaction open: no broker timeout explains it (`_fatal`).
-                self._fatal("begin_transaction", exc)
+                fatal(self, "begin_transaction", exc)
                 return
             self.state = "open"
             self.began_at = self.clock()
@@ -304,7 +242,7 @@ class Transactions:
             return
         if self.state == "idle":
             # A failure reported for an already aborted transaction's record fails nothing here.
-            self._take_write_failure()
+            self._writes.take()
             return
         if self._aborted_on_failed_write():
             return
@@ -321,95 +259,6 @@ class Transactions:
     def _offsets(self) -> list[tuple[PartitionOffsets, int]]:
         return [(p, off) for p in self.tracker.partitions() if (off := p.to_commit()) is not None]
 
-    def _timeout(self) -> float:
-        """librdkafka's timeout for the next call: its own, within the shutdown deadline."""
-        return max(0.1, min(self.timeout_s, self.stop.left()))
-
-    def _bounded(self, what: str, fn: Callable[[], None], grace_s: float = 0.2) -> None:
-        """Runs a blocking transactional call on a helper thread (worker/kafka/bounded_calls.py), at
-        most timeout_s + HANG_MARGIN_S, and at most grace_s past the shutdown deadline (re-read while
-        waiting: a second signal shortens it). Past the bound: TransactionHungError."""
-        limit_s = self.timeout_s + bounded_calls.HANG_MARGIN_S
-        self._calls.run(what, fn, self.stop.before(-grace_s).limited(limit_s), self.stop, limit_s)
-
-    def _call(self, what: str, fn: Callable[[], None], *, resume_s: float = 0.0
-              ) -> Literal["ok", "abort", "fatal", "fenced", "hung", "unfinished"]:
-        """Runs a transactional call, retrying its retriable errors RETRIES times. A resumable call
-        (resume_s > 0: commit_transaction, abort_transaction) is resumed for resume_s instead:
-        librdkafka keeps it under way after a retriable timeout, expects it to be called again, and
-        refuses every other transactional call meanwhile with _CONFLICT (rdkafka_txnmgr.c,
-        rd_kafka_txn_curr_api_begin; rdkafka.h: "This call is resumable when a retriable timeout
-        error is returned"), so aborting a commit is no way out. Still under way at the end: "hung"
-        (a new producer takes over, as for a call that never returned; its init ends the
-        transaction), or "unfinished" when stopping."""
-        attempt = 0
-        resume = Deadline.after(resume_s, self.clock)
-        while True:
-            attempt += 1
-            try:
-                self._bounded(what, fn)
-                return "ok"
-            except TransactionHungError as exc:
-                if self.stop.started:
-                    self.latch.trip(exc)
-                    return "fatal"
-                self._hung = exc  # the caller takes over (`take_over`)
-                return "hung"
-            except KafkaException as exc:
-                kind = kind_of(exc)
-                more = attempt < RETRIES or not resume.expired()
-                if kind == "retry" and more and not self.stop.expired():
-                    log.warning("transactional call failed; retrying" if attempt < RETRIES else
-                                "transactional call still under way; resuming it", call=what,
-                                error=str(exc.args[0]))
-                    self.sleep(min(1.0, 0.1 * attempt))
-                    continue
-                if kind == "retry" and resume_s > 0:
-                    if self.stop.started:
-                        return "unfinished"
-                    self._hung = TransactionHungError(
-                        f"{what} still under way after {resume_s:.0f} s of resumed calls (the coordinator does not "
-                        "complete it)", self._calls.last)
-                    return "hung"
-                if kind == "fatal":
-                    return self._fatal(what, exc)
-                log.warning("transactional call failed; aborting the transaction", call=what,
-                            error=str(exc.args[0]))
-                return "abort"
-
-    def _fatal(self, what: str, exc: KafkaException) -> Literal["fatal", "fenced"]:
-        """A fatal error of a transactional call: "fenced" when a new producer is to take over after
-        FENCE_SETTLE_S (see the module docstring), else the latch trips."""
-        err = exc.args[0]
-        age = self.clock() - self.began_at if self.state != "idle" else 0.0
-        if not (isinstance(err, KafkaError) and err.code() == KafkaError._FENCED):
-            self.latch.trip(TransactionFencedError(
-                f"{what} failed: {err} (this member was fenced: a newer one took over its transactional id, or "
-                "its transaction outlived transaction_timeout_ms)"))
-            return "fatal"
-        if self.state == "idle" or age < self.transaction_timeout_s - TIMEOUT_CLOCK_SLACK_S:
-            self.latch.trip(TransactionFencedError(
-                f"{what} failed: {err} (this member was fenced {age:.0f} s into its transaction, before "
-                f"transaction_timeout_ms ({self.transaction_timeout_s:.0f} s) let the broker time it out: another "
-                "process took over its transactional id; is a second process running with the same member id?)"))
-            return "fatal"
-        now = self.clock()
-        self._fenced_at = [t for t in self._fenced_at if now - t < FENCED_WINDOW_S]
-        if self.replace_producer is None or self.stop.started or len(self._fenced_at) >= FENCED_TAKE_OVERS:
-            why = ("no new producer may take over" if self.replace_producer is None else "stopping"
-                   if self.stop.started else
-                   f"fenced {len(self._fenced_at) + 1} times in {FENCED_WINDOW_S:.0f} s, each taken over; a second "
-                   "process may be using the same member id (its transactional id), each fencing the other")
-            self.latch.trip(TransactionFencedError(
-                f"{what} failed: {err} (fenced {age:.0f} s into its transaction, past transaction_timeout_ms: "
-                f"the broker may have timed it out; {why})"))
-            return "fatal"
-        self._fence = Fence(what, str(err), age, now + FENCE_SETTLE_S)
-        log.warning("producer fenced after its transaction outlived transaction_timeout_ms (the coordinator "
-                    "timed it out); a new producer takes over unless the group says this member is a zombie",
-                    call=what, error=str(err), transaction_age_s=round(age, 1), take_over_in_s=FENCE_SETTLE_S)
-        return "fenced"
-
     def commit(self) -> bool:
         """Sends the offsets and commits; everything consumed must be finished. True if committed."""
         assert self.in_flight() == 0, "a transaction is committed only when nothing is in flight"
@@ -418,18 +267,18 @@ class Transactions:
             return False
         offsets = self._offsets()
         positions = [TopicPartition(p.topic, p.partition, off) for p, off in offsets]
-        result: Literal["ok", "abort", "fatal", "fenced", "hung", "unfinished"] = "ok"
+        result: CallResult = "ok"
         if positions:
             metadata = self.consumer.consumer_group_metadata()
             # Not resumable (rd_kafka_send_offsets_to_transaction returns non-resumable): an
             # abort after its retries is allowed.
-            result = self._call("send_offsets_to_transaction",
-                                lambda: self.producer.send_offsets_to_transaction(positions, metadata, self._timeout()))
+            result = call(self, "send_offsets_to_transaction",
+                          lambda: self.producer.send_offsets_to_transaction(positions, metadata, call_timeout(self)))
         if result == "ok":
             # Resumed for as long as the coordinator may still complete it: past the transaction
             # timeout it aborts the transaction itself.
-            result = self._call("commit_transaction", lambda: self.producer.commit_transaction(self._timeout()),
-                                resume_s=self.transaction_timeout_s)
+            result = call(self, "commit_transaction", lambda: self.producer.commit_transaction(call_timeout(self)),
+                          resume_s=self.transaction_timeout_s)
         if result == "unfinished":
             self._halt("commit_transaction was still under way")
             return False
@@ -446,7 +295,7 @@ class Transactions:
             p.confirm_commit(off)
         if offsets:
             self.on_progress()
-        self._write_failures_in_row = 0
+        self._writes.committed()
         log.debug("transaction committed", offsets=[f"{p.topic}[{p.partition}]@{off}" for p, off in offsets])
         self._finish("committed")
         return True
@@ -458,9 +307,9 @@ class Transactions:
         a record of the aborted transaction is dropped instead of produced into the next one.
         """
         with self.write_gate:
-            starts = self._fresh_state()
-            aborted = self._call("abort_transaction", lambda: self.producer.abort_transaction(self._timeout()),
-                                 resume_s=self.transaction_timeout_s)
+            starts = fresh_state(self.tracker)
+            aborted = call(self, "abort_transaction", lambda: self.producer.abort_transaction(call_timeout(self)),
+                           resume_s=self.transaction_timeout_s)
         if aborted == "hung":
             self.take_over(starts)
             return
@@ -476,32 +325,10 @@ class Transactions:
                 self.latch.trip(TransactionError(f"the transaction could not be aborted ({reason})"))
             return
         rewind = [TopicPartition(topic, partition, start) for (topic, partition), start in starts.items()]
-        self._seek(rewind)
+        seek(self.consumer, rewind)
         log.warning("transaction aborted; partitions rewound", reason=reason,
                     partitions=[f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in rewind])
         self._finish("aborted")
-
-    def _fresh_state(self) -> dict[tuple[str, int], int]:
-        """Fresh offset state (the old one marked revoked, so a late completion of a record of the
-        aborted transaction is dropped) for every partition with work in the transaction; returns
-        where each began. The others keep their state and fetch position (a record already
-        fetched for them is still the next one). Under the write gate."""
-        starts: dict[tuple[str, int], int] = {}
-        for p in self.tracker.partitions():
-            start = p.committed if p.committed is not None else p.first
-            if start is not None:
-                starts[(p.topic, p.partition)] = start
-                self.tracker.assign(p.topic, p.partition)
-        return starts
-
-    def _seek(self, positions: list[TopicPartition]) -> None:
-        for tp in positions:
-            try:
-                self.consumer.seek(tp)
-            except KafkaException as exc:
-                # Not (or no longer) assigned: its next owner starts from the committed offset anyway.
-                log.warning("could not rewind a partition", partition=f"{tp.topic}[{tp.partition}]",
-                            error=str(exc.args[0]))
 
     def take_over(self, starts: dict[tuple[str, int], int] | None = None, *,
                   reason: TakeOverReason = "hung") -> None:
@@ -601,8 +428,8 @@ class Transactions:
         try:
             # No rewind and no wait for what is in flight: no later transaction follows, so a
             # straggler cannot be produced into one.
-            self._bounded("abort_transaction", lambda: self.producer.abort_transaction(min(self._timeout(), 2.0)),
-                          grace_s=1.0)
+            bounded(self, "abort_transaction", lambda: self.producer.abort_transaction(min(call_timeout(self), 2.0)),
+                    grace_s=1.0)
             self._finish("aborted")
         except (KafkaException, TransactionHungError) as exc:
             log.info("open transaction not aborted on the way out", error=str(exc))
