@@ -35,7 +35,7 @@ def test_bench_cli_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     md = tmp_path / "bench.md"
     rc = cli.main(["bench", str(SAMPLE), "--limit", "300", "--rounds", "1", "--batch-size", "32",
-                   "--latency-seconds", "1", "--json", str(out), "--markdown", str(md), "--quiet"])
+                   "--no-merge-buckets", "--latency-seconds", "1", "--json", str(out), "--markdown", str(md), "--quiet"])
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["dataset"] == str(SAMPLE) and report["n"] == 300 and report["rounds"] == 1
@@ -52,7 +52,8 @@ def test_bench_cli_writes_the_report(tmp_path: Path) -> None:
     # Pad-to-bound waste does not depend on timing, so on this sample the order is fixed:
     # the oracle (exact sort) <= bounds 8/16/32/64 <= chronological.
     assert waste["sorted"] <= aligned <= waste["monolithic"]
-    # Fine buckets padded to the longest item never waste more than the aligned bounds.
+    # Fine buckets padded to the longest item never waste more than the aligned bounds (without
+    # merging: a measured cost model that finds padding cheap may merge buckets and pad more).
     assert waste["bucketed"] <= aligned
     overhead = report["overhead"]
     assert overhead["q1"] <= overhead["median"] <= overhead["q3"] and len(overhead["rounds"]) == 1

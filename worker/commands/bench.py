@@ -28,7 +28,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "fixed + per_row*B + per_token*B*L against every measured shape; and exit.")
     parser.add_argument("--merge-buckets", action=argparse.BooleanOptionalAction, default=True,
                         help="Partial batches take neighbouring buckets along when the measured cost model says one "
-                             "call is cheaper than two, as the worker does (default on; onnxruntime only).")
+                             "call is cheaper than two, as the worker does (default on; CPU backends: TensorRT never merges).")
     parser.add_argument("--limit", type=int, default=20000, help="Use the first N queries (default 20000).")
     parser.add_argument("--rounds", type=int, default=3, help="Rounds of every policy, alternating order.")
     parser.add_argument("--backend", choices=get_args(BackendSetting), default="auto",
