@@ -477,6 +477,35 @@ def test_stop_timeout_drops_what_did_not_finish() -> None:
     assert res.seqs() == [0] and b.pending() == 0 and no_worker_threads()
 
 
+def test_a_call_under_way_is_waited_for_even_when_the_deadline_expired_long_ago() -> None:
+    """A shutdown timeout below the pipeline's reserves (3 s against 6 s kept back after the
+    drain) hands stop() a deadline that is already past. The call under way still gets its
+    grace from now: before, its thread was left inside the backend and the interpreter's
+    teardown aborted (exit -6, "terminate called without an active exception")."""
+    backend = FakeBackend(gate=True)
+    b, clock, backend, res = make(profile(), backend, delay_ms=0.0)
+    b.submit(0, ids(0, 3))
+    backend.wait_calls(1)  # running, held at the gate
+    threading.Timer(0.1, backend.gate.release).start()  # the call ends 0.1 s into the stop
+    drain_by = Deadline.after(3.0).before(6.0)  # as Pipeline derives it from --shutdown-timeout-s 3
+    assert drain_by.expired()
+    assert b.stop(drain_by, drain=False) == []
+    assert b.stuck == [] and no_worker_threads()
+    assert res.seqs() == [0]  # the running batch finished and was delivered before stop returned
+
+
+def test_a_call_that_does_not_return_is_named_stuck_and_stop_still_returns() -> None:
+    backend = FakeBackend(gate=True)
+    b, clock, backend, res = make(profile(), backend, delay_ms=0.0)
+    b.submit(0, ids(0, 3))
+    backend.wait_calls(1)
+    try:
+        b.stop(Deadline.after(0.0), drain=False)
+        assert [name.startswith("kwe-dispatch-") for name in b.stuck] == [True]
+    finally:
+        backend.gate.release()
+
+
 def test_a_shortened_deadline_shortens_a_drain_already_under_way() -> None:
     """The second stop request: the Deadline the drain holds is shortened, and the drain ends."""
     backend = FakeBackend(gate=True)

@@ -129,6 +129,8 @@ class Bucketer:
         self._former_done = False
         self._live_dispatchers = 0
         self._threads: list[threading.Thread] = []
+        # Names of the threads stop() could not join (still inside a backend call).
+        self.stuck: list[str] = []
         self._start_errors: list[BaseException] = []
         self._contexts_ready = threading.Barrier(len(self._thread_contexts) + 1)
 
@@ -244,14 +246,17 @@ class Bucketer:
                     self._abort = True
                     self._form_cv.notify_all()
                     self._ready_cv.notify_all()
-        join_by = deadline.before(-JOIN_GRACE_S)
+        # A call under way gets JOIN_GRACE_S from now even when the deadline expired long ago
+        # (a shutdown timeout below the pipeline's reserves): most calls end within it, and a
+        # thread left inside a backend at exit aborts the interpreter's teardown.
+        join_by = max(deadline.before(-JOIN_GRACE_S), Deadline.after(JOIN_GRACE_S), key=lambda d: d.left())
         for t in self._threads:
             left = join_by.left()
             t.join(None if math.isinf(left) else left)
-        stuck = [t.name for t in self._threads if t.is_alive()]
-        if stuck:
+        self.stuck = [t.name for t in self._threads if t.is_alive()]
+        if self.stuck:
             log.warning("bucketer threads still running at stop (a backend call that does not return): %s",
-                        ", ".join(stuck))
+                        ", ".join(self.stuck))
         with self._lock:
             dropped = [it.seq for b in self._buckets for it in b.items]
             dropped += [it.seq for lane in self._lanes for batch in lane.ready for it in batch.items]

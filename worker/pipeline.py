@@ -136,6 +136,11 @@ class Pipeline:
         checks = {"assigned": bool(self._committer.tracker.partitions()), "no_fatal_error": not self.latch.is_set()}
         return all(checks.values()), checks
 
+    @property
+    def backend_calls_running(self) -> bool:
+        """After run(): a dispatcher was still inside a backend call when the bucketer stopped."""
+        return bool(self._bucketer.stuck)
+
     def in_flight(self) -> int:
         return len(self._inflight)
 

@@ -74,8 +74,10 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
         assembled.close()
     if code == 1 and pipeline.latch.error is not None:
         print(f"keyword-embedder run: {pipeline.latch.error}", file=sys.stderr)
-    if not pipeline.left_group:
-        # librdkafka is still inside close(); interpreter teardown would wait on it again.
+    if not pipeline.left_group or pipeline.backend_calls_running:
+        # librdkafka is still inside close(), or a dispatcher inside a backend call: interpreter
+        # teardown would wait on the first again, and abort under the second (the runtime's
+        # threads destroyed while running). Everything is committed by now.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
