@@ -707,7 +707,9 @@ def main() -> int:
     if not bootstrap:
         raise SystemExit("set KAFKA_BOOTSTRAP_SERVERS (run through deploy/local/with-kafka.sh)")
     pool = FreshKeywords(args.data or default_sources(), seed=args.seed, recycle=args.cache_off)
-    variants = [("default" if not args.worker_arg else "base", list(args.worker_arg))]
+    # The first variant is named after what it runs: --backend's word (e.g. "auto"), else "default".
+    first = "base" if args.worker_arg else (args.backend or "default")
+    variants = [(first, list(args.worker_arg))]
     for spec in args.variant:
         name, _, rest = spec.partition("=")
         variants.append((name, shlex.split(rest)))

@@ -142,7 +142,9 @@ def draw_latency(data: Sequence[dict[str, Any]], sources: Sequence[str]) -> Figu
                         yerr=[[p[1][1] for p in points], [p[1][2] for p in points]], linestyle=style,
                         color=colours[i % len(colours)], label=f"{variant} {pct[:3]}")
     ax.set_yscale("log")
-    ax.set_xlabel("offered load (% of the first variant's sustained rate)")
+    peak = lat.get("peak_kw_s")
+    ax.set_xlabel(f"offered load (% of {peak:,.0f} keywords/s, the sustained rate)" if peak
+                  else "offered load (% of the first variant's sustained rate)")
     ax.set_ylabel("latency, ms (log scale)")
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
