@@ -17,8 +17,8 @@ from kwe_core.profiles import Bucket, Profile
 from tests.fakes.consumer import FakeGroupConsumer
 from tests.test_pipeline_start import _NoContexts, _Producer, _Tokenizer
 from worker.app import wire_pipeline
-from worker.config import Settings
 from worker.pipeline import Shutdown
+from worker.settings.schema import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSEMBLY = "worker/app.py"

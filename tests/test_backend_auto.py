@@ -16,7 +16,7 @@ from tests.fakes.backends import FakeClock, FakeCpuBackend
 from worker.backends import auto
 from worker.backends.auto import Candidate
 from worker.backends.select import choose_backend
-from worker.config import Settings
+from worker.settings.schema import Settings
 
 BF16 = frozenset({"fpu", "avx512f", "avx512_bf16", "avx512_vnni"})
 AVX2 = frozenset({"fpu", "avx2", "fma"})

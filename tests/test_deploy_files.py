@@ -34,11 +34,11 @@ from tests.deploy_tools import (
     settings_from_env,
     yaml_docs,
 )
-from worker.cli import SUBCOMMANDS
-from worker.config import Settings, setting_fields
-from worker.settings_loader import flag_name
-from worker.metrics import Metrics
 from kwe_core.model import MODEL_PIP_SPEC
+from worker.cli import SUBCOMMANDS
+from worker.metrics import Metrics
+from worker.settings.loader import flag_name
+from worker.settings.schema import Settings, setting_fields
 
 SETTING_FLAGS = {flag_name(f.name) for f in setting_fields()}
 DOCKERFILES = ["Dockerfile", "Dockerfile.gpu"]

@@ -70,7 +70,7 @@ def test_every_error_a_user_can_read_derives_from_the_one_root() -> None:
                  "worker.bucketing.BucketerError", "worker.cache.CacheError", "worker.cost_model.CostModelError",
                  "kwe_core.vectors.VectorError", "engines.quantize_int8.QuantizeError",
                  "engines.build_engine.EngineBuildError", "engines.export_onnx.ExportError",
-                 "worker.config.SettingsError", "worker.embedder.EmbedderError"):
+                 "worker.settings.schema.SettingsError", "worker.embedder.EmbedderError"):
         assert name in found, name
     outside = sorted(name for name, cls in found.items()
                      if not issubclass(cls, KeywordEmbedderError) and name not in INTERNAL)
@@ -106,7 +106,7 @@ def _command_handlers() -> list[tuple[str, int, list[str]]]:
 
 
 def _resolve(name: str) -> type[BaseException] | None:
-    for module in ("kwe_core.errors", "kwe_core.model", "kwe_core.profiles", "worker.config",
+    for module in ("kwe_core.errors", "kwe_core.model", "kwe_core.profiles", "worker.settings.schema",
                    "worker.keyword_files", "engines.build_engine", "engines.export_onnx",
                    "worker.benchmark.errors", "worker.stop_signals"):
         cls = getattr(importlib.import_module(module), name, None)
@@ -144,8 +144,8 @@ def test_the_cli_turns_a_root_error_into_one_line_and_its_exit_code(argv: list[s
 
 def test_an_error_no_command_catches_is_one_line_and_exit_1(monkeypatch: pytest.MonkeyPatch,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    import worker.commands.settings as settings_command
     from worker.cli import main
+    import worker.commands.settings as settings_command
     from worker.cost_model import CostModelError
 
     def fails(args: object) -> int:

@@ -36,7 +36,7 @@ def test_the_at_least_once_modules_name_nothing_of_exactly_once() -> None:
 
 def test_at_least_once_loads_no_exactly_once_module() -> None:
     code = ("import sys\n"
-            "from worker.config import Settings\n"
+            "from worker.settings.schema import Settings\n"
             "from worker.delivery import build_delivery, producer_config_for\n"
             "from worker.kafka.committer import Committer\n"
             "from worker.kafka.producer import OutputProducer\n"

@@ -26,10 +26,10 @@ from tests.kafka_tools import (
     produce_with_raw_headers,
 )
 from worker.app import wire_pipeline
-from worker.config import Settings
 from worker.kafka.admin import ensure_topics
 from worker.pipeline import Pipeline
 from worker.probes import MetricsServer
+from worker.settings.schema import Settings
 
 pytestmark = pytest.mark.kafka
 

@@ -55,7 +55,7 @@ SCRIPT = textwrap.dedent("""
     if BLOCK:
         from kwe_core.errors import BackendError
         from worker.backends.select import choose_backend, missing_gpu_packages
-        from worker.config import Settings
+        from worker.settings.schema import Settings
         extra["missing"] = missing_gpu_packages()
         extra["auto"] = choose_backend(Settings(engine_path=sys.executable), has_gpu=lambda: True).backend
         try:

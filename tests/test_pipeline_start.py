@@ -14,7 +14,7 @@ from kwe_core.profiles import Bucket, Profile
 from tests.fakes.consumer import FakeGroupConsumer
 from worker.app import wire_pipeline
 from worker.bucketing import BucketerError
-from worker.config import Settings
+from worker.settings.schema import Settings
 
 
 @dataclass

@@ -277,8 +277,8 @@ def test_a_plan_or_a_given_onnx_file_is_refused_for_an_excluded_prompt(tmp_path:
 def test_an_unnormalised_model_says_so_in_the_record_and_a_header(tmp_path: Path) -> None:
     from tests.test_messages import schema
     from worker.app import output_codec
-    from worker.config import Settings
     from worker.kafka.messages import H_NORMALIZED
+    from worker.settings.schema import Settings
 
     info = _info(tmp_path, "mpnet-cls-dot")
     assert not info.normalized and info.similarity == "dot"
@@ -297,7 +297,7 @@ def test_an_unnormalised_model_says_so_in_the_record_and_a_header(tmp_path: Path
 
 def test_truncation_keeps_the_scale_of_an_unnormalised_model(tmp_path: Path) -> None:
     from worker.app import output_codec
-    from worker.config import Settings
+    from worker.settings.schema import Settings
 
     row = np.arange(1, 33, dtype=np.float32)
     dot = output_codec(Settings(truncate_dim=8), _info(tmp_path / "a", "mpnet-cls-dot"), Prompt())
@@ -309,7 +309,7 @@ def test_truncation_keeps_the_scale_of_an_unnormalised_model(tmp_path: Path) -> 
 
 def test_int8_without_a_range_is_refused_for_an_unnormalised_model(tmp_path: Path) -> None:
     from worker.app import output_codec
-    from worker.config import Settings, SettingsError
+    from worker.settings.schema import Settings, SettingsError
 
     info = _info(tmp_path, "distilbert-mean-dense-tanh")
     with pytest.raises(SettingsError, match="gives vectors that are not normalised .*set int8_range"):

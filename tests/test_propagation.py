@@ -87,11 +87,11 @@ def test_the_default_path_imports_no_registry_or_otel_code_and_a_missing_extra_i
 import sys
 for name in ("fastavro", "opentelemetry", "google.protobuf.descriptor_pool"):
     sys.modules[name] = None  # as if the extras were not installed: importing them raises ImportError
-import worker.cli, worker.app, worker.pipeline, worker.output
-from worker.config import Settings, SettingsError
 from worker.app import registry_formats
-from worker.tracing import batch_spans
+import worker.cli, worker.app, worker.pipeline, worker.output
 from worker.kafka.messages import OutputCodec
+from worker.settings.schema import Settings, SettingsError
+from worker.tracing import batch_spans
 codec = OutputCodec(model="m", dim=4, encoding="float-list")
 assert registry_formats(Settings(), codec) == (codec, None)
 for call in (lambda: registry_formats(Settings(output_format="avro", schema_registry_url="http://sr"), codec),

@@ -16,7 +16,6 @@ from typing import Any
 from tests.fakes.consumer import FakeGroupConsumer
 from tests.fakes.transactions import FakeTxnProducer
 from worker.acks import Acknowledger
-from worker.config import Settings
 from worker.dead_letters import DeadLetters
 from worker.exactly_once import ExactlyOnce
 from worker.inflight import InFlightTable
@@ -28,6 +27,7 @@ from worker.kafka.producer import OutputProducer
 from worker.kafka.transactions import Transactions
 from worker.latch import FatalLatch
 from worker.metrics import Metrics
+from worker.settings.schema import Settings
 
 
 @dataclass

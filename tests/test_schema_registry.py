@@ -27,9 +27,9 @@ from confluent_kafka.serialization import MessageField, SerializationContext  # 
 
 from kwe_core.vectors import default_int8_range, dequantize_int8  # noqa: E402
 from tests.kafka_tools import free_port  # noqa: E402
-from worker.config import Settings  # noqa: E402
 from worker.errors import SchemaRegistryFailure  # noqa: E402
 from worker.kafka.messages import Keyword, OutputCodec, Rejection  # noqa: E402
+from worker.settings.schema import Settings  # noqa: E402
 from worker.kafka.schema_registry import (SCHEMA_DIR, RegistryInput, RegistryOutput, check_reachable,  # noqa: E402
                                           registry_client, registry_fault, schema_file)
 

@@ -59,11 +59,11 @@ from worker.backends.tensorrt_plan import (
     shared_memory_size,
     stage_batch,
 )
-from worker.config import Settings
-from worker.deadline import Deadline
 from kwe_core.profiles import Bucket, Profile, ProfileError, load_profile
 from tests.fakes.gpu import DIM, FakeTrt, install_fakes
 from tests.fakes.gpu import tiny_onnx as _tiny_onnx
+from worker.deadline import Deadline
+from worker.settings.schema import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / "kwe_core" / "profiles.toml"

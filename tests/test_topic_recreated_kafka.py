@@ -28,7 +28,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from tests.kafka_tools import TopicReader, WorkerProcess, load_queries, produce_queries
 from tests.test_faults_kafka import InProcessWorker, loaded  # noqa: F401 - the fixture
 from worker.app import wire_pipeline
-from worker.config import Settings
+from worker.settings.schema import Settings
 
 pytestmark = pytest.mark.kafka
 

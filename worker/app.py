@@ -20,7 +20,6 @@ from worker.acks import Acknowledger
 from worker.backends.base import Backend
 from worker.backends.isolating import IsolatingBackend
 from worker.cache import EmbeddingCache
-from worker.config import Settings, SettingsError
 from worker.cost_model import CostModel
 from worker.dead_letters import DeadLetters
 from worker.delivery import build_delivery, producer_config_for
@@ -38,8 +37,9 @@ from worker.latch import guarded
 from worker.metrics import Metrics
 from worker.names import REGISTRY_FORMATS
 from worker.output import OutputStage
-from worker.output_fields import parse_output_fields
 from worker.pipeline import Pipeline, Shutdown, Stages
+from worker.settings.output_fields import parse_output_fields
+from worker.settings.schema import Settings, SettingsError
 from worker.tokenize import KeywordTokenizer
 from worker.tracing import BatchSpans
 

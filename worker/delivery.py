@@ -37,7 +37,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.config import Settings
 from worker.deadline import Deadline
 from worker.delivery_types import AroundBatch, Delivery, Phase, Serve
 from worker.inflight import InFlightTable
@@ -46,6 +45,7 @@ from worker.kafka.offsets import PartitionOffsets
 from worker.kafka.producer import OutputProducer, RecordWriter
 from worker.latch import FatalLatch
 from worker.metrics import Metrics
+from worker.settings.schema import Settings
 
 __all__ = ["AroundBatch", "AtLeastOnce", "Delivery", "Phase", "Serve", "build_delivery", "producer_config_for"]
 # The at-least-once revoke commit: at most this long inside the callback.

@@ -44,9 +44,9 @@ from worker.backends.base import OvPrecision
 from worker.backends.onnxruntime import OnnxRuntimeBackend
 from worker.backends.openvino import OpenVinoBackend
 from worker.backends.select import choose_cpu, open_backend
-from worker.padding import length_batches, pad_batch
 from worker.cache import DEFAULT_CACHE_BYTES, EmbeddingCache, key
-from worker.config import BackendSetting, Precision, Settings
+from worker.padding import length_batches, pad_batch
+from worker.settings.schema import BackendSetting, Precision, Settings
 from worker.tokenize import Encoded, KeywordTokenizer
 
 

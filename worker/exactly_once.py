@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from worker.config import Settings
 from worker.deadline import Deadline
 from worker.delivery_types import AroundBatch, Phase, Serve
 from worker.inflight import InFlightTable
@@ -32,6 +31,7 @@ from worker.kafka.producer import OutputProducer, RecordWriter
 from worker.kafka.transactions import Transactions, drained_waiter, transactional_config
 from worker.latch import FatalLatch
 from worker.metrics import Metrics
+from worker.settings.schema import Settings
 
 
 

@@ -21,13 +21,13 @@ from confluent_kafka import Message
 
 from worker.cache import EmbeddingCache
 from worker.cache import key as cache_key
-from worker.config import Settings
 from worker.dead_letters import DeadLetters
 from worker.inflight import InFlight, InFlightTable
 from worker.kafka.headers import read_headers
 from worker.kafka.messages import Headers, Keyword, Rejection, decode_input
 from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched, Watermarks
 from worker.metrics import Metrics
+from worker.settings.schema import Settings
 
 log = structlog.get_logger(__name__)
 

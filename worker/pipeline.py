@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 import structlog
 
 from worker.acks import Acknowledger
-from worker.config import Settings
 from worker.deadline import Deadline
 from worker.delivery import Delivery
 from worker.errors import ThreadDiedError, WorkerError
@@ -46,6 +45,7 @@ from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch
 from worker.metrics import Metrics
 from worker.output import OutputStage
+from worker.settings.schema import Settings
 from worker.tracing import BatchSpans
 
 if TYPE_CHECKING:

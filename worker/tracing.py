@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kwe_core.errors import extra_missing
-from worker.config import SettingsError
 from worker.kafka.propagation import TraceParent
+from worker.settings.schema import SettingsError
 
 SPAN_NAME = "keyword-embedder embed"
 # Links per span: the OpenTelemetry SDK's default limit (OTEL_SPAN_LINK_COUNT_LIMIT) is 128;

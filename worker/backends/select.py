@@ -37,7 +37,7 @@ from kwe_core.model import ModelInfo, default_model_dir
 from kwe_core.profiles import PadPolicy, Profile, load_profile
 from worker.backends.auto import Candidate, CpuChoice
 from worker.backends.base import Backend, BackendName, OvPrecision
-from worker.config import Precision, Settings
+from worker.settings.schema import Precision, Settings
 
 log = structlog.get_logger(__name__)
 

@@ -13,7 +13,7 @@ from typing import get_args
 import orjson
 
 from worker.backends.base import OvPrecision
-from worker.config import BackendSetting
+from worker.settings.schema import BackendSetting
 
 PROG = "keyword-embedder bench"
 
@@ -177,7 +177,7 @@ def main(args: argparse.Namespace) -> int:
 def _worker_settings(args: argparse.Namespace, backend: str = "onnxruntime",  # noqa: ANN202 - Settings, lazily
                      openvino_precision: str | None = None):
     """The worker settings whose calibration this bench run shares (thread layout, model, ONNX file, backend)."""
-    from worker.config import Settings
+    from worker.settings.schema import Settings
 
     return Settings(intra_op_threads=args.threads, dispatchers=args.dispatchers, onnx_path=str(args.onnx or ""),
                     model_dir=str(args.model_dir or ""), backend=backend,

@@ -14,9 +14,9 @@ from typing import Any
 
 import structlog
 
-from worker.settings_loader import add_setting_flags, load_settings
-from worker.stop_signals import StopDuringStartup, StopSignals, startup_stopped_message
 from worker.logs import configure_logging
+from worker.settings.loader import add_setting_flags, load_settings
+from worker.stop_signals import StopDuringStartup, StopSignals, startup_stopped_message
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

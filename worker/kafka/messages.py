@@ -18,7 +18,7 @@ import orjson
 
 from kwe_core.vectors import (dequantize_int8, pack_binary, quantize_int8, truncate, unpack_binary)
 from worker.names import InputFormat, OutputEncoding
-from worker.output_fields import FieldMap, apply_output_fields
+from worker.settings.output_fields import FieldMap, apply_output_fields
 
 Headers = list[tuple[str, bytes | None]]
 

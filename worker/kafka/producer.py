@@ -35,13 +35,13 @@ from typing import Any, Protocol
 import structlog
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from worker.config import Settings
 from worker.deadline import Deadline
+from worker.errors import DeliveryError, ThreadDiedError
 from worker.kafka.client_config import client_config
 from worker.kafka.errors import FailurePolicy, KafkaSetupError
-from worker.errors import DeliveryError, ThreadDiedError
 from worker.kafka.throttle import ThrottledLog
 from worker.latch import FatalLatch, guarded
+from worker.settings.schema import Settings
 
 log = structlog.get_logger(__name__)
 

@@ -36,8 +36,8 @@ from confluent_kafka.schema_registry.json_schema import JSONDeserializer, JSONSe
 from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer, ProtobufSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
-from worker.config import Settings
 from worker.errors import SchemaRegistryFailure
+from worker.settings.schema import Settings
 from worker.kafka.messages import (Headers, Keyword, OutputCodec, Rejection, check_size, keyword_from_object)
 from worker.kafka.protobuf_schemas import message_class
 

@@ -3,9 +3,9 @@
 Every field of `Settings` is a setting: a default, a help text, a type (a `Literal` for a
 setting of a few words) and optional bounds; `Settings()` refuses a value of the wrong type,
 word or range, naming the setting. Where the values come from (flags, `KWE_*` environment,
-TOML file, and their precedence) is worker/settings_loader.py; the librdkafka keys
-kafka_config refuses are worker/kafka_overrides.py; docs/settings.md is rendered from this
-schema by worker/settings_docs.py (`keyword-embedder settings --markdown`), and a test keeps
+TOML file, and their precedence) is worker/settings/loader.py; the librdkafka keys
+kafka_config refuses are worker/settings/kafka_overrides.py; docs/settings.md is rendered from this
+schema by worker/settings/docs.py (`keyword-embedder settings --markdown`), and a test keeps
 it in step.
 """
 
@@ -20,12 +20,12 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from kwe_core.errors import KeywordEmbedderError
 from kwe_core.profiles import PadPolicy
-from worker.kafka_overrides import RECORD_FRAMING_BYTES, kafka_override_error, librdkafka_int
+from worker.cache import DEFAULT_CACHE_BYTES
 from worker.logs import LogFormat, LogLevel
 from worker.names import REGISTRY_FORMATS, BackendName, InputFormat, OutputEncoding, OutputFormat, OvPrecision
-from worker.output_fields import parse_output_fields
 from worker.redact import MASK, is_secret_key
-from worker.cache import DEFAULT_CACHE_BYTES
+from worker.settings.kafka_overrides import RECORD_FRAMING_BYTES, kafka_override_error, librdkafka_int
+from worker.settings.output_fields import parse_output_fields
 
 
 # librdkafka's values; "" leaves the key unset (librdkafka's default, or what the config file says).

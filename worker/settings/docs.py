@@ -6,9 +6,9 @@ the code disagree.
 
 from __future__ import annotations
 
-from worker.config import Settings, setting_choices, setting_fields
-from worker.kafka_overrides import KAFKA_VALUE_RULES, RESERVED_KAFKA_KEYS
-from worker.settings_loader import env_name, flag_name
+from worker.settings.kafka_overrides import KAFKA_VALUE_RULES, RESERVED_KAFKA_KEYS
+from worker.settings.loader import env_name, flag_name
+from worker.settings.schema import Settings, setting_choices, setting_fields
 
 
 def _cell(text: str) -> str:
@@ -20,7 +20,7 @@ REFERENCE_HEADER = (
     "# Settings reference\n\n"
     "<!-- Generated file: do not edit. Regenerate with\n"
     "     keyword-embedder settings --markdown > docs/settings.md\n"
-    "     (tests/test_settings.py fails when this file and worker/config.py disagree). -->\n\n"
+    "     (tests/test_settings.py fails when this file and worker/settings/schema.py disagree). -->\n\n"
     "Every setting has a default, a command-line flag, a `KWE_*` environment variable and a key in "
     "the TOML config file (`--config FILE` or `KWE_CONFIG`). Precedence, lowest to highest: "
     "default < config file < environment < flag. An invalid value stops the worker at start with "

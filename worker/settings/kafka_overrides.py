@@ -3,7 +3,7 @@
 A key with a setting of its own, a key the worker sets itself, or a value that would break the
 delivery guarantees is refused at start (`Settings` checks each kafka_config item with
 `kafka_override_error`; `worker/kafka/client_config.py` checks the properties file the same way).
-docs/settings.md lists these rules below the settings table (worker/settings_docs.py).
+docs/settings.md lists these rules below the settings table (worker/settings/docs.py).
 Plain data and pure functions: no settings, no clients.
 """
 

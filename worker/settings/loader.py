@@ -1,6 +1,6 @@
 """Settings from their sources: flags, `KWE_*` environment variables and the TOML config file.
 
-Every field of `Settings` (worker/config.py) has a command-line flag (`--input-topic`), a
+Every field of `Settings` (worker/settings/schema.py) has a command-line flag (`--input-topic`), a
 `KWE_*` environment variable (`KWE_INPUT_TOPIC`) and a key in the TOML config file
 (`input_topic = "..."`). Precedence, lowest to highest: default < config file < environment <
 flag. Each raw value is read as its field's type here, naming the source when it cannot be;
@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from worker.config import Settings, SettingsError, setting_fields, setting_type
+from worker.settings.schema import Settings, SettingsError, setting_fields, setting_type
 
 ENV_PREFIX = "KWE_"
 
