@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from worker.cache import ENTRY_OVERHEAD, CacheError, EmbeddingCache, hit_rate_line, key
-from worker.metrics import Metrics
+from worker.operations.metrics import Metrics
 
 DIM = 384
 

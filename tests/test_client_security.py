@@ -19,8 +19,8 @@ from worker.kafka.client_config import client_config, client_env, read_propertie
 from worker.kafka.consumer import consumer_config
 from worker.kafka.errors import FailurePolicy, fatal_reason
 from worker.kafka.producer import producer_config
-from worker.logs import configure_logging
-from worker.redact import MASK, is_secret_key, redact_text
+from worker.operations.logs import configure_logging
+from worker.operations.redact import MASK, is_secret_key, redact_text
 from worker.settings.loader import add_setting_flags, load_settings
 from worker.settings.schema import Settings, SettingsError
 

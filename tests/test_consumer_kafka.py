@@ -13,7 +13,7 @@ from worker.kafka.committer import Committer
 from worker.kafka.consumer import GroupMember, consumer_config
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch
-from worker.metrics import Metrics
+from worker.operations.metrics import Metrics
 from worker.settings.schema import Settings
 
 

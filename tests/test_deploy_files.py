@@ -36,7 +36,7 @@ from tests.deploy_tools import (
 )
 from kwe_core.model import MODEL_PIP_SPEC
 from worker.cli import SUBCOMMANDS
-from worker.metrics import Metrics
+from worker.operations.metrics import Metrics
 from worker.settings.loader import flag_name
 from worker.settings.schema import Settings, setting_fields
 
@@ -527,7 +527,7 @@ def test_dashboard_metric_names_exist_in_worker_metrics() -> None:
     exported = _exported_series()
     used = {name for expr in _dashboard_exprs() for name in re.findall(r"\bkwe_[a-z0-9_]+", expr)}
     assert used, "the dashboard queries no kwe_ metric"
-    assert used <= exported, f"not exported by worker.metrics: {sorted(used - exported)}"
+    assert used <= exported, f"not exported by worker.operations.metrics: {sorted(used - exported)}"
 
 
 def test_dashboard_covers_every_instrument() -> None:

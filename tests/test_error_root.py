@@ -23,7 +23,7 @@ INTERNAL = {
     "worker.kafka.offsets.OffsetWentBack": "caught by intake: the partition's state is reset",
     "worker.kafka.offsets.Refetched": "caught by intake: the record is skipped",
     "worker.kafka.preflight._Unreachable": "caught by the preflight's retry loop",
-    "worker.stop_signals.StopDuringStartup": "a stop request (BaseException), not an error",
+    "worker.operations.stop_signals.StopDuringStartup": "a stop request (BaseException), not an error",
 }
 
 # What a command may catch that is not an error for the user to read: control flow.
@@ -108,7 +108,7 @@ def _command_handlers() -> list[tuple[str, int, list[str]]]:
 def _resolve(name: str) -> type[BaseException] | None:
     for module in ("kwe_core.errors", "kwe_core.model", "kwe_core.profiles", "worker.settings.schema",
                    "worker.keyword_files", "engines.build_engine", "engines.export_onnx",
-                   "worker.benchmark.errors", "worker.stop_signals"):
+                   "worker.benchmark.errors", "worker.operations.stop_signals"):
         cls = getattr(importlib.import_module(module), name, None)
         if cls is not None:
             return cls

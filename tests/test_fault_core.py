@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from worker.deadline import Deadline
 from worker.backends.isolating import IsolatingContext, PartialBatchError
+from worker.deadline import Deadline
 from worker.errors import BackendBrokenError, DeliveryError, ThreadDiedError, WorkerError
 from worker.flow import FlowControl
-from worker.health import Liveness
-from worker.kafka.committer import Committer
 from worker.inflight import InFlightTable
+from worker.kafka.committer import Committer
 from worker.kafka.exactly_once_producer import ExactlyOnceProducer
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch, guarded
+from worker.operations.health import Liveness
 
 
 # ---------------------------------------------------------------------------- latch
@@ -493,7 +493,7 @@ class FakeGroupConsumer(FakeConsumer):
 def _member(wait_s: float) -> tuple[Any, Committer, FakeGroupConsumer, FatalLatch]:
     from worker.delivery import AtLeastOnce
     from worker.kafka.consumer import GroupMember
-    from worker.metrics import Metrics
+    from worker.operations.metrics import Metrics
 
     latch = FatalLatch()
     committer = Committer(None, interval_s=0.0)
@@ -569,8 +569,8 @@ def test_a_bug_in_the_bucketer_former_trips_the_latch_and_liveness_names_the_thr
     (the latch), and /healthz names the dead thread, instead of all work stopping silently."""
     from kwe_core.profiles import Bucket, Profile
     from worker.bucketing import Bucketer
-    from worker.health import Liveness
     from worker.latch import guarded
+    from worker.operations.health import Liveness
 
     latch = FatalLatch()
     b = Bucketer(Profile("t", (Bucket(8, 4, 4),), 10_000, "bucket"), _Backend(lambda: None), lambda *a: None,

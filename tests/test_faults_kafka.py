@@ -27,8 +27,8 @@ from tests.kafka_tools import (
 )
 from worker.app import wire_pipeline
 from worker.kafka.admin import ensure_topics
+from worker.operations.probes import MetricsServer
 from worker.pipeline import Pipeline
-from worker.probes import MetricsServer
 from worker.settings.schema import Settings
 
 pytestmark = pytest.mark.kafka

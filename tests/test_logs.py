@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from worker.logs import configure_logging, get_logger
+from worker.operations.logs import configure_logging, get_logger
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,7 @@ from worker.kafka.exactly_once_producer import ExactlyOnceProducer
 from worker.kafka.producer import OutputProducer
 from worker.kafka.transactions import Transactions
 from worker.latch import FatalLatch
-from worker.metrics import Metrics
+from worker.operations.metrics import Metrics
 from worker.settings.schema import Settings
 
 

@@ -141,8 +141,8 @@ def test_choices_come_from_the_literal_types() -> None:
     from typing import get_args
 
     from kwe_core.profiles import PAD_POLICIES
-    from worker.logs import LogLevel
     from worker.names import BackendName, OutputEncoding
+    from worker.operations.logs import LogLevel
 
     fields = {f.name: f for f in setting_fields()}
     assert setting_choices(fields["pad_to"]) == ("auto", *PAD_POLICIES)

@@ -80,7 +80,7 @@ def test_a_failing_tracer_never_stops_the_output_stage() -> None:
     from worker.kafka.headers import InputHeaders
     from worker.kafka.offsets import PartitionOffsets
     from worker.latch import FatalLatch
-    from worker.metrics import Metrics
+    from worker.operations.metrics import Metrics
     from worker.output import OutputStage, _Finished
 
     class Spans:

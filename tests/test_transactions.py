@@ -574,11 +574,11 @@ def test_a_refused_write_fails_its_transaction_before_its_record_leaves_the_in_f
 
     from worker.acks import Acknowledger
     from worker.inflight import InFlight, InFlightTable
-    from worker.kafka.headers import InputHeaders
     from worker.inflight import InFlightTable
     from worker.kafka.exactly_once_producer import ExactlyOnceProducer
+    from worker.kafka.headers import InputHeaders
     from worker.kafka.producer import OutputProducer
-    from worker.metrics import Metrics
+    from worker.operations.metrics import Metrics
 
     class Client(FakeTxnProducer):
         """The transactional fake, producing like librdkafka: refused at once when too large."""

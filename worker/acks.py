@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from worker.inflight import InFlight, InFlightTable
-from worker.metrics import Metrics
+from worker.operations.metrics import Metrics
 
 Outcome = Literal["embedded", "dead_lettered"]
 

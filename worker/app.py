@@ -24,7 +24,6 @@ from worker.cost_model import CostModel
 from worker.dead_letters import DeadLetters
 from worker.delivery import build_delivery, producer_config_for
 from worker.flow import FlowControl
-from worker.health import Liveness
 from worker.inflight import InFlightTable
 from worker.intake import Decode, Intake
 from worker.kafka.committer import Committer
@@ -34,8 +33,9 @@ from worker.kafka.messages import OutputCodec, ValueEncoder
 from worker.kafka.producer import OutputProducer, producer_config
 from worker.kafka.propagation import Propagation
 from worker.latch import guarded
-from worker.metrics import Metrics
 from worker.names import REGISTRY_FORMATS
+from worker.operations.health import Liveness
+from worker.operations.metrics import Metrics
 from worker.output import OutputStage
 from worker.pipeline import Pipeline, Shutdown, Stages
 from worker.settings.output_fields import parse_output_fields

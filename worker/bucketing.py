@@ -43,12 +43,12 @@ import numpy as np
 
 from kwe_core.profiles import PAD_POLICIES, PadPolicy, Profile
 from worker.backends.base import Backend, InferenceContext
-from worker.batch_stats import BatchStats
 from worker.bucket_queues import Batch, Bucket, Item, bucket_full, pad, plan_layout, snapshot, take_flush
 from worker.cost_model import CostModel
 from worker.deadline import Deadline
 from worker.errors import WorkerError
 from worker.flush_policy import Flush, next_flush
+from worker.operations.batch_stats import BatchStats
 
 log = logging.getLogger(__name__)
 

@@ -86,7 +86,7 @@ def key(ids: np.ndarray) -> bytes:
 
 
 class CacheObserver(Protocol):
-    """Where the cache's counters go (worker.metrics.Metrics): it reads `stats` when scraped, so
+    """Where the cache's counters go (worker.operations.metrics.Metrics): it reads `stats` when scraped, so
     lookups and stores pay for no metric update."""
 
     def watch_cache(self, stats: Callable[[], CacheStats]) -> None: ...

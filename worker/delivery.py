@@ -44,7 +44,7 @@ from worker.kafka.committer import Committer
 from worker.kafka.offsets import PartitionOffsets
 from worker.kafka.producer import OutputProducer, RecordWriter
 from worker.latch import FatalLatch
-from worker.metrics import Metrics
+from worker.operations.metrics import Metrics
 from worker.settings.schema import Settings
 
 __all__ = ["AroundBatch", "AtLeastOnce", "Delivery", "Phase", "Serve", "build_delivery", "producer_config_for"]

@@ -30,7 +30,7 @@ from worker.kafka.offsets import PartitionOffsets
 from worker.kafka.producer import OutputProducer, RecordWriter
 from worker.kafka.transactions import Transactions, drained_waiter, transactional_config
 from worker.latch import FatalLatch
-from worker.metrics import Metrics
+from worker.operations.metrics import Metrics
 from worker.settings.schema import Settings
 
 

@@ -26,7 +26,7 @@ from worker.inflight import InFlight, InFlightTable
 from worker.kafka.headers import read_headers
 from worker.kafka.messages import Headers, Keyword, Rejection, decode_input
 from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched, Watermarks
-from worker.metrics import Metrics
+from worker.operations.metrics import Metrics
 from worker.settings.schema import Settings
 
 log = structlog.get_logger(__name__)

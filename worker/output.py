@@ -23,17 +23,17 @@ import structlog
 
 from worker.acks import Acknowledger
 from worker.backends.isolating import PartialBatchError
-from worker.batch_stats import BatchStats
 from worker.cache import EmbeddingCache
 from worker.dead_letters import DeadLetters
 from worker.deadline import Deadline
 from worker.errors import BackendBrokenError, WorkerError
 from worker.inflight import InFlight, InFlightTable
 from worker.kafka.messages import Rejection, ValueEncoder
-from worker.kafka.propagation import Propagation, find_traceparent
 from worker.kafka.producer import RecordWriter
+from worker.kafka.propagation import Propagation, find_traceparent
 from worker.latch import FatalLatch, guarded
-from worker.metrics import Metrics
+from worker.operations.batch_stats import BatchStats
+from worker.operations.metrics import Metrics
 from worker.tracing import BatchSpans, epoch_ns
 
 log = structlog.get_logger(__name__)

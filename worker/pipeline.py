@@ -36,14 +36,14 @@ from worker.deadline import Deadline
 from worker.delivery import Delivery
 from worker.errors import ThreadDiedError, WorkerError
 from worker.flow import FlowControl
-from worker.health import Liveness
 from worker.inflight import InFlightTable
 from worker.intake import Intake
 from worker.kafka.committer import Committer
 from worker.kafka.consumer import GroupMember
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch
-from worker.metrics import Metrics
+from worker.operations.health import Liveness
+from worker.operations.metrics import Metrics
 from worker.output import OutputStage
 from worker.settings.schema import Settings
 from worker.tracing import BatchSpans

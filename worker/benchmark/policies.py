@@ -31,10 +31,10 @@ import numpy as np
 from kwe_core.profiles import PadPolicy, Profile
 from worker.backends.base import Backend, InferenceContext
 from worker.benchmark.errors import BenchError
-from worker.batch_stats import BatchStats
 from worker.bucketing import Bucketer
-from worker.cost_model import CostModel
 from worker.cache import EmbeddingCache, key
+from worker.cost_model import CostModel
+from worker.operations.batch_stats import BatchStats
 from worker.padding import pad_batch
 from worker.tokenize import Encoded
 

@@ -25,7 +25,7 @@ from worker.kafka.errors import FailurePolicy, KafkaSetupError
 from worker.kafka.offsets import PartitionOffsets
 from worker.kafka.throttle import ThrottledLog
 from worker.latch import FatalLatch
-from worker.metrics import Metrics
+from worker.operations.metrics import Metrics
 from worker.settings.schema import Settings
 
 log = structlog.get_logger(__name__)

@@ -21,9 +21,9 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 from kwe_core.errors import KeywordEmbedderError
 from kwe_core.profiles import PadPolicy
 from worker.cache import DEFAULT_CACHE_BYTES
-from worker.logs import LogFormat, LogLevel
 from worker.names import REGISTRY_FORMATS, BackendName, InputFormat, OutputEncoding, OutputFormat, OvPrecision
-from worker.redact import MASK, is_secret_key
+from worker.operations.logs import LogFormat, LogLevel
+from worker.operations.redact import MASK, is_secret_key
 from worker.settings.kafka_overrides import RECORD_FRAMING_BYTES, kafka_override_error, librdkafka_int
 from worker.settings.output_fields import parse_output_fields
 

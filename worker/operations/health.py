@@ -1,5 +1,5 @@
 """Liveness: is this worker still making progress, or should it be restarted? And the shape of
-the liveness and readiness checks that /healthz and /readyz (worker/probes.py) call.
+the liveness and readiness checks that /healthz and /readyz (worker/operations/probes.py) call.
 
 Read by the metrics server's request threads; everything it reads is owned elsewhere and read
 atomically (the latch's event, threads' liveness, the committer's last-progress time).

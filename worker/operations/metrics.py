@@ -1,7 +1,7 @@
 """The Prometheus series: what an operator watches, in a registry of their own.
 
-The HTTP server that exposes them (/metrics, beside /healthz and /readyz) is worker/probes.py;
-librdkafka's statistics are read into lags by worker/rdkafka_stats.py.
+The HTTP server that exposes them (/metrics, beside /healthz and /readyz) is worker/operations/probes.py;
+librdkafka's statistics are read into lags by worker/operations/rdkafka_stats.py.
 
 Nothing here is module-level state: each `Metrics` owns its own `CollectorRegistry`, so two
 workers in one process (tests, the demo) never share or collide on series, and tests can
@@ -20,9 +20,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
-from worker.batch_stats import BatchStats
-from worker.health import LiveCheck, always_alive
-from worker.rdkafka_stats import partition_lags
+from worker.operations.batch_stats import BatchStats
+from worker.operations.health import LiveCheck, always_alive
+from worker.operations.rdkafka_stats import partition_lags
 
 PREFIX = "kwe_"
 REBALANCE_KINDS = ("assign", "revoke", "lost")
@@ -220,7 +220,7 @@ class Metrics:
     def update_from_stats(self, stats_json: str | bytes,
                           owned: Container[tuple[str, int]] | None = None) -> int:
         """Sets the per-partition lag gauge from a librdkafka statistics callback payload
-        (worker/rdkafka_stats.py reads it); returns how many partitions were set.
+        (worker/operations/rdkafka_stats.py reads it); returns how many partitions were set.
 
         Raises ValueError when the payload is not a librdkafka statistics object, so a
         caller can log it; the stats callback must not take the worker down either way.

@@ -16,8 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from worker.health import LiveCheck, ReadyCheck, always_alive
-from worker.metrics import Metrics
+from worker.operations.health import LiveCheck, ReadyCheck, always_alive
+from worker.operations.metrics import Metrics
 
 
 def readiness_body(ready: bool, detail: Mapping[str, bool] | str) -> dict[str, object]:

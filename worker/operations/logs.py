@@ -17,7 +17,7 @@ from typing import Any, Literal, TextIO
 import structlog
 from structlog.typing import Processor
 
-from worker.redact import RedactSecrets
+from worker.operations.redact import RedactSecrets
 
 LogFormat = Literal["auto", "json", "console"]
 LogLevel = Literal["debug", "info", "warning", "error"]
