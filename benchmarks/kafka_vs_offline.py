@@ -34,8 +34,8 @@ from tests.kafka_tools import WorkerProcess  # noqa: E402
 from worker.benchmark.report import quartiles  # noqa: E402
 from worker.bucketing import Bucketer  # noqa: E402
 from worker.flow import CONSUME_BATCH  # noqa: E402
+from worker.formats.keyword_files import read_keywords  # noqa: E402
 from worker.kafka.admin import ensure_topics  # noqa: E402
-from worker.keyword_files import read_keywords  # noqa: E402
 from worker.settings.schema import Settings  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "queries" / "msmarco-passage-dev.tsv"

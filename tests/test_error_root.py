@@ -66,7 +66,7 @@ def _defined_exceptions() -> dict[str, type[BaseException]]:
 def test_every_error_a_user_can_read_derives_from_the_one_root() -> None:
     found = _defined_exceptions()
     # The ones the issue named, found and walked (not skipped as an import that failed).
-    for name in ("worker.keyword_files.KeywordFileError", "worker.benchmark.errors.BenchError",
+    for name in ("worker.formats.keyword_files.KeywordFileError", "worker.benchmark.errors.BenchError",
                  "worker.bucketing.BucketerError", "worker.cache.CacheError", "worker.cost_model.CostModelError",
                  "kwe_core.vectors.VectorError", "engines.quantize_int8.QuantizeError",
                  "engines.build_engine.EngineBuildError", "engines.export_onnx.ExportError",
@@ -81,7 +81,7 @@ def test_every_error_a_user_can_read_derives_from_the_one_root() -> None:
 def test_errors_keep_the_builtin_type_callers_caught_before() -> None:
     from engines.export_onnx import ExportError
     from worker.bucketing import BucketerError
-    from worker.keyword_files import KeywordFileError
+    from worker.formats.keyword_files import KeywordFileError
 
     # Library callers that caught ValueError / RuntimeError still do.
     assert issubclass(KeywordFileError, ValueError) and issubclass(ExportError, RuntimeError)
@@ -107,7 +107,7 @@ def _command_handlers() -> list[tuple[str, int, list[str]]]:
 
 def _resolve(name: str) -> type[BaseException] | None:
     for module in ("kwe_core.errors", "kwe_core.model", "kwe_core.profiles", "worker.settings.schema",
-                   "worker.keyword_files", "engines.build_engine", "engines.export_onnx",
+                   "worker.formats.keyword_files", "engines.build_engine", "engines.export_onnx",
                    "worker.benchmark.errors", "worker.operations.stop_signals"):
         cls = getattr(importlib.import_module(module), name, None)
         if cls is not None:

@@ -18,7 +18,7 @@ from tests.test_messages import schema
 from worker.app import output_codec
 from worker.cache import key
 from worker.settings.schema import Settings
-from worker.kafka.messages import (H_INT8_RANGE, H_PROMPT, H_PROMPT_NAME, OutputCodec, decode_embedding,
+from worker.formats.messages import (H_INT8_RANGE, H_PROMPT, H_PROMPT_NAME, OutputCodec, decode_embedding,
                                    encode_embedding)
 from worker.tokenize import KeywordTokenizer
 

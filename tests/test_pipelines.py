@@ -277,7 +277,7 @@ def test_a_plan_or_a_given_onnx_file_is_refused_for_an_excluded_prompt(tmp_path:
 def test_an_unnormalised_model_says_so_in_the_record_and_a_header(tmp_path: Path) -> None:
     from tests.test_messages import schema
     from worker.app import output_codec
-    from worker.kafka.messages import H_NORMALIZED
+    from worker.formats.messages import H_NORMALIZED
     from worker.settings.schema import Settings
 
     info = _info(tmp_path, "mpnet-cls-dot")

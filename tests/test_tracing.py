@@ -17,7 +17,7 @@ pytest.importorskip("opentelemetry.sdk", reason="the otel extra is not installed
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
-from worker.kafka.propagation import parse_traceparent  # noqa: E402
+from worker.formats.propagation import parse_traceparent  # noqa: E402
 from worker.tracing import SPAN_NAME, batch_spans  # noqa: E402
 
 PARENTS = [parse_traceparent(f"00-{i:032x}-{i + 100:016x}-01".encode()) for i in range(1, 4)]
@@ -76,8 +76,8 @@ def test_spans_are_exported_over_otlp_http_to_the_endpoint() -> None:
 def test_a_failing_tracer_never_stops_the_output_stage() -> None:
     import numpy as np
 
+    from worker.formats.headers import InputHeaders
     from worker.inflight import InFlight, InFlightTable
-    from worker.kafka.headers import InputHeaders
     from worker.kafka.offsets import PartitionOffsets
     from worker.latch import FatalLatch
     from worker.operations.metrics import Metrics

@@ -573,10 +573,10 @@ def test_a_refused_write_fails_its_transaction_before_its_record_leaves_the_in_f
     import threading
 
     from worker.acks import Acknowledger
+    from worker.formats.headers import InputHeaders
     from worker.inflight import InFlight, InFlightTable
     from worker.inflight import InFlightTable
     from worker.kafka.exactly_once_producer import ExactlyOnceProducer
-    from worker.kafka.headers import InputHeaders
     from worker.kafka.producer import OutputProducer
     from worker.operations.metrics import Metrics
 

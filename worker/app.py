@@ -24,14 +24,14 @@ from worker.cost_model import CostModel
 from worker.dead_letters import DeadLetters
 from worker.delivery import build_delivery, producer_config_for
 from worker.flow import FlowControl
+from worker.formats.messages import OutputCodec, ValueEncoder
+from worker.formats.propagation import Propagation
 from worker.inflight import InFlightTable
 from worker.intake import Decode, Intake
 from worker.kafka.committer import Committer
 from worker.kafka.consumer import GroupMember, consumer_config
 from worker.kafka.errors import FailurePolicy
-from worker.kafka.messages import OutputCodec, ValueEncoder
 from worker.kafka.producer import OutputProducer, producer_config
-from worker.kafka.propagation import Propagation
 from worker.latch import guarded
 from worker.names import REGISTRY_FORMATS
 from worker.operations.health import Liveness
@@ -212,7 +212,7 @@ def registry_formats(settings: Settings, codec: OutputCodec) -> tuple[ValueEncod
     if settings.output_format not in REGISTRY_FORMATS and settings.input_format not in REGISTRY_FORMATS:
         return codec, None
     try:
-        from worker.kafka.schema_registry import RegistryInput, RegistryOutput, check_reachable, registry_client
+        from worker.formats.schema_registry import RegistryInput, RegistryOutput, check_reachable, registry_client
     except ImportError as exc:
         wanted = [f"{name}={getattr(settings, name)}" for name in ("input_format", "output_format")
                   if getattr(settings, name) in REGISTRY_FORMATS]

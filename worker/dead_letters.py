@@ -11,9 +11,9 @@ import structlog
 from confluent_kafka import Message
 
 from worker.acks import Acknowledger
+from worker.formats.headers import InputHeaders
+from worker.formats.messages import Rejection
 from worker.kafka.dead_letter_record import dead_letter_record
-from worker.kafka.headers import InputHeaders
-from worker.kafka.messages import Rejection
 from worker.kafka.producer import RecordWriter
 
 log = structlog.get_logger(__name__)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from confluent_kafka import Message
 
-from worker.kafka.headers import InputHeaders
+from worker.formats.headers import InputHeaders
 from worker.kafka.offsets import PartitionOffsets
 
 

@@ -22,9 +22,9 @@ from confluent_kafka import Message
 from worker.cache import EmbeddingCache
 from worker.cache import key as cache_key
 from worker.dead_letters import DeadLetters
+from worker.formats.headers import read_headers
+from worker.formats.messages import Headers, Keyword, Rejection, decode_input
 from worker.inflight import InFlight, InFlightTable
-from worker.kafka.headers import read_headers
-from worker.kafka.messages import Headers, Keyword, Rejection, decode_input
 from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched, Watermarks
 from worker.operations.metrics import Metrics
 from worker.settings.schema import Settings
@@ -34,7 +34,7 @@ log = structlog.get_logger(__name__)
 Submit = Callable[[int, np.ndarray], None]
 # Records answered from the embedding cache: their seqs and rows, handed to the output stage.
 Answer = Callable[[list[int], np.ndarray], None]
-# A registry format's decoder (worker/kafka/schema_registry.py's RegistryInput):
+# A registry format's decoder (worker/formats/schema_registry.py's RegistryInput):
 # (topic, key, value, headers, headers' bytes) -> the keyword or why not. It raises a WorkerError
 # when the registry, not the record, fails: that stops the worker without committing the record.
 Decode = Callable[[str, bytes | None, bytes | None, Headers, int], Keyword | Rejection]

@@ -14,7 +14,7 @@ BackendName = Literal["onnxruntime", "openvino", "tensorrt"]
 # OpenVINO's arithmetic: bf16 on the CPU's bf16 matrix units (INFERENCE_PRECISION_HINT), or f32.
 OvPrecision = Literal["bf16", "f32"]
 
-# The Schema Registry formats (worker/kafka/schema_registry.py): confluent-kafka's serdes, the
+# The Schema Registry formats (worker/formats/schema_registry.py): confluent-kafka's serdes, the
 # registry's wire format (magic byte, schema ID, payload).
 RegistryFormat = Literal["avro", "json-schema", "protobuf"]
 REGISTRY_FORMATS: tuple[str, ...] = ("avro", "json-schema", "protobuf")

@@ -27,10 +27,10 @@ from worker.cache import EmbeddingCache
 from worker.dead_letters import DeadLetters
 from worker.deadline import Deadline
 from worker.errors import BackendBrokenError, WorkerError
+from worker.formats.messages import Rejection, ValueEncoder
+from worker.formats.propagation import Propagation, find_traceparent
 from worker.inflight import InFlight, InFlightTable
-from worker.kafka.messages import Rejection, ValueEncoder
 from worker.kafka.producer import RecordWriter
-from worker.kafka.propagation import Propagation, find_traceparent
 from worker.latch import FatalLatch, guarded
 from worker.operations.batch_stats import BatchStats
 from worker.operations.metrics import Metrics

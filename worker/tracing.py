@@ -4,7 +4,7 @@ Only when otel_exporter_otlp_endpoint is set; the OpenTelemetry SDK (the `otel` 
 imported then, never on the default path. A batch holds keywords of many traces, so its span
 cannot be a child of all of them: it starts a trace of its own and carries one link per keyword
 that came with a valid traceparent (the OpenTelemetry convention for batch processing; Redpanda
-Connect does the same). Each embedding's own traceparent (worker/kafka/propagation.py) stays in
+Connect does the same). Each embedding's own traceparent (worker/formats/propagation.py) stays in
 its keyword's trace.
 
 Threads: `BatchSpans.record` runs on the output thread; the SDK's BatchSpanProcessor exports from
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kwe_core.errors import extra_missing
-from worker.kafka.propagation import TraceParent
+from worker.formats.propagation import TraceParent
 from worker.settings.schema import SettingsError
 
 SPAN_NAME = "keyword-embedder embed"

@@ -77,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
     from worker.benchmark.policies import BucketerOptions
     from worker.benchmark.report import render_markdown
     from worker.benchmark.suite import BenchConfig, run_benchmark
-    from worker.keyword_files import BadLines
+    from worker.formats.keyword_files import BadLines
     from worker.tokenize import KeywordTokenizer
 
     def log(msg: str) -> None:

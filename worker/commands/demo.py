@@ -29,10 +29,10 @@ from confluent_kafka import Consumer, KafkaError, Message, Producer
 from tqdm import tqdm
 
 from worker.cache import hit_rate_line
+from worker.formats.keyword_files import read_keywords
+from worker.formats.messages import decode_embedding
 from worker.kafka.admin import ensure_topics
 from worker.kafka.client_config import add_client_flags, client_config, client_env
-from worker.kafka.messages import decode_embedding
-from worker.keyword_files import read_keywords
 from worker.settings.loader import load_settings
 from worker.settings.schema import SettingsError
 

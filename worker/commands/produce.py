@@ -17,9 +17,9 @@ import orjson
 from confluent_kafka import KafkaError, Message, Producer
 from tqdm import tqdm
 
+from worker.formats.keyword_files import FORMATS, BadLines, KeywordFileError, read_keywords
 from worker.kafka.client_config import add_client_flags, client_config
 from worker.kafka.errors import fatal_reason
-from worker.keyword_files import FORMATS, BadLines, KeywordFileError, read_keywords
 from worker.loadgen import SPACINGS, Lateness, arrivals, cycled
 from worker.settings.loader import load_settings
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import orjson
 
-from worker.kafka.headers import InputHeaders
-from worker.kafka.messages import (H_REASON, H_SRC_OFFSET, H_SRC_PARTITION, H_SRC_TOPIC, OWN_HEADER_PREFIX, Headers,
+from worker.formats.headers import InputHeaders
+from worker.formats.messages import (H_REASON, H_SRC_OFFSET, H_SRC_PARTITION, H_SRC_TOPIC, OWN_HEADER_PREFIX, Headers,
                                    Rejection)
 
 

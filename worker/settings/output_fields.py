@@ -1,6 +1,6 @@
 """The output_fields setting: renames, drops, a UUID of the query ID and constant fields of the
 JSON output record, parsed once (at settings time, so a bad item fails the start) and applied
-to every record by the output codec (worker/kafka/messages.py).
+to every record by the output codec (worker/formats/messages.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Message formats: decode and validate input, encode embeddings.
 
 The wire formats are specified in schemas/ (input, output, dead-letter); this module is
-their one implementation, with worker/kafka/headers.py (reading headers safely) and
+their one implementation, with worker/formats/headers.py (reading headers safely) and
 worker/kafka/dead_letter_record.py (the dead-letter record). Decoding never raises on bad
 input: it returns a `Rejection` whose reason goes to the dead-letter topic.
 """
@@ -58,7 +58,7 @@ def decode_input(key: bytes | None, value: bytes | None, *, fmt: InputFormat, ma
                  headers_bytes: int = 0) -> Keyword | Rejection:
     """Decodes and validates one input record; `max_bytes` bounds key + value + headers together.
 
-    The registry formats are decoded by worker/kafka/schema_registry.py, which runs
+    The registry formats are decoded by worker/formats/schema_registry.py, which runs
     `check_size` first and `keyword_from_object` on what the registry's deserialiser returns.
     """
     rejection = check_size(key, value, max_bytes=max_bytes, headers_bytes=headers_bytes)
@@ -184,7 +184,7 @@ def decode_embedding(value: list[float] | str, encoding: OutputEncoding, *, dim:
 
 class ValueEncoder(Protocol):
     """What the output stage needs of a codec: the shared headers and one value per embedding
-    (OutputCodec for JSON; worker/kafka/schema_registry.py's RegistryOutput for the registry formats)."""
+    (OutputCodec for JSON; worker/formats/schema_registry.py's RegistryOutput for the registry formats)."""
 
     @property
     def headers(self) -> Headers: ...

@@ -18,8 +18,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from worker.kafka.headers import InputHeaders
-from worker.kafka.messages import OWN_HEADER_PREFIX, Headers
+from worker.formats.headers import InputHeaders
+from worker.formats.messages import OWN_HEADER_PREFIX, Headers
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from worker.kafka.messages import Headers
+from worker.formats.messages import Headers
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 confluent-kafka's Protobuf serdes need a message class. The worker's are made here from a field
 table with protobuf's own descriptor API, in a descriptor pool of their own; the .proto files in
-worker/registry_schemas/ (schemas/registry/) are `proto_source` of the same tables, and a test
+worker/formats/registry_schemas/ (schemas/registry/) are `proto_source` of the same tables, and a test
 keeps them equal. Input is read with the Keyword message: any writer message whose fields 1 and
 2 are the strings id and text decodes (Protobuf reads by field number).
 """
@@ -52,7 +52,7 @@ def message_class(schema: str) -> Any:
 
 
 def proto_source(schema: str) -> str:
-    """The .proto text of a schema (what worker/registry_schemas/<schema>.proto holds)."""
+    """The .proto text of a schema (what worker/formats/registry_schemas/<schema>.proto holds)."""
     message, fields = MESSAGES[schema]
     lines = ['syntax = "proto3";', "", f"package {PACKAGE};", "", f"message {message} {{"]
     for name, number, kind, repeated in fields:

@@ -4,7 +4,7 @@ Imported only when input_format or output_format is a registry format (it needs 
 extra: fastavro, jsonschema, protobuf, httpx). The wire format is the registry's (magic byte,
 schema ID, payload), written and read by confluent-kafka's Avro/JSON Schema serialisers and
 deserialisers; nothing here encodes it by hand. The reference schemas are in
-worker/registry_schemas/ (also reachable as schemas/registry/).
+worker/formats/registry_schemas/ (also reachable as schemas/registry/).
 
 Threads: `RegistryInput` runs on the poll thread (intake), `RegistryOutput` on the output thread.
 Both serdes cache what they fetched or registered by schema ID, so after a schema's first record
@@ -38,15 +38,15 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 
 from worker.errors import SchemaRegistryFailure
 from worker.settings.schema import Settings
-from worker.kafka.messages import (Headers, Keyword, OutputCodec, Rejection, check_size, keyword_from_object)
-from worker.kafka.protobuf_schemas import message_class
+from worker.formats.messages import (Headers, Keyword, OutputCodec, Rejection, check_size, keyword_from_object)
+from worker.formats.protobuf_schemas import message_class
 
 try:  # confluent-kafka's registry client speaks HTTP through httpx2 (Python 3.10+) or httpx
     from httpx2 import TransportError
 except ImportError:  # pragma: no cover - older confluent-kafka
     from httpx import TransportError  # type: ignore[no-redef]
 
-SCHEMA_DIR = Path(__file__).resolve().parent.parent / "registry_schemas"
+SCHEMA_DIR = Path(__file__).resolve().parent / "registry_schemas"
 
 STRATEGIES: dict[str, Callable[..., Any]] = {
     "topic": topic_subject_name_strategy,
@@ -61,7 +61,7 @@ _CLIENT_TIMEOUT_S = 10
 
 
 def schema_file(fmt: str, encoding: str) -> Path:
-    """The output schema for a registry format and embedding encoding (worker/registry_schemas/)."""
+    """The output schema for a registry format and embedding encoding (worker/formats/registry_schemas/)."""
     if fmt == "avro":
         return SCHEMA_DIR / ("embedding-floats.avsc" if encoding == "float-list" else "embedding-bytes.avsc")
     if fmt == "json-schema":
