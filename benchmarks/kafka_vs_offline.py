@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.kafka_tools import WorkerProcess  # noqa: E402
+from worker.batching.bucketer import Bucketer  # noqa: E402
 from worker.benchmark.report import quartiles  # noqa: E402
-from worker.bucketing import Bucketer  # noqa: E402
 from worker.flow import CONSUME_BATCH  # noqa: E402
 from worker.formats.keyword_files import read_keywords  # noqa: E402
 from worker.kafka.admin import ensure_topics  # noqa: E402

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from kwe_core.profiles import Bucket, PadPolicy, Profile
-from worker.bucketing import Bucketer, BucketerError, BucketerStoppedError
-from worker.calibration import SHAPES
-from worker.cost_model import CostModel, Prices
+from worker.batching.bucketer import Bucketer, BucketerError, BucketerStoppedError
+from worker.batching.calibration import SHAPES
+from worker.batching.cost_model import CostModel, Prices
 from worker.deadline import Deadline
 from worker.operations.batch_stats import BatchStats
 from worker.operations.metrics import Metrics

@@ -480,7 +480,7 @@ def test_image_requirements_check_reads_requires_python_without_tomllib() -> Non
 
 
 def _populated_metrics_text() -> str:
-    from worker.cost_model import CostModel
+    from worker.batching.cost_model import CostModel
 
     """A registry with one observation on every instrument, so every series name renders."""
     m = Metrics()

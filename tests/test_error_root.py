@@ -67,7 +67,7 @@ def test_every_error_a_user_can_read_derives_from_the_one_root() -> None:
     found = _defined_exceptions()
     # The ones the issue named, found and walked (not skipped as an import that failed).
     for name in ("worker.formats.keyword_files.KeywordFileError", "worker.benchmark.errors.BenchError",
-                 "worker.bucketing.BucketerError", "worker.cache.CacheError", "worker.cost_model.CostModelError",
+                 "worker.batching.bucketer.BucketerError", "worker.batching.cache.CacheError", "worker.batching.cost_model.CostModelError",
                  "kwe_core.vectors.VectorError", "engines.quantize_int8.QuantizeError",
                  "engines.build_engine.EngineBuildError", "engines.export_onnx.ExportError",
                  "worker.settings.schema.SettingsError", "worker.embedder.EmbedderError"):
@@ -80,7 +80,7 @@ def test_every_error_a_user_can_read_derives_from_the_one_root() -> None:
 
 def test_errors_keep_the_builtin_type_callers_caught_before() -> None:
     from engines.export_onnx import ExportError
-    from worker.bucketing import BucketerError
+    from worker.batching.bucketer import BucketerError
     from worker.formats.keyword_files import KeywordFileError
 
     # Library callers that caught ValueError / RuntimeError still do.
@@ -144,9 +144,9 @@ def test_the_cli_turns_a_root_error_into_one_line_and_its_exit_code(argv: list[s
 
 def test_an_error_no_command_catches_is_one_line_and_exit_1(monkeypatch: pytest.MonkeyPatch,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from worker.batching.cost_model import CostModelError
     from worker.cli import main
     import worker.commands.settings as settings_command
-    from worker.cost_model import CostModelError
 
     def fails(args: object) -> int:
         raise CostModelError("too few samples to fit the prices (3 of 7)")

@@ -269,7 +269,7 @@ def test_the_offline_fused_graph_matches_too_except_mpnet_which_is_refused(tmp_p
     import onnxruntime as ort
 
     from engines.export_onnx import INPUT_NAMES, export_onnx
-    from worker.padding import pad_batch
+    from worker.batching.padding import pad_batch
 
     folder = _folder(tmp_path, family, "mean")
     if family == "mpnet":

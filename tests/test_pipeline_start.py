@@ -13,7 +13,7 @@ import numpy as np
 from kwe_core.profiles import Bucket, Profile
 from tests.fakes.consumer import FakeGroupConsumer
 from worker.app import wire_pipeline
-from worker.bucketing import BucketerError
+from worker.batching.bucketer import BucketerError
 from worker.settings.schema import Settings
 
 

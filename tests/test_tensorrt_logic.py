@@ -468,7 +468,7 @@ def test_bucketer_runs_a_shared_memory_backend_from_one_dispatcher(
         built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
     """Defect 1: with one shared activation block the bucketer must create and run every context on one thread."""
     from worker.backends.tensorrt import TensorRTBackend
-    from worker.bucketing import Bucketer
+    from worker.batching.bucketer import Bucketer
 
     backend = TensorRTBackend(built_plan[0], gpu, share_device_memory=True)
     done: dict[int, np.ndarray] = {}

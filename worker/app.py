@@ -19,8 +19,8 @@ from kwe_core.vectors import check_truncate_dim, default_int8_range
 from worker.acks import Acknowledger
 from worker.backends.base import Backend
 from worker.backends.isolating import IsolatingBackend
-from worker.cache import EmbeddingCache
-from worker.cost_model import CostModel
+from worker.batching.cache import EmbeddingCache
+from worker.batching.cost_model import CostModel
 from worker.dead_letters import DeadLetters
 from worker.delivery import build_delivery, producer_config_for
 from worker.flow import FlowControl
@@ -70,7 +70,7 @@ class Assembled:
 
 
 def calibration_key(settings: Settings, info: ModelInfo) -> dict[str, Any]:
-    """What changes the price of a backend call, besides the backend and the machine (worker/calibration.py)."""
+    """What changes the price of a backend call, besides the backend and the machine (worker/batching/calibration.py)."""
     weights = info.weights_path.stat()
     key: dict[str, Any] = {"model": str(info.model_dir), "weights": [weights.st_size, weights.st_mtime_ns],
                            "onnx": settings.onnx_path, "precision": settings.precision,
@@ -84,7 +84,7 @@ def calibration_key(settings: Settings, info: ModelInfo) -> dict[str, Any]:
 
 
 def cost_model(settings: Settings, info: ModelInfo, backend: Backend) -> CostModel | None:
-    from worker.calibration import cost_model_for
+    from worker.batching.calibration import cost_model_for
 
     return cost_model_for(backend, calibration_key(settings, info))
 
@@ -97,7 +97,7 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Ass
     messages that name the file or setting.
     """
     from worker.backends.select import load_backend, model_info, precision_label
-    from worker.calibration import cpu_model
+    from worker.batching.calibration import cpu_model
 
     info = model_info(settings)
     prompt = Prompt.resolve(info, prompt=settings.prompt, prompt_name=settings.prompt_name)
@@ -139,7 +139,7 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
     encoder (`output_codec` adds truncate_dim, the prompt and the int8 range, `registry_formats`
     the registry formats; the plain JSON codec if None); `decode` a registry format's decoder.
     """
-    from worker.bucketing import Bucketer
+    from worker.batching.bucketer import Bucketer
 
     metrics = metrics if metrics is not None else Metrics()
     shutdown = Shutdown(settings)

@@ -19,8 +19,8 @@ import numpy as np
 import structlog
 from confluent_kafka import Message
 
-from worker.cache import EmbeddingCache
-from worker.cache import key as cache_key
+from worker.batching.cache import EmbeddingCache
+from worker.batching.cache import key as cache_key
 from worker.dead_letters import DeadLetters
 from worker.formats.headers import read_headers
 from worker.formats.messages import Headers, Keyword, Rejection, decode_input

@@ -23,7 +23,7 @@ import structlog
 
 from worker.acks import Acknowledger
 from worker.backends.isolating import PartialBatchError
-from worker.cache import EmbeddingCache
+from worker.batching.cache import EmbeddingCache
 from worker.dead_letters import DeadLetters
 from worker.deadline import Deadline
 from worker.errors import BackendBrokenError, WorkerError

@@ -49,7 +49,7 @@ from worker.settings.schema import Settings
 from worker.tracing import BatchSpans
 
 if TYPE_CHECKING:
-    from worker.bucketing import Bucketer
+    from worker.batching.bucketer import Bucketer
 
 log = structlog.get_logger(__name__)
 

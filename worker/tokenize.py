@@ -6,7 +6,7 @@ max_seq_length and is part of the token IDs, hence of the embedding cache's key.
 
 The packaged tokenizer.json switches on truncation at 128 and fixed padding to 128. Used as it
 stands, every keyword would cost 128 positions and long ones would be cut below the reference's
-256, so both are replaced here. Padding is done later, per batch, by worker.padding.pad_batch.
+256, so both are replaced here. Padding is done later, per batch, by worker.batching.padding.pad_batch.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ are logged. The passing candidates are then timed on a few shapes, in alternatin
 candidate once per round, so a burst of load elsewhere lands on all of them), within BUDGET_S.
 A candidate must beat ONNX Runtime by MARGIN to replace it, so noise never swaps a tie.
 
-The result is cached like the cost model (worker/calibration.py: same key scheme and cache
+The result is cached like the cost model (worker/batching/calibration.py: same key scheme and cache
 root), keyed by the model, the backend versions, the CPU model and flags, and the thread layout:
 a warm start reads the choice and opens only the chosen backend.
 
@@ -174,7 +174,7 @@ def layout_key(model: Any, *, onnx_path: str | Path | None, threads: int, dispat
 def gate_batches(token_ids: Sequence[Sequence[int]], batch: int = GATE_BATCH) -> list[tuple[list[int], np.ndarray, np.ndarray]]:
     """(row indices, ids, mask) batches of the gate texts, sorted by length, each padded to its longest,
     and cut where padding would double a batch's real tokens (the long edge rows run alone)."""
-    from worker.padding import length_batches, pad_batch
+    from worker.batching.padding import length_batches, pad_batch
 
     groups = length_batches([len(t) for t in token_ids], batch)
     out = []
@@ -363,7 +363,7 @@ def choose(key_parts: dict[str, Any], open_candidate: OpenCandidate, token_ids: 
            cache_dir: Path | None = None, remeasure: bool = False,
            clock: Callable[[], float] = time.perf_counter) -> tuple[CpuChoice, Backend]:
     """The CPU backend for this machine and its open backend: from the cache, or measured (then cached)."""
-    from worker.calibration import cache_key
+    from worker.batching.calibration import cache_key
 
     t0 = time.monotonic()
     flags = cpu_flags() if flags is None else flags

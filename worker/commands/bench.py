@@ -141,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
     costs = None
     if args.merge_buckets and not tensorrt:
         from worker.app import calibration_key
-        from worker.calibration import cost_model_for
+        from worker.batching.calibration import cost_model_for
 
         costs = cost_model_for(backend, calibration_key(_worker_settings(args, backend.name, desc.get("precision")),
                                                         info))
@@ -207,8 +207,8 @@ def calibrate(args: argparse.Namespace, fail) -> int:  # noqa: ANN001
     from kwe_core.model import ModelInfo, default_model_dir
     from worker.app import calibration_key
     from worker.backends.select import intra_op_threads
-    from worker.calibration import backend_key, cache_key, default_cache_dir, load_or_measure
-    from worker.cost_model import fit
+    from worker.batching.calibration import backend_key, cache_key, default_cache_dir, load_or_measure
+    from worker.batching.cost_model import fit
 
     if args.backend == "tensorrt":
         return fail("--calibrate is for the CPU backends: on TensorRT context i serves bucket i only, so batches "

@@ -20,7 +20,7 @@ class BatchStats:
     padded_tokens: int
     queue_wait_s: Sequence[float]  # per item: submit -> dispatch start
     backend_s: float
-    merged: int = 1  # length buckets whose items share this batch (worker/batch_policy.py)
+    merged: int = 1  # length buckets whose items share this batch (worker/batching/batch_policy.py)
 
     @property
     def padding_waste(self) -> float:

@@ -100,12 +100,12 @@ class Metrics:
                                   ["topic", "partition"], registry=r)
         self.rebalances = Counter(f"{PREFIX}rebalances", "Partition rebalance callbacks, by kind.", ["kind"],
                                   registry=r)
-        # The embedding cache (worker/cache.py) counts for itself; its series are read from it at
+        # The embedding cache (worker/batching/cache.py) counts for itself; its series are read from it at
         # scrape time (watch_cache), so the per-keyword path pays for no metric update.
         self._cache_stats: Callable[[], Any] | None = None
         r.register(_CacheCollector(lambda: self._cache_stats))
         self.merged_batches = Counter(f"{PREFIX}merged_batches",
-                                      "Batches that hold more than one length bucket (worker/batch_policy.py), "
+                                      "Batches that hold more than one length bucket (worker/batching/batch_policy.py), "
                                       "by the bound they were padded in.", ["bucket"], registry=r)
         # The cost model's prices, read from it at scrape time (watch_costs).
         self._costs: Any = None
@@ -199,14 +199,14 @@ class Metrics:
         if stats.merged > 1:
             self.merged_batches.labels(bucket=label).inc()
 
-    # --- cost model (worker.cost_model.CostModel) ------------------------------------------
+    # --- cost model (worker.batching.cost_model.CostModel) ------------------------------------------
     def watch_costs(self, costs: Any) -> None:
         """Export the prices of this CostModel (calibrated and live), read at scrape time."""
         self._costs = costs
 
-    # --- embedding cache (worker.cache.CacheObserver) -----------------------------------
+    # --- embedding cache (worker.batching.cache.CacheObserver) -----------------------------------
     def watch_cache(self, stats: Callable[[], Any]) -> None:
-        """Export the cache whose `stats()` (a worker.cache.CacheStats) is given, read at scrape time."""
+        """Export the cache whose `stats()` (a worker.batching.cache.CacheStats) is given, read at scrape time."""
         self._cache_stats = stats
 
     def watch_liveness(self, live: LiveCheck) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from kwe_core.errors import KeywordEmbedderError
 from kwe_core.profiles import PadPolicy
-from worker.cache import DEFAULT_CACHE_BYTES
+from worker.batching.cache import DEFAULT_CACHE_BYTES
 from worker.names import REGISTRY_FORMATS, BackendName, InputFormat, OutputEncoding, OutputFormat, OvPrecision
 from worker.operations.logs import LogFormat, LogLevel
 from worker.operations.redact import MASK, is_secret_key
@@ -193,7 +193,7 @@ class Settings:
                                          "is flushed.", minimum=0.0)
     merge_buckets: bool = _setting(True, "A partial batch (a trickle, not a backlog) takes neighbouring length "
                                    "buckets along when the measured cost model says one backend call costs less "
-                                   "than two (worker/batch_policy.py); never while a bucket is full. The prices "
+                                   "than two (worker/batching/batch_policy.py); never while a bucket is full. The prices "
                                    "are measured at the first start (about a second), cached per model, backend, "
                                    "thread layout and machine, and refined from live calls.")
     max_in_flight_bytes: int = _setting(64 * 1024 * 1024, "Bytes of consumed-but-uncommitted input records "

@@ -4,7 +4,7 @@ The worker calls `cost_model_for` once before it starts consuming: the first sta
 times a fixed grid of shapes on an idle context (about a second on 2 cores), later starts read
 the cached samples. The key holds everything that changes a call's price: the model's files,
 the backend and its precision, the thread layout (intra-op threads, spinning, dispatchers), the
-CPU and the ONNX Runtime version. Live calls refine the prices afterwards (worker/cost_model.py).
+CPU and the ONNX Runtime version. Live calls refine the prices afterwards (worker/batching/cost_model.py).
 
 Only backends whose contexts all serve every bucket (ONNX Runtime: `max_contexts is None`) are
 calibrated: where context i is bound to bucket profile i (TensorRT), a batch can never hold two
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from worker.cost_model import CostModel, CostModelError, Sample, fit
+from worker.batching.cost_model import CostModel, CostModelError, Sample, fit
 
 log = structlog.get_logger(__name__)
 

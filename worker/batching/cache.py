@@ -235,7 +235,7 @@ class EmbeddingCache(Generic[W]):
 
     def _store(self, k: bytes, row: np.ndarray, *, release: bool) -> tuple[np.ndarray, list[W]]:
         if type(k) is not bytes:
-            raise CacheError(f"cache: key must be bytes (from worker.cache.key), got {type(k).__name__}")
+            raise CacheError(f"cache: key must be bytes (from worker.batching.cache.key), got {type(k).__name__}")
         if not isinstance(row, np.ndarray) or row.shape != (self.dim,) or row.dtype != np.float32:
             raise CacheError(f"cache: expected a float32 row of shape ({self.dim},), got "
                              f"{getattr(row, 'dtype', type(row).__name__)} {getattr(row, 'shape', '')}")

@@ -1,7 +1,7 @@
 """The bucketer's queues: items, buckets, lanes and formed batches, how buckets map to lanes and
 backend contexts, and the operations on them (a snapshot for the flush policy, take, pad).
 
-No locks and no threads here: the `Bucketer` (worker/bucketing.py) owns every object made here
+No locks and no threads here: the `Bucketer` (worker/batching/bucketer.py) owns every object made here
 and calls `snapshot`, `take` and `take_flush` with its lock held; `pad` runs on the former thread
 outside the lock, on items the former has already taken out of the queues.
 
@@ -25,9 +25,9 @@ import numpy as np
 
 from kwe_core.profiles import PadPolicy, Profile
 from worker.backends.base import Backend
-from worker.cost_model import Prices
-from worker.flush_policy import Flush, LaneSnapshot, QueuedBucket, Snapshot, batch_count, is_full
-from worker.padding import pad_batch
+from worker.batching.cost_model import Prices
+from worker.batching.flush_policy import Flush, LaneSnapshot, QueuedBucket, Snapshot, batch_count, is_full
+from worker.batching.padding import pad_batch
 
 
 @dataclass(slots=True)

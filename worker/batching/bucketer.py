@@ -17,10 +17,10 @@ three conditions on it: the former waits on `_form_cv`, dispatchers on `_ready_c
 `stop()` on `_idle_cv`.
 
 Lanes (which buckets share a ready queue, which contexts each dispatcher owns), the queue
-records and the snapshot / take / pad operations on them: worker/bucket_queues.py, called here
+records and the snapshot / take / pad operations on them: worker/batching/bucket_queues.py, called here
 with the lock held (pad: on the former, outside it).
 
-Flush rules (full, due, oldest first, eager, merge): worker/flush_policy.py, pure functions of a
+Flush rules (full, due, oldest first, eager, merge): worker/batching/flush_policy.py, pure functions of a
 snapshot of the buckets and the clock. The former takes the snapshot under the lock, asks
 `next_flush`, and applies the answer; so every item leaves within its deadline plus the batch
 running and at most one formed before it became due. `eager=True` is the default, chosen by
@@ -43,11 +43,11 @@ import numpy as np
 
 from kwe_core.profiles import PAD_POLICIES, PadPolicy, Profile
 from worker.backends.base import Backend, InferenceContext
-from worker.bucket_queues import Batch, Bucket, Item, bucket_full, pad, plan_layout, snapshot, take_flush
-from worker.cost_model import CostModel
+from worker.batching.bucket_queues import Batch, Bucket, Item, bucket_full, pad, plan_layout, snapshot, take_flush
+from worker.batching.cost_model import CostModel
+from worker.batching.flush_policy import Flush, next_flush
 from worker.deadline import Deadline
 from worker.errors import WorkerError
-from worker.flush_policy import Flush, next_flush
 from worker.operations.batch_stats import BatchStats
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class Bucketer:
         self._clock = clock
         self._eager = eager
         # The measured prices of a call: a partial batch takes neighbouring buckets along when one
-        # call costs less than two (worker/batch_policy.py), and every call refines them. None:
+        # call costs less than two (worker/batching/batch_policy.py), and every call refines them. None:
         # every batch holds one bucket, as before.
         self._costs = costs
 
@@ -269,7 +269,7 @@ class Bucketer:
         return dropped
 
     # ------------------------------------------------------------------ flush rules (lock held)
-    # The decisions are worker/flush_policy.py's pure functions, fed by worker/bucket_queues.py.
+    # The decisions are worker/batching/flush_policy.py's pure functions, fed by worker/batching/bucket_queues.py.
     def _is_full(self, b: Bucket) -> bool:
         return bucket_full(b, self.pad_to, self._budget)
 

@@ -1,6 +1,6 @@
 """What one backend call costs: t(B, L) = fixed + per_row * B + per_token * B * L, fitted and refined live.
 
-The batching policy (worker/batch_policy.py) prices a batch with it to decide whether two length
+The batching policy (worker/batching/batch_policy.py) prices a batch with it to decide whether two length
 buckets should run as one call or two. The seeds' measurement: this three-term model predicted
 five batching schedules within 2% over 41 paired rounds; B is the rows, L the padded length.
 
@@ -9,7 +9,7 @@ five batching schedules within 2% over 41 paired rounds; B is the rows, L the pa
   split for no reason).
 - `CostModel` starts from the prices `calibrate` measured on an idle context at start-up (a
   fixed grid of shapes, bounded in time and cached per model, backend, thread layout and
-  machine: worker/calibration.py) and refines them from every live call. The calibration stays
+  machine: worker/batching/calibration.py) and refines them from every live call. The calibration stays
   in the fit as a prior worth one live call, so the per-token price stays anchored
   under a trickle where live calls are all small; live calls are forgotten exponentially, so a
   box that gets busier moves the prices within some tens of calls.

@@ -10,7 +10,7 @@ longest: a neighbour joins when one call costs less than two,
 
     t(B + Bj, max(L, Lj)) <= t(B, L) + t(Bj, Lj)
 
-with t the measured prices (worker/cost_model.py). With t = a + b*B + d*B*L that is "the padding
+with t the measured prices (worker/batching/cost_model.py). With t = a + b*B + d*B*L that is "the padding
 it adds costs less than a call": merges happen only between near lengths, and only as far as the
 measured fixed cost pays for the padding.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from worker.cost_model import Prices
+from worker.batching.cost_model import Prices
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Which bucket flushes next, and how much of it: pure functions of a snapshot and the clock.
 
-The bucketer (worker/bucketing.py) holds the lock, the threads, the padding and the lanes; under
+The bucketer (worker/batching/bucketer.py) holds the lock, the threads, the padding and the lanes; under
 its lock it takes a `Snapshot` of what is queued and asks `next_flush` what to do, then applies
 the answer. Nothing here reads a clock, takes a lock or touches an item, so every rule is tested
 with a table (tests/test_flush_policy.py), without threads.
@@ -17,7 +17,7 @@ The rules, for the buckets of one lane whose ready queue has room:
 3. eager: when a dispatcher of the lane waits and nothing is full or due, the bucket with the
    oldest item flushes at once instead of the engine idling until a deadline.
 4. merge: with prices (the cost model), a batch led by a bucket that is not full takes whole
-   neighbouring buckets along where one call costs less than two (worker/batch_policy.py's
+   neighbouring buckets along where one call costs less than two (worker/batching/batch_policy.py's
    `plan_merge`), never while any bucket of the lane is full.
 While draining (`flush_all`) every non-empty bucket counts as due and is formed at once.
 """
@@ -28,8 +28,8 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from kwe_core.profiles import PadPolicy
-from worker.batch_policy import BucketView, plan_merge
-from worker.cost_model import Prices
+from worker.batching.batch_policy import BucketView, plan_merge
+from worker.batching.cost_model import Prices
 
 
 # The snapshot is taken under the bucketer's lock at every decision: named tuples, the cheapest
