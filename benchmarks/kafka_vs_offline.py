@@ -138,7 +138,7 @@ def main() -> int:
         raise SystemExit("set KAFKA_BOOTSTRAP_SERVERS (run through deploy/local/with-kafka.sh)")
     rows = list(read_keywords(args.data, limit=args.n or None))
 
-    from worker.backends.select import load_backend
+    from worker.backend_choice.select import load_backend
     from worker.tokenize import KeywordTokenizer
 
     # The same assembly as the worker: the model read once, every "auto" resolved.

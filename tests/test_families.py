@@ -107,7 +107,7 @@ def test_the_fixtures_catch_a_graph_without_the_familys_positions(tmp_path: Path
 
 def test_int8_precision_refuses_families_without_berts_tensor_names(tmp_path: Path) -> None:
     from kwe_core.errors import BackendError
-    from worker.backends.select import open_backend
+    from worker.backend_choice.select import open_backend
 
     info = ModelInfo.from_dir(_folder(tmp_path, "mpnet", "mean"))
     with pytest.raises(BackendError, match="precision int8 supports the encoder families bert, roberta, "

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.kafka
 @pytest.fixture(scope="module")
 def loaded() -> tuple[Any, Any, Any]:
     """The real tokenizer, ONNX Runtime backend and profile, loaded once for the module."""
-    from worker.backends.select import load_backend
+    from worker.backend_choice.select import load_backend
     from worker.tokenize import KeywordTokenizer
 
     got = load_backend(Settings(intra_op_threads=1))

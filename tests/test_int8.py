@@ -14,8 +14,8 @@ import onnx
 import pytest
 
 from engines.quantize_int8 import SHIPPED, QuantizeError, excluded_nodes, matmul_names, quantized_op_counts
+from worker.backend_choice.select import load_backend
 from worker.backends.base import BackendError
-from worker.backends.select import load_backend
 from worker.settings.loader import load_settings
 from worker.settings.schema import Settings, SettingsError
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from worker.backends.select import intra_op_threads
+from worker.backend_choice.select import intra_op_threads
 from worker.settings.schema import Settings
 
 

@@ -262,7 +262,7 @@ def test_an_excluded_prompt_is_part_of_the_export_cache_key(tmp_path: Path) -> N
 
 
 def test_a_plan_or_a_given_onnx_file_is_refused_for_an_excluded_prompt(tmp_path: Path) -> None:
-    from worker.backends.select import open_backend
+    from worker.backend_choice.select import open_backend
 
     info = _info(tmp_path, "bert-mean-prompt-excluded").with_prompt(3)
     with pytest.raises(BackendError, match="leaves the prompt's 3 tokens out .*which a TensorRT plan cannot"):

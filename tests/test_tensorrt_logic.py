@@ -41,7 +41,7 @@ from engines.build_engine import (
 )
 from kwe_core.errors import BackendError
 from worker.backends.base import Backend, InferenceContext
-from worker.backends.select import (
+from worker.backend_choice.select import (
     GPU_INSTALL_HINT,
     choose_backend,
     gpu_present,
@@ -808,7 +808,7 @@ def test_load_backend_onnxruntime_with_profile_and_onnx_path(monkeypatch: pytest
 
 
 def test_the_factory_refuses_a_backend_of_another_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.backends.select import model_info, open_backend
+    from worker.backend_choice.select import model_info, open_backend
 
     _fake_ort(monkeypatch)
     monkeypatch.setattr(_FakeOrt, "dim", 768)

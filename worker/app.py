@@ -96,7 +96,7 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Ass
     resolved (backend, profile, pad_to). Raises ModelError / BackendError / ProfileError with
     messages that name the file or setting.
     """
-    from worker.backends.select import load_backend, model_info, precision_label
+    from worker.backend_choice.select import load_backend, model_info, precision_label
     from worker.batching.calibration import cpu_model
 
     info = model_info(settings)

@@ -82,7 +82,7 @@ class Bucketer:
         if dispatchers < 1:
             raise ValueError(f"dispatchers must be >= 1, got {dispatchers}")
         # None: the profile's own pad_to. The settings word "auto" is resolved where the settings
-        # are read (worker.backends.select.resolve_settings), never here.
+        # are read (worker.backend_choice.select.resolve_settings), never here.
         if pad_to is not None and pad_to not in PAD_POLICIES:
             raise ValueError(f"pad_to must be one of {', '.join(PAD_POLICIES)} or None (the profile's), "
                              f"got {pad_to!r}")

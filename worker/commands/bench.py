@@ -72,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
     from kwe_core.errors import KeywordEmbedderError
     from kwe_core.model import ModelInfo, default_model_dir
     from kwe_core.profiles import load_profile
-    from worker.backends.select import DEFAULT_PROFILE, open_backend
+    from worker.backend_choice.select import DEFAULT_PROFILE, open_backend
     from worker.benchmark.inputs import read_queries
     from worker.benchmark.policies import BucketerOptions
     from worker.benchmark.report import render_markdown
@@ -188,7 +188,7 @@ def _open(args: argparse.Namespace, info, profile, threads: int, *, kind: str | 
           remeasure: bool = False):
     """(backend, CpuChoice or None): auto measures (or reads) the worker's CPU choice for this layout."""
     from engines.export_onnx import ensure_onnx
-    from worker.backends.select import choose_cpu, open_backend
+    from worker.backend_choice.select import choose_cpu, open_backend
 
     kind = kind or args.backend
     onnx = args.onnx or (ensure_onnx(info, optimize=True) if args.fused else None)
@@ -206,7 +206,7 @@ def calibrate(args: argparse.Namespace, fail) -> int:  # noqa: ANN001
     from kwe_core.errors import KeywordEmbedderError
     from kwe_core.model import ModelInfo, default_model_dir
     from worker.app import calibration_key
-    from worker.backends.select import intra_op_threads
+    from worker.backend_choice.select import intra_op_threads
     from worker.batching.calibration import backend_key, cache_key, default_cache_dir, load_or_measure
     from worker.batching.cost_model import fit
 

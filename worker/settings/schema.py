@@ -51,7 +51,7 @@ class SettingsError(KeywordEmbedderError, ValueError):
 
 # Settings whose value is one of a few words are typed with a Literal; its words are the
 # setting's choices (setting_choices), so the type, the check and the docs cannot disagree.
-# "auto" is resolved where the settings are read (worker.backends.select.resolve_settings).
+# "auto" is resolved where the settings are read (worker.backend_choice.select.resolve_settings).
 BackendSetting = Literal["auto", BackendName]
 PadSetting = Literal["auto", PadPolicy]
 

@@ -5,7 +5,7 @@ backend = auto | onnxruntime | openvino | tensorrt:
   (engine_path); anything missing is one BackendError that names it and how to get it.
 - openvino: needs the openvino extra (one BackendError leading with its install line).
 - auto: TensorRT when all of those are present, otherwise the CPU backend measured fastest on
-  this machine among those that pass the fp32 parity gate (worker/backends/auto.py; cached),
+  this machine among those that pass the fp32 parity gate (worker/backend_choice/auto.py; cached),
   ONNX Runtime where the openvino extra is missing (the reason is logged).
 Whether the gpu extra is there is decided with importlib.util.find_spec, which locates a
 package without importing it, and whether a GPU is there from the driver's device nodes, so
@@ -35,7 +35,7 @@ import structlog
 from kwe_core.errors import BackendError, extra_missing
 from kwe_core.model import ModelInfo, default_model_dir
 from kwe_core.profiles import PadPolicy, Profile, load_profile
-from worker.backends.auto import Candidate, CpuChoice
+from worker.backend_choice.auto import Candidate, CpuChoice
 from worker.backends.base import Backend, BackendName, OvPrecision
 from worker.settings.schema import Precision, Settings
 
@@ -285,8 +285,7 @@ def choose_cpu(settings: Settings, model: ModelInfo, *, threads: int, ov_availab
                remeasure: bool = False, flags: frozenset[str] | None = None,
                cache_dir: Path | None = None) -> tuple[CpuChoice, Backend]:
     """auto on CPU: the measured choice among ONNX Runtime and OpenVINO for this layout, and its open backend."""
-    from worker.backends import auto
-
+    from worker.backend_choice import auto
     def open_candidate(cand: Candidate) -> Backend:
         return open_backend(cand.backend, model, onnx_path=settings.onnx_path or None, intra_op_threads=threads,
                             precision="int8" if cand.precision == "int8" else "fp32",
