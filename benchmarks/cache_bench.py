@@ -45,7 +45,7 @@ from worker.batching.cache import DEFAULT_CACHE_BYTES, EmbeddingCache, key  # no
 from worker.benchmark.inputs import read_queries  # noqa: E402
 from worker.benchmark.policies import BucketerOptions, run_bucketed  # noqa: E402
 from worker.benchmark.report import quartiles  # noqa: E402
-from worker.tokenize import KeywordTokenizer  # noqa: E402
+from worker.intake.tokenize import KeywordTokenizer  # noqa: E402
 
 DEFAULT_QUERIES = ROOT.parent / "shared" / "data" / "queries" / "terabyte05-efficiency.tsv"
 GOALS = {"distinct": ("cost <= 2%", lambda r: r >= 0.98), "zipf": (">= 2x", lambda r: r >= 2.0)}

@@ -45,7 +45,7 @@ from worker.benchmark.inputs import read_queries  # noqa: E402
 from worker.benchmark.policies import BucketerOptions, run_bucketed  # noqa: E402
 from worker.benchmark.report import quartiles  # noqa: E402
 from worker.embedder import Embedder  # noqa: E402
-from worker.tokenize import Encoded  # noqa: E402
+from worker.intake.tokenize import Encoded  # noqa: E402
 
 DEFAULT_QUERIES = ROOT.parent / "shared" / "data" / "queries" / "terabyte05-efficiency.tsv"
 GOLDEN = ROOT / "tests" / "data" / "golden"

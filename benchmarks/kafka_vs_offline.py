@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 from tests.kafka_tools import WorkerProcess  # noqa: E402
 from worker.batching.bucketer import Bucketer  # noqa: E402
 from worker.benchmark.report import quartiles  # noqa: E402
-from worker.flow import CONSUME_BATCH  # noqa: E402
 from worker.formats.keyword_files import read_keywords  # noqa: E402
+from worker.intake.flow import CONSUME_BATCH  # noqa: E402
 from worker.kafka.admin import ensure_topics  # noqa: E402
 from worker.settings.schema import Settings  # noqa: E402
 
@@ -139,7 +139,7 @@ def main() -> int:
     rows = list(read_keywords(args.data, limit=args.n or None))
 
     from worker.backend_choice.select import load_backend
-    from worker.tokenize import KeywordTokenizer
+    from worker.intake.tokenize import KeywordTokenizer
 
     # The same assembly as the worker: the model read once, every "auto" resolved.
     loaded = load_backend(Settings())

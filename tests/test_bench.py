@@ -22,7 +22,7 @@ def ort_parts():  # noqa: ANN201
     from engines.export_onnx import ensure_onnx
     from kwe_core.model import default_model_dir
     from worker.backends.onnxruntime import OnnxRuntimeBackend
-    from worker.tokenize import KeywordTokenizer
+    from worker.intake.tokenize import KeywordTokenizer
 
     tokenizer = KeywordTokenizer.from_model_dir(default_model_dir())
     backend = OnnxRuntimeBackend(ensure_onnx(optimize=False))
@@ -141,7 +141,7 @@ def test_run_bucketed_coalesces_repeats_in_flight(ort_parts) -> None:  # noqa: A
 def test_run_bucketed_with_a_cache_fails_cleanly_when_the_leader_fails() -> None:
     from worker.batching.cache import EmbeddingCache
     from worker.benchmark.errors import BenchError
-    from worker.tokenize import Encoded
+    from worker.intake.tokenize import Encoded
 
     class Ctx:
         def run(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # What at-least-once runs: the assembly and the pipeline, intake, the output stage and dead letters, acknowledgement,
 # the in-flight table, the delivery interface (with AtLeastOnce), the producer and the committer.
-AT_LEAST_ONCE = ["worker/app.py", "worker/pipeline.py", "worker/intake.py", "worker/output.py", "worker/dead_letters.py",
+AT_LEAST_ONCE = ["worker/app.py", "worker/pipeline.py", "worker/intake/stage.py", "worker/output.py", "worker/dead_letters.py",
                  "worker/acks.py", "worker/inflight.py", "worker/delivery.py", "worker/delivery_types.py",
                  "worker/kafka/producer.py",
                  "worker/kafka/committer.py", "worker/kafka/offsets.py"]

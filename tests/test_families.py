@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from engines.export_onnx import ExportError, build_model, mpnet_buckets
 from kwe_core.model import FAMILIES, ModelError, ModelInfo
 from worker.families import MIN_COS, REPO_FIXTURES, cosines, fixture_folder, fixture_parity, reference
-from worker.tokenize import KeywordTokenizer
+from worker.intake.tokenize import KeywordTokenizer
 
 FIXTURES = REPO_FIXTURES
 

@@ -16,8 +16,8 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from worker.backends.isolating import IsolatingContext, PartialBatchError
 from worker.deadline import Deadline
 from worker.errors import BackendBrokenError, DeliveryError, ThreadDiedError, WorkerError
-from worker.flow import FlowControl
 from worker.inflight import InFlightTable
+from worker.intake.flow import FlowControl
 from worker.kafka.committer import Committer
 from worker.kafka.exactly_once_producer import ExactlyOnceProducer
 from worker.kafka.producer import OutputProducer

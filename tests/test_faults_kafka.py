@@ -38,7 +38,7 @@ pytestmark = pytest.mark.kafka
 def loaded() -> tuple[Any, Any, Any]:
     """The real tokenizer, ONNX Runtime backend and profile, loaded once for the module."""
     from worker.backend_choice.select import load_backend
-    from worker.tokenize import KeywordTokenizer
+    from worker.intake.tokenize import KeywordTokenizer
 
     got = load_backend(Settings(intra_op_threads=1))
     return KeywordTokenizer.from_model(got.model), got.backend, got.profile

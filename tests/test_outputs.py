@@ -20,7 +20,7 @@ from worker.batching.cache import key
 from worker.settings.schema import Settings
 from worker.formats.messages import (H_INT8_RANGE, H_PROMPT, H_PROMPT_NAME, OutputCodec, decode_embedding,
                                    encode_embedding)
-from worker.tokenize import KeywordTokenizer
+from worker.intake.tokenize import KeywordTokenizer
 
 
 def _unit_rows(n: int, dim: int, seed: int = 0) -> np.ndarray:

@@ -16,7 +16,7 @@ from worker.backends.base import Backend, InferenceContext
 from worker.backends.onnxruntime import OnnxRuntimeBackend
 from worker.batching.padding import pad_batch as pad
 from worker.embedder import Embedder
-from worker.tokenize import KeywordTokenizer
+from worker.intake.tokenize import KeywordTokenizer
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
 

@@ -115,7 +115,7 @@ def test_a_dense_layer_left_out_fails_the_check(tmp_path: Path) -> None:
 
 
 def test_the_excluded_prompt_is_sentence_transformers_prompt_length(tmp_path: Path) -> None:
-    from worker.tokenize import KeywordTokenizer
+    from worker.intake.tokenize import KeywordTokenizer
 
     info = _info(tmp_path, "bert-mean-prompt-excluded")
     tok = KeywordTokenizer.from_model(info, prompt=Prompt.resolve(info))
@@ -237,7 +237,7 @@ def test_the_fp16_anchors_are_float_nodes_of_the_head_only(tmp_path: Path, name:
     to FP32 and only constrains float layers: every anchor is a float node of the pooling, and
     the pipeline's integer and boolean nodes (pool_index_*) are not anchors."""
     info = _info(tmp_path, name)
-    from worker.tokenize import KeywordTokenizer
+    from worker.intake.tokenize import KeywordTokenizer
 
     info = info.with_prompt(KeywordTokenizer.from_model(info, prompt=Prompt.resolve(info)).prompt_tokens)
     model = build_model(info)

@@ -19,7 +19,7 @@ from worker.acks import Acknowledger
 from worker.dead_letters import DeadLetters
 from worker.exactly_once import ExactlyOnce
 from worker.inflight import InFlightTable
-from worker.intake import Intake
+from worker.intake.stage import Intake
 from worker.kafka.committer import Committer
 from worker.kafka.consumer import GroupMember
 from worker.kafka.exactly_once_producer import ExactlyOnceProducer

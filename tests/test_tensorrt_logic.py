@@ -684,7 +684,7 @@ def test_direct_replay_runs_a_serial_backend_from_one_thread(
     """Fix 4a: the overhead guard's replay keeps to one thread when contexts must not run at once."""
     from worker.backends.tensorrt import TensorRTBackend
     from worker.benchmark.policies import replay_direct, run_bucketed
-    from worker.tokenize import Encoded
+    from worker.intake.tokenize import Encoded
 
     backend = TensorRTBackend(built_plan[0], gpu, share_device_memory=True)
     lengths = [5, 12, 30, 60, 200, 7, 16, 3, 40]

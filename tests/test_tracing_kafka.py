@@ -30,7 +30,7 @@ pytestmark = pytest.mark.kafka
 def test_each_traced_keyword_is_linked_from_one_batch_span(kafka_bootstrap: str, make_topic: Callable[..., str],
                                                            group_id: str) -> None:
     from worker.backend_choice.select import load_backend
-    from worker.tokenize import KeywordTokenizer
+    from worker.intake.tokenize import KeywordTokenizer
 
     inp, out, dlq = make_topic("kw", 2), make_topic("emb", 2), make_topic("dlq", 1)
     queries = load_queries(2000, 120)

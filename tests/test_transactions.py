@@ -691,7 +691,7 @@ class TakeOverLoop(Loop):
     def intake(self, partition: int, *offsets: int) -> None:
         """Records the member fetched, as the pipeline takes them: a transaction is opened for them
         (before_intake), then each is tracked by its partition's offset state, or dropped when the
-        partition has none (worker/intake.py)."""
+        partition has none (worker/intake/stage.py)."""
         self.txn.ensure_open()
         part = self.tracker.get("in", partition)
         if part is None:

@@ -23,11 +23,12 @@ from worker.batching.cache import EmbeddingCache
 from worker.batching.cost_model import CostModel
 from worker.dead_letters import DeadLetters
 from worker.delivery import build_delivery, producer_config_for
-from worker.flow import FlowControl
 from worker.formats.messages import OutputCodec, ValueEncoder
 from worker.formats.propagation import Propagation
 from worker.inflight import InFlightTable
-from worker.intake import Decode, Intake
+from worker.intake.flow import FlowControl
+from worker.intake.stage import Decode, Intake
+from worker.intake.tokenize import KeywordTokenizer
 from worker.kafka.committer import Committer
 from worker.kafka.consumer import GroupMember, consumer_config
 from worker.kafka.errors import FailurePolicy
@@ -40,7 +41,6 @@ from worker.output import OutputStage
 from worker.pipeline import Pipeline, Shutdown, Stages
 from worker.settings.output_fields import parse_output_fields
 from worker.settings.schema import Settings, SettingsError
-from worker.tokenize import KeywordTokenizer
 from worker.tracing import BatchSpans
 
 log = structlog.get_logger(__name__)

@@ -46,8 +46,8 @@ from worker.backends.onnxruntime import OnnxRuntimeBackend
 from worker.backends.openvino import OpenVinoBackend
 from worker.batching.cache import DEFAULT_CACHE_BYTES, EmbeddingCache, key
 from worker.batching.padding import length_batches, pad_batch
+from worker.intake.tokenize import Encoded, KeywordTokenizer
 from worker.settings.schema import BackendSetting, Precision, Settings
-from worker.tokenize import Encoded, KeywordTokenizer
 
 
 class EmbedderError(KeywordEmbedderError, ValueError):

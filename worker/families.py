@@ -205,7 +205,7 @@ def pipeline_parity(fixture: Path, *, families: Path = REPO_FIXTURES,
 
     from engines.export_onnx import INPUT_NAMES, build_model
     from worker.batching.padding import pad_batch
-    from worker.tokenize import KeywordTokenizer
+    from worker.intake.tokenize import KeywordTokenizer
 
     with np.load(fixture / "reference.npz") as ref:
         offsets = ref["offsets"]

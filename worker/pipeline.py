@@ -35,9 +35,9 @@ from worker.acks import Acknowledger
 from worker.deadline import Deadline
 from worker.delivery import Delivery
 from worker.errors import ThreadDiedError, WorkerError
-from worker.flow import FlowControl
 from worker.inflight import InFlightTable
-from worker.intake import Intake
+from worker.intake.flow import FlowControl
+from worker.intake.stage import Intake
 from worker.kafka.committer import Committer
 from worker.kafka.consumer import GroupMember
 from worker.kafka.producer import OutputProducer

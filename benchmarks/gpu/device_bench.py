@@ -51,7 +51,7 @@ def stage(name: str):  # noqa: ANN201
 def tokenizer():  # noqa: ANN201
     from tokenizers import Tokenizer
 
-    from worker.tokenize import KeywordTokenizer
+    from worker.intake.tokenize import KeywordTokenizer
 
     return KeywordTokenizer(Tokenizer.from_file(str(ROOT / ".device" / "tokenizer.json")), 256)
 

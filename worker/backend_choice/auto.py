@@ -158,7 +158,7 @@ def gate_texts() -> list[str]:
 
 def gate_token_ids(model: Any) -> list[np.ndarray]:
     """The gate texts as the model's token ids (a ModelInfo; cut at its max sequence length)."""
-    from worker.tokenize import KeywordTokenizer
+    from worker.intake.tokenize import KeywordTokenizer
 
     return [enc.ids for enc in KeywordTokenizer.from_model(model).encode(gate_texts())]
 

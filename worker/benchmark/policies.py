@@ -35,8 +35,8 @@ from worker.batching.cache import EmbeddingCache, key
 from worker.batching.cost_model import CostModel
 from worker.batching.padding import pad_batch
 from worker.benchmark.errors import BenchError
+from worker.intake.tokenize import Encoded
 from worker.operations.batch_stats import BatchStats
-from worker.tokenize import Encoded
 
 DEFAULT_WINDOW = 4096  # Settings.max_in_flight's default: what the Kafka worker keeps in flight
 DEFAULT_BATCH = 256

@@ -78,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
     from worker.benchmark.report import render_markdown
     from worker.benchmark.suite import BenchConfig, run_benchmark
     from worker.formats.keyword_files import BadLines
-    from worker.tokenize import KeywordTokenizer
+    from worker.intake.tokenize import KeywordTokenizer
 
     def log(msg: str) -> None:
         if not args.quiet:
