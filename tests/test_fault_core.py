@@ -15,11 +15,11 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from worker.backends.isolating import IsolatingContext, PartialBatchError
 from worker.deadline import Deadline
+from worker.delivery.exactly_once.producer import ExactlyOnceProducer
+from worker.delivery.inflight import InFlightTable
 from worker.errors import BackendBrokenError, DeliveryError, ThreadDiedError, WorkerError
-from worker.inflight import InFlightTable
 from worker.intake.flow import FlowControl
 from worker.kafka.committer import Committer
-from worker.kafka.exactly_once_producer import ExactlyOnceProducer
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch, guarded
 from worker.operations.health import Liveness
@@ -491,7 +491,7 @@ class FakeGroupConsumer(FakeConsumer):
 
 
 def _member(wait_s: float) -> tuple[Any, Committer, FakeGroupConsumer, FatalLatch]:
-    from worker.delivery import AtLeastOnce
+    from worker.delivery.guarantees import AtLeastOnce
     from worker.kafka.consumer import GroupMember
     from worker.operations.metrics import Metrics
 
@@ -712,7 +712,7 @@ def test_the_isolating_backend_passes_on_typed_members_only() -> None:
 def test_a_fenced_poll_goes_to_the_transaction_loop_and_the_delivery_thread_serves_on() -> None:
     """Exactly-once: confluent-kafka raises a transactional producer's fatal _FENCED from poll. It may
     be the broker's transaction timeout after a coordinator outage, which a new producer takes over
-    (worker/kafka/transactions.py), so the delivery thread reports it as a failed write and keeps
+    (worker/delivery/exactly_once/transactions.py), so the delivery thread reports it as a failed write and keeps
     serving, instead of stopping the worker (and itself) before the transaction loop can decide.
     Failed before the fix: the latch tripped and the delivery thread ended. Other guarantees: as before."""
     fenced = KafkaError(KafkaError._FENCED, "Producer fenced by newer instance", fatal=True)

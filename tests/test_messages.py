@@ -14,8 +14,8 @@ import orjson
 import pytest
 from jsonschema import Draft202012Validator
 
+from worker.delivery.dead_letter_record import dead_letter_record
 from worker.formats.headers import InputHeaders, read_headers
-from worker.kafka.dead_letter_record import dead_letter_record
 from worker.settings.schema import Settings
 from worker.formats.messages import (
     H_REASON, H_SRC_OFFSET, Keyword, OutputCodec, Rejection, decode_embedding, decode_input, is_blank,

@@ -15,9 +15,9 @@ from confluent_kafka import Consumer, KafkaException, Message, Producer
 from jsonschema import Draft202012Validator
 
 from tests.kafka_tools import produce_with_raw_headers
+from worker.delivery.dead_letter_record import dead_letter_record
 from worker.formats.headers import InputHeaders, read_headers
 from worker.formats.messages import Rejection
-from worker.kafka.dead_letter_record import dead_letter_record
 from worker.settings.schema import Settings
 
 pytestmark = pytest.mark.kafka

@@ -88,10 +88,10 @@ import sys
 for name in ("fastavro", "opentelemetry", "google.protobuf.descriptor_pool"):
     sys.modules[name] = None  # as if the extras were not installed: importing them raises ImportError
 from worker.app import registry_formats
-import worker.cli, worker.app, worker.pipeline, worker.output
+import worker.cli, worker.app, worker.pipeline, worker.delivery.output
+from worker.delivery.tracing import batch_spans
 from worker.formats.messages import OutputCodec
 from worker.settings.schema import Settings, SettingsError
-from worker.tracing import batch_spans
 codec = OutputCodec(model="m", dim=4, encoding="float-list")
 assert registry_formats(Settings(), codec) == (codec, None)
 for call in (lambda: registry_formats(Settings(output_format="avro", schema_registry_url="http://sr"), codec),

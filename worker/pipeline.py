@@ -11,7 +11,7 @@ Threads and what each one owns:
 Cross-thread state: the in-flight table (one lock), each partition's offsets (one lock each),
 and the fatal latch, which every thread reports to and the poll thread watches.
 
-Delivery (processing_guarantee) is a `Delivery` (worker/delivery.py), called at fixed points of
+Delivery (processing_guarantee) is a `Delivery` (worker/delivery/guarantees.py), called at fixed points of
 the loop; this module never asks which guarantee runs. At-least-once (default): an input offset
 is committed only after its output (or its dead-letter record) is acknowledged, and never past
 a partition's lowest unfinished offset. Exactly-once: outputs, dead letters and offsets commit
@@ -31,11 +31,13 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from worker.acks import Acknowledger
 from worker.deadline import Deadline
-from worker.delivery import Delivery
+from worker.delivery.acks import Acknowledger
+from worker.delivery.guarantees import Delivery
+from worker.delivery.inflight import InFlightTable
+from worker.delivery.output import OutputStage
+from worker.delivery.tracing import BatchSpans
 from worker.errors import ThreadDiedError, WorkerError
-from worker.inflight import InFlightTable
 from worker.intake.flow import FlowControl
 from worker.intake.stage import Intake
 from worker.kafka.committer import Committer
@@ -44,9 +46,7 @@ from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch
 from worker.operations.health import Liveness
 from worker.operations.metrics import Metrics
-from worker.output import OutputStage
 from worker.settings.schema import Settings
-from worker.tracing import BatchSpans
 
 if TYPE_CHECKING:
     from worker.batching.bucketer import Bucketer

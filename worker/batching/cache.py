@@ -22,7 +22,7 @@ calls `complete`, or `abandon` if it cannot), or joined (someone leads already; 
 handed back by the leader's `complete` or `abandon`, to be answered with the same row or
 retried). `get`/`put` remain for callers that do not coalesce.
 
-How the Kafka worker uses it (wired in worker/app.py, used by worker/intake/stage.py and worker/output.py):
+How the Kafka worker uses it (wired in worker/app.py, used by worker/intake/stage.py and worker/delivery/output.py):
     cache = EmbeddingCache(settings.cache_bytes, backend.dim, observer=metrics) if settings.cache_bytes else None
     # poll thread, per tokenized record `seq` (already tracked for commit-after-write):
     found = cache.lookup(key(enc.ids), seq)

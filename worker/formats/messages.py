@@ -2,7 +2,7 @@
 
 The wire formats are specified in schemas/ (input, output, dead-letter); this module is
 their one implementation, with worker/formats/headers.py (reading headers safely) and
-worker/kafka/dead_letter_record.py (the dead-letter record). Decoding never raises on bad
+worker/delivery/dead_letter_record.py (the dead-letter record). Decoding never raises on bad
 input: it returns a `Rejection` whose reason goes to the dead-letter topic.
 """
 

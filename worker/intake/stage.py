@@ -21,10 +21,10 @@ from confluent_kafka import Message
 
 from worker.batching.cache import EmbeddingCache
 from worker.batching.cache import key as cache_key
-from worker.dead_letters import DeadLetters
+from worker.delivery.dead_letters import DeadLetters
+from worker.delivery.inflight import InFlight, InFlightTable
 from worker.formats.headers import read_headers
 from worker.formats.messages import Headers, Keyword, Rejection, decode_input
-from worker.inflight import InFlight, InFlightTable
 from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched, Watermarks
 from worker.operations.metrics import Metrics
 from worker.settings.schema import Settings

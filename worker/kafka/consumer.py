@@ -79,7 +79,7 @@ class _Owned:
 
 
 class Rebalances(Protocol):
-    """What the processing guarantee does when partitions go (worker/delivery.py)."""
+    """What the processing guarantee does when partitions go (worker/delivery/guarantees.py)."""
 
     def on_revoke(self, parts: list[PartitionOffsets], wait_s: float) -> bool:
         """Inside the revoke callback: commit the finished work of `parts` (waiting at most

@@ -22,11 +22,11 @@ AtLeastOnce (the committer; worker/kafka/committer.py) states:
   finish: commits all finished work, retrying until confirmed or the deadline (after an abort:
   nothing); finished: no more commits.
 
-ExactlyOnce (worker/exactly_once.py: the transaction loop; worker/kafka/transactions.py has its
+ExactlyOnce (worker/delivery/exactly_once/loop.py: the transaction loop; worker/delivery/exactly_once/transactions.py has its
 states idle -> open -> closing -> idle, and the abort path) states there:
     created --start--> running --finish--> finished
-  (what each state does is written once, at the top of worker/exactly_once.py). Its writes go
-  through the exactly-once producer (worker/kafka/exactly_once_producer.py: the write gate around
+  (what each state does is written once, at the top of worker/delivery/exactly_once/loop.py). Its writes go
+  through the exactly-once producer (worker/delivery/exactly_once/producer.py: the write gate around
   each batch, failed writes into the transaction, the client take-over).
 
 `build_delivery` is the one place that asks which guarantee runs; at-least-once is built from
@@ -38,8 +38,8 @@ from __future__ import annotations
 from typing import Any
 
 from worker.deadline import Deadline
-from worker.delivery_types import AroundBatch, Delivery, Phase, Serve
-from worker.inflight import InFlightTable
+from worker.delivery.base import AroundBatch, Delivery, Phase, Serve
+from worker.delivery.inflight import InFlightTable
 from worker.kafka.committer import Committer
 from worker.kafka.offsets import PartitionOffsets
 from worker.kafka.producer import OutputProducer, RecordWriter
@@ -93,7 +93,7 @@ def producer_config_for(settings: Settings, config: dict[str, Any]) -> dict[str,
     """The output producer's configuration under the guarantee (exactly-once: transactional)."""
     if settings.processing_guarantee != "exactly-once":
         return config
-    from worker.exactly_once import ExactlyOnce  # only exactly-once loads its modules
+    from worker.delivery.exactly_once.loop import ExactlyOnce  # only exactly-once loads its modules
 
     return ExactlyOnce.producer_config(config, settings)
 
@@ -103,6 +103,6 @@ def build_delivery(settings: Settings, committer: Committer, producer: OutputPro
     """The guarantee's delivery; at-least-once takes only the committer and the producer."""
     if settings.processing_guarantee != "exactly-once":
         return AtLeastOnce(committer, producer)
-    from worker.exactly_once import ExactlyOnce
+    from worker.delivery.exactly_once.loop import ExactlyOnce
 
     return ExactlyOnce.build(settings, committer, producer, consumer, latch, in_flight, metrics, stop)

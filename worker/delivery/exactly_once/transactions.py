@@ -12,11 +12,11 @@ outputs in a transaction are exactly those of the offsets it commits: there is n
 output is committed and whose offset is not, or the reverse. The cost is the drain bubble once
 per interval (docs/delivery.md).
 
-Errors of the transactional calls (worker/kafka/transactional_calls.py has the rules and why):
+Errors of the transactional calls (worker/delivery/exactly_once/transactional_calls.py has the rules and why):
 retriable: retried, or resumed (commit and abort); txn_requires_abort: abort, then rewind every
 partition with work in the transaction to where it began, with fresh offset state; fatal: the
 latch trips, except a `_FENCED` the broker's transaction timeout explains, which a new producer
-takes over (worker/kafka/take_over.py), as it does a hung call (worker/kafka/bounded_calls.py).
+takes over (worker/delivery/exactly_once/take_over.py), as it does a hung call (worker/delivery/exactly_once/bounded_calls.py).
 A stop during a take-over or an unfinished call halts the member (`_halt`).
 
 States (`state`), on the poll thread:
@@ -28,9 +28,9 @@ States (`state`), on the poll thread:
 
 Every wait is bounded by a `Deadline` on the injected clock, within the stop deadline.
 
-A failed write (worker/kafka/exactly_once_producer.py: a delivery error, or a produce refused with
+A failed write (worker/delivery/exactly_once/producer.py: a delivery error, or a produce refused with
 _STATE once librdkafka made the transaction abortable) arrives through `write_failed` from the
-thread that saw it (into worker/kafka/write_failures.py's mailbox), before its record leaves the
+thread that saw it (into worker/delivery/exactly_once/write_failures.py's mailbox), before its record leaves the
 in-flight table (ExactlyOnceProducer.release), so a commit, which waits for the table to empty,
 always sees it. The next `step` (or a commit about to happen) aborts and rewinds at once, without
 waiting for the pipeline to drain: librdkafka sends nothing more of an abortable transaction, so
@@ -59,14 +59,14 @@ import structlog
 from confluent_kafka import KafkaException, TopicPartition
 
 from worker.deadline import Deadline
-from worker.kafka.bounded_calls import BoundedCalls
+from worker.delivery.exactly_once.bounded_calls import BoundedCalls
+from worker.delivery.exactly_once.rewind import GroupConsumer, fresh_state, seek
+from worker.delivery.exactly_once.take_over import FENCE_SETTLE_S, Fence, TakeOverReason, take_over
 from worker.kafka.offsets import OffsetTracker, PartitionOffsets
-from worker.kafka.rewind import GroupConsumer, fresh_state, seek
-from worker.kafka.take_over import FENCE_SETTLE_S, Fence, TakeOverReason, take_over
-from worker.kafka.transactional_calls import (RETRIES, CallResult, TransactionalProducer, bounded, call, call_timeout,
+from worker.delivery.exactly_once.transactional_calls import (RETRIES, CallResult, TransactionalProducer, bounded, call, call_timeout,
                                               fatal, kind_of)
-from worker.kafka.transaction_errors import TransactionError, TransactionFencedError, TransactionHungError
-from worker.kafka.write_failures import WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, WriteFailures
+from worker.delivery.exactly_once.errors import TransactionError, TransactionFencedError, TransactionHungError
+from worker.delivery.exactly_once.write_failures import WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, WriteFailures
 from worker.latch import FatalLatch
 
 log = structlog.get_logger(__name__)
@@ -332,7 +332,7 @@ class Transactions:
 
     def take_over(self, starts: dict[tuple[str, int], int] | None = None, *,
                   reason: TakeOverReason = "hung") -> None:
-        """A new producer takes over (worker/kafka/take_over.py), or the member stops."""
+        """A new producer takes over (worker/delivery/exactly_once/take_over.py), or the member stops."""
         take_over(self, starts, reason)
 
     def _halt(self, during: str) -> None:

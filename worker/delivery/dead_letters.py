@@ -10,10 +10,10 @@ from __future__ import annotations
 import structlog
 from confluent_kafka import Message
 
-from worker.acks import Acknowledger
+from worker.delivery.acks import Acknowledger
+from worker.delivery.dead_letter_record import dead_letter_record
 from worker.formats.headers import InputHeaders
 from worker.formats.messages import Rejection
-from worker.kafka.dead_letter_record import dead_letter_record
 from worker.kafka.producer import RecordWriter
 
 log = structlog.get_logger(__name__)

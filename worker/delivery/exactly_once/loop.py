@@ -1,6 +1,6 @@
-"""The exactly-once delivery: the transaction loop (worker/kafka/transactions.py) behind the
-`Delivery` interface (worker/delivery.py), and the exactly-once producer its writes go through
-(worker/kafka/exactly_once_producer.py).
+"""The exactly-once delivery: the transaction loop (worker/delivery/exactly_once/transactions.py) behind the
+`Delivery` interface (worker/delivery/guarantees.py), and the exactly-once producer its writes go through
+(worker/delivery/exactly_once/producer.py).
 
 States:
     created --start--> running --finish--> finished
@@ -22,13 +22,13 @@ from collections.abc import Callable
 from typing import Any
 
 from worker.deadline import Deadline
-from worker.delivery_types import AroundBatch, Phase, Serve
-from worker.inflight import InFlightTable
+from worker.delivery.base import AroundBatch, Phase, Serve
+from worker.delivery.exactly_once.producer import ExactlyOnceProducer
+from worker.delivery.exactly_once.transactions import Transactions, drained_waiter, transactional_config
+from worker.delivery.inflight import InFlightTable
 from worker.kafka.committer import Committer
-from worker.kafka.exactly_once_producer import ExactlyOnceProducer
 from worker.kafka.offsets import PartitionOffsets
 from worker.kafka.producer import OutputProducer, RecordWriter
-from worker.kafka.transactions import Transactions, drained_waiter, transactional_config
 from worker.latch import FatalLatch
 from worker.operations.metrics import Metrics
 from worker.settings.schema import Settings

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from worker.inflight import InFlight, InFlightTable
+from worker.delivery.inflight import InFlight, InFlightTable
 from worker.operations.metrics import Metrics
 
 Outcome = Literal["embedded", "dead_lettered"]

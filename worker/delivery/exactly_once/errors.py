@@ -1,5 +1,5 @@
 """The exactly-once errors that stop a member, shared by the transaction loop
-(worker/kafka/transactions.py), its bounded calls and its producer take-over."""
+(worker/delivery/exactly_once/transactions.py), its bounded calls and its producer take-over."""
 
 from __future__ import annotations
 

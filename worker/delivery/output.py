@@ -21,20 +21,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import structlog
 
-from worker.acks import Acknowledger
 from worker.backends.isolating import PartialBatchError
 from worker.batching.cache import EmbeddingCache
-from worker.dead_letters import DeadLetters
 from worker.deadline import Deadline
+from worker.delivery.acks import Acknowledger
+from worker.delivery.dead_letters import DeadLetters
+from worker.delivery.inflight import InFlight, InFlightTable
+from worker.delivery.tracing import BatchSpans, epoch_ns
 from worker.errors import BackendBrokenError, WorkerError
 from worker.formats.messages import Rejection, ValueEncoder
 from worker.formats.propagation import Propagation, find_traceparent
-from worker.inflight import InFlight, InFlightTable
 from worker.kafka.producer import RecordWriter
 from worker.latch import FatalLatch, guarded
 from worker.operations.batch_stats import BatchStats
 from worker.operations.metrics import Metrics
-from worker.tracing import BatchSpans, epoch_ns
 
 log = structlog.get_logger(__name__)
 

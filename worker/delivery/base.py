@@ -1,6 +1,6 @@
-"""The `Delivery` interface the pipeline calls (worker/delivery.py says when each method runs), and
-the types its two implementations share: at-least-once (worker/delivery.py) and exactly-once
-(worker/exactly_once.py) both import them from here, so neither imports the other's module."""
+"""The `Delivery` interface the pipeline calls (worker/delivery/guarantees.py says when each method runs), and
+the types its two implementations share: at-least-once (worker/delivery/guarantees.py) and exactly-once
+(worker/delivery/exactly_once/loop.py) both import them from here, so neither imports the other's module."""
 
 from __future__ import annotations
 
