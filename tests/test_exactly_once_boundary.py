@@ -12,16 +12,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # What at-least-once runs: the assembly and the pipeline, intake, the output stage and dead letters, acknowledgement,
 # the in-flight table, the delivery interface (with AtLeastOnce), the producer and the committer.
-AT_LEAST_ONCE = ["worker/app.py", "worker/pipeline.py", "worker/intake/stage.py", "worker/delivery/output.py", "worker/delivery/dead_letters.py",
-                 "worker/delivery/acks.py", "worker/delivery/inflight.py", "worker/delivery/guarantees.py", "worker/delivery/base.py",
-                 "worker/kafka/producer.py",
-                 "worker/kafka/committer.py", "worker/kafka/offsets.py"]
+AT_LEAST_ONCE = ["worker/app.py", "worker/pipeline.py", "worker/intake/stage.py", "worker/delivery/output.py",
+                 "worker/delivery/dead_letters.py", "worker/delivery/acks.py", "worker/delivery/inflight.py",
+                 "worker/delivery/guarantees.py", "worker/delivery/base.py",
+                 "worker/kafka/producer.py", "worker/kafka/committer.py", "worker/kafka/offsets.py"]
 # Exactly-once's names: the write gate, failed-write routing, the client take-over, the transaction loop.
 NAMES = ["write_gate", "fail_writes_into", "given_up", "drop_revoked", "replace_client", "PURGED", "take_over",
          "Transactions", "ExactlyOnceProducer", "txn", "transactional_config", "abort_transaction", "commit_transaction", "TransactionHungError", "TransactionFencedError"]
 # Loaded only when exactly-once runs.
-MODULES = ["worker.delivery.exactly_once.loop", "worker.delivery.exactly_once.producer", "worker.delivery.exactly_once.transactions",
-           "worker.delivery.exactly_once.take_over", "worker.delivery.exactly_once.bounded_calls", "worker.delivery.exactly_once.errors",
+MODULES = ["worker.delivery.exactly_once.loop", "worker.delivery.exactly_once.producer",
+           "worker.delivery.exactly_once.transactions", "worker.delivery.exactly_once.take_over",
+           "worker.delivery.exactly_once.bounded_calls", "worker.delivery.exactly_once.errors",
            "worker.delivery.exactly_once.transactional_calls", "worker.delivery.exactly_once.rewind",
            "worker.delivery.exactly_once.write_failures"]
 

@@ -19,7 +19,7 @@ from worker.app import output_codec
 from worker.batching.cache import key
 from worker.settings.schema import Settings
 from worker.formats.messages import (H_INT8_RANGE, H_PROMPT, H_PROMPT_NAME, OutputCodec, decode_embedding,
-                                   encode_embedding)
+                                     encode_embedding)
 from worker.intake.tokenize import KeywordTokenizer
 
 

@@ -31,7 +31,7 @@ from worker.errors import SchemaRegistryFailure  # noqa: E402
 from worker.formats.messages import Keyword, OutputCodec, Rejection  # noqa: E402
 from worker.settings.schema import Settings  # noqa: E402
 from worker.formats.schema_registry import (SCHEMA_DIR, RegistryInput, RegistryOutput, check_reachable,  # noqa: E402
-                                          registry_client, registry_fault, schema_file)
+                                            registry_client, registry_fault, schema_file)
 
 DIM = 384
 

@@ -15,9 +15,9 @@ from tests.fakes.transactions import ABORTABLE, FENCED, RETRIABLE, FakeTxnProduc
 from worker.delivery.exactly_once.take_over import FENCED_TAKE_OVERS
 from worker.errors import WorkerError
 from worker.kafka.offsets import OffsetTracker
-from worker.delivery.exactly_once.transactions import (WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, TransactionError, TransactionFencedError,
-                                       TransactionHungError, Transactions, drained_waiter, kind_of, transactional_config,
-                                       transactional_id)
+from worker.delivery.exactly_once.transactions import (WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, TransactionError,
+                                                       TransactionFencedError, TransactionHungError, Transactions,
+                                                       drained_waiter, kind_of, transactional_config, transactional_id)
 import worker.delivery.exactly_once.transactions as txmod
 from worker.latch import FatalLatch
 

@@ -70,7 +70,8 @@ class Assembled:
 
 
 def calibration_key(settings: Settings, info: ModelInfo) -> dict[str, Any]:
-    """What changes the price of a backend call, besides the backend and the machine (worker/batching/calibration.py)."""
+    """What changes the price of a backend call, besides the backend and the machine
+    (worker/batching/calibration.py)."""
     weights = info.weights_path.stat()
     key: dict[str, Any] = {"model": str(info.model_dir), "weights": [weights.st_size, weights.st_mtime_ns],
                            "onnx": settings.onnx_path, "precision": settings.precision,

@@ -22,11 +22,12 @@ AtLeastOnce (the committer; worker/kafka/committer.py) states:
   finish: commits all finished work, retrying until confirmed or the deadline (after an abort:
   nothing); finished: no more commits.
 
-ExactlyOnce (worker/delivery/exactly_once/loop.py: the transaction loop; worker/delivery/exactly_once/transactions.py has its
-states idle -> open -> closing -> idle, and the abort path) states there:
+ExactlyOnce (worker/delivery/exactly_once/loop.py: the transaction loop;
+worker/delivery/exactly_once/transactions.py has its states idle -> open -> closing -> idle, and the
+abort path) states there:
     created --start--> running --finish--> finished
-  (what each state does is written once, at the top of worker/delivery/exactly_once/loop.py). Its writes go
-  through the exactly-once producer (worker/delivery/exactly_once/producer.py: the write gate around
+  (what each state does is written once, at the top of worker/delivery/exactly_once/loop.py). Its
+  writes go through the exactly-once producer (worker/delivery/exactly_once/producer.py: the write gate around
   each batch, failed writes into the transaction, the client take-over).
 
 `build_delivery` is the one place that asks which guarantee runs; at-least-once is built from

@@ -105,8 +105,9 @@ class Metrics:
         self._cache_stats: Callable[[], Any] | None = None
         r.register(_CacheCollector(lambda: self._cache_stats))
         self.merged_batches = Counter(f"{PREFIX}merged_batches",
-                                      "Batches that hold more than one length bucket (worker/batching/batch_policy.py), "
-                                      "by the bound they were padded in.", ["bucket"], registry=r)
+                                      "Batches that hold more than one length bucket "
+                                      "(worker/batching/batch_policy.py), by the bound they were padded in.",
+                                      ["bucket"], registry=r)
         # The cost model's prices, read from it at scrape time (watch_costs).
         self._costs: Any = None
         r.register(_CostCollector(lambda: self._costs))

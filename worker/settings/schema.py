@@ -193,8 +193,8 @@ class Settings:
                                          "is flushed.", minimum=0.0)
     merge_buckets: bool = _setting(True, "A partial batch (a trickle, not a backlog) takes neighbouring length "
                                    "buckets along when the measured cost model says one backend call costs less "
-                                   "than two (worker/batching/batch_policy.py); never while a bucket is full. The prices "
-                                   "are measured at the first start (about a second), cached per model, backend, "
+                                   "than two (worker/batching/batch_policy.py); never while a bucket is full. The "
+                                   "prices are measured at the first start (about a second), cached per model, backend, "
                                    "thread layout and machine, and refined from live calls.")
     max_in_flight_bytes: int = _setting(64 * 1024 * 1024, "Bytes of consumed-but-uncommitted input records "
                                         "(key, value and headers); partitions pause at this bound too, so "

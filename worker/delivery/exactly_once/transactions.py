@@ -16,7 +16,8 @@ Errors of the transactional calls (worker/delivery/exactly_once/transactional_ca
 retriable: retried, or resumed (commit and abort); txn_requires_abort: abort, then rewind every
 partition with work in the transaction to where it began, with fresh offset state; fatal: the
 latch trips, except a `_FENCED` the broker's transaction timeout explains, which a new producer
-takes over (worker/delivery/exactly_once/take_over.py), as it does a hung call (worker/delivery/exactly_once/bounded_calls.py).
+takes over (worker/delivery/exactly_once/take_over.py), as it does a hung call
+(worker/delivery/exactly_once/bounded_calls.py).
 A stop during a take-over or an unfinished call halts the member (`_halt`).
 
 States (`state`), on the poll thread:
@@ -63,8 +64,8 @@ from worker.delivery.exactly_once.bounded_calls import BoundedCalls
 from worker.delivery.exactly_once.rewind import GroupConsumer, fresh_state, seek
 from worker.delivery.exactly_once.take_over import FENCE_SETTLE_S, Fence, TakeOverReason, take_over
 from worker.kafka.offsets import OffsetTracker, PartitionOffsets
-from worker.delivery.exactly_once.transactional_calls import (RETRIES, CallResult, TransactionalProducer, bounded, call, call_timeout,
-                                              fatal, kind_of)
+from worker.delivery.exactly_once.transactional_calls import (RETRIES, CallResult, TransactionalProducer, bounded, call,
+                                                              call_timeout, fatal, kind_of)
 from worker.delivery.exactly_once.errors import TransactionError, TransactionFencedError, TransactionHungError
 from worker.delivery.exactly_once.write_failures import WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, WriteFailures
 from worker.latch import FatalLatch
