@@ -10,8 +10,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines.export_onnx import ensure_onnx
 onnx = ensure_onnx()  # the export is not part of the calibration
-from worker.config import Settings
-from worker.backends.select import choose_cpu, model_info
+from worker.backend_choice.select import choose_cpu, model_info
+from worker.settings.schema import Settings
 s = Settings(); m = model_info(s)
 rows = []
 for r in range(3):

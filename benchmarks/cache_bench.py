@@ -38,14 +38,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engines.export_onnx import ensure_onnx  # noqa: E402
+from kwe_core.model import default_model_dir  # noqa: E402
+from kwe_core.profiles import load_profile  # noqa: E402
 from worker.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402
+from worker.batching.cache import DEFAULT_CACHE_BYTES, EmbeddingCache, key  # noqa: E402
 from worker.benchmark.inputs import read_queries  # noqa: E402
 from worker.benchmark.policies import BucketerOptions, run_bucketed  # noqa: E402
 from worker.benchmark.report import quartiles  # noqa: E402
-from worker.cache import DEFAULT_CACHE_BYTES, EmbeddingCache, key  # noqa: E402
-from kwe_core.model import default_model_dir  # noqa: E402
-from kwe_core.profiles import load_profile  # noqa: E402
-from worker.tokenize import KeywordTokenizer  # noqa: E402
+from worker.intake.tokenize import KeywordTokenizer  # noqa: E402
 
 DEFAULT_QUERIES = ROOT.parent / "shared" / "data" / "queries" / "terabyte05-efficiency.tsv"
 GOALS = {"distinct": ("cost <= 2%", lambda r: r >= 0.98), "zipf": (">= 2x", lambda r: r >= 2.0)}

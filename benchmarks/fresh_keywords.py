@@ -14,8 +14,8 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
-from worker.keyword_files import BadLines, read_keywords
 from kwe_core.errors import KeywordEmbedderError
+from worker.formats.keyword_files import BadLines, read_keywords
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_QUERIES = ROOT.parent / "shared" / "data" / "queries"

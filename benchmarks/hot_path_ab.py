@@ -7,7 +7,7 @@ What a change to intake decoding or output encoding costs per record, without Ka
 JSON keyword and OutputCodec.value on a 384-d float-list vector, plus the output header choice,
 for N records with the new code and with the old (loaded from --baseline-root under another module
 name), alternating which goes first; the ratio old/new time (new throughput over old) is paired
-per round. Needs only that both checkouts have worker/kafka/messages.py.
+per round. Needs only that both checkouts have worker/formats/messages.py.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def load_old(root: Path) -> ModuleType:
 
 def per_record(messages: ModuleType, values: list[bytes], vec: np.ndarray, new: bool) -> float:
     """Seconds for decode + encode + header choice of every value."""
-    from worker.kafka.headers import InputHeaders
-    from worker.kafka.propagation import Propagation
+    from worker.formats.headers import InputHeaders
+    from worker.formats.propagation import Propagation
 
     codec = messages.OutputCodec(model="all-MiniLM-L6-v2", dim=384, encoding="float-list")
     propagation = Propagation.of((), trace_context=True)  # the new default: on, records without headers
@@ -60,7 +60,7 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=20000)
     ap.add_argument("--rounds", type=int, default=15)
     args = ap.parse_args()
-    import worker.kafka.messages as new_messages
+    import worker.formats.messages as new_messages
 
     old_messages = load_old(args.baseline_root)
     values = [orjson.dumps({"id": f"q-{i}", "text": f"running shoes size {i}"}) for i in range(args.n)]

@@ -34,8 +34,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.kafka_vs_offline import DEFAULT_DATA, FALLBACK_DATA, kafka_round  # noqa: E402
 from tests.kafka_tools import WorkerProcess  # noqa: E402
 from worker.benchmark.report import quartiles  # noqa: E402
+from worker.formats.keyword_files import read_keywords  # noqa: E402
 from worker.kafka.admin import ensure_topics  # noqa: E402
-from worker.keyword_files import read_keywords  # noqa: E402
 
 
 def main() -> int:

@@ -71,8 +71,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.fresh_keywords import FreshKeywords, default_sources  # noqa: E402
 from benchmarks.kafka_vs_offline import cpu_seconds  # noqa: E402
 from tests.kafka_tools import WorkerProcess, free_port, http_get, produce_queries  # noqa: E402
+from worker.benchmark.loadgen import arrivals  # noqa: E402
 from worker.kafka.admin import ensure_topics  # noqa: E402
-from worker.loadgen import arrivals  # noqa: E402
 
 LEVELS = (0.5, 0.8)
 WARMUP_FRACTION = 0.1

@@ -31,12 +31,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.kafka_tools import WorkerProcess  # noqa: E402
-from worker.bucketing import Bucketer  # noqa: E402
+from worker.batching.bucketer import Bucketer  # noqa: E402
 from worker.benchmark.report import quartiles  # noqa: E402
-from worker.keyword_files import read_keywords  # noqa: E402
-from worker.config import Settings  # noqa: E402
+from worker.formats.keyword_files import read_keywords  # noqa: E402
+from worker.intake.flow import CONSUME_BATCH  # noqa: E402
 from worker.kafka.admin import ensure_topics  # noqa: E402
-from worker.flow import CONSUME_BATCH  # noqa: E402
+from worker.settings.schema import Settings  # noqa: E402
 
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "queries" / "msmarco-passage-dev.tsv"
 FALLBACK_DATA = ROOT / "tests" / "data" / "queries" / "terabyte05-20k.tsv"
@@ -138,8 +138,8 @@ def main() -> int:
         raise SystemExit("set KAFKA_BOOTSTRAP_SERVERS (run through deploy/local/with-kafka.sh)")
     rows = list(read_keywords(args.data, limit=args.n or None))
 
-    from worker.backends.select import load_backend
-    from worker.tokenize import KeywordTokenizer
+    from worker.backend_choice.select import load_backend
+    from worker.intake.tokenize import KeywordTokenizer
 
     # The same assembly as the worker: the model read once, every "auto" resolved.
     loaded = load_backend(Settings())

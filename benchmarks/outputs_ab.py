@@ -23,9 +23,9 @@ from types import ModuleType
 import numpy as np
 
 from kwe_core.model import ModelInfo, default_model_dir
-from worker import tokenize as new_tokenize
-from worker.kafka import messages as new_messages
-from worker.keyword_files import read_keywords
+from worker.formats import messages as new_messages
+from worker.formats.keyword_files import read_keywords
+from worker.intake import tokenize as new_tokenize
 
 
 def _load(name: str, path: Path) -> ModuleType:

@@ -27,9 +27,9 @@ import orjson
 from kwe_core.model import ModelInfo, Prompt
 from kwe_core.vectors import default_int8_range, dequantize_int8, pack_binary, quantize_int8, truncate
 from worker.app import output_codec
-from worker.config import Settings
 from worker.embedder import Embedder
-from worker.keyword_files import read_keywords
+from worker.formats.keyword_files import read_keywords
+from worker.settings.schema import Settings
 
 K = 10
 _POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)

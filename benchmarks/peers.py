@@ -12,7 +12,7 @@ compares the model path; the cache is measured in benchmarks/cache_bench.py):
 - fastembed: `TextEmbedding.embed(texts)` with its defaults (batch 256, ORT's threads);
 - embedder: `Embedder(cache_bytes=0, backend=--backend).embed(texts)` (sorted by length,
   tokenisation included); `--backend auto` (the worker's default) measures ONNX Runtime and
-  OpenVINO at start-up and keeps the faster that passes the fp32 gate (worker/backends/auto.py);
+  OpenVINO at start-up and keeps the faster that passes the fp32 gate (worker/backend_choice/auto.py);
   the stream and the ceiling then run on that same choice;
 - bucketed: the worker's path offline: tokenize, then the real Bucketer (`cpu` profile) fed in
   file order through the max_in_flight window (tokenisation timed too);
@@ -43,15 +43,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engines.export_onnx import default_cache_dir, ensure_onnx  # noqa: E402
+from kwe_core.model import ModelInfo, default_model_dir  # noqa: E402
+from kwe_core.profiles import load_profile  # noqa: E402
+from worker.backend_choice.select import open_backend  # noqa: E402
 from worker.backends.base import Backend  # noqa: E402
-from worker.backends.select import open_backend  # noqa: E402
 from worker.benchmark.inputs import read_queries  # noqa: E402
 from worker.benchmark.policies import BucketerOptions, run_bucketed  # noqa: E402
 from worker.benchmark.report import quartiles  # noqa: E402
 from worker.benchmark.suite import round_order  # noqa: E402
 from worker.embedder import Embedder  # noqa: E402
-from kwe_core.model import ModelInfo, default_model_dir  # noqa: E402
-from kwe_core.profiles import load_profile  # noqa: E402
 
 DEFAULT_QUERIES = ROOT.parent / "shared" / "data" / "queries" / "terabyte05-efficiency.tsv"
 FASTEMBED_NAME = "keyword-embedder/all-MiniLM-L6-v2-local"

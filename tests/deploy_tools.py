@@ -13,8 +13,8 @@ from typing import Any
 import yaml
 
 from tests.ci_tools import missing
-from worker.config import Settings, setting_fields
-from worker.settings_loader import env_name, load_settings
+from worker.settings.loader import env_name, load_settings
+from worker.settings.schema import Settings, setting_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -22,8 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.ci_tools import missing
 from tests.deploy_tools import DEPLOY, K8S, ROOT, kustomize_build
-from worker.metrics import Metrics
-from worker.probes import MetricsServer
+from worker.operations.metrics import Metrics
+from worker.operations.probes import MetricsServer
 
 RULES = DEPLOY / "prometheus" / "alerts.yml"
 RULE_TESTS = DEPLOY / "prometheus" / "tests"

@@ -29,7 +29,7 @@ import yaml
 from tests.kafka_tools import WorkerProcess, free_port, http_get, load_queries, produce_queries
 from tests.test_alerts import RULES, prometheus_tool
 from tests.test_faults_kafka import in_process, loaded, topics  # noqa: F401 - loaded is a fixture
-from worker.probes import MetricsServer
+from worker.operations.probes import MetricsServer
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

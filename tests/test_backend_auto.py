@@ -1,4 +1,4 @@
-"""backend = auto on CPU (worker/backends/auto.py): the gate, the candidates a CPU gets, the cache, and
+"""backend = auto on CPU (worker/backend_choice/auto.py): the gate, the candidates a CPU gets, the cache, and
 explicit choices that cannot be had. Fake backends on a fake clock (tests/fakes/backends.py); the real
 OpenVINO backend's parity is in tests/test_parity.py."""
 
@@ -13,10 +13,10 @@ import pytest
 
 from kwe_core.errors import BackendError
 from tests.fakes.backends import FakeClock, FakeCpuBackend
-from worker.backends import auto
-from worker.backends.auto import Candidate
-from worker.backends.select import choose_backend
-from worker.config import Settings
+from worker.backend_choice import auto
+from worker.backend_choice.auto import Candidate
+from worker.backend_choice.select import choose_backend
+from worker.settings.schema import Settings
 
 BF16 = frozenset({"fpu", "avx512f", "avx512_bf16", "avx512_vnni"})
 AVX2 = frozenset({"fpu", "avx2", "fma"})

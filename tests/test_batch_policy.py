@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from worker.batch_policy import BucketView, plan_merge
-from worker.cost_model import Prices
+from worker.batching.batch_policy import BucketView, plan_merge
+from worker.batching.cost_model import Prices
 
 # Roughly this box's ONNX Runtime prices: a 4 ms call, 0.04 ms per padded token.
 CPU = Prices(fixed_s=0.004, per_row_s=0.0001, per_token_s=0.00004)

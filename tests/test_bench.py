@@ -20,9 +20,9 @@ SAMPLE = Path(__file__).resolve().parent / "data" / "terabyte05-300.tsv"
 @pytest.fixture(scope="module")
 def ort_parts():  # noqa: ANN201
     from engines.export_onnx import ensure_onnx
-    from worker.backends.onnxruntime import OnnxRuntimeBackend
     from kwe_core.model import default_model_dir
-    from worker.tokenize import KeywordTokenizer
+    from worker.backends.onnxruntime import OnnxRuntimeBackend
+    from worker.intake.tokenize import KeywordTokenizer
 
     tokenizer = KeywordTokenizer.from_model_dir(default_model_dir())
     backend = OnnxRuntimeBackend(ensure_onnx(optimize=False))
@@ -101,7 +101,7 @@ def test_run_bucketed_returns_each_embedding_in_its_row(ort_parts) -> None:  # n
 
 
 def test_run_bucketed_with_a_cache_answers_repeats_without_the_bucketer(ort_parts) -> None:  # noqa: ANN001
-    from worker.cache import EmbeddingCache, key
+    from worker.batching.cache import EmbeddingCache, key
 
     tokenizer, backend, encoded = ort_parts
     profile = load_profile("cpu", model_max_len=tokenizer.max_len)
@@ -124,7 +124,7 @@ def test_run_bucketed_with_a_cache_answers_repeats_without_the_bucketer(ort_part
 
 
 def test_run_bucketed_coalesces_repeats_in_flight(ort_parts) -> None:  # noqa: ANN001
-    from worker.cache import EmbeddingCache
+    from worker.batching.cache import EmbeddingCache
 
     tokenizer, backend, encoded = ort_parts
     profile = load_profile("cpu", model_max_len=tokenizer.max_len)
@@ -139,9 +139,9 @@ def test_run_bucketed_coalesces_repeats_in_flight(ort_parts) -> None:  # noqa: A
 
 
 def test_run_bucketed_with_a_cache_fails_cleanly_when_the_leader_fails() -> None:
+    from worker.batching.cache import EmbeddingCache
     from worker.benchmark.errors import BenchError
-    from worker.cache import EmbeddingCache
-    from worker.tokenize import Encoded
+    from worker.intake.tokenize import Encoded
 
     class Ctx:
         def run(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:

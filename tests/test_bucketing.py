@@ -17,13 +17,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 
-from worker.batch_stats import BatchStats
-from worker.bucketing import Bucketer, BucketerError, BucketerStoppedError
-from worker.calibration import SHAPES
-from worker.deadline import Deadline
-from worker.cost_model import CostModel, Prices
-from worker.metrics import Metrics
 from kwe_core.profiles import Bucket, PadPolicy, Profile
+from worker.batching.bucketer import Bucketer, BucketerError, BucketerStoppedError
+from worker.batching.calibration import SHAPES
+from worker.batching.cost_model import CostModel, Prices
+from worker.deadline import Deadline
+from worker.operations.batch_stats import BatchStats
+from worker.operations.metrics import Metrics
 
 WAIT = 10.0  # seconds; only a guard against hangs
 

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from tests.kafka_tools import TopicReader, WorkerProcess, committed_offsets, end_offsets, http_get, load_queries, produce
-from worker.kafka.messages import decode_embedding
+from worker.formats.messages import decode_embedding
 
 pytestmark = pytest.mark.kafka
 

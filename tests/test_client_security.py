@@ -15,14 +15,14 @@ import pytest
 import structlog
 from confluent_kafka import KafkaError
 
-from worker.config import Settings, SettingsError
-from worker.settings_loader import add_setting_flags, load_settings
 from worker.kafka.client_config import client_config, client_env, read_properties, secret_values
 from worker.kafka.consumer import consumer_config
 from worker.kafka.errors import FailurePolicy, fatal_reason
 from worker.kafka.producer import producer_config
-from worker.logs import configure_logging
-from worker.redact import MASK, is_secret_key, redact_text
+from worker.operations.logs import configure_logging
+from worker.operations.redact import MASK, is_secret_key, redact_text
+from worker.settings.loader import add_setting_flags, load_settings
+from worker.settings.schema import Settings, SettingsError
 
 ROOT = Path(__file__).resolve().parents[1]
 PW = "s3cret-Passw0rd-xyz"

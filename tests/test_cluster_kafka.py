@@ -81,10 +81,10 @@ def test_a_member_starts_while_a_node_it_still_sees_in_the_metadata_is_down(clus
     it as the 'controller' that librdkafka sends DescribeTopics to; one 10 s attempt then timed out
     and the member exited 2 ("cannot reach the Kafka cluster"), which the join-while-the-coordinator-
     is-down fault below found. Every check in that window must pass now."""
-    from worker.config import Settings
     from worker.kafka.admin import ensure_topics
     from worker.kafka.client_config import admin_config
     from worker.kafka.preflight import check_topics
+    from worker.settings.schema import Settings
 
     tag = f"pre{time.monotonic_ns() % 10**6}"
     topics = {f"kw-{tag}": 3, f"emb-{tag}": 3, f"dlq-{tag}": 1}

@@ -8,13 +8,13 @@ from collections.abc import Callable
 from confluent_kafka import Producer
 
 from worker.deadline import Deadline
-from worker.config import Settings
-from worker.delivery import AtLeastOnce
+from worker.delivery.guarantees import AtLeastOnce
 from worker.kafka.committer import Committer
 from worker.kafka.consumer import GroupMember, consumer_config
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch
-from worker.metrics import Metrics
+from worker.operations.metrics import Metrics
+from worker.settings.schema import Settings
 
 
 def _member(bootstrap: str, group: str) -> GroupMember:

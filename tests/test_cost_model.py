@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from worker.calibration import SHAPES, cost_model_for, load_or_measure, measure
-from worker.cost_model import CostModel, CostModelError, Prices, fit
+from worker.batching.calibration import SHAPES, cost_model_for, load_or_measure, measure
+from worker.batching.cost_model import CostModel, CostModelError, Prices, fit
 
 TRUE = Prices(fixed_s=0.004, per_row_s=0.0002, per_token_s=0.00004)
 

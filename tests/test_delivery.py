@@ -1,4 +1,4 @@
-"""The two `Delivery` implementations, transition by transition, on fakes (worker/delivery.py
+"""The two `Delivery` implementations, transition by transition, on fakes (worker/delivery/guarantees.py
 has the state tables)."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ from confluent_kafka import TopicPartition
 
 from tests.fakes.transactions import FakeTxnProducer
 from worker.deadline import Deadline
-from worker.delivery import AtLeastOnce
-from worker.exactly_once import ExactlyOnce
-from worker.inflight import InFlightTable
+from worker.delivery.exactly_once.loop import ExactlyOnce
+from worker.delivery.exactly_once.producer import ExactlyOnceProducer
+from worker.delivery.exactly_once.transactions import Transactions
+from worker.delivery.guarantees import AtLeastOnce
+from worker.delivery.inflight import InFlightTable
 from worker.kafka.committer import Committer
-from worker.kafka.exactly_once_producer import ExactlyOnceProducer
 from worker.kafka.producer import OutputProducer
-from worker.kafka.transactions import Transactions
 from worker.latch import FatalLatch
 
 

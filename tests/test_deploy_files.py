@@ -34,11 +34,11 @@ from tests.deploy_tools import (
     settings_from_env,
     yaml_docs,
 )
-from worker.cli import SUBCOMMANDS
-from worker.config import Settings, setting_fields
-from worker.settings_loader import flag_name
-from worker.metrics import Metrics
 from kwe_core.model import MODEL_PIP_SPEC
+from worker.cli import SUBCOMMANDS
+from worker.operations.metrics import Metrics
+from worker.settings.loader import flag_name
+from worker.settings.schema import Settings, setting_fields
 
 SETTING_FLAGS = {flag_name(f.name) for f in setting_fields()}
 DOCKERFILES = ["Dockerfile", "Dockerfile.gpu"]
@@ -480,7 +480,7 @@ def test_image_requirements_check_reads_requires_python_without_tomllib() -> Non
 
 
 def _populated_metrics_text() -> str:
-    from worker.cost_model import CostModel
+    from worker.batching.cost_model import CostModel
 
     """A registry with one observation on every instrument, so every series name renders."""
     m = Metrics()
@@ -527,7 +527,7 @@ def test_dashboard_metric_names_exist_in_worker_metrics() -> None:
     exported = _exported_series()
     used = {name for expr in _dashboard_exprs() for name in re.findall(r"\bkwe_[a-z0-9_]+", expr)}
     assert used, "the dashboard queries no kwe_ metric"
-    assert used <= exported, f"not exported by worker.metrics: {sorted(used - exported)}"
+    assert used <= exported, f"not exported by worker.operations.metrics: {sorted(used - exported)}"
 
 
 def test_dashboard_covers_every_instrument() -> None:

@@ -26,7 +26,7 @@ from tests.deploy_tools import (
     kustomize_build,
     settings_from_env,
 )
-from worker.config import Settings
+from worker.settings.schema import Settings
 
 OVERLAYS = ["local", "gpu"]
 

@@ -23,7 +23,7 @@ INTERNAL = {
     "worker.kafka.offsets.OffsetWentBack": "caught by intake: the partition's state is reset",
     "worker.kafka.offsets.Refetched": "caught by intake: the record is skipped",
     "worker.kafka.preflight._Unreachable": "caught by the preflight's retry loop",
-    "worker.stop_signals.StopDuringStartup": "a stop request (BaseException), not an error",
+    "worker.operations.stop_signals.StopDuringStartup": "a stop request (BaseException), not an error",
 }
 
 # What a command may catch that is not an error for the user to read: control flow.
@@ -66,11 +66,12 @@ def _defined_exceptions() -> dict[str, type[BaseException]]:
 def test_every_error_a_user_can_read_derives_from_the_one_root() -> None:
     found = _defined_exceptions()
     # The ones the issue named, found and walked (not skipped as an import that failed).
-    for name in ("worker.keyword_files.KeywordFileError", "worker.benchmark.errors.BenchError",
-                 "worker.bucketing.BucketerError", "worker.cache.CacheError", "worker.cost_model.CostModelError",
+    for name in ("worker.formats.keyword_files.KeywordFileError", "worker.benchmark.errors.BenchError",
+                 "worker.batching.bucketer.BucketerError", "worker.batching.cache.CacheError",
+                 "worker.batching.cost_model.CostModelError",
                  "kwe_core.vectors.VectorError", "engines.quantize_int8.QuantizeError",
                  "engines.build_engine.EngineBuildError", "engines.export_onnx.ExportError",
-                 "worker.config.SettingsError", "worker.embedder.EmbedderError"):
+                 "worker.settings.schema.SettingsError", "worker.embedder.EmbedderError"):
         assert name in found, name
     outside = sorted(name for name, cls in found.items()
                      if not issubclass(cls, KeywordEmbedderError) and name not in INTERNAL)
@@ -80,8 +81,8 @@ def test_every_error_a_user_can_read_derives_from_the_one_root() -> None:
 
 def test_errors_keep_the_builtin_type_callers_caught_before() -> None:
     from engines.export_onnx import ExportError
-    from worker.bucketing import BucketerError
-    from worker.keyword_files import KeywordFileError
+    from worker.batching.bucketer import BucketerError
+    from worker.formats.keyword_files import KeywordFileError
 
     # Library callers that caught ValueError / RuntimeError still do.
     assert issubclass(KeywordFileError, ValueError) and issubclass(ExportError, RuntimeError)
@@ -106,9 +107,9 @@ def _command_handlers() -> list[tuple[str, int, list[str]]]:
 
 
 def _resolve(name: str) -> type[BaseException] | None:
-    for module in ("kwe_core.errors", "kwe_core.model", "kwe_core.profiles", "worker.config",
-                   "worker.keyword_files", "engines.build_engine", "engines.export_onnx",
-                   "worker.benchmark.errors", "worker.stop_signals"):
+    for module in ("kwe_core.errors", "kwe_core.model", "kwe_core.profiles", "worker.settings.schema",
+                   "worker.formats.keyword_files", "engines.build_engine", "engines.export_onnx",
+                   "worker.benchmark.errors", "worker.operations.stop_signals"):
         cls = getattr(importlib.import_module(module), name, None)
         if cls is not None:
             return cls
@@ -144,9 +145,9 @@ def test_the_cli_turns_a_root_error_into_one_line_and_its_exit_code(argv: list[s
 
 def test_an_error_no_command_catches_is_one_line_and_exit_1(monkeypatch: pytest.MonkeyPatch,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    import worker.commands.settings as settings_command
+    from worker.batching.cost_model import CostModelError
     from worker.cli import main
-    from worker.cost_model import CostModelError
+    import worker.commands.settings as settings_command
 
     def fails(args: object) -> int:
         raise CostModelError("too few samples to fit the prices (3 of 7)")

@@ -10,20 +10,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# What at-least-once runs: the pipeline, intake, the output stage and dead letters, acknowledgement,
+# What at-least-once runs: the assembly and the pipeline, intake, the output stage and dead letters, acknowledgement,
 # the in-flight table, the delivery interface (with AtLeastOnce), the producer and the committer.
-AT_LEAST_ONCE = ["worker/pipeline.py", "worker/intake.py", "worker/output.py", "worker/dead_letters.py",
-                 "worker/acks.py", "worker/inflight.py", "worker/delivery.py", "worker/delivery_types.py",
-                 "worker/kafka/producer.py",
-                 "worker/kafka/committer.py", "worker/kafka/offsets.py"]
+AT_LEAST_ONCE = ["worker/app.py", "worker/pipeline.py", "worker/intake/stage.py", "worker/delivery/output.py",
+                 "worker/delivery/dead_letters.py", "worker/delivery/acks.py", "worker/delivery/inflight.py",
+                 "worker/delivery/guarantees.py", "worker/delivery/base.py",
+                 "worker/kafka/producer.py", "worker/kafka/committer.py", "worker/kafka/offsets.py"]
 # Exactly-once's names: the write gate, failed-write routing, the client take-over, the transaction loop.
 NAMES = ["write_gate", "fail_writes_into", "given_up", "drop_revoked", "replace_client", "PURGED", "take_over",
          "Transactions", "ExactlyOnceProducer", "txn", "transactional_config", "abort_transaction", "commit_transaction", "TransactionHungError", "TransactionFencedError"]
 # Loaded only when exactly-once runs.
-MODULES = ["worker.exactly_once", "worker.kafka.exactly_once_producer", "worker.kafka.transactions",
-           "worker.kafka.take_over", "worker.kafka.bounded_calls", "worker.kafka.transaction_errors",
-           "worker.kafka.transactional_calls", "worker.kafka.rewind",
-           "worker.kafka.write_failures"]
+MODULES = ["worker.delivery.exactly_once.loop", "worker.delivery.exactly_once.producer",
+           "worker.delivery.exactly_once.transactions", "worker.delivery.exactly_once.take_over",
+           "worker.delivery.exactly_once.bounded_calls", "worker.delivery.exactly_once.errors",
+           "worker.delivery.exactly_once.transactional_calls", "worker.delivery.exactly_once.rewind",
+           "worker.delivery.exactly_once.write_failures"]
 
 
 def test_the_at_least_once_modules_name_nothing_of_exactly_once() -> None:
@@ -36,8 +37,8 @@ def test_the_at_least_once_modules_name_nothing_of_exactly_once() -> None:
 
 def test_at_least_once_loads_no_exactly_once_module() -> None:
     code = ("import sys\n"
-            "from worker.config import Settings\n"
-            "from worker.delivery import build_delivery, producer_config_for\n"
+            "from worker.settings.schema import Settings\n"
+            "from worker.delivery.guarantees import build_delivery, producer_config_for\n"
             "from worker.kafka.committer import Committer\n"
             "from worker.kafka.producer import OutputProducer\n"
             "from worker.latch import FatalLatch\n"

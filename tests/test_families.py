@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from engines.export_onnx import ExportError, build_model, mpnet_buckets
 from kwe_core.model import FAMILIES, ModelError, ModelInfo
 from worker.families import MIN_COS, REPO_FIXTURES, cosines, fixture_folder, fixture_parity, reference
-from worker.tokenize import KeywordTokenizer
+from worker.intake.tokenize import KeywordTokenizer
 
 FIXTURES = REPO_FIXTURES
 
@@ -107,7 +107,7 @@ def test_the_fixtures_catch_a_graph_without_the_familys_positions(tmp_path: Path
 
 def test_int8_precision_refuses_families_without_berts_tensor_names(tmp_path: Path) -> None:
     from kwe_core.errors import BackendError
-    from worker.backends.select import open_backend
+    from worker.backend_choice.select import open_backend
 
     info = ModelInfo.from_dir(_folder(tmp_path, "mpnet", "mean"))
     with pytest.raises(BackendError, match="precision int8 supports the encoder families bert, roberta, "
@@ -269,7 +269,7 @@ def test_the_offline_fused_graph_matches_too_except_mpnet_which_is_refused(tmp_p
     import onnxruntime as ort
 
     from engines.export_onnx import INPUT_NAMES, export_onnx
-    from worker.padding import pad_batch
+    from worker.batching.padding import pad_batch
 
     folder = _folder(tmp_path, family, "mean")
     if family == "mpnet":

@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from worker.deadline import Deadline
 from worker.backends.isolating import IsolatingContext, PartialBatchError
+from worker.deadline import Deadline
+from worker.delivery.exactly_once.producer import ExactlyOnceProducer
+from worker.delivery.inflight import InFlightTable
 from worker.errors import BackendBrokenError, DeliveryError, ThreadDiedError, WorkerError
-from worker.flow import FlowControl
-from worker.health import Liveness
+from worker.intake.flow import FlowControl
 from worker.kafka.committer import Committer
-from worker.inflight import InFlightTable
-from worker.kafka.exactly_once_producer import ExactlyOnceProducer
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch, guarded
+from worker.operations.health import Liveness
 
 
 # ---------------------------------------------------------------------------- latch
@@ -491,9 +491,9 @@ class FakeGroupConsumer(FakeConsumer):
 
 
 def _member(wait_s: float) -> tuple[Any, Committer, FakeGroupConsumer, FatalLatch]:
-    from worker.delivery import AtLeastOnce
+    from worker.delivery.guarantees import AtLeastOnce
     from worker.kafka.consumer import GroupMember
-    from worker.metrics import Metrics
+    from worker.operations.metrics import Metrics
 
     latch = FatalLatch()
     committer = Committer(None, interval_s=0.0)
@@ -568,9 +568,9 @@ def test_a_bug_in_the_bucketer_former_trips_the_latch_and_liveness_names_the_thr
     """Finding 6: the former and dispatchers run guarded; a bug there stops the worker visibly
     (the latch), and /healthz names the dead thread, instead of all work stopping silently."""
     from kwe_core.profiles import Bucket, Profile
-    from worker.bucketing import Bucketer
-    from worker.health import Liveness
+    from worker.batching.bucketer import Bucketer
     from worker.latch import guarded
+    from worker.operations.health import Liveness
 
     latch = FatalLatch()
     b = Bucketer(Profile("t", (Bucket(8, 4, 4),), 10_000, "bucket"), _Backend(lambda: None), lambda *a: None,
@@ -594,7 +594,7 @@ def test_a_bug_in_the_bucketer_former_trips_the_latch_and_liveness_names_the_thr
 
 def test_a_bucketer_stop_returns_by_its_timeout_while_a_backend_call_hangs() -> None:
     from kwe_core.profiles import Bucket, Profile
-    from worker.bucketing import Bucketer
+    from worker.batching.bucketer import Bucketer
 
     release = threading.Event()
     entered = threading.Event()
@@ -712,7 +712,7 @@ def test_the_isolating_backend_passes_on_typed_members_only() -> None:
 def test_a_fenced_poll_goes_to_the_transaction_loop_and_the_delivery_thread_serves_on() -> None:
     """Exactly-once: confluent-kafka raises a transactional producer's fatal _FENCED from poll. It may
     be the broker's transaction timeout after a coordinator outage, which a new producer takes over
-    (worker/kafka/transactions.py), so the delivery thread reports it as a failed write and keeps
+    (worker/delivery/exactly_once/transactions.py), so the delivery thread reports it as a failed write and keeps
     serving, instead of stopping the worker (and itself) before the transaction loop can decide.
     Failed before the fix: the latch tripped and the delivery thread ended. Other guarantees: as before."""
     fenced = KafkaError(KafkaError._FENCED, "Producer fenced by newer instance", fatal=True)

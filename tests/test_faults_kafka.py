@@ -25,10 +25,11 @@ from tests.kafka_tools import (
     TopicReader, WorkerProcess, committed_offsets, end_offsets, http_get, load_queries, produce, produce_queries,
     produce_with_raw_headers,
 )
-from worker.config import Settings
+from worker.app import wire_pipeline
 from worker.kafka.admin import ensure_topics
-from worker.probes import MetricsServer
+from worker.operations.probes import MetricsServer
 from worker.pipeline import Pipeline
+from worker.settings.schema import Settings
 
 pytestmark = pytest.mark.kafka
 
@@ -36,8 +37,8 @@ pytestmark = pytest.mark.kafka
 @pytest.fixture(scope="module")
 def loaded() -> tuple[Any, Any, Any]:
     """The real tokenizer, ONNX Runtime backend and profile, loaded once for the module."""
-    from worker.backends.select import load_backend
-    from worker.tokenize import KeywordTokenizer
+    from worker.backend_choice.select import load_backend
+    from worker.intake.tokenize import KeywordTokenizer
 
     got = load_backend(Settings(intra_op_threads=1))
     return KeywordTokenizer.from_model(got.model), got.backend, got.profile
@@ -108,8 +109,8 @@ def in_process(loaded: tuple[Any, Any, Any], bootstrap: str, names: tuple[str, s
     faulty = FaultyBackend(backend, fail)
     s = Settings(bootstrap_servers=bootstrap, input_topic=names[0], output_topic=names[1],
                  dead_letter_topic=names[2], group_id=group, pad_to=profile.pad_to, **settings)
-    return InProcessWorker(Pipeline(s, tokenizer=tokenizer, backend=faulty, profile=profile,
-                                    model_name="all-MiniLM-L6-v2")), faulty
+    return InProcessWorker(wire_pipeline(s, tokenizer=tokenizer, backend=faulty, profile=profile,
+                                         model_name="all-MiniLM-L6-v2")), faulty
 
 
 def topics(make_topic: Callable[..., str], partitions: int) -> tuple[str, str, str]:

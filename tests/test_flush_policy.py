@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.cost_model import Prices
-from worker.flush_policy import (
+from worker.batching.cost_model import Prices
+from worker.batching.flush_policy import (
     Flush,
     LaneSnapshot,
     QueuedBucket,

@@ -44,9 +44,9 @@ from tests.kafka_tools import (
     produce,
     produce_queries,
 )
-from worker.config import Settings
-from worker.keyword_files import read_keywords
-from worker.kafka.messages import decode_embedding
+from worker.formats.keyword_files import read_keywords
+from worker.formats.messages import decode_embedding
+from worker.settings.schema import Settings
 
 pytestmark = [pytest.mark.image, pytest.mark.timeout(1200)]
 

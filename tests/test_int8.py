@@ -14,10 +14,10 @@ import onnx
 import pytest
 
 from engines.quantize_int8 import SHIPPED, QuantizeError, excluded_nodes, matmul_names, quantized_op_counts
+from worker.backend_choice.select import load_backend
 from worker.backends.base import BackendError
-from worker.backends.select import load_backend
-from worker.config import Settings, SettingsError
-from worker.settings_loader import load_settings
+from worker.settings.loader import load_settings
+from worker.settings.schema import Settings, SettingsError
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
 

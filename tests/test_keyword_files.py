@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.keyword_files import BadLines, KeywordFileError, read_keywords
+from worker.formats.keyword_files import BadLines, KeywordFileError, read_keywords
 
 
 def write(tmp_path: Path, name: str, data: bytes) -> Path:

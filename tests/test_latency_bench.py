@@ -13,7 +13,7 @@ from benchmarks.fresh_keywords import FreshKeywords, PoolExhaustedError
 from benchmarks.kafka_latency import (MAX_GENERATOR_LAG_P99_MS, MAX_HIT_RATE, cache_hit_rate, generator_verdict,
                                      overload_verdict, partition_line, partition_spread,
                                      render_markdown, schedule_lag_ms, summarise, window_stats, windows_line)
-from worker.loadgen import arrivals
+from worker.benchmark.loadgen import arrivals
 
 
 def test_fresh_keywords_are_distinct_and_never_handed_out_twice(tmp_path: Path) -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from worker.backends.select import intra_op_threads
-from worker.config import Settings
+from worker.backend_choice.select import intra_op_threads
+from worker.settings.schema import Settings
 
 
 def test_zero_divides_the_cores_among_the_dispatchers() -> None:

@@ -13,7 +13,7 @@ import pytest
 from confluent_kafka import Consumer
 
 from tests.kafka_tools import ROOT, load_queries
-from worker.loadgen import Lateness, arrivals, cycled
+from worker.benchmark.loadgen import Lateness, arrivals, cycled
 
 
 def test_fixed_spacing_is_exact() -> None:

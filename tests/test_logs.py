@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import structlog
 
-from worker.logs import configure_logging, get_logger
+from worker.operations.logs import configure_logging, get_logger
 
 
 @pytest.fixture(autouse=True)
@@ -172,7 +172,7 @@ def test_invalid_format_or_level_is_refused() -> None:
 
 def test_settings_values_are_accepted() -> None:
     # Every log_format/log_level the settings allow must configure without error.
-    from worker.config import Settings, setting_choices, setting_fields
+    from worker.settings.schema import Settings, setting_choices, setting_fields
 
     fields = {f.name: f for f in setting_fields()}
     for fmt in setting_choices(fields["log_format"]):

@@ -14,10 +14,10 @@ import orjson
 import pytest
 from jsonschema import Draft202012Validator
 
-from worker.config import Settings
-from worker.kafka.dead_letter_record import dead_letter_record
-from worker.kafka.headers import InputHeaders, read_headers
-from worker.kafka.messages import (
+from worker.delivery.dead_letter_record import dead_letter_record
+from worker.formats.headers import InputHeaders, read_headers
+from worker.settings.schema import Settings
+from worker.formats.messages import (
     H_REASON, H_SRC_OFFSET, Keyword, OutputCodec, Rejection, decode_embedding, decode_input, is_blank,
 )
 
@@ -342,7 +342,7 @@ def test_dead_letter_example_in_the_schema_is_what_the_code_writes() -> None:
 
 
 def test_output_fields_rename_and_drop_in_the_records_order() -> None:
-    from worker.output_fields import parse_output_fields
+    from worker.settings.output_fields import parse_output_fields
 
     fields = parse_output_fields(["embedding=vector", "-model", " -tokens "])
     codec = OutputCodec(model="m", dim=2, encoding="float-list", fields=fields)
@@ -362,14 +362,14 @@ def test_output_fields_rename_and_drop_in_the_records_order() -> None:
     (["embedding=id"], "two output fields would be named 'id'"),
 ])
 def test_output_fields_refuse_what_cannot_be_meant(items: list[str], error: str) -> None:
-    from worker.output_fields import parse_output_fields
+    from worker.settings.output_fields import parse_output_fields
 
     with pytest.raises(ValueError, match=error):
         parse_output_fields(items)
 
 
 def test_output_fields_are_checked_with_the_settings() -> None:
-    from worker.config import Settings, SettingsError
+    from worker.settings.schema import Settings, SettingsError
 
     assert Settings(output_fields=("embedding=vector", "id=point_id")).output_fields == ("embedding=vector", "id=point_id")
     with pytest.raises(SettingsError, match="output_fields.*not an output field"):
@@ -383,7 +383,7 @@ def test_output_fields_are_checked_with_the_settings() -> None:
 def test_output_fields_make_a_qdrant_point_the_query_id_as_a_uuid_and_a_constant_collection() -> None:
     import uuid
 
-    from worker.output_fields import parse_output_fields
+    from worker.settings.output_fields import parse_output_fields
 
     fields = parse_output_fields(["embedding=vector", "id=query_id", "uuid=id", "+collection_name=keywords",
                                   "-model", "-encoding", "-dim", "-tokens", "-truncated"])

@@ -15,10 +15,10 @@ from confluent_kafka import Consumer, KafkaException, Message, Producer
 from jsonschema import Draft202012Validator
 
 from tests.kafka_tools import produce_with_raw_headers
-from worker.config import Settings
-from worker.kafka.dead_letter_record import dead_letter_record
-from worker.kafka.headers import InputHeaders, read_headers
-from worker.kafka.messages import Rejection
+from worker.delivery.dead_letter_record import dead_letter_record
+from worker.formats.headers import InputHeaders, read_headers
+from worker.formats.messages import Rejection
+from worker.settings.schema import Settings
 
 pytestmark = pytest.mark.kafka
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.batch_stats import BatchStats
-from worker.metrics import Metrics
-from worker.probes import MetricsServer, readiness_body
+from worker.operations.batch_stats import BatchStats
+from worker.operations.metrics import Metrics
+from worker.operations.probes import MetricsServer, readiness_body
 
 STATS_SAMPLE = Path(__file__).resolve().parent / "data" / "librdkafka_stats.json"
 
@@ -325,7 +325,7 @@ def test_server_stop_releases_the_port_and_start_twice_fails() -> None:
 
 
 def test_hop_histograms_exist_from_the_start_and_clamp_clock_steps() -> None:
-    from worker.metrics import HOPS
+    from worker.operations.metrics import HOPS
 
     metrics = Metrics()
     text = metrics.render().decode()

@@ -54,8 +54,8 @@ SCRIPT = textwrap.dedent("""
     extra = {{}}
     if BLOCK:
         from kwe_core.errors import BackendError
-        from worker.backends.select import choose_backend, missing_gpu_packages
-        from worker.config import Settings
+        from worker.backend_choice.select import choose_backend, missing_gpu_packages
+        from worker.settings.schema import Settings
         extra["missing"] = missing_gpu_packages()
         extra["auto"] = choose_backend(Settings(engine_path=sys.executable), has_gpu=lambda: True).backend
         try:
@@ -84,7 +84,7 @@ def test_importing_everything_and_the_cli_help_never_loads_the_gpu_extra() -> No
     result = _run(block=False)
     assert result["failed"] == {}
     # The walk really covered the GPU-facing modules, not just the package roots.
-    for name in ("worker.backends.tensorrt", "worker.backends.select", "engines.build_engine",
+    for name in ("worker.backends.tensorrt", "worker.backend_choice.select", "engines.build_engine",
                  "worker.commands.build_engine", "worker.cli"):
         assert name in result["modules"]
     assert result["codes"] == {"--help": 0, "build-engine --help": 0, "run --help": 0}

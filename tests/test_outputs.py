@@ -16,11 +16,11 @@ from kwe_core.vectors import (VectorError, default_int8_range, dequantize_int8, 
                               truncate, unpack_binary)
 from tests.test_messages import schema
 from worker.app import output_codec
-from worker.cache import key
-from worker.config import Settings
-from worker.kafka.messages import (H_INT8_RANGE, H_PROMPT, H_PROMPT_NAME, OutputCodec, decode_embedding,
-                                   encode_embedding)
-from worker.tokenize import KeywordTokenizer
+from worker.batching.cache import key
+from worker.settings.schema import Settings
+from worker.formats.messages import (H_INT8_RANGE, H_PROMPT, H_PROMPT_NAME, OutputCodec, decode_embedding,
+                                     encode_embedding)
+from worker.intake.tokenize import KeywordTokenizer
 
 
 def _unit_rows(n: int, dim: int, seed: int = 0) -> np.ndarray:

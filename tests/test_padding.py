@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from worker.padding import length_batches, pad_batch
+from worker.batching.padding import length_batches, pad_batch
 
 
 def test_pads_to_a_given_length_with_a_mask_over_the_tokens() -> None:

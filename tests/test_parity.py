@@ -11,12 +11,12 @@ import pytest
 
 from engines.export_onnx import ensure_onnx
 from kwe_core.errors import BackendError
+from kwe_core.model import default_model_dir
 from worker.backends.base import Backend, InferenceContext
 from worker.backends.onnxruntime import OnnxRuntimeBackend
+from worker.batching.padding import pad_batch as pad
 from worker.embedder import Embedder
-from kwe_core.model import default_model_dir
-from worker.padding import pad_batch as pad
-from worker.tokenize import KeywordTokenizer
+from worker.intake.tokenize import KeywordTokenizer
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
 

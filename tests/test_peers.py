@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from worker.padding import pad_batch
+from worker.batching.padding import pad_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,8 +30,8 @@ def test_graph_cut_before_pooling_returns_the_last_hidden_state(tmp_path: Path) 
 
     from benchmarks.peers import cut_before_pooling, fastembed_folder
     from engines.export_onnx import ensure_onnx
-    from worker import Embedder
     from kwe_core.model import default_model_dir
+    from worker import Embedder
 
     texts = ["cheap flights", "how to treat a headache without medication", "a"]
     # The graph cut is of the ONNX Runtime export: compared with ONNX Runtime's vectors, not auto's choice.

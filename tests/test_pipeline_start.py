@@ -12,9 +12,9 @@ import numpy as np
 
 from kwe_core.profiles import Bucket, Profile
 from tests.fakes.consumer import FakeGroupConsumer
-from worker.bucketing import BucketerError
-from worker.config import Settings
-from worker.pipeline import Pipeline
+from worker.app import wire_pipeline
+from worker.batching.bucketer import BucketerError
+from worker.settings.schema import Settings
 
 
 @dataclass
@@ -74,8 +74,8 @@ def test_a_backend_that_cannot_create_contexts_stops_the_worker_with_exit_1_and_
 
     profile = Profile("test", (Bucket(8, 4, 4), Bucket(16, 4, 4)), token_budget=64, pad_to="bucket")
     s = Settings(input_format="raw", pad_to="bucket", shutdown_timeout_s=2.0)
-    pipeline = Pipeline(s, tokenizer=_Tokenizer(), backend=_NoContexts(), profile=profile, model_name="m",
-                        consumer_factory=consumer, producer_factory=_Producer)
+    pipeline = wire_pipeline(s, tokenizer=_Tokenizer(), backend=_NoContexts(), profile=profile, model_name="m",
+                             consumer_factory=consumer, producer_factory=_Producer)
     assert pipeline.run() == 1  # before the fix: BucketerError raised out of run(), a traceback
     assert isinstance(pipeline.latch.error, BucketerError)
     assert "cannot create backend contexts" in str(pipeline.latch.error)

@@ -115,7 +115,7 @@ def test_a_dense_layer_left_out_fails_the_check(tmp_path: Path) -> None:
 
 
 def test_the_excluded_prompt_is_sentence_transformers_prompt_length(tmp_path: Path) -> None:
-    from worker.tokenize import KeywordTokenizer
+    from worker.intake.tokenize import KeywordTokenizer
 
     info = _info(tmp_path, "bert-mean-prompt-excluded")
     tok = KeywordTokenizer.from_model(info, prompt=Prompt.resolve(info))
@@ -237,7 +237,7 @@ def test_the_fp16_anchors_are_float_nodes_of_the_head_only(tmp_path: Path, name:
     to FP32 and only constrains float layers: every anchor is a float node of the pooling, and
     the pipeline's integer and boolean nodes (pool_index_*) are not anchors."""
     info = _info(tmp_path, name)
-    from worker.tokenize import KeywordTokenizer
+    from worker.intake.tokenize import KeywordTokenizer
 
     info = info.with_prompt(KeywordTokenizer.from_model(info, prompt=Prompt.resolve(info)).prompt_tokens)
     model = build_model(info)
@@ -262,7 +262,7 @@ def test_an_excluded_prompt_is_part_of_the_export_cache_key(tmp_path: Path) -> N
 
 
 def test_a_plan_or_a_given_onnx_file_is_refused_for_an_excluded_prompt(tmp_path: Path) -> None:
-    from worker.backends.select import open_backend
+    from worker.backend_choice.select import open_backend
 
     info = _info(tmp_path, "bert-mean-prompt-excluded").with_prompt(3)
     with pytest.raises(BackendError, match="leaves the prompt's 3 tokens out .*which a TensorRT plan cannot"):
@@ -277,8 +277,8 @@ def test_a_plan_or_a_given_onnx_file_is_refused_for_an_excluded_prompt(tmp_path:
 def test_an_unnormalised_model_says_so_in_the_record_and_a_header(tmp_path: Path) -> None:
     from tests.test_messages import schema
     from worker.app import output_codec
-    from worker.config import Settings
-    from worker.kafka.messages import H_NORMALIZED
+    from worker.formats.messages import H_NORMALIZED
+    from worker.settings.schema import Settings
 
     info = _info(tmp_path, "mpnet-cls-dot")
     assert not info.normalized and info.similarity == "dot"
@@ -297,7 +297,7 @@ def test_an_unnormalised_model_says_so_in_the_record_and_a_header(tmp_path: Path
 
 def test_truncation_keeps_the_scale_of_an_unnormalised_model(tmp_path: Path) -> None:
     from worker.app import output_codec
-    from worker.config import Settings
+    from worker.settings.schema import Settings
 
     row = np.arange(1, 33, dtype=np.float32)
     dot = output_codec(Settings(truncate_dim=8), _info(tmp_path / "a", "mpnet-cls-dot"), Prompt())
@@ -309,7 +309,7 @@ def test_truncation_keeps_the_scale_of_an_unnormalised_model(tmp_path: Path) -> 
 
 def test_int8_without_a_range_is_refused_for_an_unnormalised_model(tmp_path: Path) -> None:
     from worker.app import output_codec
-    from worker.config import Settings, SettingsError
+    from worker.settings.schema import Settings, SettingsError
 
     info = _info(tmp_path, "distilbert-mean-dense-tanh")
     with pytest.raises(SettingsError, match="gives vectors that are not normalised .*set int8_range"):

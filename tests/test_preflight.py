@@ -13,10 +13,10 @@ import pytest
 from confluent_kafka.admin import AclOperation
 
 from tests.kafka_tools import ROOT, free_port
-from worker.config import Settings
 from worker.kafka.client_config import admin_config
 from worker.kafka.errors import KafkaSetupError, PreflightError
 from worker.kafka.preflight import check_topics, missing_access, required_access
+from worker.settings.schema import Settings
 
 
 def _settings(bootstrap: str, inp: str, out: str, dlq: str) -> Settings:

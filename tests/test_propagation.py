@@ -1,4 +1,4 @@
-"""pass_headers and W3C trace context (worker/kafka/propagation.py), in-process.
+"""pass_headers and W3C trace context (worker/formats/propagation.py), in-process.
 
 Through the broker and a worker process: tests/test_schema_registry_kafka.py (Avro) and
 tests/test_sink_output_kafka.py (JSON).
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.kafka.headers import InputHeaders
-from worker.kafka.propagation import Propagation, find_traceparent, parse_traceparent
+from worker.formats.headers import InputHeaders
+from worker.formats.propagation import Propagation, find_traceparent, parse_traceparent
 
 OWN = [("kwe-model", b"all-MiniLM-L6-v2"), ("kwe-encoding", b"float-list"), ("kwe-dim", b"384")]
 TP = b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -87,11 +87,11 @@ def test_the_default_path_imports_no_registry_or_otel_code_and_a_missing_extra_i
 import sys
 for name in ("fastavro", "opentelemetry", "google.protobuf.descriptor_pool"):
     sys.modules[name] = None  # as if the extras were not installed: importing them raises ImportError
-import worker.cli, worker.app, worker.pipeline, worker.output
-from worker.config import Settings, SettingsError
 from worker.app import registry_formats
-from worker.tracing import batch_spans
-from worker.kafka.messages import OutputCodec
+import worker.cli, worker.app, worker.pipeline, worker.delivery.output
+from worker.delivery.tracing import batch_spans
+from worker.formats.messages import OutputCodec
+from worker.settings.schema import Settings, SettingsError
 codec = OutputCodec(model="m", dim=4, encoding="float-list")
 assert registry_formats(Settings(), codec) == (codec, None)
 for call in (lambda: registry_formats(Settings(output_format="avro", schema_registry_url="http://sr"), codec),

@@ -15,19 +15,19 @@ from typing import Any
 
 from tests.fakes.consumer import FakeGroupConsumer
 from tests.fakes.transactions import FakeTxnProducer
-from worker.acks import Acknowledger
-from worker.config import Settings
-from worker.dead_letters import DeadLetters
-from worker.exactly_once import ExactlyOnce
-from worker.inflight import InFlightTable
-from worker.intake import Intake
+from worker.delivery.acks import Acknowledger
+from worker.delivery.dead_letters import DeadLetters
+from worker.delivery.exactly_once.loop import ExactlyOnce
+from worker.delivery.exactly_once.producer import ExactlyOnceProducer
+from worker.delivery.exactly_once.transactions import Transactions
+from worker.delivery.inflight import InFlightTable
+from worker.intake.stage import Intake
 from worker.kafka.committer import Committer
 from worker.kafka.consumer import GroupMember
-from worker.kafka.exactly_once_producer import ExactlyOnceProducer
 from worker.kafka.producer import OutputProducer
-from worker.kafka.transactions import Transactions
 from worker.latch import FatalLatch
-from worker.metrics import Metrics
+from worker.operations.metrics import Metrics
+from worker.settings.schema import Settings
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Schema Registry formats in-process, against the real registry (Apicurio, deploy/local/registry.sh).
 
-The worker's encoder and decoder (worker/kafka/schema_registry.py) are confluent-kafka's own
+The worker's encoder and decoder (worker/formats/schema_registry.py) are confluent-kafka's own
 serdes; these tests check what the worker adds: the shipped schemas register and round-trip,
 a reader needs nothing but the registry URL, the start check refuses a missing or incompatible
 schema and an unreachable registry, and each decode failure lands where it should (a
@@ -27,11 +27,11 @@ from confluent_kafka.serialization import MessageField, SerializationContext  # 
 
 from kwe_core.vectors import default_int8_range, dequantize_int8  # noqa: E402
 from tests.kafka_tools import free_port  # noqa: E402
-from worker.config import Settings  # noqa: E402
 from worker.errors import SchemaRegistryFailure  # noqa: E402
-from worker.kafka.messages import Keyword, OutputCodec, Rejection  # noqa: E402
-from worker.kafka.schema_registry import (SCHEMA_DIR, RegistryInput, RegistryOutput, check_reachable,  # noqa: E402
-                                          registry_client, registry_fault, schema_file)
+from worker.formats.messages import Keyword, OutputCodec, Rejection  # noqa: E402
+from worker.settings.schema import Settings  # noqa: E402
+from worker.formats.schema_registry import (SCHEMA_DIR, RegistryInput, RegistryOutput, check_reachable,  # noqa: E402
+                                            registry_client, registry_fault, schema_file)
 
 DIM = 384
 
@@ -192,7 +192,7 @@ def test_registry_faults_are_told_from_record_faults() -> None:
 
 
 def test_the_password_is_redacted_and_read_from_its_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from worker.kafka.schema_registry import client_conf
+    from worker.formats.schema_registry import client_conf
 
     secret = tmp_path / "pw"
     secret.write_text("s3cret\n")
@@ -203,7 +203,7 @@ def test_the_password_is_redacted_and_read_from_its_file(tmp_path) -> None:  # t
 
 
 def test_the_shipped_proto_files_are_the_messages_the_worker_builds() -> None:
-    from worker.kafka.protobuf_schemas import MESSAGES, proto_source
+    from worker.formats.protobuf_schemas import MESSAGES, proto_source
 
     for name in MESSAGES:
         assert (SCHEMA_DIR / f"{name}.proto").read_text() == proto_source(name), name
@@ -214,7 +214,7 @@ def test_protobuf_output_and_input_round_trip(schema_registry: str, encoding: st
     from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer, ProtobufSerializer
 
     from kwe_core.vectors import pack_binary
-    from worker.kafka.protobuf_schemas import message_class
+    from worker.formats.protobuf_schemas import message_class
 
     topic = _topic()
     settings = _settings(schema_registry, topic, output_format="protobuf", input_format="protobuf",

@@ -32,7 +32,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext  # 
 from tests.conftest import OwnRegistry  # noqa: E402
 from tests.kafka_tools import (ROOT, TopicReader, WorkerProcess, committed_offsets, free_port, load_queries,  # noqa: E402
                                produce)
-from worker.kafka.schema_registry import SCHEMA_DIR  # noqa: E402
+from worker.formats.schema_registry import SCHEMA_DIR  # noqa: E402
 
 pytestmark = [pytest.mark.kafka, pytest.mark.registry]
 
@@ -126,7 +126,7 @@ def test_json_schema_and_protobuf_in_and_out(kafka_bootstrap: str, schema_regist
                                              fmt: str) -> None:
     from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer, ProtobufSerializer
 
-    from worker.kafka.protobuf_schemas import message_class
+    from worker.formats.protobuf_schemas import message_class
 
     inp, out, dlq = make_topic("kw", 1), make_topic("emb", 1), make_topic("dlq", 1)
     client = SchemaRegistryClient({"url": schema_registry})

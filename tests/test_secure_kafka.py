@@ -23,7 +23,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from tests.conftest import SecureCluster
 from tests.kafka_tools import ROOT, WorkerProcess, committed_offsets, http_get, load_queries, produce, produce_queries
-from worker.kafka.messages import decode_embedding
+from worker.formats.messages import decode_embedding
 
 FATAL_EVENT = "worker stopped on a fatal error"
 EXIT_BOUND_S = 30.0

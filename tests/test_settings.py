@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from worker.config import Settings, SettingsError, setting_choices, setting_fields
-from worker.kafka_overrides import KAFKA_VALUE_RULES, MIN_MESSAGE_TIMEOUT_MS, RESERVED_KAFKA_KEYS
-from worker.settings_docs import reference_markdown, reference_table
-from worker.settings_loader import add_setting_flags, env_name, flag_name, load_settings
-from worker.kafka.consumer import consumer_config
 from worker.cli import bool_words
+from worker.kafka.consumer import consumer_config
 from worker.kafka.producer import producer_config
+from worker.settings.docs import reference_markdown, reference_table
+from worker.settings.kafka_overrides import KAFKA_VALUE_RULES, MIN_MESSAGE_TIMEOUT_MS, RESERVED_KAFKA_KEYS
+from worker.settings.loader import add_setting_flags, env_name, flag_name, load_settings
+from worker.settings.schema import Settings, SettingsError, setting_choices, setting_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "settings.md"
@@ -142,7 +142,7 @@ def test_choices_come_from_the_literal_types() -> None:
 
     from kwe_core.profiles import PAD_POLICIES
     from worker.names import BackendName, OutputEncoding
-    from worker.logs import LogLevel
+    from worker.operations.logs import LogLevel
 
     fields = {f.name: f for f in setting_fields()}
     assert setting_choices(fields["pad_to"]) == ("auto", *PAD_POLICIES)

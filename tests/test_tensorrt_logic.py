@@ -41,7 +41,7 @@ from engines.build_engine import (
 )
 from kwe_core.errors import BackendError
 from worker.backends.base import Backend, InferenceContext
-from worker.backends.select import (
+from worker.backend_choice.select import (
     GPU_INSTALL_HINT,
     choose_backend,
     gpu_present,
@@ -59,11 +59,11 @@ from worker.backends.tensorrt_plan import (
     shared_memory_size,
     stage_batch,
 )
-from worker.config import Settings
-from worker.deadline import Deadline
 from kwe_core.profiles import Bucket, Profile, ProfileError, load_profile
 from tests.fakes.gpu import DIM, FakeTrt, install_fakes
 from tests.fakes.gpu import tiny_onnx as _tiny_onnx
+from worker.deadline import Deadline
+from worker.settings.schema import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / "kwe_core" / "profiles.toml"
@@ -468,7 +468,7 @@ def test_bucketer_runs_a_shared_memory_backend_from_one_dispatcher(
         built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
     """Defect 1: with one shared activation block the bucketer must create and run every context on one thread."""
     from worker.backends.tensorrt import TensorRTBackend
-    from worker.bucketing import Bucketer
+    from worker.batching.bucketer import Bucketer
 
     backend = TensorRTBackend(built_plan[0], gpu, share_device_memory=True)
     done: dict[int, np.ndarray] = {}
@@ -684,7 +684,7 @@ def test_direct_replay_runs_a_serial_backend_from_one_thread(
     """Fix 4a: the overhead guard's replay keeps to one thread when contexts must not run at once."""
     from worker.backends.tensorrt import TensorRTBackend
     from worker.benchmark.policies import replay_direct, run_bucketed
-    from worker.tokenize import Encoded
+    from worker.intake.tokenize import Encoded
 
     backend = TensorRTBackend(built_plan[0], gpu, share_device_memory=True)
     lengths = [5, 12, 30, 60, 200, 7, 16, 3, 40]
@@ -808,7 +808,7 @@ def test_load_backend_onnxruntime_with_profile_and_onnx_path(monkeypatch: pytest
 
 
 def test_the_factory_refuses_a_backend_of_another_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.backends.select import model_info, open_backend
+    from worker.backend_choice.select import model_info, open_backend
 
     _fake_ort(monkeypatch)
     monkeypatch.setattr(_FakeOrt, "dim", 768)

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from kwe_core.model import ModelError, default_model_dir
-from worker.tokenize import KeywordTokenizer
+from worker.intake.tokenize import KeywordTokenizer
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
 CLS, SEP = 101, 102

@@ -1,4 +1,4 @@
-"""One OpenTelemetry span per batch (worker/tracing.py): links, attributes, and the OTLP/HTTP export.
+"""One OpenTelemetry span per batch (worker/delivery/tracing.py): links, attributes, and the OTLP/HTTP export.
 
 The export goes to a local HTTP receiver on loopback that decodes the OTLP protobuf body, so the
 bytes a collector would get are checked without a collector. Through the broker and the pipeline:
@@ -17,8 +17,8 @@ pytest.importorskip("opentelemetry.sdk", reason="the otel extra is not installed
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
-from worker.kafka.propagation import parse_traceparent  # noqa: E402
-from worker.tracing import SPAN_NAME, batch_spans  # noqa: E402
+from worker.delivery.tracing import SPAN_NAME, batch_spans  # noqa: E402
+from worker.formats.propagation import parse_traceparent  # noqa: E402
 
 PARENTS = [parse_traceparent(f"00-{i:032x}-{i + 100:016x}-01".encode()) for i in range(1, 4)]
 
@@ -76,12 +76,12 @@ def test_spans_are_exported_over_otlp_http_to_the_endpoint() -> None:
 def test_a_failing_tracer_never_stops_the_output_stage() -> None:
     import numpy as np
 
-    from worker.inflight import InFlight, InFlightTable
-    from worker.kafka.headers import InputHeaders
+    from worker.delivery.inflight import InFlight, InFlightTable
+    from worker.delivery.output import OutputStage, _Finished
+    from worker.formats.headers import InputHeaders
     from worker.kafka.offsets import PartitionOffsets
     from worker.latch import FatalLatch
-    from worker.metrics import Metrics
-    from worker.output import OutputStage, _Finished
+    from worker.operations.metrics import Metrics
 
     class Spans:
         calls = 0

@@ -19,18 +19,18 @@ pytest.importorskip("opentelemetry.sdk", reason="the otel extra is not installed
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
 from tests.kafka_tools import TopicReader, load_queries, produce  # noqa: E402
-from worker.config import Settings  # noqa: E402
-from worker.kafka.propagation import parse_traceparent  # noqa: E402
-from worker.pipeline import Pipeline  # noqa: E402
-from worker.tracing import batch_spans  # noqa: E402
+from worker.app import wire_pipeline  # noqa: E402
+from worker.delivery.tracing import batch_spans  # noqa: E402
+from worker.formats.propagation import parse_traceparent  # noqa: E402
+from worker.settings.schema import Settings  # noqa: E402
 
 pytestmark = pytest.mark.kafka
 
 
 def test_each_traced_keyword_is_linked_from_one_batch_span(kafka_bootstrap: str, make_topic: Callable[..., str],
                                                            group_id: str) -> None:
-    from worker.backends.select import load_backend
-    from worker.tokenize import KeywordTokenizer
+    from worker.backend_choice.select import load_backend
+    from worker.intake.tokenize import KeywordTokenizer
 
     inp, out, dlq = make_topic("kw", 2), make_topic("emb", 2), make_topic("dlq", 1)
     queries = load_queries(2000, 120)
@@ -42,9 +42,9 @@ def test_each_traced_keyword_is_linked_from_one_batch_span(kafka_bootstrap: str,
     exporter = InMemorySpanExporter()
     settings = Settings(bootstrap_servers=kafka_bootstrap, input_topic=inp, output_topic=out, dead_letter_topic=dlq,
                         group_id=group_id, pad_to=loaded.profile.pad_to, cache_bytes=0)
-    pipeline = Pipeline(settings, tokenizer=KeywordTokenizer.from_model(loaded.model), backend=loaded.backend,
-                        profile=loaded.profile, model_name="all-MiniLM-L6-v2",
-                        spans=batch_spans("", model="all-MiniLM-L6-v2", exporter=exporter))
+    pipeline = wire_pipeline(settings, tokenizer=KeywordTokenizer.from_model(loaded.model), backend=loaded.backend,
+                             profile=loaded.profile, model_name="all-MiniLM-L6-v2",
+                             spans=batch_spans("", model="all-MiniLM-L6-v2", exporter=exporter))
     code: list[Any] = []
     thread = threading.Thread(target=lambda: code.append(pipeline.run()), name="test-worker")
     thread.start()

@@ -12,13 +12,13 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from tests.fakes.transactions import ABORTABLE, FENCED, RETRIABLE, FakeTxnProducer
+from worker.delivery.exactly_once.take_over import FENCED_TAKE_OVERS
 from worker.errors import WorkerError
 from worker.kafka.offsets import OffsetTracker
-from worker.kafka.take_over import FENCED_TAKE_OVERS
-from worker.kafka.transactions import (WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, TransactionError, TransactionFencedError,
-                                       TransactionHungError, Transactions, drained_waiter, kind_of, transactional_config,
-                                       transactional_id)
-import worker.kafka.transactions as txmod
+from worker.delivery.exactly_once.transactions import (WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, TransactionError,
+                                                       TransactionFencedError, TransactionHungError, Transactions,
+                                                       drained_waiter, kind_of, transactional_config, transactional_id)
+import worker.delivery.exactly_once.transactions as txmod
 from worker.latch import FatalLatch
 
 
@@ -410,7 +410,7 @@ def test_a_transactional_call_that_hangs_stops_the_member() -> None:
         real(positions, metadata, timeout)
 
     loop.producer.send_offsets_to_transaction = hang  # type: ignore[method-assign]
-    import worker.kafka.bounded_calls as calls
+    import worker.delivery.exactly_once.bounded_calls as calls
     old_margin, calls.HANG_MARGIN_S = calls.HANG_MARGIN_S, 0.1
     try:
         loop.consume(0, 1)
@@ -428,8 +428,8 @@ def test_records_purged_by_an_abort_are_not_delivery_errors() -> None:
     """Finding 3: abort_transaction purges the producer's queue; the delivery reports of the purged
     records (_PURGE_QUEUE, _PURGE_INFLIGHT) must not stop the worker as failed writes, and after
     the shutdown's abort nothing more is written."""
-    from worker.inflight import InFlightTable
-    from worker.kafka.exactly_once_producer import ExactlyOnceProducer
+    from worker.delivery.exactly_once.producer import ExactlyOnceProducer
+    from worker.delivery.inflight import InFlightTable
     from worker.kafka.producer import OutputProducer
 
     class Client:
@@ -572,13 +572,13 @@ def test_a_refused_write_fails_its_transaction_before_its_record_leaves_the_in_f
     record's offset never completes."""
     import threading
 
-    from worker.acks import Acknowledger
-    from worker.inflight import InFlight, InFlightTable
-    from worker.kafka.headers import InputHeaders
-    from worker.inflight import InFlightTable
-    from worker.kafka.exactly_once_producer import ExactlyOnceProducer
+    from worker.delivery.acks import Acknowledger
+    from worker.delivery.exactly_once.producer import ExactlyOnceProducer
+    from worker.delivery.inflight import InFlight, InFlightTable
+    from worker.delivery.inflight import InFlightTable
+    from worker.formats.headers import InputHeaders
     from worker.kafka.producer import OutputProducer
-    from worker.metrics import Metrics
+    from worker.operations.metrics import Metrics
 
     class Client(FakeTxnProducer):
         """The transactional fake, producing like librdkafka: refused at once when too large."""
@@ -663,7 +663,7 @@ class Stuck:
 
 @pytest.fixture
 def short_hang(monkeypatch: pytest.MonkeyPatch) -> None:
-    import worker.kafka.bounded_calls as calls
+    import worker.delivery.exactly_once.bounded_calls as calls
 
     monkeypatch.setattr(calls, "HANG_MARGIN_S", 0.1)
 
@@ -691,7 +691,7 @@ class TakeOverLoop(Loop):
     def intake(self, partition: int, *offsets: int) -> None:
         """Records the member fetched, as the pipeline takes them: a transaction is opened for them
         (before_intake), then each is tracked by its partition's offset state, or dropped when the
-        partition has none (worker/intake.py)."""
+        partition has none (worker/intake/stage.py)."""
         self.txn.ensure_open()
         part = self.tracker.get("in", partition)
         if part is None:
@@ -788,7 +788,7 @@ def test_while_earlier_hung_calls_still_block_the_member_stops(short_hang: None,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Each take-over leaves a librdkafka client blocked in its call: past STUCK_CALLS of them the
     member stops (its restart frees them) instead of piling up clients."""
-    import worker.kafka.take_over as take_over
+    import worker.delivery.exactly_once.take_over as take_over
 
     monkeypatch.setattr(take_over, "STUCK_CALLS", 1)
     loop = TakeOverLoop()

@@ -1,27 +1,52 @@
-"""Assembly: from one Settings object to a ready-to-run Pipeline (model, tokenizer, backend, profile)."""
+"""Assembly, the one place: from one Settings object to a ready-to-run Pipeline.
+
+`build_pipeline` loads what the settings name (model, tokenizer, backend, profile, formats);
+`wire_pipeline` builds the stages around them and hands them to the Pipeline, which only runs them.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
+from confluent_kafka import Consumer, Producer
 
 from kwe_core.errors import BackendError, extra_missing
 from kwe_core.model import ModelError, ModelInfo, Prompt
 from kwe_core.vectors import check_truncate_dim, default_int8_range
 from worker.backends.base import Backend
-from worker.config import Settings, SettingsError
-from worker.cost_model import CostModel
-from worker.intake import Decode
-from worker.kafka.messages import OutputCodec, ValueEncoder
-from worker.metrics import Metrics
+from worker.backends.isolating import IsolatingBackend
+from worker.batching.cache import EmbeddingCache
+from worker.batching.cost_model import CostModel
+from worker.delivery.acks import Acknowledger
+from worker.delivery.dead_letters import DeadLetters
+from worker.delivery.guarantees import build_delivery, producer_config_for
+from worker.delivery.inflight import InFlightTable
+from worker.delivery.output import OutputStage
+from worker.delivery.tracing import BatchSpans
+from worker.formats.messages import OutputCodec, ValueEncoder
+from worker.formats.propagation import Propagation
+from worker.intake.flow import FlowControl
+from worker.intake.stage import Decode, Intake
+from worker.intake.tokenize import KeywordTokenizer
+from worker.kafka.committer import Committer
+from worker.kafka.consumer import GroupMember, consumer_config
+from worker.kafka.errors import FailurePolicy
+from worker.kafka.producer import OutputProducer, producer_config
+from worker.latch import guarded
 from worker.names import REGISTRY_FORMATS
-from worker.output_fields import parse_output_fields
-from worker.pipeline import Pipeline
-from worker.tokenize import KeywordTokenizer
+from worker.operations.health import Liveness
+from worker.operations.metrics import Metrics
+from worker.pipeline import Pipeline, Shutdown, Stages
+from worker.settings.output_fields import parse_output_fields
+from worker.settings.schema import Settings, SettingsError
 
 log = structlog.get_logger(__name__)
+
+# A known-good input for telling a poison keyword from a broken backend (see IsolatingBackend).
+CANARY_TEXT = "keyword embedder canary"
 
 
 @dataclass
@@ -45,7 +70,8 @@ class Assembled:
 
 
 def calibration_key(settings: Settings, info: ModelInfo) -> dict[str, Any]:
-    """What changes the price of a backend call, besides the backend and the machine (worker/calibration.py)."""
+    """What changes the price of a backend call, besides the backend and the machine
+    (worker/batching/calibration.py)."""
     weights = info.weights_path.stat()
     key: dict[str, Any] = {"model": str(info.model_dir), "weights": [weights.st_size, weights.st_mtime_ns],
                            "onnx": settings.onnx_path, "precision": settings.precision,
@@ -59,7 +85,7 @@ def calibration_key(settings: Settings, info: ModelInfo) -> dict[str, Any]:
 
 
 def cost_model(settings: Settings, info: ModelInfo, backend: Backend) -> CostModel | None:
-    from worker.calibration import cost_model_for
+    from worker.batching.calibration import cost_model_for
 
     return cost_model_for(backend, calibration_key(settings, info))
 
@@ -71,8 +97,8 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Ass
     resolved (backend, profile, pad_to). Raises ModelError / BackendError / ProfileError with
     messages that name the file or setting.
     """
-    from worker.backends.select import load_backend, model_info, precision_label
-    from worker.calibration import cpu_model
+    from worker.backend_choice.select import load_backend, model_info, precision_label
+    from worker.batching.calibration import cpu_model
 
     info = model_info(settings)
     prompt = Prompt.resolve(info, prompt=settings.prompt, prompt_name=settings.prompt_name)
@@ -97,9 +123,67 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Ass
     costs = cost_model(loaded.settings, info, backend) if loaded.settings.merge_buckets else None
     if costs is not None:
         metrics.watch_costs(costs)
-    pipeline = Pipeline(loaded.settings, tokenizer=tokenizer, backend=backend, profile=profile,
-                        model_name=info.name, metrics=metrics, costs=costs, codec=encoder, decode=decode)
+    pipeline = wire_pipeline(loaded.settings, tokenizer=tokenizer, backend=backend, profile=profile,
+                             model_name=info.name, metrics=metrics, costs=costs, codec=encoder, decode=decode)
     return Assembled(pipeline, backend)
+
+
+def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: Any, model_name: str,
+                  metrics: Metrics | None = None, bucketer_factory: Any = None, costs: CostModel | None = None,
+                  consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
+                  producer_factory: Callable[[dict[str, Any]], Any] = Producer,
+                  codec: ValueEncoder | None = None, decode: Decode | None = None,
+                  spans: BatchSpans | None = None) -> Pipeline:
+    """The stages around a loaded tokenizer and backend, wired into a Pipeline.
+
+    The factories are the tests' seams (fake clients, a fake bucketer). `codec` is the output
+    encoder (`output_codec` adds truncate_dim, the prompt and the int8 range, `registry_formats`
+    the registry formats; the plain JSON codec if None); `decode` a registry format's decoder.
+    """
+    from worker.batching.bucketer import Bucketer
+
+    metrics = metrics if metrics is not None else Metrics()
+    shutdown = Shutdown(settings)
+    latch = shutdown.latch
+    inflight = InFlightTable()
+    # What is in flight must drain within a third of the shutdown deadline (see FlowControl).
+    flow = FlowControl(settings.max_in_flight, settings.max_in_flight_bytes,
+                       drain_target_s=max(1.0, settings.shutdown_timeout_s / 3))
+    failures = FailurePolicy()
+    producer = OutputProducer(producer_config_for(settings, producer_config(settings)), latch,
+                              failures=failures, producer_factory=producer_factory)
+    acks = Acknowledger(inflight, metrics)
+    committer = Committer(None, interval_s=settings.commit_interval_ms / 1000.0)
+    member = GroupMember(consumer_config(settings), committer, latch, metrics, revoke_wait_s=shutdown.revoke_wait_s,
+                         group=settings.group_id, failures=failures, consumer_factory=consumer_factory)
+    delivery = build_delivery(settings, committer, producer, member.client, latch, inflight, metrics,
+                              shutdown.commit_by)
+    # Records are written through the delivery's writer (exactly-once wraps the producer).
+    dead_letters = DeadLetters(settings.dead_letter_topic, settings.dead_letter_max_bytes, delivery.writer, acks)
+    codec = codec or OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding)  # type: ignore[arg-type]
+    # One span per batch when an OTLP endpoint is set (the otel extra, imported only then).
+    if spans is None and settings.otel_exporter_otlp_endpoint:
+        from worker.delivery.tracing import batch_spans
+
+        spans = batch_spans(settings.otel_exporter_otlp_endpoint, model=model_name)
+    # Repeated keywords are answered from here without the model (0 bytes: off).
+    cache = EmbeddingCache(settings.cache_bytes, backend.dim, observer=metrics) if settings.cache_bytes else None
+    output = OutputStage(settings.output_topic, codec, delivery.writer, inflight, acks, dead_letters, metrics, latch,
+                         cache=cache, propagation=Propagation.of(settings.pass_headers, settings.trace_context),
+                         spans=spans, around_batch=delivery.around_batch)
+    canary = tokenizer.encode([CANARY_TEXT])[0].ids
+    bucketer = (bucketer_factory or Bucketer)(
+        profile, IsolatingBackend(backend, canary), output.on_batch, on_error=output.on_batch_error,
+        max_queue_delay_ms=settings.max_queue_delay_ms, dispatchers=settings.dispatchers,
+        pad_to=settings.pad_to, costs=costs, guard=lambda name, body: guarded(latch, name, body))
+    intake = Intake(settings, tokenizer, committer.tracker, inflight, bucketer.submit, dead_letters, metrics,
+                    cache=cache, answer=output.on_cached, decode=decode, watermarks=member.watermarks)
+    liveness = Liveness(latch, lambda: [output.thread, producer.thread, *bucketer.threads],
+                        committer.stalled_for, settings.stall_timeout_s)
+    stages = Stages(inflight=inflight, flow=flow, producer=producer, acks=acks, committer=committer, member=member,
+                    delivery=delivery, output=output, bucketer=bucketer, intake=intake, liveness=liveness,
+                    spans=spans)
+    return Pipeline(settings, shutdown, stages, metrics)
 
 
 def output_codec(settings: Settings, info: ModelInfo, prompt: Prompt) -> OutputCodec:
@@ -129,7 +213,7 @@ def registry_formats(settings: Settings, codec: OutputCodec) -> tuple[ValueEncod
     if settings.output_format not in REGISTRY_FORMATS and settings.input_format not in REGISTRY_FORMATS:
         return codec, None
     try:
-        from worker.kafka.schema_registry import RegistryInput, RegistryOutput, check_reachable, registry_client
+        from worker.formats.schema_registry import RegistryInput, RegistryOutput, check_reachable, registry_client
     except ImportError as exc:
         wanted = [f"{name}={getattr(settings, name)}" for name in ("input_format", "output_format")
                   if getattr(settings, name) in REGISTRY_FORMATS]

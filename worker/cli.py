@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     name, rest = argv[0], argv[1:]
     if name == "run":
         # Before the command's heavy imports: as PID 1 a signal without a handler is dropped.
-        from worker.stop_signals import StopDuringStartup, StopSignals, startup_stopped_message
+        from worker.operations.stop_signals import StopDuringStartup, StopSignals, startup_stopped_message
 
         signals = StopSignals()
         try:

@@ -12,11 +12,11 @@ left out of the pooling), so the result does not depend on the batch composition
 are unit length where the model's pipeline ends in a Normalize module (`normalized`), as every
 packaged model's does; a dot-product model's are not (docs/models.md).
 
-`cache_bytes` (default: worker.cache.DEFAULT_CACHE_BYTES, 0 turns it off) keeps the vectors of
+`cache_bytes` (default: worker.batching.cache.DEFAULT_CACHE_BYTES, 0 turns it off) keeps the vectors of
 texts already embedded, keyed by their token IDs after truncation: a repeat, in the same call or
 a later one, is not run again, and gets bit for bit the vector computed the first time.
 `backend` (default "auto"): ONNX Runtime fp32, or OpenVINO where it measured faster on this machine
-and passed the fp32 parity gate (worker/backends/auto.py, cached as the worker's choice is);
+and passed the fp32 parity gate (worker/backend_choice/auto.py, cached as the worker's choice is);
 "onnxruntime" or "openvino" (with `openvino_precision`, the openvino extra) as given.
 `precision="int8"` runs the quantized graph (engines/quantize_int8.py, cached beside the fp32
 export; its quality against fp32 is in benchmarks/results/int8.md).
@@ -39,15 +39,15 @@ import numpy as np
 from kwe_core.errors import KeywordEmbedderError
 from kwe_core.model import PROMPT_AUTO, ModelInfo, Prompt, default_model_dir
 from kwe_core.vectors import check_truncate_dim, default_int8_range, pack_binary, quantize_int8, truncate
-from worker.backends.auto import CpuChoice
+from worker.backend_choice.auto import CpuChoice
+from worker.backend_choice.select import choose_cpu, open_backend
 from worker.backends.base import OvPrecision
 from worker.backends.onnxruntime import OnnxRuntimeBackend
 from worker.backends.openvino import OpenVinoBackend
-from worker.backends.select import choose_cpu, open_backend
-from worker.padding import length_batches, pad_batch
-from worker.cache import DEFAULT_CACHE_BYTES, EmbeddingCache, key
-from worker.config import BackendSetting, Precision, Settings
-from worker.tokenize import Encoded, KeywordTokenizer
+from worker.batching.cache import DEFAULT_CACHE_BYTES, EmbeddingCache, key
+from worker.batching.padding import length_batches, pad_batch
+from worker.intake.tokenize import Encoded, KeywordTokenizer
+from worker.settings.schema import BackendSetting, Precision, Settings
 
 
 class EmbedderError(KeywordEmbedderError, ValueError):
@@ -198,7 +198,7 @@ class Embedder:
 
     def _batches(self, encoded: Sequence[Encoded]) -> list[list[int]]:
         """Row indices per batch: sorted by length, at most batch_size rows and token_budget padded
-        tokens (worker/padding.py's `length_batches`)."""
+        tokens (worker/batching/padding.py's `length_batches`)."""
         return length_batches([len(e.ids) for e in encoded], self.batch_size, self.token_budget)
 
     def close(self) -> None:

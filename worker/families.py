@@ -140,7 +140,7 @@ def fixture_parity(fixture: Path, pooling: str, *, info: ModelInfo | None = None
     import onnxruntime as ort
 
     from engines.export_onnx import INPUT_NAMES, build_model
-    from worker.padding import pad_batch
+    from worker.batching.padding import pad_batch
 
     _, ids, expected = reference(fixture)
     with tempfile.TemporaryDirectory() as tmp:
@@ -204,8 +204,8 @@ def pipeline_parity(fixture: Path, *, families: Path = REPO_FIXTURES,
     import onnxruntime as ort
 
     from engines.export_onnx import INPUT_NAMES, build_model
-    from worker.padding import pad_batch
-    from worker.tokenize import KeywordTokenizer
+    from worker.batching.padding import pad_batch
+    from worker.intake.tokenize import KeywordTokenizer
 
     with np.load(fixture / "reference.npz") as ref:
         offsets = ref["offsets"]

@@ -1,5 +1,5 @@
 """Names shared across floors: the `Literal` types of enum-like settings whose values the
-settings (worker/config.py) and the code that acts on them (worker/backends/, worker/kafka/)
+settings (worker/settings/schema.py) and the code that acts on them (worker/backends/, worker/kafka/)
 both know. Nothing here imports anything of the project, so every module can import it without
 an arrow going back up.
 """
@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-# The backends the worker can run on; the settings add "auto" (worker.config.BackendSetting).
+# The backends the worker can run on; the settings add "auto" (worker.settings.schema.BackendSetting).
 # worker/backends/base.py re-exports it beside the Backend protocol.
 BackendName = Literal["onnxruntime", "openvino", "tensorrt"]
 # OpenVINO's arithmetic: bf16 on the CPU's bf16 matrix units (INFERENCE_PRECISION_HINT), or f32.
 OvPrecision = Literal["bf16", "f32"]
 
-# The Schema Registry formats (worker/kafka/schema_registry.py): confluent-kafka's serdes, the
+# The Schema Registry formats (worker/formats/schema_registry.py): confluent-kafka's serdes, the
 # registry's wire format (magic byte, schema ID, payload).
 RegistryFormat = Literal["avro", "json-schema", "protobuf"]
 REGISTRY_FORMATS: tuple[str, ...] = ("avro", "json-schema", "protobuf")

@@ -1,4 +1,5 @@
-"""The worker: wiring of intake -> bucketer -> output, and its start and shutdown.
+"""The worker's run: start, the poll loop, drain and shutdown of intake -> bucketer -> output, wired
+by `worker.app.wire_pipeline` (the one assembly place; this module builds nothing).
 
 Threads and what each one owns:
 - the poll thread (the caller of `Pipeline.run`): the group member (consume, pause/resume,
@@ -10,7 +11,7 @@ Threads and what each one owns:
 Cross-thread state: the in-flight table (one lock), each partition's offsets (one lock each),
 and the fatal latch, which every thread reports to and the poll thread watches.
 
-Delivery (processing_guarantee) is a `Delivery` (worker/delivery.py), called at fixed points of
+Delivery (processing_guarantee) is a `Delivery` (worker/delivery/guarantees.py), called at fixed points of
 the loop; this module never asks which guarantee runs. At-least-once (default): an input offset
 is committed only after its output (or its dead-letter record) is acknowledged, and never past
 a partition's lowest unfinished offset. Exactly-once: outputs, dead letters and offsets commit
@@ -25,40 +26,33 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
-from confluent_kafka import Consumer, Producer
 
-from worker.acks import Acknowledger
-from worker.backends.isolating import IsolatingBackend
-from worker.cache import EmbeddingCache
-from worker.config import Settings
-from worker.cost_model import CostModel
-from worker.dead_letters import DeadLetters
 from worker.deadline import Deadline
-from worker.delivery import Delivery, build_delivery, producer_config_for
+from worker.delivery.acks import Acknowledger
+from worker.delivery.guarantees import Delivery
+from worker.delivery.inflight import InFlightTable
+from worker.delivery.output import OutputStage
+from worker.delivery.tracing import BatchSpans
 from worker.errors import ThreadDiedError, WorkerError
-from worker.flow import FlowControl
-from worker.health import Liveness
-from worker.inflight import InFlightTable
-from worker.intake import Decode, Intake
+from worker.intake.flow import FlowControl
+from worker.intake.stage import Intake
 from worker.kafka.committer import Committer
-from worker.kafka.consumer import GroupMember, consumer_config
-from worker.kafka.errors import FailurePolicy
-from worker.kafka.messages import OutputCodec, ValueEncoder
-from worker.kafka.propagation import Propagation
-from worker.kafka.producer import OutputProducer, producer_config
-from worker.latch import FatalLatch, guarded
-from worker.metrics import Metrics
-from worker.output import OutputStage
-from worker.tracing import BatchSpans
+from worker.kafka.consumer import GroupMember
+from worker.kafka.producer import OutputProducer
+from worker.latch import FatalLatch
+from worker.operations.health import Liveness
+from worker.operations.metrics import Metrics
+from worker.settings.schema import Settings
+
+if TYPE_CHECKING:
+    from worker.batching.bucketer import Bucketer
 
 log = structlog.get_logger(__name__)
 
-# A known-good input for telling a poison keyword from a broken backend (see IsolatingBackend).
-CANARY_TEXT = "keyword embedder canary"
 # Of the shutdown deadline, what is kept back after draining for flush + final commit, and
 # after those for leaving the group.
 AFTER_DRAIN_S = 6.0
@@ -67,69 +61,61 @@ LEAVE_S = 3.0
 ABORT_S = 2.0
 
 
-class Pipeline:
-    def __init__(self, settings: Settings, *, tokenizer: Any, backend: Any, profile: Any, model_name: str,
-                 metrics: Metrics | None = None, bucketer_factory: Any = None, costs: CostModel | None = None,
-                 consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
-                 producer_factory: Callable[[dict[str, Any]], Any] = Producer,
-                 codec: ValueEncoder | None = None, decode: Decode | None = None,
-                 spans: BatchSpans | None = None) -> None:
-        from worker.bucketing import Bucketer
+@dataclass(frozen=True)
+class Stages:
+    """What a Pipeline runs, wired by `worker.app.wire_pipeline` (the one assembly place)."""
 
-        self.settings = settings
-        self.metrics = metrics if metrics is not None else Metrics()
+    inflight: InFlightTable
+    flow: FlowControl
+    producer: OutputProducer
+    acks: Acknowledger
+    committer: Committer
+    member: GroupMember
+    delivery: Delivery
+    output: OutputStage
+    bucketer: Bucketer
+    intake: Intake
+    liveness: Liveness
+    spans: BatchSpans | None
+
+
+class Shutdown:
+    """The stop state the stages are built with: the fatal latch, the one `Deadline` and its views,
+    the stop and abort requests. Made before the stages (they hold the latch and read the views),
+    run by the Pipeline."""
+
+    def __init__(self, settings: Settings) -> None:
         self.latch = FatalLatch()
-        self._stop = threading.Event()
-        self._abort = threading.Event()
+        self.stop = threading.Event()
+        self.abort = threading.Event()
         # The one shutdown deadline; its views end earlier by what later steps need.
         self.deadline = Deadline()
-        self._drain_by = self.deadline.before(AFTER_DRAIN_S)
-        self._commit_by = self.deadline.before(LEAVE_S)
+        self.drain_by = self.deadline.before(AFTER_DRAIN_S)
+        self.commit_by = self.deadline.before(LEAVE_S)
+        self._revoke_timeout_s = settings.revoke_timeout_s
+
+    def revoke_wait_s(self) -> float:
+        """How long a revocation waits for its partitions' records (none once stopping hard)."""
+        if self.abort.is_set() or self.latch.is_set():
+            return 0.0
+        return min(self._revoke_timeout_s, self.drain_by.left())
+
+
+class Pipeline:
+    """Runs wired stages: start, the poll loop, drain and shutdown. It builds nothing."""
+
+    def __init__(self, settings: Settings, shutdown: Shutdown, stages: Stages, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.latch = shutdown.latch
+        self._stop, self._abort = shutdown.stop, shutdown.abort
+        self.deadline, self._drain_by, self._commit_by = shutdown.deadline, shutdown.drain_by, shutdown.commit_by
         self.left_group = True
-
-        self._inflight = InFlightTable()
-        # What is in flight must drain within a third of the shutdown deadline (see FlowControl).
-        self._flow = FlowControl(settings.max_in_flight, settings.max_in_flight_bytes,
-                                 drain_target_s=max(1.0, settings.shutdown_timeout_s / 3))
-        failures = FailurePolicy()
-        self._producer = OutputProducer(producer_config_for(settings, producer_config(settings)), self.latch,
-                                        failures=failures, producer_factory=producer_factory)
-        self._acks = acks = Acknowledger(self._inflight, self.metrics)
-        self._committer = Committer(None, interval_s=settings.commit_interval_ms / 1000.0)
-        self._member = GroupMember(consumer_config(settings), self._committer, self.latch, self.metrics,
-                                   revoke_wait_s=self._revoke_wait_s, group=settings.group_id, failures=failures,
-                                   consumer_factory=consumer_factory)
-        self._delivery: Delivery = build_delivery(settings, self._committer, self._producer, self._member.client,
-                                                  self.latch, self._inflight, self.metrics, self._commit_by)
-        # Records are written through the delivery's writer (exactly-once wraps the producer).
-        dead_letters = DeadLetters(settings.dead_letter_topic, settings.dead_letter_max_bytes,
-                                   self._delivery.writer, acks)
-        # worker.app.output_codec adds truncate_dim, the prompt and the int8 range (and
-        # worker.app.output_encoder the registry formats); decode is a registry format's decoder.
-        codec = codec or OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding)  # type: ignore[arg-type]
-        # One span per batch when an OTLP endpoint is set (the otel extra, imported only then).
-        if spans is None and settings.otel_exporter_otlp_endpoint:
-            from worker.tracing import batch_spans
-
-            spans = batch_spans(settings.otel_exporter_otlp_endpoint, model=model_name)
-        self._spans = spans
-        # Repeated keywords are answered from here without the model (0 bytes: off).
-        cache = EmbeddingCache(settings.cache_bytes, backend.dim, observer=self.metrics) if settings.cache_bytes else None
-        self._output = OutputStage(settings.output_topic, codec, self._delivery.writer, self._inflight, acks,
-                                   dead_letters, self.metrics, self.latch, cache=cache,
-                                   propagation=Propagation.of(settings.pass_headers, settings.trace_context),
-                                   spans=spans, around_batch=self._delivery.around_batch)
-        canary = tokenizer.encode([CANARY_TEXT])[0].ids
-        self._bucketer = (bucketer_factory or Bucketer)(
-            profile, IsolatingBackend(backend, canary), self._output.on_batch, on_error=self._output.on_batch_error,
-            max_queue_delay_ms=settings.max_queue_delay_ms, dispatchers=settings.dispatchers,
-            pad_to=settings.pad_to, costs=costs, guard=lambda name, body: guarded(self.latch, name, body))
-        self._intake = Intake(settings, tokenizer, self._committer.tracker, self._inflight, self._bucketer.submit,
-                              dead_letters, self.metrics, cache=cache, answer=self._output.on_cached, decode=decode,
-                              watermarks=self._member.watermarks)
-        self.liveness = Liveness(self.latch, lambda: [self._output.thread, self._producer.thread,
-                                                      *self._bucketer.threads],
-                                 self._committer.stalled_for, settings.stall_timeout_s)
+        self._inflight, self._flow, self._acks = stages.inflight, stages.flow, stages.acks
+        self._producer, self._committer, self._member = stages.producer, stages.committer, stages.member
+        self._delivery, self._output, self._bucketer = stages.delivery, stages.output, stages.bucketer
+        self._intake, self._spans = stages.intake, stages.spans
+        self.liveness = stages.liveness
 
     # ------------------------------------------------------------------ state for probes
     def ready(self) -> tuple[bool, dict[str, bool]]:
@@ -157,11 +143,6 @@ class Pipeline:
             return
         self.deadline.start(self.settings.shutdown_timeout_s)
         self._stop.set()
-
-    def _revoke_wait_s(self) -> float:
-        if self._abort.is_set() or self.latch.is_set():
-            return 0.0
-        return min(self.settings.revoke_timeout_s, self._drain_by.left())
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:

@@ -51,7 +51,7 @@ def stage(name: str):  # noqa: ANN201
 def tokenizer():  # noqa: ANN201
     from tokenizers import Tokenizer
 
-    from worker.tokenize import KeywordTokenizer
+    from worker.intake.tokenize import KeywordTokenizer
 
     return KeywordTokenizer(Tokenizer.from_file(str(ROOT / ".device" / "tokenizer.json")), 256)
 
@@ -64,7 +64,7 @@ def backend(providers: list[str], threads: int = 0):  # noqa: ANN201
 
 def golden_alone(ctx) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:  # noqa: ANN001
     """Every golden row embedded alone on ctx: (encoded, vectors, reference, cosines)."""
-    from worker.padding import pad_batch
+    from worker.batching.padding import pad_batch
 
     rows = [json.loads(line) for line in (ROOT / "tests/data/golden/dev.jsonl").read_text().splitlines()]
     ref = np.load(ROOT / "tests/data/golden/dev.npy")
@@ -75,7 +75,7 @@ def golden_alone(ctx) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:  # noq
 
 @stage("parity")
 def parity(providers: list[str]) -> dict:
-    from worker.padding import pad_batch
+    from worker.batching.padding import pad_batch
 
     be = backend(providers)
     ctx = be.create_context(0)
@@ -90,7 +90,7 @@ def parity(providers: list[str]) -> dict:
 @stage("parity-torch")
 def torch_parity() -> dict:
     from benchmarks.gpu.torch_backend import TorchBertBackend
-    from worker.padding import pad_batch
+    from worker.batching.padding import pad_batch
 
     be = TorchBertBackend(ONNX)
     ctx = be.create_context(0)

@@ -20,7 +20,7 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def embed_through_bucketer(backend: Any, profile: Profile, rows: Sequence[np.ndarray]) -> np.ndarray:
     """Every row through the real Bucketer (each in its bucket's context); [N, dim] in input order."""
     from worker.benchmark.policies import run_bucketed
-    from worker.tokenize import Encoded
+    from worker.intake.tokenize import Encoded
 
     encoded = [Encoded(ids=r, length=len(r), truncated=False) for r in rows]
     run = run_bucketed(encoded, profile, backend, window=len(encoded), keep_embeddings=True, policy="parity")

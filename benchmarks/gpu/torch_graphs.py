@@ -65,7 +65,7 @@ def main() -> int:
 
     from benchmarks.gpu.torch_backend import TorchBertBackend
     from worker.benchmark.inputs import read_queries
-    from worker.tokenize import KeywordTokenizer
+    from worker.intake.tokenize import KeywordTokenizer
 
     out = Path(os.environ.get("OUT", "/tmp/kwe-torch-graphs"))
     out.mkdir(parents=True, exist_ok=True)

@@ -337,7 +337,7 @@ def main(out: Path | None = None, *, onnx: Path | None = None, tokenizer: Path |
 
     def setup(_deadline: float) -> dict[str, Any]:
         from worker.benchmark.inputs import read_queries
-        from worker.tokenize import KeywordTokenizer
+        from worker.intake.tokenize import KeywordTokenizer
 
         env = gpu_environment(device)
         print(f"environment: {env}", flush=True)

@@ -1,4 +1,4 @@
-"""A CPU backend double for worker/backends/auto.py: vectors derived from the token ids (the same on
+"""A CPU backend double for worker/backend_choice/auto.py: vectors derived from the token ids (the same on
 every candidate, plus an optional distortion), and calls that cost a set time on a fake clock.
 
 Single-threaded: auto.py gates and times candidates on the thread that starts the worker.

@@ -15,14 +15,14 @@ Why these settings:
   requests runs them one at a time (491 and 24.4 calls/s). The second compile loads the cached blob.
 - precision "bf16" sets INFERENCE_PRECISION_HINT=bf16: matrix products on the CPU's bf16 units
   (AMX or AVX-512 BF16); "f32" keeps fp32 arithmetic. Whether bf16 is good enough is decided by
-  the parity gate (worker/backends/auto.py), never assumed.
+  the parity gate (worker/backend_choice/auto.py), never assumed.
 - Shapes stay dynamic: the worker's exact-length buckets give many (rows, length) shapes, and
   a static compile costs 0.15-0.3 s per shape for at most 0.3 ms per call on the smallest ones
   (1 x 8: 1.23 vs 1.55 ms; 64 x 8: no difference), so per-shape reshapes never pay back.
 - CACHE_DIR under the project's cache root (beside the ONNX exports): a restart loads the
   compiled blob instead of compiling again.
 
-Imported lazily (worker/backends/select.py): the `openvino` extra is optional.
+Imported lazily (worker/backend_choice/select.py): the `openvino` extra is optional.
 """
 
 from __future__ import annotations

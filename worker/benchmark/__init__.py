@@ -3,6 +3,7 @@
 - `policies`: the timed passes (monolithic, sorted, the worker's bucketer behind an in-flight
   window, the direct-call replay of the bucketer's own batches);
 - `load`: open-loop Poisson arrivals and their latency percentiles;
+- `loadgen`: the open-loop schedules themselves (also behind `keyword-embedder produce --rate`);
 - `suite`: the rounds in rotating order and the JSON report with paired ratios;
 - `report`: the report as Markdown.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from worker.benchmark.errors import BenchError
-from worker.keyword_files import BadLines, KeywordFileError, read_keywords
+from worker.formats.keyword_files import BadLines, KeywordFileError, read_keywords
 
 
 def read_queries(path: str | Path, limit: int | None = None, *,

@@ -14,7 +14,7 @@ from kwe_core.profiles import Profile
 from worker.backends.base import Backend
 from worker.benchmark.errors import BenchError
 from worker.benchmark.policies import BucketerHarness, BucketerOptions
-from worker.tokenize import Encoded
+from worker.intake.tokenize import Encoded
 
 
 @dataclass

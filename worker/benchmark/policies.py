@@ -9,7 +9,7 @@
 - direct: the overhead guard, the bucketed run's own batches replayed by direct backend calls.
 
 Tokenisation is done before and excluded from every policy; padding (building the batch
-arrays, with the one worker.padding.pad_batch) is included in all of them.
+arrays, with the one worker.batching.padding.pad_batch) is included in all of them.
 
 Threads and contexts: a backend context is created, used and closed on one thread (TensorRT
 needs it: its CUDA context is current only there). The baselines run on the calling thread
@@ -30,13 +30,13 @@ import numpy as np
 
 from kwe_core.profiles import PadPolicy, Profile
 from worker.backends.base import Backend, InferenceContext
+from worker.batching.bucketer import Bucketer
+from worker.batching.cache import EmbeddingCache, key
+from worker.batching.cost_model import CostModel
+from worker.batching.padding import pad_batch
 from worker.benchmark.errors import BenchError
-from worker.batch_stats import BatchStats
-from worker.bucketing import Bucketer
-from worker.cost_model import CostModel
-from worker.cache import EmbeddingCache, key
-from worker.padding import pad_batch
-from worker.tokenize import Encoded
+from worker.intake.tokenize import Encoded
+from worker.operations.batch_stats import BatchStats
 
 DEFAULT_WINDOW = 4096  # Settings.max_in_flight's default: what the Kafka worker keeps in flight
 DEFAULT_BATCH = 256
@@ -89,7 +89,7 @@ class BucketerOptions:
     dispatchers: int = 1
     pad_to: PadPolicy | None = None  # None: the profile's
     eager: bool = True
-    # The measured prices: partial batches take neighbouring buckets along (worker/batch_policy.py),
+    # The measured prices: partial batches take neighbouring buckets along (worker/batching/batch_policy.py),
     # as the worker does with merge_buckets on. None: one bucket per batch.
     costs: CostModel | None = None
 

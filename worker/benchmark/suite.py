@@ -27,7 +27,7 @@ from worker.benchmark.policies import (
     run_sorted,
 )
 from worker.benchmark.report import quartiles
-from worker.tokenize import Encoded
+from worker.intake.tokenize import Encoded
 
 
 def round_order(names: Sequence[str], r: int) -> list[str]:

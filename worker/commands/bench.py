@@ -13,7 +13,7 @@ from typing import get_args
 import orjson
 
 from worker.backends.base import OvPrecision
-from worker.config import BackendSetting
+from worker.settings.schema import BackendSetting
 
 PROG = "keyword-embedder bench"
 
@@ -72,13 +72,13 @@ def main(args: argparse.Namespace) -> int:
     from kwe_core.errors import KeywordEmbedderError
     from kwe_core.model import ModelInfo, default_model_dir
     from kwe_core.profiles import load_profile
-    from worker.backends.select import DEFAULT_PROFILE, open_backend
+    from worker.backend_choice.select import DEFAULT_PROFILE, open_backend
     from worker.benchmark.inputs import read_queries
     from worker.benchmark.policies import BucketerOptions
     from worker.benchmark.report import render_markdown
     from worker.benchmark.suite import BenchConfig, run_benchmark
-    from worker.keyword_files import BadLines
-    from worker.tokenize import KeywordTokenizer
+    from worker.formats.keyword_files import BadLines
+    from worker.intake.tokenize import KeywordTokenizer
 
     def log(msg: str) -> None:
         if not args.quiet:
@@ -141,7 +141,7 @@ def main(args: argparse.Namespace) -> int:
     costs = None
     if args.merge_buckets and not tensorrt:
         from worker.app import calibration_key
-        from worker.calibration import cost_model_for
+        from worker.batching.calibration import cost_model_for
 
         costs = cost_model_for(backend, calibration_key(_worker_settings(args, backend.name, desc.get("precision")),
                                                         info))
@@ -177,7 +177,7 @@ def main(args: argparse.Namespace) -> int:
 def _worker_settings(args: argparse.Namespace, backend: str = "onnxruntime",  # noqa: ANN202 - Settings, lazily
                      openvino_precision: str | None = None):
     """The worker settings whose calibration this bench run shares (thread layout, model, ONNX file, backend)."""
-    from worker.config import Settings
+    from worker.settings.schema import Settings
 
     return Settings(intra_op_threads=args.threads, dispatchers=args.dispatchers, onnx_path=str(args.onnx or ""),
                     model_dir=str(args.model_dir or ""), backend=backend,
@@ -188,7 +188,7 @@ def _open(args: argparse.Namespace, info, profile, threads: int, *, kind: str | 
           remeasure: bool = False):
     """(backend, CpuChoice or None): auto measures (or reads) the worker's CPU choice for this layout."""
     from engines.export_onnx import ensure_onnx
-    from worker.backends.select import choose_cpu, open_backend
+    from worker.backend_choice.select import choose_cpu, open_backend
 
     kind = kind or args.backend
     onnx = args.onnx or (ensure_onnx(info, optimize=True) if args.fused else None)
@@ -206,9 +206,9 @@ def calibrate(args: argparse.Namespace, fail) -> int:  # noqa: ANN001
     from kwe_core.errors import KeywordEmbedderError
     from kwe_core.model import ModelInfo, default_model_dir
     from worker.app import calibration_key
-    from worker.backends.select import intra_op_threads
-    from worker.calibration import backend_key, cache_key, default_cache_dir, load_or_measure
-    from worker.cost_model import fit
+    from worker.backend_choice.select import intra_op_threads
+    from worker.batching.calibration import backend_key, cache_key, default_cache_dir, load_or_measure
+    from worker.batching.cost_model import fit
 
     if args.backend == "tensorrt":
         return fail("--calibrate is for the CPU backends: on TensorRT context i serves bucket i only, so batches "

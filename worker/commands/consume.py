@@ -18,9 +18,9 @@ from typing import Any
 import orjson
 from confluent_kafka import Consumer, KafkaError, Message
 
-from worker.settings_loader import load_settings
 from worker.kafka.client_config import add_client_flags, client_config
 from worker.kafka.errors import fatal_reason
+from worker.settings.loader import load_settings
 
 
 def record_of(msg: Message) -> dict[str, Any]:

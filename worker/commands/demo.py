@@ -28,13 +28,13 @@ import orjson
 from confluent_kafka import Consumer, KafkaError, Message, Producer
 from tqdm import tqdm
 
-from worker.config import SettingsError
-from worker.settings_loader import load_settings
-from worker.kafka.client_config import add_client_flags, client_config, client_env
-from worker.cache import hit_rate_line
-from worker.keyword_files import read_keywords
+from worker.batching.cache import hit_rate_line
+from worker.formats.keyword_files import read_keywords
+from worker.formats.messages import decode_embedding
 from worker.kafka.admin import ensure_topics
-from worker.kafka.messages import decode_embedding
+from worker.kafka.client_config import add_client_flags, client_config, client_env
+from worker.settings.loader import load_settings
+from worker.settings.schema import SettingsError
 
 SAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "local" / "sample" / "keywords.tsv"
 BROKEN: list[tuple[bytes | None, bytes | None]] = [

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import orjson
 
-from worker.keyword_files import FORMATS, KeywordFileError, read_keywords
+from worker.formats.keyword_files import FORMATS, KeywordFileError, read_keywords
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -53,8 +53,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
 
     from kwe_core.errors import KeywordEmbedderError
-    from worker.embedder import Embedder
     from kwe_core.vectors import truncate
+    from worker.embedder import Embedder
 
     try:
         embedder = Embedder(args.model_dir, onnx_path=args.onnx, intra_op_threads=args.threads,

@@ -1,7 +1,7 @@
 """`keyword-embedder produce`: publish keywords from a TSV (id<TAB>text) or JSONL file to a topic.
 
 As fast as the broker takes them (the default), or open-loop at `--rate` keywords per second
-(see worker/loadgen.py): each record's timestamp is set when it is sent, so an embedding's
+(see worker/benchmark/loadgen.py): each record's timestamp is set when it is sent, so an embedding's
 output timestamp minus its input's is the end-to-end latency.
 """
 
@@ -17,11 +17,11 @@ import orjson
 from confluent_kafka import KafkaError, Message, Producer
 from tqdm import tqdm
 
-from worker.settings_loader import load_settings
+from worker.benchmark.loadgen import SPACINGS, Lateness, arrivals, cycled
+from worker.formats.keyword_files import FORMATS, BadLines, KeywordFileError, read_keywords
 from worker.kafka.client_config import add_client_flags, client_config
 from worker.kafka.errors import fatal_reason
-from worker.keyword_files import FORMATS, BadLines, KeywordFileError, read_keywords
-from worker.loadgen import SPACINGS, Lateness, arrivals, cycled
+from worker.settings.loader import load_settings
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -14,9 +14,9 @@ from typing import Any
 
 import structlog
 
-from worker.settings_loader import add_setting_flags, load_settings
-from worker.stop_signals import StopDuringStartup, StopSignals, startup_stopped_message
-from worker.logs import configure_logging
+from worker.operations.logs import configure_logging
+from worker.operations.stop_signals import StopDuringStartup, StopSignals, startup_stopped_message
+from worker.settings.loader import add_setting_flags, load_settings
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +58,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
         return 2
     pipeline = assembled.pipeline
     signals.on_stop = pipeline.request_stop
-    from worker.probes import MetricsServer
+    from worker.operations.probes import MetricsServer
 
     server = None
     if settings.metrics_port:
@@ -100,7 +100,7 @@ def _start(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     check_topics(admin_config(settings), settings)
 
     from worker.app import build_pipeline
-    from worker.metrics import Metrics
+    from worker.operations.metrics import Metrics
 
     metrics = Metrics()
     return build_pipeline(settings, metrics=metrics), metrics, settings

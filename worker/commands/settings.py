@@ -6,9 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from worker.config import SettingsError
-from worker.settings_docs import reference_markdown
-from worker.settings_loader import add_setting_flags, load_settings
+from worker.settings.docs import reference_markdown
+from worker.settings.loader import add_setting_flags, load_settings
+from worker.settings.schema import SettingsError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -1,1 +1,2 @@
-"""Thin wrappers over confluent-kafka: configs, the delivery loop, offsets and message formats."""
+"""Thin wrappers over confluent-kafka: configs, the group member, the producer and its delivery loop,
+offsets and commits."""

@@ -21,10 +21,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from worker.config import CLIENT_SETTINGS, Settings, SettingsError, kafka_pairs
-from worker.kafka_overrides import RESERVED_KAFKA_KEYS
-from worker.settings_loader import add_setting_flags, env_name
-from worker.redact import is_secret_key
+from worker.operations.redact import is_secret_key
+from worker.settings.kafka_overrides import RESERVED_KAFKA_KEYS
+from worker.settings.loader import add_setting_flags, env_name
+from worker.settings.schema import CLIENT_SETTINGS, Settings, SettingsError, kafka_pairs
 
 # Typed setting -> librdkafka key.
 TYPED_KEYS: dict[str, str] = {

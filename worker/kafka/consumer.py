@@ -17,16 +17,16 @@ from typing import Any, Protocol
 import structlog
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from worker.config import Settings
 from worker.deadline import Deadline
-from worker.kafka.client_config import client_config
 from worker.errors import WorkerError
+from worker.kafka.client_config import client_config
 from worker.kafka.committer import Committer
 from worker.kafka.errors import FailurePolicy, KafkaSetupError
 from worker.kafka.offsets import PartitionOffsets
 from worker.kafka.throttle import ThrottledLog
 from worker.latch import FatalLatch
-from worker.metrics import Metrics
+from worker.operations.metrics import Metrics
+from worker.settings.schema import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -79,7 +79,7 @@ class _Owned:
 
 
 class Rebalances(Protocol):
-    """What the processing guarantee does when partitions go (worker/delivery.py)."""
+    """What the processing guarantee does when partitions go (worker/delivery/guarantees.py)."""
 
     def on_revoke(self, parts: list[PartitionOffsets], wait_s: float) -> bool:
         """Inside the revoke callback: commit the finished work of `parts` (waiting at most

@@ -18,9 +18,9 @@ from typing import Any, Literal
 from confluent_kafka import KafkaError, KafkaException, TopicCollection
 from confluent_kafka.admin import AclOperation, AdminClient, ConfigResource, ResourceType
 
-from worker.config import Settings
-from worker.kafka_overrides import RECORD_FRAMING_BYTES
 from worker.kafka.errors import PreflightError, fatal_reason
+from worker.settings.kafka_overrides import RECORD_FRAMING_BYTES
+from worker.settings.schema import Settings
 
 Access = Literal["read", "write"]
 _NEEDS: dict[Access, AclOperation] = {"read": AclOperation.READ, "write": AclOperation.WRITE}

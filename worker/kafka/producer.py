@@ -16,7 +16,7 @@ large, or the outage outlasted the timeout): the worker stops on it, and the rec
 offset is never committed. Producing a fresh copy instead would duplicate records, reorder a
 compacted key and retry errors that cannot succeed.
 
-Seams for a wrapper (exactly-once: worker/kafka/exactly_once_producer.py): a record's
+Seams for a wrapper (exactly-once: worker/delivery/exactly_once/producer.py): a record's
 `on_failed` gets a failed write first, after the failures that stop the worker anyway
 (authorisation, a missing topic: FailurePolicy), and may take it over; `route_fatal` does the same
 for a fatal error raised from poll; `renew_client` swaps in a new client with the same
@@ -35,13 +35,13 @@ from typing import Any, Protocol
 import structlog
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
-from worker.config import Settings
 from worker.deadline import Deadline
+from worker.errors import DeliveryError, ThreadDiedError
 from worker.kafka.client_config import client_config
 from worker.kafka.errors import FailurePolicy, KafkaSetupError
-from worker.errors import DeliveryError, ThreadDiedError
 from worker.kafka.throttle import ThrottledLog
 from worker.latch import FatalLatch, guarded
+from worker.settings.schema import Settings
 
 log = structlog.get_logger(__name__)
 

@@ -1,0 +1,1 @@
+"""The backend choice: from settings to an open backend and its profile; `auto` measured on CPU."""

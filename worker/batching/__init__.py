@@ -1,0 +1,1 @@
+"""Batching: the bucketer, the flush decision, what a call costs, padding, the embedding cache."""

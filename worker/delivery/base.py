@@ -1,0 +1,32 @@
+"""The `Delivery` interface the pipeline calls (worker/delivery/guarantees.py says when each method runs), and
+the types its two implementations share: at-least-once (worker/delivery/guarantees.py) and exactly-once
+(worker/delivery/exactly_once/loop.py) both import them from here, so neither imports the other's module."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, Protocol
+
+from worker.deadline import Deadline
+from worker.kafka.offsets import PartitionOffsets
+from worker.kafka.producer import RecordWriter
+
+Serve = Callable[[float], None]
+Phase = Literal["created", "running", "finished"]
+# Wraps the output thread's handling of one batch (exactly-once: in the write gate; None: nothing).
+AroundBatch = Callable[[Callable[[Any], None]], Callable[[Any], None]]
+
+
+class Delivery(Protocol):
+    phase: Phase
+    writer: RecordWriter
+    around_batch: AroundBatch | None
+
+    def start(self) -> None: ...
+    def poll_step(self, *, flow_paused: bool) -> str | None: ...
+    def before_intake(self) -> None: ...
+    def on_revoke(self, parts: list[PartitionOffsets], wait_s: float) -> bool: ...
+    def on_lost(self) -> None: ...
+    def drain_step(self) -> None: ...
+    def finish(self, deadline: Deadline, serve: Serve, *, drained: bool, aborted: bool) -> None: ...
+    def summary(self) -> dict[str, Any]: ...

@@ -1,0 +1,66 @@
+"""Bounded calls: a blocking librdkafka call run on a helper thread, waited for until a `Deadline`.
+
+librdkafka's own timeout does not always hold: after a hard broker restart,
+send_offsets_to_transaction blocked for minutes (measured), and when a coordinator's node dies
+it can keep waiting on it long after the call's timeout (librdkafka issues 5456 and 5511). A call
+that blocks the poll thread blocks the whole member, so the transaction loop
+(worker/delivery/exactly_once/transactions.py) runs each transactional call here instead: past its limit the call
+is reported hung (`TransactionHungError`) with the thread still blocked in it, which the take-over
+(worker/delivery/exactly_once/take_over.py) hands on with the abandoned client.
+
+Threads: `run` is called from the poll thread; the helper thread ("kwe-txn-call", a daemon: a
+hung call must not keep the process alive) only runs the call and hands its result or exception
+back through a list, read after the helper ended (or never, if it hangs).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from worker.deadline import Deadline
+from worker.delivery.exactly_once.errors import TransactionHungError
+
+# How much longer than its own timeout a call may block before it counts as hung.
+HANG_MARGIN_S = 5.0
+# How often the waiting thread re-reads the deadline (a second signal shortens it).
+POLL_S = 0.05
+
+
+class BoundedCalls:
+    """Runs calls on helper threads; remembers the last helper (a take-over after a resumed call
+    that never completed hands it on as the thread still inside the old client)."""
+
+    def __init__(self) -> None:
+        self.last: threading.Thread | None = None
+
+    def run(self, what: str, fn: Callable[[], None], limit: Deadline, stop: Deadline, limit_s: float) -> None:
+        """Runs fn on a helper thread and waits until it returns or `limit` passes (re-read while
+        waiting). Raises what fn raised, or TransactionHungError past the limit, saying whether the
+        stop deadline (`stop`) or the call's own limit (limit_s, for the message) ended the wait."""
+        answer: list[BaseException | None] = []
+
+        def call() -> None:
+            try:
+                fn()
+                answer.append(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                answer.append(exc)
+
+        helper = threading.Thread(target=call, name="kwe-txn-call", daemon=True)
+        self.last = helper
+        helper.start()
+        while helper.is_alive():
+            left = limit.left()
+            if left <= 0:
+                break
+            helper.join(min(POLL_S, left))
+        if not answer and not helper.is_alive():
+            helper.join()
+        if not answer and stop.expired():
+            raise TransactionHungError(f"{what} did not return before the shutdown deadline", helper)
+        if not answer:
+            raise TransactionHungError(f"{what} did not return within {limit_s:.0f} s (the transaction coordinator "
+                                       "does not answer)", helper)
+        if answer[0] is not None:
+            raise answer[0]

@@ -1,0 +1,1 @@
+"""Formats: decoding and encoding records (JSON, raw, the Schema Registry formats), headers, keyword files."""

@@ -1,0 +1,288 @@
+"""Message formats: decode and validate input, encode embeddings.
+
+The wire formats are specified in schemas/ (input, output, dead-letter); this module is
+their one implementation, with worker/formats/headers.py (reading headers safely) and
+worker/delivery/dead_letter_record.py (the dead-letter record). Decoding never raises on bad
+input: it returns a `Rejection` whose reason goes to the dead-letter topic.
+"""
+
+from __future__ import annotations
+
+import base64
+import unicodedata
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import orjson
+
+from kwe_core.vectors import (dequantize_int8, pack_binary, quantize_int8, truncate, unpack_binary)
+from worker.names import InputFormat, OutputEncoding
+from worker.settings.output_fields import FieldMap, apply_output_fields
+
+Headers = list[tuple[str, bytes | None]]
+
+# The worker's own headers all start with this; an input header of that name is never copied
+# onto an output or dead letter (pass_headers), so it cannot shadow the worker's.
+OWN_HEADER_PREFIX = "kwe-"
+
+# Header names, also in schemas/*.json.
+H_MODEL = "kwe-model"
+H_ENCODING = "kwe-encoding"
+H_DIM = "kwe-dim"
+H_INT8_RANGE = "kwe-int8-range"
+H_PROMPT_NAME = "kwe-prompt-name"
+H_PROMPT = "kwe-prompt"
+# Written (as b"false") only when the vectors are not unit length: the model's pipeline has no
+# Normalize module (docs/models.md); absent, they are L2-normalised.
+H_NORMALIZED = "kwe-normalized"
+H_REASON = "kwe-dlq-reason"
+H_SRC_TOPIC = "kwe-source-topic"
+H_SRC_PARTITION = "kwe-source-partition"
+H_SRC_OFFSET = "kwe-source-offset"
+
+
+@dataclass(frozen=True, slots=True)
+class Keyword:
+    id: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    reason: str
+    detail: str
+
+
+def decode_input(key: bytes | None, value: bytes | None, *, fmt: InputFormat, max_bytes: int,
+                 headers_bytes: int = 0) -> Keyword | Rejection:
+    """Decodes and validates one input record; `max_bytes` bounds key + value + headers together.
+
+    The registry formats are decoded by worker/formats/schema_registry.py, which runs
+    `check_size` first and `keyword_from_object` on what the registry's deserialiser returns.
+    """
+    rejection = check_size(key, value, max_bytes=max_bytes, headers_bytes=headers_bytes)
+    if rejection is not None:
+        return rejection
+    assert value is not None
+    try:
+        raw_text = value.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return Rejection("not_utf8", f"value is not valid UTF-8 ({exc.reason} at byte {exc.start})")
+    if fmt == "raw":
+        if key is None:
+            return Rejection("missing_key", "input_format=raw needs the query ID in the message key")
+        try:
+            qid = key.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return Rejection("not_utf8", f"key is not valid UTF-8 ({exc.reason} at byte {exc.start})")
+        return _checked(qid, raw_text)
+    try:
+        obj = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        return Rejection("malformed_json", f"value is not JSON ({exc})")
+    return keyword_from_object(obj)
+
+
+def check_size(key: bytes | None, value: bytes | None, *, max_bytes: int, headers_bytes: int = 0) -> Rejection | None:
+    """The checks every input format shares: a value, and key + value + headers within max_bytes."""
+    if value is None:
+        return Rejection("null_value", "the message has no value (tombstone)")
+    key_bytes = len(key) if key is not None else 0
+    total = key_bytes + len(value) + headers_bytes
+    if total > max_bytes:
+        parts = {"key": key_bytes, "value": len(value), "headers": headers_bytes}
+        largest = max(parts, key=parts.__getitem__)
+        return Rejection("oversized", f"record is {total} bytes (key {key_bytes}, value {len(value)}, headers "
+                                      f"{headers_bytes}; largest: {largest}), above max_message_bytes={max_bytes}")
+    return None
+
+
+def keyword_from_object(obj: object) -> Keyword | Rejection:
+    """The keyword of a decoded {"id", "text"} object (JSON, or a registry format's record)."""
+    if not isinstance(obj, dict):
+        return Rejection("not_an_object", f"value is a JSON {type(obj).__name__}, expected an object")
+    if "id" not in obj:
+        return Rejection("missing_id", "the object has no 'id'")
+    if not isinstance(obj["id"], str):
+        return Rejection("id_not_string", f"'id' is a {type(obj['id']).__name__}, expected a string")
+    if "text" not in obj:
+        return Rejection("missing_text", "the object has no 'text'")
+    if not isinstance(obj["text"], str):
+        return Rejection("text_not_string", f"'text' is a {type(obj['text']).__name__}, expected a string")
+    return _checked(obj["id"], obj["text"])
+
+
+def _checked(qid: str, text: str) -> Keyword | Rejection:
+    if not qid:
+        return Rejection("empty_id", "the query ID is empty; it keys the output record")
+    if is_blank(text):
+        return Rejection("empty_text", "'text' is empty, or only whitespace, control, zero-width or "
+                                       "other invisible formatting characters")
+    return Keyword(qid, text)
+
+
+# Invisible characters: control (Cc), format (Cf), separators (Zs, Zl, Zp), anything Python
+# calls whitespace, and the rest of Unicode's Default_Ignorable_Code_Point set that is not Cf
+# (variation selectors, fillers, the combining grapheme joiner). The Cf "prepended
+# concatenation marks" (Arabic number sign, end of ayah, ...) are visible signs and stay content,
+# and so do private-use and unassigned code points (a newer Unicode may assign them).
+_BLANK_CATEGORIES = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})
+_VISIBLE_FORMAT = frozenset("\u0600\u0601\u0602\u0603\u0604\u0605\u06dd\u070f\u0890\u0891\u08e2"
+                            "\U000110bd\U000110cd")
+_IGNORABLE_MARKS = (frozenset("\u034f\u115f\u1160\u17b4\u17b5\u180b\u180c\u180d\u180f\u3164\uffa0")
+                    | frozenset(map(chr, range(0xFE00, 0xFE10))) | frozenset(map(chr, range(0xE0100, 0xE01F0))))
+
+
+def is_blank(text: str) -> bool:
+    """True when the text has nothing to embed: no character that shows as content."""
+    for ch in text:
+        if ch.isspace() or ch in _IGNORABLE_MARKS:
+            continue
+        if unicodedata.category(ch) in _BLANK_CATEGORIES and ch not in _VISIBLE_FORMAT:
+            continue
+        return False
+    return True
+
+
+def encode_embedding(vec: np.ndarray, encoding: OutputEncoding,
+                     int8_range: tuple[float, float] | None = None) -> np.ndarray | str:
+    """The output's "embedding" value, to be written by orjson with OPT_SERIALIZE_NUMPY.
+
+    float-list: the float32 array itself, which orjson writes with each number in the shortest
+    form that reads back as the same float32 (about half the bytes of float64 reprs, and faster).
+    int8: base64 of dim signed bytes (kwe_core.vectors.quantize_int8 over `int8_range`).
+    binary: base64 of ceil(dim / 8) bytes of packed sign bits (kwe_core.vectors.pack_binary).
+    """
+    if encoding == "float-list":
+        return np.ascontiguousarray(vec, dtype=np.float32)
+    return base64.b64encode(embedding_bytes(vec, encoding, int8_range)).decode("ascii")
+
+
+def decode_embedding(value: list[float] | str, encoding: OutputEncoding, *, dim: int | None = None,
+                     int8_range: tuple[float, float] | None = None) -> np.ndarray:
+    """The inverse of encode_embedding, for consumers and tests.
+
+    int8 comes back dequantised (float32, needs `int8_range`); binary as its dim bits, 0 or 1
+    (uint8, needs `dim`).
+    """
+    if encoding == "float-list":
+        return np.asarray(value, dtype=np.float32)
+    assert isinstance(value, str)
+    raw = base64.b64decode(value)
+    if encoding == "int8":
+        if int8_range is None:
+            raise ValueError("decoding int8 needs the int8_range of the record")
+        return dequantize_int8(np.frombuffer(raw, dtype=np.int8), *int8_range)
+    if encoding == "binary":
+        if dim is None:
+            raise ValueError("decoding binary needs the record's dim")
+        return unpack_binary(np.frombuffer(raw, dtype=np.uint8), dim)
+    dtype = "<f4" if encoding == "base64-f32" else "<f2"
+    return np.frombuffer(raw, dtype=dtype).astype(np.float32)
+
+
+class ValueEncoder(Protocol):
+    """What the output stage needs of a codec: the shared headers and one value per embedding
+    (OutputCodec for JSON; worker/formats/schema_registry.py's RegistryOutput for the registry formats)."""
+
+    @property
+    def headers(self) -> Headers: ...
+
+    def value(self, qid: str, vec: np.ndarray, tokens: int, truncated: bool) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class OutputCodec:
+    """Encodes embeddings for one model, prompt, width and encoding.
+
+    `dim` is the width written (truncate_dim when set, else the model's); vectors arrive at the
+    model's width and are truncated here (and renormalised, for a model that normalises), after
+    the cache, so cached rows stay full-width. The optional fields (prompt_name, int8_range, and
+    normalized: false with its kwe-normalized header for a model without a Normalize module) are
+    written only when they apply, so the default record is unchanged. The registry formats carry
+    the header, not the field: their registered schemas stay as they are.
+    """
+
+    model: str
+    dim: int
+    encoding: OutputEncoding
+    truncate_dim: int = 0  # 0: the model's full width
+    prompt_name: str | None = None
+    prompt: str = ""
+    int8_range: tuple[float, float] | None = None  # required by (and only written for) int8
+    fields: FieldMap = field(default_factory=lambda: FieldMap())  # output_fields (JSON only)
+    normalized: bool = True  # the model's vectors are unit length (its pipeline ends in Normalize)
+    _headers: Headers = field(init=False, repr=False, compare=False)
+    _extra: dict[str, object] = field(init=False, repr=False, compare=False)
+    _shaped: bool = field(init=False, repr=False, compare=False)  # output_fields set (read per record)
+
+    def __post_init__(self) -> None:
+        if self.truncate_dim and self.truncate_dim != self.dim:
+            raise ValueError(f"OutputCodec: dim {self.dim} must equal truncate_dim {self.truncate_dim}")
+        if (self.encoding == "int8") != (self.int8_range is not None):
+            raise ValueError("OutputCodec: int8_range is set for, and only for, the int8 encoding")
+        headers: Headers = [(H_MODEL, self.model.encode()), (H_ENCODING, self.encoding.encode()),
+                            (H_DIM, str(self.dim).encode())]
+        extra: dict[str, object] = {}
+        if self.int8_range is not None:
+            lo, hi = self.int8_range
+            headers.append((H_INT8_RANGE, f"{lo!r},{hi!r}".encode()))
+            extra["int8_range"] = [lo, hi]
+        if self.prompt:
+            headers.append((H_PROMPT, self.prompt.encode("utf-8")))
+            extra["prompt_name"] = self.prompt_name
+            if self.prompt_name is not None:
+                headers.append((H_PROMPT_NAME, self.prompt_name.encode("utf-8")))
+        if not self.normalized:
+            headers.append((H_NORMALIZED, b"false"))
+        object.__setattr__(self, "_headers", headers)
+        object.__setattr__(self, "_extra", extra)
+        object.__setattr__(self, "_shaped", bool(self.fields))
+
+    @property
+    def headers(self) -> Headers:
+        return list(self._headers)
+
+    def record(self, qid: str, vec: np.ndarray, tokens: int, truncated: bool, *,
+               raw_bytes: bool = False) -> dict[str, object]:
+        """The output record as a dict, before output_fields. The embedding is what encode_embedding
+        gives (a float32 array for float-list), or with `raw_bytes` the bytes behind the base64 of the
+        other encodings (the registry formats write them as `bytes`)."""
+        if self.truncate_dim:
+            vec = truncate(vec, self.truncate_dim, renormalise=self.normalized)
+        record: dict[str, object] = {
+            "id": qid,
+            "embedding": (embedding_bytes(vec, self.encoding, self.int8_range)
+                          if raw_bytes and self.encoding != "float-list"
+                          else encode_embedding(vec, self.encoding, self.int8_range)),
+            "encoding": self.encoding,
+            "dim": self.dim,
+            "model": self.model,
+            "tokens": tokens,
+            "truncated": truncated,
+        }
+        if self._extra:
+            record.update(self._extra)
+        return record
+
+    def value(self, qid: str, vec: np.ndarray, tokens: int, truncated: bool) -> bytes:
+        record = self.record(qid, vec, tokens, truncated)
+        if not self.normalized:
+            record["normalized"] = False
+        if self._shaped:
+            record = apply_output_fields(record, self.fields)
+        return orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def embedding_bytes(vec: np.ndarray, encoding: OutputEncoding, int8_range: tuple[float, float] | None = None) -> bytes:
+    """The bytes whose base64 encode_embedding writes for the byte encodings (not float-list)."""
+    if encoding == "int8":
+        if int8_range is None:
+            raise ValueError("the int8 encoding needs its calibration range")
+        return quantize_int8(vec, *int8_range).tobytes()
+    if encoding == "binary":
+        return pack_binary(vec).tobytes()
+    if encoding == "float-list":
+        raise ValueError("float-list has no byte form")
+    return vec.astype("<f4" if encoding == "base64-f32" else "<f2").tobytes()

@@ -1,0 +1,60 @@
+"""The Protobuf messages of the registry formats, built at run time (no protoc, no generated code).
+
+confluent-kafka's Protobuf serdes need a message class. The worker's are made here from a field
+table with protobuf's own descriptor API, in a descriptor pool of their own; the .proto files in
+worker/formats/registry_schemas/ (schemas/registry/) are `proto_source` of the same tables, and a test
+keeps them equal. Input is read with the Keyword message: any writer message whose fields 1 and
+2 are the strings id and text decodes (Protobuf reads by field number).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+PACKAGE = "dev.keyword_embedder"
+_F = descriptor_pb2.FieldDescriptorProto
+
+# name, number, type, repeated
+Field = tuple[str, int, int, bool]
+_TAIL: list[Field] = [("encoding", 3, _F.TYPE_STRING, False), ("dim", 4, _F.TYPE_INT32, False),
+                      ("model", 5, _F.TYPE_STRING, False), ("tokens", 6, _F.TYPE_INT32, False),
+                      ("truncated", 7, _F.TYPE_BOOL, False), ("int8_range", 8, _F.TYPE_DOUBLE, True),
+                      ("prompt_name", 9, _F.TYPE_STRING, False)]
+MESSAGES: dict[str, tuple[str, list[Field]]] = {
+    "keyword": ("Keyword", [("id", 1, _F.TYPE_STRING, False), ("text", 2, _F.TYPE_STRING, False)]),
+    "embedding-floats": ("Embedding", [("id", 1, _F.TYPE_STRING, False), ("embedding", 2, _F.TYPE_FLOAT, True),
+                                       *_TAIL]),
+    "embedding-bytes": ("Embedding", [("id", 1, _F.TYPE_STRING, False), ("embedding", 2, _F.TYPE_BYTES, False),
+                                      *_TAIL]),
+}
+_TYPE_NAMES = {_F.TYPE_STRING: "string", _F.TYPE_FLOAT: "float", _F.TYPE_DOUBLE: "double", _F.TYPE_BYTES: "bytes",
+               _F.TYPE_INT32: "int32", _F.TYPE_BOOL: "bool"}
+
+
+def file_descriptor_proto(schema: str) -> descriptor_pb2.FileDescriptorProto:
+    message, fields = MESSAGES[schema]
+    fdp = descriptor_pb2.FileDescriptorProto(name=f"keyword_embedder/{schema}.proto", package=PACKAGE,
+                                             syntax="proto3")
+    msg = fdp.message_type.add(name=message)
+    for name, number, kind, repeated in fields:
+        msg.field.add(name=name, number=number, type=kind,
+                      label=_F.LABEL_REPEATED if repeated else _F.LABEL_OPTIONAL)
+    return fdp
+
+
+def message_class(schema: str) -> Any:
+    """The generated-at-run-time message class of one schema (a pool of its own per call)."""
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file_descriptor_proto(schema))
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{PACKAGE}.{MESSAGES[schema][0]}"))
+
+
+def proto_source(schema: str) -> str:
+    """The .proto text of a schema (what worker/formats/registry_schemas/<schema>.proto holds)."""
+    message, fields = MESSAGES[schema]
+    lines = ['syntax = "proto3";', "", f"package {PACKAGE};", "", f"message {message} {{"]
+    for name, number, kind, repeated in fields:
+        lines.append(f"  {'repeated ' if repeated else ''}{_TYPE_NAMES[kind]} {name} = {number};")
+    return "\n".join([*lines, "}", ""])

@@ -1,0 +1,235 @@
+"""Schema Registry formats: input and output values through confluent-kafka's own serdes.
+
+Imported only when input_format or output_format is a registry format (it needs the `registry`
+extra: fastavro, jsonschema, protobuf, httpx). The wire format is the registry's (magic byte,
+schema ID, payload), written and read by confluent-kafka's Avro/JSON Schema serialisers and
+deserialisers; nothing here encodes it by hand. The reference schemas are in
+worker/formats/registry_schemas/ (also reachable as schemas/registry/).
+
+Threads: `RegistryInput` runs on the poll thread (intake), `RegistryOutput` on the output thread.
+Both serdes cache what they fetched or registered by schema ID, so after a schema's first record
+neither calls the registry again: a registry that goes down mid-run stops nothing until a record
+with a schema ID the worker has not seen arrives.
+
+Errors, and where they end:
+- the record's fault (not the registry's wire format, an unknown schema ID (404), bytes that do
+  not decode, a record without string id/text): a `schema_error` dead letter with the message;
+- the registry's fault (unreachable after the client's retries, 5xx, 401/403): a
+  `SchemaRegistryFailure`, which stops the worker; the record's offset is not committed, so the
+  restarted worker reads it again once the registry is back;
+- at start: the registry unreachable, or the output schema not registered while
+  schema_auto_register is off: a `SchemaRegistryFailure` before the model loads (exit 2).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from confluent_kafka.schema_registry import (SchemaRegistryClient, record_subject_name_strategy,
+                                             topic_record_subject_name_strategy, topic_subject_name_strategy)
+from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
+from confluent_kafka.schema_registry.error import SchemaRegistryError
+from confluent_kafka.schema_registry.json_schema import JSONDeserializer, JSONSerializer
+from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer, ProtobufSerializer
+from confluent_kafka.serialization import MessageField, SerializationContext
+
+from worker.errors import SchemaRegistryFailure
+from worker.settings.schema import Settings
+from worker.formats.messages import (Headers, Keyword, OutputCodec, Rejection, check_size, keyword_from_object)
+from worker.formats.protobuf_schemas import message_class
+
+try:  # confluent-kafka's registry client speaks HTTP through httpx2 (Python 3.10+) or httpx
+    from httpx2 import TransportError
+except ImportError:  # pragma: no cover - older confluent-kafka
+    from httpx import TransportError  # type: ignore[no-redef]
+
+SCHEMA_DIR = Path(__file__).resolve().parent / "registry_schemas"
+
+STRATEGIES: dict[str, Callable[..., Any]] = {
+    "topic": topic_subject_name_strategy,
+    "record": record_subject_name_strategy,
+    "topic-record": topic_record_subject_name_strategy,
+}
+
+# The client's own retries (with jittered backoff) before a call fails: the bounded retry of a
+# registry that is briefly away. Then the worker stops (SchemaRegistryFailure).
+_CLIENT_RETRIES = 3
+_CLIENT_TIMEOUT_S = 10
+
+
+def schema_file(fmt: str, encoding: str) -> Path:
+    """The output schema for a registry format and embedding encoding (worker/formats/registry_schemas/)."""
+    if fmt == "avro":
+        return SCHEMA_DIR / ("embedding-floats.avsc" if encoding == "float-list" else "embedding-bytes.avsc")
+    if fmt == "json-schema":
+        return SCHEMA_DIR / "embedding.schema.json"
+    if fmt == "protobuf":
+        return SCHEMA_DIR / ("embedding-floats.proto" if encoding == "float-list" else "embedding-bytes.proto")
+    raise ValueError(f"no output schema for format {fmt!r}")
+
+
+def client_conf(settings: Settings) -> dict[str, Any]:
+    """The SchemaRegistryClient configuration of the settings (the password read from its file)."""
+    conf: dict[str, Any] = {"url": settings.schema_registry_url, "max.retries": _CLIENT_RETRIES,
+                            "timeout": _CLIENT_TIMEOUT_S}
+    password = settings.schema_registry_password
+    if settings.schema_registry_password_file:
+        try:
+            password = Path(settings.schema_registry_password_file).read_text(encoding="utf-8").rstrip("\n")
+        except OSError as exc:
+            raise SchemaRegistryFailure(f"setting 'schema_registry_password_file': cannot read "
+                                        f"{settings.schema_registry_password_file}: {exc.strerror}") from None
+    if settings.schema_registry_username or password:
+        conf["basic.auth.user.info"] = f"{settings.schema_registry_username}:{password}"
+    if settings.schema_registry_ca_location:
+        conf["ssl.ca.location"] = settings.schema_registry_ca_location
+    return conf
+
+
+def registry_client(settings: Settings) -> SchemaRegistryClient:
+    return SchemaRegistryClient(client_conf(settings))
+
+
+def registry_fault(exc: BaseException) -> bool:
+    """True when the registry, not the record, is at fault: unreachable, a server error, or it
+    refuses the worker's credentials. A 404 (unknown schema ID) or 422 is the record's fault."""
+    if isinstance(exc, TransportError):
+        return True
+    if isinstance(exc, SchemaRegistryError):
+        status = exc.http_status_code
+        return status in (401, 403, 408, 429) or status >= 500 or status < 0
+    return False
+
+
+def describe(exc: BaseException) -> str:
+    """The registry's (or the deserialiser's) message, for a dead letter or the fatal error."""
+    if isinstance(exc, SchemaRegistryError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _serdes_conf(settings: Settings) -> dict[str, Any]:
+    return {"subject.name.strategy": STRATEGIES[settings.schema_subject_strategy]}
+
+
+class RegistryInput:
+    """Decodes an input record written with a registry format into a Keyword, or a Rejection.
+
+    The writer's schema (fetched by the record's schema ID, then cached) is the reader's: any
+    registered record with string fields `id` and `text` is accepted, whatever else it holds.
+    """
+
+    def __init__(self, settings: Settings, client: SchemaRegistryClient) -> None:
+        conf = _serdes_conf(settings)
+        fmt = settings.input_format
+        self._url = settings.schema_registry_url
+        self._max_bytes = settings.max_message_bytes
+        self._deserialize: Callable[[bytes, SerializationContext], Any]
+        if fmt == "avro":
+            self._deserialize = AvroDeserializer(client, conf=conf)
+        elif fmt == "json-schema":
+            self._deserialize = JSONDeserializer(None, schema_registry_client=client, conf=conf)
+        elif fmt == "protobuf":
+            keyword = ProtobufDeserializer(message_class("keyword"), conf, client)
+            self._deserialize = lambda value, ctx: _proto_dict(keyword(value, ctx))
+        else:
+            raise ValueError(f"input_format {fmt!r} is not a registry format this worker reads")
+
+    def __call__(self, topic: str, key: bytes | None, value: bytes | None, headers: Headers,
+                 headers_bytes: int) -> Keyword | Rejection:
+        rejection = check_size(key, value, max_bytes=self._max_bytes, headers_bytes=headers_bytes)
+        if rejection is not None:
+            return rejection
+        try:
+            obj = self._deserialize(value, SerializationContext(topic, MessageField.VALUE, headers))  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - every failure is either the record's or the registry's
+            if registry_fault(exc):
+                raise SchemaRegistryFailure(f"cannot read a record of topic {topic!r}: the Schema Registry at "
+                                            f"{self._url} failed ({describe(exc)}); stopping without committing "
+                                            f"it, so it is read again after a restart") from exc
+            return Rejection("schema_error", f"the value does not decode with the registry's schema: {describe(exc)}")
+        return keyword_from_object(obj)
+
+
+class RegistryOutput:
+    """Encodes embeddings with a registry format: the OutputCodec's record through the serialiser."""
+
+    def __init__(self, settings: Settings, codec: OutputCodec, client: SchemaRegistryClient) -> None:
+        self._codec = codec
+        self._fmt = settings.output_format
+        self._url = settings.schema_registry_url
+        self.schema_path = schema_file(self._fmt, codec.encoding)
+        schema_str = self.schema_path.read_text(encoding="utf-8")
+        # normalize.schemas: the lookup (auto-register off) matches the registered schema by its
+        # canonical form, not its text, so a copy registered compact or re-indented is found.
+        conf = {**_serdes_conf(settings), "auto.register.schemas": settings.schema_auto_register,
+                "normalize.schemas": True}
+        self._serialize: Callable[[dict[str, object], SerializationContext], bytes | None]
+        if self._fmt == "avro":
+            self._serialize = AvroSerializer(client, schema_str, conf=conf)
+        elif self._fmt == "protobuf":
+            embedding = message_class(self.schema_path.stem)
+            proto = ProtobufSerializer(embedding, client, conf)
+            self._serialize = lambda record, ctx: proto(
+                embedding(**{k: v for k, v in record.items() if v is not None}), ctx)
+        else:
+            self._serialize = JSONSerializer(schema_str, client, conf=conf)
+        self._ctx = SerializationContext(settings.output_topic, MessageField.VALUE)
+        self._bytes = self._fmt != "json-schema"  # JSON has no bytes: base64 as in the JSON output
+
+    @property
+    def headers(self) -> Headers:
+        return self._codec.headers
+
+    def _record(self, qid: str, vec: np.ndarray, tokens: int, truncated: bool) -> dict[str, object]:
+        record = self._codec.record(qid, vec, tokens, truncated, raw_bytes=self._bytes)
+        embedding = record["embedding"]
+        if isinstance(embedding, np.ndarray):
+            record["embedding"] = embedding.tolist()
+        return record
+
+    def value(self, qid: str, vec: np.ndarray, tokens: int, truncated: bool) -> bytes:
+        record = self._record(qid, vec, tokens, truncated)
+        try:
+            out = self._serialize(record, self._ctx)
+        except Exception as exc:  # noqa: BLE001 - not the record's fault: our record, our schema
+            raise SchemaRegistryFailure(f"cannot encode an embedding as {self._fmt} with the Schema Registry at "
+                                        f"{self._url}: {describe(exc)}") from exc
+        assert out is not None
+        return out
+
+    def check(self, dim: int) -> None:
+        """At start: resolves the output schema's ID (registering it when schema_auto_register is
+        on) by encoding one record, so a missing schema or registry stops the worker now."""
+        sample = np.full(dim, 1.0 / np.sqrt(dim), np.float32)
+        try:
+            self._serialize(self._record("kwe-start-check", sample, 2, False), self._ctx)
+        except Exception as exc:  # noqa: BLE001
+            if isinstance(exc, SchemaRegistryError) and exc.http_status_code == 404:
+                raise SchemaRegistryFailure(
+                    f"output_format={self._fmt}: the schema {self.schema_path.name} is not registered under the "
+                    f"output subject at {self._url} ({describe(exc)}); register it (docs/formats.md, Schema Registry formats) or "
+                    f"set schema_auto_register=true") from None
+            if isinstance(exc, SchemaRegistryError) and exc.http_status_code == 409:
+                raise SchemaRegistryFailure(
+                    f"output_format={self._fmt}: the registry at {self._url} refuses {self.schema_path.name} as "
+                    f"incompatible with the output subject's schema ({describe(exc)})") from None
+            raise SchemaRegistryFailure(f"output_format={self._fmt}: cannot reach the Schema Registry at "
+                                        f"{self._url} ({describe(exc)})") from None
+
+
+def _proto_dict(message: Any) -> dict[str, object] | None:
+    """The id and text of a decoded Keyword message (proto3 strings: "" when unset)."""
+    return None if message is None else {"id": message.id, "text": message.text}
+
+
+def check_reachable(settings: Settings, client: SchemaRegistryClient) -> None:
+    """At start, for input: the registry answers (a subject list). Raises SchemaRegistryFailure."""
+    try:
+        client.get_subjects()
+    except Exception as exc:  # noqa: BLE001
+        raise SchemaRegistryFailure(f"input_format={settings.input_format}: cannot reach the Schema Registry at "
+                                    f"{settings.schema_registry_url} ({describe(exc)})") from None

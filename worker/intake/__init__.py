@@ -1,0 +1,1 @@
+"""Intake: consumed records tokenized and submitted (or dead-lettered); flow control."""

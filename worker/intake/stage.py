@@ -1,0 +1,162 @@
+"""Intake: consumed records become in-flight records and bucketer submissions.
+
+Runs on the poll thread only. Each record is tracked by its partition's offsets first (so
+nothing can be committed past it), then validated: a rejected record goes to the dead-letter
+topic with its reason, a good one is tokenized and submitted. No record leaves intake without
+one of the two, and a tokenizer failure on one text dead-letters that text alone. With the
+embedding cache on, a repeated keyword (same token IDs) is answered from it at once and goes
+straight to the output stage.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import structlog
+from confluent_kafka import Message
+
+from worker.batching.cache import EmbeddingCache
+from worker.batching.cache import key as cache_key
+from worker.delivery.dead_letters import DeadLetters
+from worker.delivery.inflight import InFlight, InFlightTable
+from worker.formats.headers import read_headers
+from worker.formats.messages import Headers, Keyword, Rejection, decode_input
+from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched, Watermarks
+from worker.operations.metrics import Metrics
+from worker.settings.schema import Settings
+
+log = structlog.get_logger(__name__)
+
+Submit = Callable[[int, np.ndarray], None]
+# Records answered from the embedding cache: their seqs and rows, handed to the output stage.
+Answer = Callable[[list[int], np.ndarray], None]
+# A registry format's decoder (worker/formats/schema_registry.py's RegistryInput):
+# (topic, key, value, headers, headers' bytes) -> the keyword or why not. It raises a WorkerError
+# when the registry, not the record, fails: that stops the worker without committing the record.
+Decode = Callable[[str, bytes | None, bytes | None, Headers, int], Keyword | Rejection]
+
+
+class Intake:
+    def __init__(self, settings: Settings, tokenizer: Any, tracker: OffsetTracker, inflight: InFlightTable,
+                 submit: Submit, dead_letters: DeadLetters, metrics: Metrics, *,
+                 cache: EmbeddingCache[int] | None = None, answer: Answer | None = None,
+                 decode: Decode | None = None, watermarks: Watermarks | None = None) -> None:
+        self._settings = settings
+        # The partition's log start and end from the consumer, read when its offsets go back.
+        self._watermarks = watermarks
+        self._decode = decode  # None: json or raw, decoded here
+        self._tokenizer = tokenizer
+        self._tracker = tracker
+        self._inflight = inflight
+        self._submit = submit
+        self._dead_letters = dead_letters
+        self._metrics = metrics
+        self._cache = cache
+        self._answer = answer
+        self._seq = itertools.count()
+        self.consumed = 0
+
+    def handle(self, msgs: Sequence[Message]) -> None:
+        """Records just returned by a poll (consume)."""
+        s = self._settings
+        polled = time.monotonic()
+        now_ms = time.time() * 1000.0
+        good: list[tuple[int, Keyword, InFlight]] = []
+        in_topic: list[float] = []
+        consumed = 0
+        for msg in msgs:
+            part = self._tracker.get(msg.topic(), msg.partition())
+            if part is None:
+                continue  # delivered for a partition no longer ours (revoked between fetch and here)
+            rec = self._track(part, msg)
+            if rec is None:
+                continue
+            consumed += 1
+            if rec.timestamp_ms is not None and rec.timestamp_ms > 0:
+                in_topic.append((now_ms - rec.timestamp_ms) / 1000.0)
+            seq = next(self._seq)
+            if self._decode is None:
+                decoded = decode_input(msg.key(), msg.value(), fmt=s.input_format,  # type: ignore[arg-type]
+                                       max_bytes=s.max_message_bytes, headers_bytes=rec.headers.size)
+            else:
+                decoded = self._decode(msg.topic(), msg.key(), msg.value(), rec.headers.headers, rec.headers.size)
+            if isinstance(decoded, Rejection):
+                self._reject(seq, rec, decoded)
+            else:
+                good.append((seq, decoded, rec))
+        self.consumed += consumed
+        self._metrics.count_consumed(consumed)
+        self._metrics.observe_hops("input_to_poll", in_topic)
+        if good:
+            self._embed(good, polled)
+
+    def _track(self, part: PartitionOffsets, msg: Message) -> InFlight | None:
+        offset = msg.offset()
+        ts_type, ts = msg.timestamp()
+        key, value = msg.key() or b"", msg.value() or b""
+        epoch = msg.leader_epoch()
+        try:
+            part.track(offset, epoch, self._watermarks)
+        except Refetched as exc:
+            # Already in flight or done here, or committed before this owner began: writing it
+            # again would duplicate it, even for a read_committed reader.
+            if exc.first:
+                log.warning("partition fetched again by the client (an offset reset to the log start, or "
+                            "a re-fetch); the records already processed are skipped", error=str(exc))
+            return None
+        except OffsetWentBack as exc:
+            # The lower offsets are new records (a recreated topic, a log truncated and rewritten).
+            # The partition starts over from here; nothing is skipped.
+            log.warning("partition offsets went back: the input log was reset (topic recreated or "
+                        "truncated); the records from here on are processed as new", error=str(exc))
+            part = self._tracker.restart(part.topic, part.partition)
+            part.track(offset, epoch)
+        headers = read_headers(msg)  # never msg.headers(): a header name need not be UTF-8
+        nbytes = len(key) + len(value) + headers.size
+        return InFlight(part, offset, "", 0, False, ts if ts_type else None, nbytes, msg, headers)
+
+    def _reject(self, seq: int, rec: InFlight, rejection: Rejection) -> None:
+        self._inflight.add(seq, rec)
+        assert rec.msg is not None
+        self._dead_letters.send(seq, rec.msg, rec.headers, rejection)
+
+    def _embed(self, good: list[tuple[int, Keyword, InFlight]], polled: float) -> None:
+        texts = [kw.text for _, kw, _ in good]
+        hits: list[tuple[int, np.ndarray]] = []
+        try:
+            encoded: list[Any] = self._tokenizer.encode(texts)
+        except Exception:  # noqa: BLE001 - one bad text must not cost the batch: find it alone
+            encoded = []
+            for text in texts:
+                try:
+                    encoded.append(self._tokenizer.encode([text])[0])
+                except Exception as exc:  # noqa: BLE001
+                    encoded.append(exc)
+        submitted: list[float] = []
+        for (seq, kw, rec), enc in zip(good, encoded):
+            if isinstance(enc, Exception):
+                self._reject(seq, rec, Rejection("tokenize_error", f"the tokenizer failed on this text: {enc!r}"))
+                continue
+            if enc.length <= self._tokenizer.special_tokens:
+                # Visible to is_blank but nothing to the model (e.g. only combining marks).
+                self._reject(seq, rec, Rejection("empty_text", "'text' has no tokens once normalised"))
+                continue
+            rec.qid, rec.tokens, rec.truncated = kw.id, enc.length, enc.truncated
+            self._inflight.add(seq, rec)
+            if self._cache is not None:
+                rec.cache_key = cache_key(enc.ids)
+                row = self._cache.get(rec.cache_key)
+                if row is not None:
+                    # A repeat: answered now, skipping the bucketer and the model; its offset is
+                    # still finished only when the output is acknowledged, like any other.
+                    hits.append((seq, row))
+                    continue
+            self._submit(seq, enc.ids)
+            submitted.append(time.monotonic() - polled)
+        self._metrics.observe_hops("poll_to_submit", submitted)
+        if hits and self._answer is not None:
+            self._answer([seq for seq, _ in hits], np.stack([row for _, row in hits]))

@@ -1,0 +1,99 @@
+"""Tokenisation as the reference does it: [CLS] prompt text [SEP], cut at max_seq_length, no padding.
+
+A prompt (kwe_core.model.Prompt: "query: " for e5, an instruction for bge) is put before
+each text before tokenisation, as sentence-transformers does, so it counts towards
+max_seq_length and is part of the token IDs, hence of the embedding cache's key.
+
+The packaged tokenizer.json switches on truncation at 128 and fixed padding to 128. Used as it
+stands, every keyword would cost 128 positions and long ones would be cut below the reference's
+256, so both are replaced here. Padding is done later, per batch, by worker.batching.padding.pad_batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from kwe_core.model import ModelError, ModelInfo, Prompt
+
+
+@dataclass(frozen=True)
+class Encoded:
+    # Token ids with special tokens, already cut at max_len: what the model sees.
+    ids: np.ndarray
+    # Token count with special tokens *before* truncation (for metrics and bucketing decisions).
+    length: int
+    truncated: bool
+
+
+class KeywordTokenizer:
+    def __init__(self, tokenizer: Tokenizer, max_len: int, *, source: str = "<tokenizer>",
+                 prompt: Prompt | None = None) -> None:
+        if max_len < 3:
+            raise ValueError(f"{source}: max_len {max_len} cannot hold [CLS] x [SEP]")
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(max_len)
+        self._tokenizer = tokenizer
+        self._max_len = max_len
+        # Each overflow piece repeats the special tokens; subtracting them gives the full length.
+        self._n_special = tokenizer.num_special_tokens_to_add(False)
+        self.prompt = prompt or Prompt()
+        # What every encoding holds besides the text: the special tokens and the prompt's own.
+        prompt_ids = tokenizer.encode(self.prompt.text, add_special_tokens=True).ids if self.prompt.text else []
+        self._n_fixed = len(prompt_ids) if self.prompt.text else self._n_special
+        # sentence-transformers' prompt_length: the prompt tokenized alone, less its trailing
+        # special token ([SEP], </s>) when it has one; a pooling with include_prompt false
+        # leaves these first positions out.
+        special = {i for i, tok in tokenizer.get_added_tokens_decoder().items() if tok.special}
+        self._prompt_tokens = len(prompt_ids) - (1 if prompt_ids and prompt_ids[-1] in special else 0)
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path, max_len: int | None = None, *,
+                       prompt: Prompt | None = None) -> KeywordTokenizer:
+        return cls.from_model(ModelInfo.from_dir(path), max_len, prompt=prompt)
+
+    @classmethod
+    def from_model(cls, info: ModelInfo, max_len: int | None = None, *,
+                   prompt: Prompt | None = None) -> KeywordTokenizer:
+        """The model's tokenizer, from a ModelInfo already read (the model folder is read once per start)."""
+        limit = info.max_seq_length if max_len is None else max_len
+        if not 3 <= limit <= info.max_tokens:
+            raise ModelError(f"{info.model_dir}: max_len {limit} must be in [3, {info.max_tokens}]")
+        try:
+            tokenizer = Tokenizer.from_file(str(info.tokenizer_path))
+        except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
+            raise ModelError(f"{info.tokenizer_path}: cannot load tokenizer ({exc})") from None
+        return cls(tokenizer, limit, source=str(info.tokenizer_path), prompt=prompt)
+
+    @property
+    def max_len(self) -> int:
+        return self._max_len
+
+    @property
+    def special_tokens(self) -> int:
+        """Tokens every encoding has ([CLS], [SEP], the prompt's): an encoding of no more has no text."""
+        return int(self._n_fixed)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """How many leading tokens of every encoding are the prompt's, as sentence-transformers
+        counts them for include_prompt=false (its leading special token included); 0 without one."""
+        return self._prompt_tokens
+
+    def encode(self, texts: Sequence[str]) -> list[Encoded]:
+        # One text at a time on the calling thread, never encode_batch: that wakes the tokenizers'
+        # Rayon pool, whose threads spin between calls and took a core from the model under a
+        # trickle (issue 19: ~5 ms per call of 1-3 keywords on the poll thread; benchmarks/results/
+        # latency_diagnosis.md). Keywords are short: one at a time costs ~15 us each.
+        out = []
+        encode = self._tokenizer.encode
+        prefix = self.prompt.text
+        for enc in (encode(prefix + text if prefix else text, add_special_tokens=True) for text in texts):
+            ids = np.asarray(enc.ids, dtype=np.int64)
+            overflow = sum(len(o.ids) - self._n_special for o in enc.overflowing)
+            out.append(Encoded(ids=ids, length=len(ids) + overflow, truncated=overflow > 0))
+        return out

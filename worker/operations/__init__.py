@@ -1,0 +1,1 @@
+"""Operations: metrics, the probe server, liveness, logs, secrets kept out of them, stop signals."""

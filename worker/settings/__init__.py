@@ -1,0 +1,1 @@
+"""Settings: the schema, where values come from, the refused librdkafka keys, the rendered reference."""
