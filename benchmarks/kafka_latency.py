@@ -25,7 +25,7 @@
    read, a "catch-up" level at --catchup of the sustained rate whose every window is kept: what
    live traffic sees after a deploy, restart or rebalance that left lag.
 6. The generator's own lag: each record's send stamp against the schedule it followed (the same
-   seed, worker/loadgen.arrivals); a level more than 20 ms behind at p99 is rejected (it
+   seed, worker/benchmark/loadgen.arrivals); a level more than 20 ms behind at p99 is rejected (it
    measured a starved generator) and left out of the medians.
 7. Latency at the reader too: the benchmark's readers run during the level, and the time the
    output reader got each record shows what the output stamp (taken at produce()) does not:
@@ -374,7 +374,7 @@ def kafka_level(side: Side, rows: list[tuple[str, str]], bootstrap: str, rate: f
     order = [f"{tag}{q}" for q, _ in rows]
     keys = [k for k in order if k in side.in_ts]
     missing = sum(k not in side.out_ts for k in keys)
-    # The schedule the generator followed (the same seed and rate: worker/loadgen.arrivals), in file order.
+    # The schedule the generator followed (the same seed and rate: worker/benchmark/loadgen.arrivals), in file order.
     planned = np.fromiter(itertools.islice(arrivals(rate, float("inf"), spacing, seed=seed), len(order)), np.float64)
     position = {k: i for i, k in enumerate(order)}
     gen_lag = schedule_lag_ms(np.array([side.in_ts[k] for k in keys], dtype=np.float64),

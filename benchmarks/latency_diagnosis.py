@@ -47,8 +47,8 @@ from worker.kafka.admin import ensure_topics  # noqa: E402
 # Frames that tell what a sampled Python thread is doing (matched against "function (file)").
 ACTIVITIES = (
     ("onnxruntime run", re.compile(r"\brun \(.*onnxruntime")),
-    ("tokenizer", re.compile(r"\bencode \(.*worker/tokenize\.py")),
-    ("json/encode output", re.compile(r"worker/kafka/messages\.py|orjson")),
+    ("tokenizer", re.compile(r"\bencode \(.*worker/intake/tokenize\.py")),
+    ("json/encode output", re.compile(r"worker/formats/messages\.py|orjson")),
     ("consume (librdkafka)", re.compile(r"\bconsume \(.*worker/kafka/consumer\.py")),
     ("produce/poll (librdkafka)", re.compile(r"\b(produce|poll|flush) \(.*worker/kafka/producer\.py")),
     ("bucketer wait", re.compile(r"\bwait \(.*threading\.py")),
