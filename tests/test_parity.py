@@ -279,3 +279,45 @@ def test_openvino_memory_settles_while_batch_shapes_keep_changing(exports: dict[
                          capture_output=True, text=True, timeout=300, check=True).stdout
     second, fourth = map(float, out.split())
     assert fourth - second < 32, f"RSS grew {fourth - second:.0f} MiB between the 2nd and the 4th walk"
+
+
+_FIRST_CALLS_AT_ONCE = """
+import os, sys, threading
+import numpy as np
+from worker.backends.openvino import OpenVinoBackend
+sys.setswitchinterval(1e-6)  # the GIL changes hands as often as it can: the race shows nearly every time
+backend = OpenVinoBackend(sys.argv[1], precision="bf16", threads=1, cache_dir=sys.argv[2])
+contexts = [backend.create_context(i) for i in range(4)]
+start = threading.Barrier(len(contexts))
+def first_call(context):
+    ids = np.ones((2, 5), dtype=np.int64)
+    start.wait()
+    context.run(ids, ids)
+threads = [threading.Thread(target=first_call, args=(c,), daemon=True) for c in contexts]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(20)
+os._exit(3 if any(t.is_alive() for t in threads) else 0)
+"""
+
+
+def test_openvino_contexts_making_their_first_calls_at_once_do_not_deadlock(exports: dict[str, Path],
+                                                                             tmp_path: Path) -> None:
+    """Each dispatcher owns a context, and a worker's first batches reach them at once. The
+    bindings build function-local statics on their first call, releasing the GIL inside one of
+    them; without the warm-up call at load (OpenVinoBackend._warm_up) a second thread holding the
+    GIL waited on that static and the whole process hung, its probes included: 9 of 10 fresh
+    processes here, and the docs test's exactly-once demo in CI. A fresh interpreter each time,
+    as the statics are built once per process."""
+    pytest.importorskip("openvino")
+    import subprocess
+    import sys
+
+    for _ in range(3):
+        try:
+            done = subprocess.run([sys.executable, "-c", _FIRST_CALLS_AT_ONCE, str(exports["plain"]), str(tmp_path)],
+                                  capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the process hung with every thread waiting (the GIL held by a thread waiting on a static)")
+        assert done.returncode == 0, f"first calls still running after 20 s (exit {done.returncode}): {done.stderr}"

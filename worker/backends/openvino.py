@@ -151,6 +151,19 @@ class OpenVinoBackend:
         self._first: Any = compiled
         self._lock = threading.Lock()
         self._closed = False
+        # One call here, on the loading thread, before any dispatcher runs: the bindings build
+        # function-local statics on their first call (pybind11's numpy API among them), and one
+        # thread building them releases the GIL inside while another, holding the GIL, waits on
+        # the same static: the whole process deadlocks (seen as a worker that stalls on its first
+        # batches, every thread in a futex; 9 of 10 fresh processes with 4 contexts calling at once).
+        self._warm_up(compiled)
+
+    def _warm_up(self, compiled: Any) -> None:
+        feed = {INPUT_IDS: np.ones((1, 3), dtype=np.int64), ATTENTION_MASK: np.ones((1, 3), dtype=np.int64)}
+        try:
+            np.array(compiled.create_infer_request().infer(feed)[self.output], dtype=np.float32, copy=True)
+        except Exception as exc:  # noqa: BLE001 - the plugin's RuntimeError
+            raise BackendError(f"openvino: {self.path}: the first call failed: {exc}") from None
 
     def create_context(self, index: int) -> OpenVinoContext:
         with self._lock:
