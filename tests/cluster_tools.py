@@ -333,6 +333,7 @@ class Stream:
         self.leaving: set[str] = set()  # members stopped on purpose
         self.sent: list[tuple[str, float]] = []
         self.arrivals: list[tuple[str, float]] = []
+        self.rereads = 0  # output records the tail read again (same partition and offset)
         self.faults: list[FaultResult] = []
         self.fault_running: str | None = None
         self.failed_deliveries: list[str] = []
@@ -413,13 +414,23 @@ class Stream:
             self.failed_deliveries.append(f"{left} input records not delivered at the end")
 
     def _tail(self) -> None:
+        """Stamps each output record's first arrival. A record read again at the same partition
+        and offset is one record, not a duplicate: the reader itself re-reads when its own group
+        rebalances during a fault (no committed offsets: it starts over from the earliest) or its
+        fetch position is reset. A duplicate is a second record with the same ID."""
         seen = 0
+        where: set[tuple[int, int]] = set()
         while not self._done.is_set():
             self._reader.poll(0.3)
             now = time.monotonic()
             fresh = self._reader.records[seen:]
             seen += len(fresh)
-            self.arrivals.extend((r.key or "", now) for r in fresh)
+            for r in fresh:
+                if (r.partition, r.offset) in where:
+                    self.rereads += 1
+                    continue
+                where.add((r.partition, r.offset))
+                self.arrivals.append((r.key or "", now))
 
     def arrived(self) -> set[str]:
         return {k for k, _ in list(self.arrivals)}
@@ -512,7 +523,11 @@ class Stream:
         dups = sorted(k for k, n in counts.items() if n > 1)
         lines = [f.line(self.guarantee, ids) for f in self.measure()]
         lines.append(f"{self.guarantee:<13} | stream: {ids} IDs at {self.rate:g}/s, {len(counts)} arrived, "
-                     f"{sum(counts.values()) - len(counts)} duplicates{(' e.g. ' + ', '.join(dups[:5])) if dups else ''}")
+                     f"{sum(counts.values()) - len(counts)} duplicates{(' e.g. ' + ', '.join(dups[:5])) if dups else ''}"
+                     f"; the reader read {self.rereads} records again (same offsets, not counted)")
+        # Where both copies of a duplicate sit (partition@offset): the lead to which write repeated it.
+        lines += [f"{self.guarantee:<13} | {q}: " + ", ".join(f"p{p}@{o}" for p, o, _ in self._reader.where(q))
+                  for q in dups[:5]]
         lines += [f"{self.guarantee:<13} | a new producer took over in {t}" for t in self.take_overs()]
         text = "\n".join(lines)
         path = os.environ.get("KWE_CLUSTER_REPORT")
