@@ -205,3 +205,36 @@ def test_concurrent_completion_matches_a_sequential_model() -> None:
     expected = min(set(offsets) - set(finished))
     assert p.committable() == expected
     assert p.unfinished() == 1000
+
+
+def test_a_rewound_state_begins_where_the_seek_sent_it_with_the_old_leader_epochs() -> None:
+    """A seek of ours rewinds a partition to 45 with fresh state (OffsetTracker.replace, then
+    begin_at at the seek): a reset to the log start before the first record from 45 is a re-fetch
+    of records the group committed; a record below 45 in a leader epoch the old state never saw
+    there is a new one (another log), and begin_at after a record was tracked changes nothing."""
+    tracker = OffsetTracker()
+    old = tracker.assign("t", 0)
+    for off in range(40, 45):
+        old.track(off, 2)
+    for off in range(45, 50):
+        old.track(off, 3)  # a leader change inside the old state
+    fresh = tracker.replace("t", 0)
+    assert old.revoked and fresh.first is None
+    fresh.begin_at(45)
+    assert fresh.first == 45 and fresh.to_commit() is None and fresh.uncommitted() == 0
+    with pytest.raises(Refetched, match="from the log start") as first:
+        fresh.track(0, 1, _log(60))
+    assert first.value.first
+    for off in range(1, 45):
+        with pytest.raises(Refetched):
+            fresh.track(off, 2 if off >= 40 else 1, _log(60))
+    fresh.track(45, 3)  # where the seek sent it: tracked as usual
+    fresh.done(45)
+    assert fresh.to_commit() == 46
+    fresh.begin_at(10)  # tracked a record already: ignored
+    assert fresh.first == 45
+
+    other = tracker.replace("t", 0)
+    other.begin_at(45)
+    with pytest.raises(OffsetWentBack, match="leader epoch 7"):  # 44 was written in epoch 2
+        other.track(44, 7, _log(60))

@@ -236,3 +236,30 @@ def test_a_log_truncated_and_rewritten_under_the_member_loses_none_of_its_new_re
     assert [k for k in m.producer.visible if k.startswith("new-")] == [f"new-{o}" for o in range(6, 12)]
     assert sorted(k for k in m.producer.visible if not k.startswith("new-")) == sorted(f"0-{o}" for o in range(10))
     assert m.producer.offsets == {("in", 0): 12}
+
+
+def test_a_reset_to_the_log_start_right_after_a_rewind_is_skipped_not_written_again() -> None:
+    """Issue 32, findings 1 and 2 together. An abort (or a take-over) rewinds a partition, with fresh
+    offset state, to where its transaction began: here offset 10, committed. Before the first
+    record from there arrives, librdkafka resets the fetch position to the log start (an
+    error-driven reset: a leader moved during the fault that caused the abort). A fresh state
+    knew nothing of where it stood, took offset 0 for its first record, and 0-9, committed
+    already, were written again: duplicates for a read_committed reader. The rewound state begins
+    at its rewind offset, with the leader epochs of the state it replaces, so what lies below is
+    a re-fetch."""
+    m = Member(partitions=1, records=10)
+    m.consumer.assign_op([0])()
+    m.settle()
+    assert m.txn.committed == 1 and m.producer.offsets == {("in", 0): 10}
+    m.consumer.logs[0] += [f"0-{o}".encode() for o in range(10, 15)]
+    m.poll(max_records=20)  # 10-14 into the open transaction
+    m.txn.request_abort("a write failed")
+    m.finish_all()
+    m.txn.step(flow_paused=True)
+    assert m.txn.aborted == 1 and m.consumer.seeks[-1] == (0, 10)
+    m.consumer.fetch_at[0] = 0  # reset to the log start before the rewind's first record, same log
+    m.consumer.queue.clear()
+    m.settle()
+    assert not m.latch.is_set(), m.latch.error
+    assert sorted(m.producer.visible, key=lambda k: int(k.split("-")[1])) == [f"0-{o}" for o in range(15)]
+    assert m.producer.offsets == {("in", 0): 15}

@@ -60,6 +60,8 @@ class PartitionOffsets:
     # The leader epoch of every offset tracked, as runs: (first offset of the run, epoch).
     _epochs: list[tuple[int, int]] = field(default_factory=list, repr=False)
     _refetch_at: int | None = None  # during a re-fetch: the lowest offset it may deliver next
+    # The epoch runs of the state this one replaced (OffsetTracker.replace), for `begin_at`.
+    _before: list[tuple[int, int]] = field(default_factory=list, repr=False)
     _committed: int | None = None  # the highest offset the broker confirmed as committed
     _requested: set[int] = field(default_factory=set, repr=False)  # commits asked for, not yet confirmed
     revoked: bool = False
@@ -126,7 +128,25 @@ class PartitionOffsets:
         for start, epoch in reversed(self._epochs):
             if start <= offset:
                 return epoch
-        return self._epochs[0][1]
+        return self._epochs[0][1] if self._epochs else NO_EPOCH
+
+    def begin_at(self, offset: int) -> None:
+        """A seek of ours sent this fresh state's partition to `offset` (where the group's position
+        stands): the state begins there, as if it had consumed the records below, with the leader
+        epochs the state it replaced tracked them with (`OffsetTracker.replace`). Without it, a
+        reset of the fetch position to the log start before the first record from `offset` (an
+        error-driven reset, `_went_back`) was taken for the state's first records, and records
+        the group had committed were written again. A state that tracked a record is left alone."""
+        with self._lock:
+            if self._next is not None:
+                return
+            self._first = self._next = offset
+            self._epochs = [(start, epoch) for start, epoch in self._before if start <= offset]
+
+    def epoch_runs(self) -> list[tuple[int, int]]:
+        """(first offset, leader epoch) of every run of offsets this state tracked, in order."""
+        with self._lock:
+            return list(self._epochs)
 
     def done(self, offset: int) -> None:
         with self._lock:
@@ -223,6 +243,16 @@ class OffsetTracker:
             state = PartitionOffsets(topic, partition, self._epoch)
             self._parts[(topic, partition)] = state
             return state
+
+    def replace(self, topic: str, partition: int) -> PartitionOffsets:
+        """A fresh state, the old one marked revoked (as by `assign`), that keeps the old one's
+        leader epochs for `PartitionOffsets.begin_at`: for a partition a seek of ours rewinds."""
+        with self._lock:
+            before = self._parts.get((topic, partition))
+        state = self.assign(topic, partition)
+        if before is not None:
+            state._before = before.epoch_runs()
+        return state
 
     def restart(self, topic: str, partition: int) -> PartitionOffsets:
         """A fresh state for a partition whose log went back under us (see `track`): unlike

@@ -35,13 +35,18 @@ def fresh_state(tracker: OffsetTracker) -> dict[tuple[str, int], int]:
         start = p.committed if p.committed is not None else p.first
         if start is not None:
             starts[(p.topic, p.partition)] = start
-            tracker.assign(p.topic, p.partition)
+            tracker.replace(p.topic, p.partition)
     return starts
 
 
-def seek(consumer: GroupConsumer, positions: list[TopicPartition]) -> None:
-    """Rewinds each partition's fetch position; one not (or no longer) assigned is skipped."""
+def seek(consumer: GroupConsumer, tracker: OffsetTracker, positions: list[TopicPartition]) -> None:
+    """Rewinds each partition's fetch position, its fresh state beginning there
+    (`PartitionOffsets.begin_at`: a reset to the log start that comes before the first record from
+    there is then a re-fetch); one not (or no longer) assigned is skipped."""
     for tp in positions:
+        state = tracker.get(tp.topic, tp.partition)
+        if state is not None:
+            state.begin_at(tp.offset)
         try:
             consumer.seek(tp)
         except KafkaException as exc:

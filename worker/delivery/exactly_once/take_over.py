@@ -158,7 +158,7 @@ def take_over(txn: Loop, starts: dict[tuple[str, int], int] | None, reason: Take
     # No committed offset: the hung commit did not land, and none came before it.
     rewind = [TopicPartition(tp.topic, tp.partition, tp.offset if tp.offset >= 0 else starts[(tp.topic, tp.partition)])
               for tp in answer]
-    seek(txn.consumer, rewind)
+    seek(txn.consumer, txn.tracker, rewind)
     landed = [f"{tp.topic}[{tp.partition}]" for tp in rewind if tp.offset != starts[(tp.topic, tp.partition)]]
     log.warning("a new producer took over; partitions rewound to their committed offsets",
                 partitions=[f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in rewind],

@@ -326,7 +326,7 @@ class Transactions:
                 self.latch.trip(TransactionError(f"the transaction could not be aborted ({reason})"))
             return
         rewind = [TopicPartition(topic, partition, start) for (topic, partition), start in starts.items()]
-        seek(self.consumer, rewind)
+        seek(self.consumer, self.tracker, rewind)
         log.warning("transaction aborted; partitions rewound", reason=reason,
                     partitions=[f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in rewind])
         self._finish("aborted")
