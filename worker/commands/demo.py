@@ -71,12 +71,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _get(url: str) -> tuple[int, str]:
+def _get(url: str, timeout_s: float = 2.0) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
             return resp.status, resp.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
+
+
+def _metrics(port: int, timeout_s: float = 10.0) -> str:
+    """A worker's /metrics text, or "" when it does not answer in time (a loaded 2-core box): the
+    summary then leaves that worker out of its backend, padding and cache lines, and the demo's
+    verdict, which rests on the topics alone, stands."""
+    try:
+        return _get(f"http://127.0.0.1:{port}/metrics", timeout_s=timeout_s)[1]
+    except OSError as exc:
+        print(f"demo: the metrics of the worker on port {port} were not read ({exc}); the summary leaves it out",
+              file=sys.stderr)
+        return ""
 
 
 def _metric_sums(text: str, name: str) -> dict[str, float]:
@@ -162,7 +174,7 @@ def _run(args: argparse.Namespace, bootstrap: str, security: dict[str, str], key
                 return 1
             time.sleep(0.1)
     print("demo: both workers joined the group and own partitions (/readyz is 200)")
-    print(f"demo: inference backend {_backend_line(_get(f'http://127.0.0.1:{procs[0][1]}/metrics')[1])}")
+    print(f"demo: inference backend {_backend_line(_metrics(procs[0][1]))}")
 
     sent_ms: dict[str, int] = {}
 
@@ -214,7 +226,7 @@ def _run(args: argparse.Namespace, bootstrap: str, security: dict[str, str], key
             break
     bar.close()
     consumer.close()
-    metrics_text = [_get(f"http://127.0.0.1:{port}/metrics")[1] for _, port in procs]
+    metrics_text = [_metrics(port) for _, port in procs]
 
     missing = expected - vectors.keys()
     elapsed = last_out - start
