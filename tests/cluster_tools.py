@@ -333,7 +333,6 @@ class Stream:
         self.leaving: set[str] = set()  # members stopped on purpose
         self.sent: list[tuple[str, float]] = []
         self.arrivals: list[tuple[str, float]] = []
-        self.rereads = 0  # output records the tail read again (same partition and offset)
         self.faults: list[FaultResult] = []
         self.fault_running: str | None = None
         self.failed_deliveries: list[str] = []
@@ -426,11 +425,9 @@ class Stream:
             fresh = self._reader.records[seen:]
             seen += len(fresh)
             for r in fresh:
-                if (r.partition, r.offset) in where:
-                    self.rereads += 1
-                    continue
-                where.add((r.partition, r.offset))
-                self.arrivals.append((r.key or "", now))
+                if (r.partition, r.offset) not in where:
+                    where.add((r.partition, r.offset))
+                    self.arrivals.append((r.key or "", now))
 
     def arrived(self) -> set[str]:
         return {k for k, _ in list(self.arrivals)}
@@ -524,7 +521,7 @@ class Stream:
         lines = [f.line(self.guarantee, ids) for f in self.measure()]
         lines.append(f"{self.guarantee:<13} | stream: {ids} IDs at {self.rate:g}/s, {len(counts)} arrived, "
                      f"{sum(counts.values()) - len(counts)} duplicates{(' e.g. ' + ', '.join(dups[:5])) if dups else ''}"
-                     f"; the reader read {self.rereads} records again (same offsets, not counted)")
+                     f"; the reader read {self._reader.rereads} records again (same offsets, not counted)")
         # Where both copies of a duplicate sit (partition@offset): the lead to which write repeated it.
         lines += [f"{self.guarantee:<13} | {q}: " + ", ".join(f"p{p}@{o}" for p, o, _ in self._reader.where(q))
                   for q in dups[:5]]

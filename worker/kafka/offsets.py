@@ -235,24 +235,23 @@ class OffsetTracker:
             return state is None or state.epoch > epoch
 
     def assign(self, topic: str, partition: int) -> PartitionOffsets:
+        return self._fresh(topic, partition, keep_epochs=False)
+
+    def replace(self, topic: str, partition: int) -> PartitionOffsets:
+        """A fresh state, the old one marked revoked (as by `assign`), that keeps the old one's
+        leader epochs for `PartitionOffsets.begin_at`: for a partition a seek of ours rewinds."""
+        return self._fresh(topic, partition, keep_epochs=True)
+
+    def _fresh(self, topic: str, partition: int, *, keep_epochs: bool) -> PartitionOffsets:
         with self._lock:
             self._epoch += 1
             old = self._parts.get((topic, partition))
             if old is not None:
                 old.revoked = True
-            state = PartitionOffsets(topic, partition, self._epoch)
+            before = old.epoch_runs() if keep_epochs and old is not None else []
+            state = PartitionOffsets(topic, partition, self._epoch, _before=before)
             self._parts[(topic, partition)] = state
             return state
-
-    def replace(self, topic: str, partition: int) -> PartitionOffsets:
-        """A fresh state, the old one marked revoked (as by `assign`), that keeps the old one's
-        leader epochs for `PartitionOffsets.begin_at`: for a partition a seek of ours rewinds."""
-        with self._lock:
-            before = self._parts.get((topic, partition))
-        state = self.assign(topic, partition)
-        if before is not None:
-            state._before = before.epoch_runs()
-        return state
 
     def restart(self, topic: str, partition: int) -> PartitionOffsets:
         """A fresh state for a partition whose log went back under us (see `track`): unlike
