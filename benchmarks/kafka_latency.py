@@ -47,6 +47,7 @@ import itertools
 import json
 import math
 import os
+import resource
 import shlex
 import shutil
 import subprocess
@@ -320,6 +321,19 @@ def _sample_timeline(side: Side, broker_pid: int | None, gen_pid: Callable[[], i
         into.append(row)
 
 
+def box_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole machine so far (/proc/stat), for the share busy in a span."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:8]]
+    except (OSError, ValueError):
+        return 0, 0
+    return sum(fields) - fields[3] - fields[4], sum(fields)  # idle and iowait are not busy
+
+
+def busy_share(t0: tuple[int, int], t1: tuple[int, int]) -> float:
+    return (t1[0] - t0[0]) / (t1[1] - t0[1]) if t1[1] > t0[1] else math.nan
+
+
 def kafka_level(side: Side, rows: list[tuple[str, str]], bootstrap: str, rate: float, duration: float,
                 seed: int, spacing: str, tmp: Path, broker_pid: int | None, *,
                 warmup_fraction: float = WARMUP_FRACTION, timeline: bool = False) -> dict[str, Any]:
@@ -332,6 +346,10 @@ def kafka_level(side: Side, rows: list[tuple[str, str]], bootstrap: str, rate: f
     src.write_text("".join(f"{tag}{q}\t{t}\n" for q, t in rows), encoding="utf-8")
     before = scrape(side.worker.url)
     cpu0 = (cpu_seconds(side.worker.proc.pid if side.worker.proc else None), cpu_seconds(broker_pid))
+    # The whole box's CPU while the generator sends (the worker, the broker, the generator, the
+    # readers): how close to saturated the level ran. The generator's own CPU is what the waited-for
+    # children used meanwhile (it is the only child that ends in the level).
+    box0, children0 = box_ticks(), resource.getrusage(resource.RUSAGE_CHILDREN)
     # No --duration: the file holds exactly rate x duration fresh keywords and is sent once.
     gen = subprocess.Popen([sys.executable, "-m", "worker.cli", "produce", "--bootstrap-servers", bootstrap,
                             "--topic", side.topics[0], "--input", str(src), "--rate", f"{rate:.3f}",
@@ -357,6 +375,7 @@ def kafka_level(side: Side, rows: list[tuple[str, str]], bootstrap: str, rate: f
     if gen.poll() is None:
         gen.kill()
     stdout, stderr = gen.communicate()
+    box1, children1 = box_ticks(), resource.getrusage(resource.RUSAGE_CHILDREN)
     if gen.returncode != 0:
         raise SystemExit(f"produce failed: {stderr}")
     sent = int(stdout.split()[1])
@@ -409,7 +428,10 @@ def kafka_level(side: Side, rows: list[tuple[str, str]], bootstrap: str, rate: f
            "keeps_up": missing == 0 and drain_s <= KEEPS_UP_DRAIN_S,
            "cache_hit_rate": hit_rate, "measures_model": hit_rate <= MAX_HIT_RATE,
            "producer_report": stdout.strip(), "worker_cpu_s": round(cpu1[0] - cpu0[0], 2),
-           "broker_cpu_s": round(cpu1[1] - cpu0[1], 2), "hops": hop_breakdown(before, after)}
+           "broker_cpu_s": round(cpu1[1] - cpu0[1], 2),
+           "generator_cpu_s": round(children1.ru_utime + children1.ru_stime
+                                    - children0.ru_utime - children0.ru_stime, 2),
+           "box_busy": busy_share(box0, box1), "hops": hop_breakdown(before, after)}
     if timeline:
         res["timeline"] = samples
         res["broker_gc"] = broker_gc  # jstat -gcutil -t every second: ..., YGC YGCT FGC FGCT ... GCT
@@ -421,6 +443,7 @@ def level_line(label: str, rate: float, name: str, res: dict[str, Any]) -> str:
     return (f"{label} {rate:6.0f} kw/s {name:>10}: p50 {res['p50_ms']:6.0f}  p99 {res['p99_ms']:6.0f}  "
             f"reader p50/p99 {res['reader_p50_ms']:5.0f}/{res['reader_p99_ms']:5.0f}  batch {res['mean_batch']:5.1f}  "
             f"hits {res['cache_hit_rate']:.1%}  drain {res['drain_s']:.1f} s  missing {res['missing']}  "
+            f"box busy {res.get('box_busy', math.nan):.0%}  "
             f"gen lag p99 {g['lag_p99_ms']:.0f} ms{'' if res['valid'] else ' REJECTED'}\n"
             f"    p99 by {WINDOW_S:g} s window: {windows_line(res['windows'])}")
 
@@ -440,18 +463,33 @@ def rss_bytes(pid: int | None) -> int:
 
 
 def overload_verdict(t_send_ms: np.ndarray, t_out_ms: np.ndarray, high_end_ms: float, *, goal_p99_ms: float,
-                     settle_s: float = 10.0) -> dict[str, Any]:
-    """After an overload phase ending at high_end_ms: when the lag drained (the last record sent
-    during the overload was written), the backlog it left and how fast it drained, and the p99 of
-    what was sent from settle_s after the drain on, against the goal."""
+                     settle_s: float = 10.0, caught_up_s: float = 1.0) -> dict[str, Any]:
+    """After an overload phase ending at high_end_ms: the backlog it left, when the lag reached zero
+    and how fast it drained, and the p99 of what was sent from settle_s after that on, against the goal.
+
+    The lag at a moment is what was sent and not yet written. Records sent after the overload
+    queue behind its backlog in their partitions, so the lag reaches zero only once they are
+    out too, later than the overload's own last record (kept as `overload_out_s`). Under a
+    steady stream the lag never reaches 0 exactly: "zero" is the first moment it holds no more
+    than `caught_up_s` of what arrives after the overload."""
     high = t_send_ms < high_end_ms
-    drained_ms = float(t_out_ms[high].max()) if high.any() else high_end_ms
     backlog = int((high & (t_out_ms > high_end_ms)).sum())
+    overload_out_ms = float(t_out_ms[high].max()) if high.any() else high_end_ms
+    sends, outs = np.sort(t_send_ms), np.sort(t_out_ms)
+    # Only while the stream still flows: once sending stops, any lag reaches zero.
+    end_ms = float(sends[-1]) if len(sends) else high_end_ms
+    arrivals = sends[sends >= high_end_ms]
+    low_rate = len(arrivals) / max(1e-3, (float(arrivals[-1]) - high_end_ms) / 1000) if len(arrivals) > 1 else 0.0
+    grid = np.arange(high_end_ms, end_ms + 1.0, 100.0)
+    lag = np.searchsorted(sends, grid, side="right") - np.searchsorted(outs, grid, side="right")
+    zero = np.nonzero(lag <= low_rate * caught_up_s)[0]
+    drained_ms = float(grid[zero[0]]) if len(zero) else end_ms
     after = t_send_ms >= drained_ms + settle_s * 1000
     lat = t_out_ms - t_send_ms
     p99_after = float(np.percentile(lat[after], 99)) if after.any() else math.nan
     drain_s = max(0.0, (drained_ms - high_end_ms) / 1000)
-    return {"backlog_at_high_end": backlog, "drain_s": drain_s,
+    return {"backlog_at_high_end": backlog, "drain_s": drain_s, "lag_zero": bool(len(zero)),
+            "overload_out_s": max(0.0, (overload_out_ms - high_end_ms) / 1000),
             "drain_kw_s": backlog / drain_s if drain_s > 0 else math.nan,
             "p99_after_settle_ms": p99_after, "n_after_settle": int(after.sum()),
             "settled": bool(after.any() and p99_after <= goal_p99_ms)}
@@ -564,6 +602,8 @@ def summarise(report: dict[str, Any]) -> list[dict[str, Any]]:
                    "reader_p99": quartiles([r.get("reader_p99_ms", math.nan) for r in mine]),
                    "p50": quartiles([r["p50_ms"] for r in mine]), "p99": quartiles([r["p99_ms"] for r in mine]),
                    "mean_batch": quartiles([r["mean_batch"] for r in mine]),
+                   # Older reports have no box_busy: nan, shown as "-".
+                   "box_busy": quartiles([r.get("box_busy", math.nan) for r in mine]),
                    "max_hit_rate": max(r["cache_hit_rate"] for r in mine),
                    "all_keep_up": all(r["keeps_up"] for r in mine), "missing": sum(r["missing"] for r in mine),
                    "rounds": len(mine)}
@@ -594,16 +634,20 @@ def render_markdown(report: dict[str, Any]) -> str:
              f"and the broker's acks. A level whose generator was more than {MAX_GENERATOR_LAG_P99_MS:g} ms behind "
              "its schedule at p99 is rejected and left out of the medians.\n",
              "| variant | load | offered kw/s | p50 ms | p99 ms | at the reader p50 / p99 ms | "
-             "p99 / first variant's (paired) | mean batch | cache hits | every ID out, keeps up | rejected |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+             "p99 / first variant's (paired) | mean batch | box busy | cache hits | every ID out, keeps up | "
+             "rejected |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for row in summarise(report):
         ratio = _q(row["p99_ratio_to_first"], "{:.2f}") if "p99_ratio_to_first" in row else "-"
         hits = f"{row['max_hit_rate']:.1%}" + ("" if row["max_hit_rate"] <= MAX_HIT_RATE else " (cache, not model)")
+        busy = "-" if math.isnan(row["box_busy"]["median"]) else f"{row['box_busy']['median']:.0%}"
         lines.append(f"| {row['variant']} | {row['load']:.0%} | {row['rate']:.0f} | {_q(row['p50'])} | "
                      f"{_q(row['p99'])} | {row['reader_p50']['median']:.0f} / {row['reader_p99']['median']:.0f} | "
-                     f"{ratio} | {_q(row['mean_batch'], '{:.1f}')} | {hits} | "
+                     f"{ratio} | {_q(row['mean_batch'], '{:.1f}')} | {busy} | {hits} | "
                      f"{'yes' if row['all_keep_up'] and not row['missing'] else 'NO'} "
                      f"(missing {row['missing']}) | {row['rejected']} |")
+    if report.get("overload"):
+        lines += ["", render_overload(report)]
     lines += ["", render_windows(report)]
     lines += ["", "## Where the time goes (per hop, last round; mean / p50 / p99 ms, p50 and p99 estimated "
               "from histogram buckets)", ""]
@@ -616,6 +660,28 @@ def render_markdown(report: dict[str, Any]) -> str:
         cells = [(f"{v['mean_ms']:.1f} / {v['p50_ms']:.1f} / {v['p99_ms']:.0f}" if (v := r["hops"].get(h)) else "")
                  for h in hops]
         lines.append(f"| {name} | {load:.0%} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_overload(report: dict[str, Any]) -> str:
+    """--overload: per variant, what was lost, memory, the drain, and how alike the partitions drained."""
+    lines = ["## Overload\n",
+             "The lag is what was sent and not yet written; it counts as zero once it holds at most one second of "
+             "the low phase's arrivals. Drain spread: between the first and the last partition whose overload "
+             "records were all written.\n",
+             "| variant | phases | sent | missing | RSS growth MiB | backlog at the overload's end | its last record "
+             "out, s after | lag zero at, s after | p99 from 10 s after it, ms | drain spread s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, ov in report["overload"].items():
+        phases = ", then ".join(f"{p['load']:g}x ({p['rate']:.0f} kw/s) for {p['seconds']:g} s" for p in ov["phases"])
+        zero = f"{ov['drain_s']:.1f}" if ov.get("lag_zero", True) else "not reached"
+        p99 = "-" if math.isnan(ov["p99_after_settle_ms"]) else f"{ov['p99_after_settle_ms']:.0f}"
+        lines.append(f"| {name} | {phases} | {ov['sent']} | {ov['missing']} | {ov['rss_growth_mib']:.1f} | "
+                     f"{ov['backlog_at_high_end']} | {ov.get('overload_out_s', ov['drain_s']):.1f} | {zero} | {p99} | "
+                     f"{ov['by_partition']['drain_spread_s']:.1f} |")
+    lines += ["", "By partition (the overload's records: wait p50/p99, and when the partition's backlog reached "
+              "zero):", ""]
+    lines += [f"- {name}: {partition_line(ov['by_partition'])}" for name, ov in report["overload"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -763,9 +829,11 @@ def main() -> int:
                 overload[side.name] = ov
                 print(f"overload {side.name}: {high:g}x {peak * high:.0f} kw/s for {high_s:g} s, then {low:g}x for "
                       f"{low_s:g} s: sent {ov['sent']}, missing {ov['missing']}, RSS growth {ov['rss_growth_mib']:.1f} "
-                      f"MiB, backlog {ov['backlog_at_high_end']} drained in {ov['drain_s']:.1f} s "
-                      f"({ov['drain_kw_s']:.0f} kw/s), p99 from 10 s after the drain {ov['p99_after_settle_ms']:.0f} "
-                      f"ms (goal {args.goal_p99_ms:g}); low-phase p99 by window: {windows_line(ov['low_phase_windows'])}",
+                      f"MiB, backlog {ov['backlog_at_high_end']}, its last record out {ov['overload_out_s']:.1f} s "
+                      f"after the overload, lag zero {'at' if ov['lag_zero'] else 'not reached by the end,'} "
+                      f"+{ov['drain_s']:.1f} s ({ov['drain_kw_s']:.0f} kw/s), p99 from 10 s after it "
+                      f"{ov['p99_after_settle_ms']:.0f} ms (goal {args.goal_p99_ms:g}); low-phase p99 by window: "
+                      f"{windows_line(ov['low_phase_windows'])}",
                       flush=True)
                 print(f"  overload records by partition (wait p50/p99, backlog zero at): "
                       f"{partition_line(ov['by_partition'])}; drain spread {ov['by_partition']['drain_spread_s']:.1f} s",

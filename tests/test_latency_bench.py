@@ -11,8 +11,8 @@ import pytest
 
 from benchmarks.fresh_keywords import FreshKeywords, PoolExhaustedError
 from benchmarks.kafka_latency import (MAX_GENERATOR_LAG_P99_MS, MAX_HIT_RATE, cache_hit_rate, generator_verdict,
-                                     overload_verdict, partition_line, partition_spread,
-                                     render_markdown, schedule_lag_ms, summarise, window_stats, windows_line)
+                                     overload_verdict, partition_line, partition_spread, render_markdown,
+                                     render_overload, schedule_lag_ms, summarise, window_stats, windows_line)
 from worker.benchmark.loadgen import arrivals
 
 
@@ -127,9 +127,35 @@ def test_overload_verdict_finds_the_drain_and_judges_the_p99_after_it() -> None:
     lat = np.where(send < 10_000, send * 0.4, np.maximum(20.0, 4_000 - (send - 10_000)))
     out = send + lat
     v = overload_verdict(send, out, high_end_ms=10_000 - 10, goal_p99_ms=100.0)
-    assert v["drain_s"] == pytest.approx(3.99, abs=0.02)  # the last overload record out at ~13.98 s
+    assert v["overload_out_s"] == pytest.approx(3.99, abs=0.02)  # the last overload record out at ~13.98 s
+    assert v["drain_s"] == pytest.approx(4.1, abs=0.11) and v["lag_zero"]  # what queued behind it: out at 14 s
     assert v["backlog_at_high_end"] > 0 and v["settled"] and v["p99_after_settle_ms"] == 20.0
     assert not overload_verdict(send, out, high_end_ms=9_990, goal_p99_ms=10.0)["settled"]
+
+
+def _fifo(arrivals_ms: np.ndarray, service_per_s: float) -> np.ndarray:
+    """When each record leaves one first-in first-out server of this rate."""
+    out, free = np.empty_like(arrivals_ms), 0.0
+    for i, t in enumerate(arrivals_ms):
+        free = max(free, t) + 1000.0 / service_per_s
+        out[i] = free
+    return out
+
+
+def test_the_lag_reaches_zero_only_once_what_queued_behind_the_overload_is_out() -> None:
+    # 300/s for 10 s, then 100/s, into a server of 200/s: the overload leaves 1,000 records, its
+    # own last one is out at 15 s, but the 500 sent meanwhile queue behind it; the lag falls by
+    # the spare 100/s and reaches zero at 20 s.
+    send = np.concatenate([np.arange(0, 10_000, 1000 / 300), np.arange(10_000, 40_000, 10.0)])
+    out = _fifo(send, 200.0)
+    v = overload_verdict(send, out, high_end_ms=10_000, goal_p99_ms=100.0)
+    assert v["overload_out_s"] == pytest.approx(5.0, abs=0.05)
+    assert v["drain_s"] == pytest.approx(9.0, abs=0.3)  # lag within one second of arrivals (100)
+    assert v["drain_kw_s"] == pytest.approx(1000 / 9.0, rel=0.05) and v["settled"]
+    # A stream that never catches up is never called drained.
+    slow = _fifo(send, 90.0)
+    stuck = overload_verdict(send, slow, high_end_ms=10_000, goal_p99_ms=100.0)
+    assert not stuck["lag_zero"] and not stuck["settled"] and math.isnan(stuck["p99_after_settle_ms"])
 
 
 def test_partition_spread_shows_partitions_served_one_after_another() -> None:
@@ -148,3 +174,17 @@ def test_partition_spread_shows_partitions_served_one_after_another() -> None:
     late = partition_spread(np.append(send, 20_000.0), np.append(send + 2_000, 99_000.0), np.append(part, 0), 10_000)
     assert late["drain_spread_s"] == pytest.approx(0.0)
     assert partition_line(serial).startswith("p0 2.0/2.0 s, 0 at +2.0 s | p1 ")
+
+
+def test_the_overload_report_names_each_variants_drain_and_how_alike_its_partitions_drained() -> None:
+    send = np.tile(np.arange(0, 10_000, 10, dtype=np.float64), 2)
+    part = np.repeat([0, 1], 1000)
+    serial = partition_spread(send, send + 2_000 + part * 5_000.0, part, high_end_ms=10_000)
+    ov = {"phases": [{"load": 2.0, "rate": 200.0, "seconds": 10.0}, {"load": 0.5, "rate": 50.0, "seconds": 60.0}],
+          "sent": 2000, "missing": 0, "rss_growth_mib": 12.5, "backlog_at_high_end": 900, "overload_out_s": 7.0,
+          "drain_s": 60.0, "lag_zero": False, "p99_after_settle_ms": math.nan, "by_partition": serial}
+    text = render_overload({"overload": {"new": ov}})
+    row = next(line for line in text.splitlines() if line.startswith("| new |"))
+    assert "2x (200 kw/s) for 10 s, then 0.5x (50 kw/s) for 60 s" in row
+    assert row.endswith("| 12.5 | 900 | 7.0 | not reached | - | 5.0 |")
+    assert "- new: p0 2.0/2.0 s, 0 at +2.0 s | p1 " in text
