@@ -387,6 +387,24 @@ def test_kafka_config_flags_reach_consumer_and_producer() -> None:
     assert consumer_config(s)["enable.auto.commit"] is False
 
 
+def test_the_consumer_fetches_small_slices_of_every_partition_unless_kafka_config_says_otherwise() -> None:
+    # Slices, so that the records a resume lets in come from every partition (a fair drain);
+    # gathered per fetch, so that a steady stream is not hundreds of one-record fetches a second.
+    # A user who counts milliseconds or runs one partition at GPU rates sets them back.
+    from worker.kafka.consumer import FETCH_MIN_BYTES, FETCH_PARTITION_BYTES, FETCH_WAIT_MS
+
+    config = consumer_config(Settings())
+    assert (config["max.partition.fetch.bytes"], config["fetch.min.bytes"], config["fetch.wait.max.ms"]) \
+        == (FETCH_PARTITION_BYTES, FETCH_MIN_BYTES, FETCH_WAIT_MS)
+    # A fetch never waits for more than one partition's slice: a backlog is answered at once.
+    assert 1 < FETCH_MIN_BYTES <= FETCH_PARTITION_BYTES <= 64 * 1024 and 0 < FETCH_WAIT_MS <= 20
+    s = load_settings(_parse(["--kafka-config", "fetch.min.bytes=1", "--kafka-config", "fetch.wait.max.ms=500",
+                              "--kafka-config", "max.partition.fetch.bytes=1048576"]), env={})
+    config = consumer_config(s)
+    assert (config["fetch.min.bytes"], config["fetch.wait.max.ms"], config["max.partition.fetch.bytes"]) \
+        == ("1", "500", "1048576")
+
+
 def test_kafka_config_from_env_is_comma_separated_with_list_values_kept() -> None:
     s = load_settings(None, env={"KWE_KAFKA_CONFIG": "security.protocol=SSL, debug=cgrp,fetch ,ssl.ca.location=/ca.pem"})
     assert s.librdkafka_overrides() == {"security.protocol": "SSL", "debug": "cgrp,fetch",

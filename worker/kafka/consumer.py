@@ -30,6 +30,11 @@ from worker.settings.schema import Settings
 
 log = structlog.get_logger(__name__)
 
+# What one fetch takes of each partition (about 200 keywords) and waits for: consumer_config says why.
+FETCH_PARTITION_BYTES = 16 * 1024
+FETCH_MIN_BYTES = FETCH_PARTITION_BYTES
+FETCH_WAIT_MS = 10
+
 
 def consumer_config(settings: Settings) -> dict[str, Any]:
     config: dict[str, Any] = {
@@ -48,9 +53,26 @@ def consumer_config(settings: Settings) -> dict[str, Any]:
         # Transactional output is visible only once committed; at-least-once ignores aborted
         # writes of an upstream transactional producer too.
         "isolation.level": "read_committed",
+        # Small slices of every partition, not 1 MiB of one (librdkafka's default): flow control
+        # pauses every partition at max_in_flight, which throws away what librdkafka prefetched,
+        # and the first fetch after the resume lists the partitions in the same order again. With
+        # 1 MiB a partition, that first partition's records filled all the room a resume gives,
+        # so after an overload the partitions drained one after another (the last 75 s after the
+        # first); with 16 KiB each fetch brings every partition's (6.5 s apart), at the same
+        # backlog throughput. docs/performance.md, "A fair drain".
+        "max.partition.fetch.bytes": FETCH_PARTITION_BYTES,
         # The prefetch queue holds whole records in memory before flow control sees them: keep
         # it within the in-flight byte budget.
         "queued.max.messages.kbytes": max(1024, min(65536, settings.max_in_flight_bytes // 1024 // 4)),
+        # librdkafka's defaults (fetch.min.bytes 1) answer a fetch the moment one record is there:
+        # a stream of 600 keywords/s becomes hundreds of one-record fetches a second, each a
+        # wake-up of the broker and of this process. Waiting up to FETCH_WAIT_MS for one
+        # partition's slice gathers them: the broker and the worker spent 0.05-0.1 cores less
+        # each at 600 keywords/s on 2 shared cores (docs/performance.md, "Fewer, fuller
+        # fetches"). A backlog has a slice ready and never waits: the minimum is never more than
+        # one fetch can bring, whatever the partition count.
+        "fetch.wait.max.ms": FETCH_WAIT_MS,
+        "fetch.min.bytes": FETCH_MIN_BYTES,
         "client.id": f"keyword-embedder-{settings.group_id}",
     }
     if settings.metrics_port:

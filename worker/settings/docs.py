@@ -38,7 +38,12 @@ def refused_kafka_table() -> str:
     lines = [
         "## librdkafka settings that `kafka_config` refuses\n",
         "Every other librdkafka setting passes through to the consumer and the producer (security.protocol, "
-        "sasl.\\*, ssl.\\*, linger.ms, compression.type, fetch.\\*, client.rack, ...).\n",
+        "sasl.\\*, ssl.\\*, linger.ms, compression.type, fetch.\\*, client.rack, ...), over the worker's own "
+        "choices where it makes one: its consumer takes a 16 KiB slice of each partition per fetch "
+        "(max.partition.fetch.bytes, so that partitions drain alike after a backlog), gathers records for up to "
+        "10 ms (fetch.min.bytes, fetch.wait.max.ms; `fetch.min.bytes=1` answers each fetch as soon as one record is "
+        "there); its producer lingers 5 ms "
+        "(linger.ms).\n",
         "| key | allowed | why |",
         "|---|---|---|",
     ]
