@@ -57,9 +57,9 @@ def consumer_config(settings: Settings) -> dict[str, Any]:
         # pauses every partition at max_in_flight, which throws away what librdkafka prefetched,
         # and the first fetch after the resume lists the partitions in the same order again. With
         # 1 MiB a partition, that first partition's records filled all the room a resume gives,
-        # so after an overload the partitions drained one after another (the last 75 s after the
-        # first); with 16 KiB each fetch brings every partition's (6.5 s apart), at the same
-        # backlog throughput. docs/performance.md, "A fair drain".
+        # so after an overload the partitions drained one after another (the last 67 s after the
+        # first); with 16 KiB each fetch brings every partition's (5 s apart), at the same backlog
+        # throughput (1.06x, paired). docs/performance.md, "A fair drain".
         "max.partition.fetch.bytes": FETCH_PARTITION_BYTES,
         # The prefetch queue holds whole records in memory before flow control sees them: keep
         # it within the in-flight byte budget.
@@ -67,8 +67,8 @@ def consumer_config(settings: Settings) -> dict[str, Any]:
         # librdkafka's defaults (fetch.min.bytes 1) answer a fetch the moment one record is there:
         # a stream of 600 keywords/s becomes hundreds of one-record fetches a second, each a
         # wake-up of the broker and of this process. Waiting up to FETCH_WAIT_MS for one
-        # partition's slice gathers them: the broker and the worker spent 0.05-0.1 cores less
-        # each at 600 keywords/s on 2 shared cores (docs/performance.md, "Fewer, fuller
+        # partition's slice gathers them: the broker spent 10-20% less CPU per keyword and p99 fell
+        # 1.6x at 25% and 2.9x at 50% load on 2 shared cores (docs/performance.md, "Fewer, fuller
         # fetches"). A backlog has a slice ready and never waits: the minimum is never more than
         # one fetch can bring, whatever the partition count.
         "fetch.wait.max.ms": FETCH_WAIT_MS,
