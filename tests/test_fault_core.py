@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+from tests.fakes.transactions import FENCED, INVALID_TXN_STATE
 from worker.backends.isolating import IsolatingContext, PartialBatchError
 from worker.deadline import Deadline
 from worker.delivery.exactly_once.producer import ExactlyOnceProducer
@@ -709,13 +710,14 @@ def test_the_isolating_backend_passes_on_typed_members_only() -> None:
         serial.plan  # noqa: B018 - no attribute is forwarded untyped
 
 
-def test_a_fenced_poll_goes_to_the_transaction_loop_and_the_delivery_thread_serves_on() -> None:
-    """Exactly-once: confluent-kafka raises a transactional producer's fatal _FENCED from poll. It may
-    be the broker's transaction timeout after a coordinator outage, which a new producer takes over
-    (worker/delivery/exactly_once/transactions.py), so the delivery thread reports it as a failed write and keeps
-    serving, instead of stopping the worker (and itself) before the transaction loop can decide.
-    Failed before the fix: the latch tripped and the delivery thread ended. Other guarantees: as before."""
-    fenced = KafkaError(KafkaError._FENCED, "Producer fenced by newer instance", fatal=True)
+@pytest.mark.parametrize("fenced", [FENCED, INVALID_TXN_STATE], ids=["fenced", "invalid-txn-state"])
+def test_a_fenced_poll_goes_to_the_transaction_loop_and_the_delivery_thread_serves_on(fenced: KafkaError) -> None:
+    """Exactly-once: confluent-kafka raises a transactional producer's fatal _FENCED (or the fatal
+    INVALID_TXN_STATE of an EndTxn) from poll. It may be the broker's transaction timeout after a
+    coordinator outage, which a new producer takes over (worker/delivery/exactly_once/transactions.py), so the
+    delivery thread reports it as a failed write and keeps serving, instead of stopping the worker
+    (and itself) before the transaction loop can decide. Failed before the fix: the latch tripped and
+    the delivery thread ended (INVALID_TXN_STATE: CI, 2026-12-04). Other guarantees: as before."""
 
     class Fenced(FakeProducer):
         raised = False
@@ -740,10 +742,10 @@ def test_a_fenced_poll_goes_to_the_transaction_loop_and_the_delivery_thread_serv
             time.sleep(0.01)
         if exactly_once:
             assert not latch.is_set(), latch.error
-            assert failed and "fenced" in failed[0] and wrapper.thread.is_alive()
+            assert failed and fenced.name() in failed[0] and wrapper.thread.is_alive()
             acked: list[bool] = []
             assert wrapper.produce("out", b"k", b"v", [], lambda: acked.append(True))
             assert wrapper.flush(Deadline.after(5.0)) == 0 and acked == [True]
         else:
-            assert isinstance(latch.error, DeliveryError) and "fenced" in str(latch.error)
+            assert isinstance(latch.error, DeliveryError) and fenced.name() in str(latch.error)
         wrapper.stop(2.0)

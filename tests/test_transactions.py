@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from tests.fakes.transactions import ABORTABLE, FENCED, RETRIABLE, FakeTxnProducer
+from tests.fakes.transactions import ABORTABLE, FENCED, INVALID_TXN_STATE, RETRIABLE, FakeTxnProducer
 from worker.delivery.exactly_once.take_over import FENCED_TAKE_OVERS
 from worker.errors import WorkerError
 from worker.kafka.offsets import OffsetTracker
@@ -953,16 +953,17 @@ def test_a_hung_call_while_stopping_is_not_taken_over(short_hang: None) -> None:
 
 
 # --------------------- fenced by the broker's transaction timeout: a new producer takes over
-def _fenced_abort(loop: TakeOverLoop, *, age_s: float = 61.0, at: int = 5) -> FakeTxnProducer:
+def _fenced_abort(loop: TakeOverLoop, *, age_s: float = 61.0, at: int = 5,
+                  error: KafkaError = FENCED) -> FakeTxnProducer:
     """Records `at` and the next consumed into a transaction that outlived transaction_timeout_ms while the
     coordinator was frozen: a write timed out (abortable, "requires epoch bump"), and the abort is
     answered PRODUCER_FENCED (the coordinator aborted the transaction on its timeout and bumped the
-    epoch), which librdkafka raises as fatal _FENCED. Returns the fenced producer."""
+    epoch), which librdkafka raises as fatal _FENCED (or `error`). Returns the fenced producer."""
     fenced = loop.producer
     loop.consume(0, at, at + 1)
     loop.finish(0, at)  # produced into the open transaction, never visible
     loop.clock.now += age_s
-    fenced.errors["abort"] = [FENCED]
+    fenced.errors["abort"] = [error]
     loop.txn.write_failed("could not write to topic 'out': Local: Message timed out (_MSG_TIMED_OUT)")
     loop.txn.step(flow_paused=False)
     return fenced
@@ -999,6 +1000,66 @@ def test_a_producer_fenced_by_the_brokers_transaction_timeout_is_taken_over_and_
     assert new.visible == ["out-0-5", "out-0-6", "out-0-7"] and new.offsets == {("in", 0): 8}
     assert fenced.visible == [] and fenced.offsets == {}
     assert _committed_without_output(loop) == [] and not loop.latch.is_set()
+
+
+@pytest.mark.parametrize("age_s", [61.0, 3.0])
+def test_an_abort_answered_invalid_txn_state_is_taken_over_at_any_age_and_the_stream_goes_on(
+        short_hang: None, age_s: float) -> None:
+    """CI, tests/test_cluster_kafka.py (the group's coordinator node frozen, 2026-12-04): a member's abort,
+    resumed for transaction_timeout_ms, was answered INVALID_TXN_STATE, which librdkafka raises as fatal,
+    and the member exited 1. The coordinator held a state the abort could not end (it had ended the
+    transaction, or a coordinator that took over held another): no second process, which would be
+    answered PRODUCER_FENCED, so a new producer takes over whatever the transaction's age. Failed
+    before the fix (the latch tripped with TransactionFencedError)."""
+    loop = TakeOverLoop()
+    takes: list[str] = []
+    loop.txn.on_take_over = takes.append
+    old = _fenced_abort(loop, age_s=age_s, error=INVALID_TXN_STATE)
+    assert not loop.latch.is_set(), loop.latch.error
+    assert loop.txn.closing and len(loop.producers) == 1  # the group's verdict first, as for a fence
+    loop.clock.now += txmod.FENCE_SETTLE_S
+    loop.txn.step(flow_paused=False)
+    assert not loop.latch.is_set(), loop.latch.error
+    new = loop.producer
+    assert new is not old and new.calls == ["init"] and takes == ["fenced"]
+    assert loop.consumer.seeks == [("in", 0, 5)]
+    loop.consume(0, 5, 6)
+    for off in (5, 6):
+        loop.finish(0, off)
+    loop.txn.step(flow_paused=True)
+    assert new.visible == ["out-0-5", "out-0-6"] and new.offsets == {("in", 0): 7}
+    assert old.visible == [] and old.offsets == {}
+    assert _committed_without_output(loop) == [] and not loop.latch.is_set()
+
+
+def test_invalid_txn_state_take_overs_are_bounded_like_fences(short_hang: None) -> None:
+    """A coordinator that keeps answering INVALID_TXN_STATE is no outage that passes: after
+    FENCED_TAKE_OVERS in FENCED_WINDOW_S the member stops, committing nothing past."""
+    loop = TakeOverLoop()
+    at = 5
+    for _ in range(FENCED_TAKE_OVERS):
+        loop.commit_one(at)
+        _fenced_abort(loop, at=at + 1, age_s=2.0, error=INVALID_TXN_STATE)
+        loop.clock.now += txmod.FENCE_SETTLE_S
+        loop.txn.step(flow_paused=False)
+        assert not loop.latch.is_set(), loop.latch.error
+        loop.in_flight.clear()
+        at += 1
+    loop.commit_one(at)
+    _fenced_abort(loop, at=at + 1, age_s=2.0, error=INVALID_TXN_STATE)
+    assert isinstance(loop.latch.error, TransactionFencedError)
+    assert "no longer holds it in a state this call can end" in str(loop.latch.error)
+    assert len(loop.producers) == FENCED_TAKE_OVERS + 1
+    assert _committed_without_output(loop) == []
+
+
+def test_a_fatal_error_the_coordinator_cannot_explain_still_stops_the_member() -> None:
+    """Only the errors of TAKEN_OVER_FATAL are taken over: another fatal error of the abort stops the
+    member, as before."""
+    loop = TakeOverLoop()
+    other = KafkaError(KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED, "not authorised", fatal=True)
+    _fenced_abort(loop, error=other)
+    assert isinstance(loop.latch.error, TransactionFencedError) and len(loop.producers) == 1
 
 
 def test_a_fence_the_brokers_timeout_cannot_explain_stops_the_member_naming_a_second_process() -> None:
@@ -1074,7 +1135,7 @@ def test_a_revoke_while_a_fenced_take_over_waits_commits_nothing(short_hang: Non
 
 def test_fenced_on_begin_with_no_transaction_open_stops_the_member() -> None:
     loop = Loop()
-    loop.producer.fenced = True
+    loop.producer.fatal = FENCED
     loop.txn.ensure_open()
     assert isinstance(loop.latch.error, TransactionFencedError) and "same member id" in str(loop.latch.error)
     assert loop.txn.state == "idle"

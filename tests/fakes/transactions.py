@@ -13,6 +13,9 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 FENCED = KafkaError(KafkaError._FENCED, "Producer fenced by newer instance", fatal=True)
+# What librdkafka raises when EndTxn is answered INVALID_TXN_STATE (rd_kafka_txn_handle_EndTxn: fatal).
+INVALID_TXN_STATE = KafkaError(KafkaError.INVALID_TXN_STATE, "Failed to end transaction: Broker: Producer attempted "
+                               "a transactional operation in an invalid state", fatal=True)
 ABORTABLE = KafkaError(KafkaError._STATE, "Transaction error requires abort", txn_requires_abort=True)
 RETRIABLE = KafkaError(KafkaError._TIMED_OUT, "Timed out", retriable=True)
 # Resumable calls: a retriable error leaves the call under way in librdkafka.
@@ -30,14 +33,15 @@ class FakeTxnProducer:
         self.offsets: dict[tuple[str, int], int] = {}  # committed through transactions
         self.pending_offsets: dict[tuple[str, int], int] = {}
         self.errors: dict[str, list[KafkaError]] = {}
-        self.fenced = False
+        # A fatal error, once raised, is raised by every later call (librdkafka's fatal state).
+        self.fatal: KafkaError | None = None
         # The resumable call left under way by a retriable error (None: no call under way).
         self.resuming: str | None = None
 
     def _enter(self, call: str) -> None:
         self.calls.append(call)
-        if self.fenced:
-            raise KafkaException(FENCED)
+        if self.fatal is not None:
+            raise KafkaException(self.fatal)
         if self.resuming is not None and self.resuming != call:
             raise KafkaException(KafkaError(KafkaError._CONFLICT, f"Conflicting {self.resuming}_transaction API "
                                             "call is already in progress", retriable=True))
@@ -45,7 +49,7 @@ class FakeTxnProducer:
         if queued:
             err = queued.pop(0)
             if err.fatal():
-                self.fenced = True
+                self.fatal = err
             elif err.retriable() and call in RESUMABLE:
                 self.resuming = call
             raise KafkaException(err)

@@ -5,7 +5,22 @@ from __future__ import annotations
 
 import threading
 
+from confluent_kafka import KafkaError
+
 from worker.errors import WorkerError
+
+# Fatal errors of a transactional call that the coordinator can explain without a second process
+# holding this member's transactional id, so a new producer may take over
+# (worker/delivery/exactly_once/transactional_calls.py `fatal` decides):
+# - _FENCED: PRODUCER_FENCED after the coordinator timed the transaction out and bumped the epoch,
+#   which only explains a transaction at least transaction_timeout_ms old (younger: a zombie);
+# - INVALID_TXN_STATE: the coordinator holds a state our call cannot end (EndTxn on a transaction it
+#   completed or no longer has: it timed it out, or a coordinator that took over after an outage
+#   holds another state; Kafka's TransactionCoordinator.endTransaction). A second process would
+#   be answered PRODUCER_FENCED instead, so this one is taken over at any age. librdkafka raises it
+#   as fatal (rdkafka_txnmgr.c, rd_kafka_txn_handle_EndTxn); seen in CI with the group's
+#   coordinator node frozen (tests/test_cluster_kafka.py).
+TAKEN_OVER_FATAL = frozenset({KafkaError._FENCED, KafkaError.INVALID_TXN_STATE})
 
 
 class TransactionFencedError(WorkerError):

@@ -16,9 +16,10 @@ What this adds:
   reported before the record leaves the table: the poll thread commits once nothing is in flight,
   so it must not see the table without the record while the failure is not yet known (issue 32,
   finding 4). Authorisation and missing-topic errors, and fatal ones, still stop the worker
-  (the plain producer decides those first); except _FENCED, raised from poll, which goes to the
-  transaction loop like a failed write: the broker may have timed the transaction out (a
-  coordinator outage), and a new producer may take over (worker/delivery/exactly_once/take_over.py decides).
+  (the plain producer decides those first); except _FENCED and INVALID_TXN_STATE
+  (errors.py `TAKEN_OVER_FATAL`), raised from poll, which go to the transaction loop like a failed
+  write: the broker may have timed the transaction out, or its coordinator moved (an outage), and a
+  new producer may take over (worker/delivery/exactly_once/transactional_calls.py `fatal` decides).
   Records an abort_transaction purged from the queue (PURGED) are given up too, failing nothing.
 - the client take-over (`replace_client`, under the write gate): a transactional call hung inside
   librdkafka (a coordinator's node died). A new librdkafka producer with the same configuration
@@ -44,6 +45,7 @@ from typing import Any, Protocol, TypeVar
 import structlog
 from confluent_kafka import KafkaError
 
+from worker.delivery.exactly_once.errors import TAKEN_OVER_FATAL
 from worker.kafka.offsets import PartitionOffsets
 from worker.kafka.producer import Headers, OutputProducer, describe
 
@@ -172,15 +174,16 @@ class ExactlyOnceProducer:
         return True
 
     def _fatal(self, err: KafkaError) -> bool:
-        """The delivery thread's poll raised a fatal error: _FENCED goes to the transaction loop."""
-        if self._fail_transaction is None or err.code() != KafkaError._FENCED:
+        """The delivery thread's poll raised a fatal error: one the coordinator may explain
+        (`TAKEN_OVER_FATAL`) goes to the transaction loop."""
+        if self._fail_transaction is None or err.code() not in TAKEN_OVER_FATAL:
             return False
         # The transaction loop tells a broker-side timeout from a zombie, and a new producer may take
         # over (worker/delivery/exactly_once/take_over.py); its calls raise the same error. Failing the open
         # transaction makes it look now, not after a drain that cannot end.
-        log.warning("producer fenced; the transaction loop decides whether a new producer takes over",
-                    error=describe(err))
-        self._fail_transaction(f"the producer was fenced: {describe(err)}")
+        log.warning("producer fenced or its transaction ended by the coordinator; the transaction loop "
+                    "decides whether a new producer takes over", error=describe(err))
+        self._fail_transaction(f"the producer's transaction cannot go on: {describe(err)}")
         return True
 
     # ------------------------------------------------------------------ take-over

@@ -10,9 +10,9 @@ fresh offset state: a commit that landed is not redone, one that did not is cons
 STUCK_CALLS earlier hung calls still block (each holds an abandoned librdkafka client), the member
 stops instead.
 
-Fenced (a fatal _FENCED on a transaction open for at least transaction_timeout_s): after
-FENCE_SETTLE_S, so the group's verdict comes first, the same take-over, at most FENCED_TAKE_OVERS
-times in FENCED_WINDOW_S.
+Fenced (a fatal _FENCED on a transaction open for at least transaction_timeout_s, or a fatal
+INVALID_TXN_STATE: errors.py `TAKEN_OVER_FATAL`): after FENCE_SETTLE_S, so the group's verdict
+comes first, the same take-over, at most FENCED_TAKE_OVERS times in FENCED_WINDOW_S.
 
 A stop during the take-over, before the rewind, halts the member (Transactions._halt).
 
@@ -58,7 +58,7 @@ FENCED_WINDOW_S = 600.0
 
 @dataclass(frozen=True)
 class Fence:
-    """A fatal _FENCED on a transaction the broker timed out, waiting for its take-over."""
+    """A fatal error the coordinator explains (`TAKEN_OVER_FATAL`), waiting for its take-over."""
     call: str
     error: str
     age_s: float
@@ -123,7 +123,7 @@ def take_over(txn: Loop, starts: dict[tuple[str, int], int] | None, reason: Take
         txn.taken_over_fenced += 1
         # Its last call has returned (fenced): the old client is destroyed at once.
         old_call = txn._calls.last or threading.Thread(target=lambda: None)
-        log.warning("producer fenced by the broker's transaction timeout; a new producer takes over",
+        log.warning("producer fenced, or its transaction ended, by the coordinator; a new producer takes over",
                     call=fence.call, error=fence.error, transaction_age_s=round(fence.age_s, 1),
                     fenced_take_overs_in_window=len(txn._fenced_at), bound=FENCED_TAKE_OVERS)
 

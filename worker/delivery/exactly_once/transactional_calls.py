@@ -1,6 +1,7 @@
 """One transactional call of the exactly-once loop (worker/delivery/exactly_once/transactions.py): run on a helper
 thread (worker/delivery/exactly_once/bounded_calls.py) with librdkafka's timeout inside the stop deadline,
-retried or resumed by its error's class (`kind_of`), and, on a fatal _FENCED, the decision
+retried or resumed by its error's class (`kind_of`), and, on a fatal error the coordinator explains
+(errors.py `TAKEN_OVER_FATAL`), the decision
 whether a new producer takes over (worker/delivery/exactly_once/take_over.py) or the member stops.
 
 Errors of the transactional calls, as librdkafka classifies them, and what the loop does:
@@ -11,7 +12,9 @@ Errors of the transactional calls, as librdkafka classifies them, and what the l
 - txn_requires_abort: abort, then rewind every owned partition to where this transaction began
   (the last committed offset) with fresh offset state, so nothing consumed into the aborted
   transaction is produced into a later one;
-- fatal: the latch trips, nothing more is written, the worker exits non-zero. Except `_FENCED`
+- fatal: the latch trips, nothing more is written, the worker exits non-zero. Except
+  INVALID_TXN_STATE (the coordinator holds a state the call cannot end; errors.py
+  `TAKEN_OVER_FATAL` says why: taken over as below, whatever the transaction's age), and `_FENCED`
   on a transaction open for at least transaction_timeout_s, as after a coordinator outage: the
   coordinator aborted it on its timeout and bumped the epoch (Kafka's TransactionMetadata
   prepareFenceProducerEpoch), so librdkafka's EndTxn, or its KIP-360 InitProducerId of an abort
@@ -45,7 +48,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from worker.deadline import Deadline
 from worker.delivery.exactly_once import bounded_calls
 from worker.delivery.exactly_once.bounded_calls import BoundedCalls
-from worker.delivery.exactly_once.errors import TransactionFencedError, TransactionHungError
+from worker.delivery.exactly_once.errors import TAKEN_OVER_FATAL, TransactionFencedError, TransactionHungError
 from worker.delivery.exactly_once.take_over import FENCE_SETTLE_S, FENCED_TAKE_OVERS, FENCED_WINDOW_S, Fence
 from worker.latch import FatalLatch
 
@@ -166,12 +169,13 @@ def fatal(txn: CallLoop, what: str, exc: KafkaException) -> Literal["fatal", "fe
     FENCE_SETTLE_S (see worker/delivery/exactly_once/transactions.py's docstring), else the latch trips."""
     err = exc.args[0]
     age = txn.clock() - txn.began_at if txn.state != "idle" else 0.0
-    if not (isinstance(err, KafkaError) and err.code() == KafkaError._FENCED):
+    if not (isinstance(err, KafkaError) and err.code() in TAKEN_OVER_FATAL):
         txn.latch.trip(TransactionFencedError(
             f"{what} failed: {err} (this member was fenced: a newer one took over its transactional id, or "
             "its transaction outlived transaction_timeout_ms)"))
         return "fatal"
-    if txn.state == "idle" or age < txn.transaction_timeout_s - TIMEOUT_CLOCK_SLACK_S:
+    fenced = err.code() == KafkaError._FENCED
+    if txn.state == "idle" or (fenced and age < txn.transaction_timeout_s - TIMEOUT_CLOCK_SLACK_S):
         txn.latch.trip(TransactionFencedError(
             f"{what} failed: {err} (this member was fenced {age:.0f} s into its transaction, before "
             f"transaction_timeout_ms ({txn.transaction_timeout_s:.0f} s) let the broker time it out: another "
@@ -184,12 +188,15 @@ def fatal(txn: CallLoop, what: str, exc: KafkaException) -> Literal["fatal", "fe
                if txn.stop.started else
                f"fenced {len(txn._fenced_at) + 1} times in {FENCED_WINDOW_S:.0f} s, each taken over; a second "
                "process may be using the same member id (its transactional id), each fencing the other")
-        txn.latch.trip(TransactionFencedError(
-            f"{what} failed: {err} (fenced {age:.0f} s into its transaction, past transaction_timeout_ms: "
-            f"the broker may have timed it out; {why})"))
+        cause = (f"fenced {age:.0f} s into its transaction, past transaction_timeout_ms: the broker may have "
+                 "timed it out") if fenced else (f"{age:.0f} s into its transaction, the coordinator no longer "
+                                                 "holds it in a state this call can end")
+        txn.latch.trip(TransactionFencedError(f"{what} failed: {err} ({cause}; {why})"))
         return "fatal"
     txn._fence = Fence(what, str(err), age, now + FENCE_SETTLE_S)
     log.warning("producer fenced after its transaction outlived transaction_timeout_ms (the coordinator "
-                "timed it out); a new producer takes over unless the group says this member is a zombie",
-                call=what, error=str(err), transaction_age_s=round(age, 1), take_over_in_s=FENCE_SETTLE_S)
+                "timed it out)" if fenced else "the coordinator no longer holds the transaction in a state "
+                "this call can end (it timed it out, or moved during an outage)",
+                call=what, error=str(err), transaction_age_s=round(age, 1), take_over_in_s=FENCE_SETTLE_S,
+                then="a new producer takes over unless the group says this member is a zombie")
     return "fenced"

@@ -15,7 +15,8 @@ per interval (docs/delivery.md).
 Errors of the transactional calls (worker/delivery/exactly_once/transactional_calls.py has the rules and why):
 retriable: retried, or resumed (commit and abort); txn_requires_abort: abort, then rewind every
 partition with work in the transaction to where it began, with fresh offset state; fatal: the
-latch trips, except a `_FENCED` the broker's transaction timeout explains, which a new producer
+latch trips, except a `_FENCED` the broker's transaction timeout explains, or an INVALID_TXN_STATE
+(errors.py `TAKEN_OVER_FATAL`), which a new producer
 takes over (worker/delivery/exactly_once/take_over.py), as it does a hung call
 (worker/delivery/exactly_once/bounded_calls.py).
 A stop during a take-over or an unfinished call halts the member (`_halt`).
