@@ -391,11 +391,15 @@ def test_the_consumer_fetches_small_slices_of_every_partition_unless_kafka_confi
     # Slices, so that the records a resume lets in come from every partition (a fair drain);
     # gathered per fetch, so that a steady stream is not hundreds of one-record fetches a second.
     # A user who counts milliseconds or runs one partition at GPU rates sets them back.
-    from worker.kafka.consumer import FETCH_MIN_BYTES, FETCH_PARTITION_BYTES, FETCH_WAIT_MS
+    from worker.kafka.consumer import FETCH_MIN_BYTES, FETCH_PARTITION_BYTES, FETCH_QUEUE_BACKOFF_MS, FETCH_WAIT_MS
 
     config = consumer_config(Settings())
     assert (config["max.partition.fetch.bytes"], config["fetch.min.bytes"], config["fetch.wait.max.ms"]) \
         == (FETCH_PARTITION_BYTES, FETCH_MIN_BYTES, FETCH_WAIT_MS)
+    # A full prefetch queue is looked at again within milliseconds, not librdkafka's 1 s: with
+    # records of 500 KB a queue holds a few, and tests/test_faults_kafka.py's gigabyte of them took
+    # 174 s at 1 s, 19 s at 10 ms.
+    assert config["fetch.queue.backoff.ms"] == FETCH_QUEUE_BACKOFF_MS <= 50
     # A fetch never waits for more than one partition's slice: a backlog is answered at once.
     assert 1 < FETCH_MIN_BYTES <= FETCH_PARTITION_BYTES <= 64 * 1024 and 0 < FETCH_WAIT_MS <= 20
     s = load_settings(_parse(["--kafka-config", "fetch.min.bytes=1", "--kafka-config", "fetch.wait.max.ms=500",

@@ -42,7 +42,8 @@ def refused_kafka_table() -> str:
         "choices where it makes one: its consumer takes a 16 KiB slice of each partition per fetch "
         "(max.partition.fetch.bytes, so that partitions drain alike after a backlog), gathers records for up to "
         "10 ms (fetch.min.bytes, fetch.wait.max.ms; `fetch.min.bytes=1` answers each fetch as soon as one record is "
-        "there); its producer lingers 5 ms "
+        "there) and fetches a partition whose prefetch queue was full again after 10 ms, not 1 s "
+        "(fetch.queue.backoff.ms: large records fill it with a few); its producer lingers 5 ms "
         "(linger.ms).\n",
         "| key | allowed | why |",
         "|---|---|---|",
