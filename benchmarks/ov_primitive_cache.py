@@ -11,7 +11,7 @@ is read once), alternating with the default, one bf16 context with one thread:
 - trickle: 60 shapes a trickle meets (1-6 rows x 3-12 tokens), each 10 times, after one warm pass;
 - walk: 300 distinct shapes of up to 128 rows x 3-12 tokens, shuffled (an overload's batches);
 - trickle again after the walk, and the RSS growth from the first call to the end.
-Prints each run and, per capacity, the median and range of its time over the default's, paired by round.
+Prints each run and, per capacity, the median and quartiles of its time over the default's, paired by round.
 """
 
 from __future__ import annotations
@@ -20,26 +20,27 @@ import argparse
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.ov_shape_rss import rss_mib  # noqa: E402
+from worker.benchmark.report import quartiles  # noqa: E402
+
 VARIABLE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
-
-
-def rss_mib() -> float:
-    return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) / 1024
 
 
 def child(seed: int) -> dict[str, float]:
     import numpy as np
 
+    from engines.export_onnx import ensure_onnx
     from worker.backends.openvino import OpenVinoBackend
 
-    path = next((Path.home() / ".cache" / "keyword-embedder" / "onnx").glob("all-MiniLM-L6-v2-plain-*.onnx"))
-    context = OpenVinoBackend(path, precision="bf16").create_context(0)
+    context = OpenVinoBackend(ensure_onnx(), precision="bf16").create_context(0)
     start = rss_mib()
     walk = [(b, n) for n in range(3, 13) for b in range(1, 129)]
     random.Random(seed).shuffle(walk)
@@ -69,13 +70,12 @@ def main() -> int:
         return 0
     configs: dict[str, str | None] = {"default": None, **{str(c): str(c) for c in args.capacities}}
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in configs}
-    root = Path(__file__).resolve().parents[1]
     for r in range(args.rounds):
         for name in (list(configs) if r % 2 == 0 else list(reversed(configs))):
             env = {k: v for k, v in os.environ.items() if k != VARIABLE}
             if configs[name] is not None:
                 env[VARIABLE] = str(configs[name])
-            out = subprocess.run([sys.executable, __file__, "--child", str(r)], env=env, cwd=root,
+            out = subprocess.run([sys.executable, __file__, "--child", str(r)], env=env, cwd=ROOT,
                                  capture_output=True, text=True, check=True).stdout
             runs[name].append(json.loads(out.strip().splitlines()[-1]))
             print(r, name, {k: round(v, 2) for k, v in runs[name][-1].items()}, flush=True)
@@ -85,11 +85,9 @@ def main() -> int:
             continue
         summary[name] = {"rss_growth_mib": [round(x["rss_growth_mib"]) for x in runs[name]]}
         for metric in ("trickle_s", "walk_s", "trickle_after_walk_s"):
-            ratios = sorted(a[metric] / b[metric] for a, b in zip(runs[name], runs["default"], strict=True))
-            summary[name][metric + "_ratio"] = {"median": round(statistics.median(ratios), 3),
-                                                "min": round(ratios[0], 3), "max": round(ratios[-1], 3)}
-            print(f"{VARIABLE}={name}: {metric} {statistics.median(ratios):.3f}x the default "
-                  f"({ratios[0]:.3f}-{ratios[-1]:.3f})")
+            q = quartiles([a[metric] / b[metric] for a, b in zip(runs[name], runs["default"], strict=True)])
+            summary[name][metric + "_ratio"] = {k: round(v, 3) for k, v in q.items()}
+            print(f"{VARIABLE}={name}: {metric} {q['median']:.3f}x the default (q1 {q['q1']:.3f}, q3 {q['q3']:.3f})")
         print(f"{VARIABLE}={name}: RSS growth {summary[name]['rss_growth_mib']} MiB, default "
               f"{[round(x['rss_growth_mib']) for x in runs['default']]} MiB")
     if args.json:

@@ -33,7 +33,9 @@ def main() -> int:
     args = ap.parse_args()
     from worker.backends.openvino import RUNTIME_CACHE_SHAPES, OpenVinoBackend
 
-    path = args.onnx or next((Path.home() / ".cache" / "keyword-embedder" / "onnx").glob("all-MiniLM-L6-v2-plain-*.onnx"))
+    from engines.export_onnx import ensure_onnx
+
+    path = args.onnx or ensure_onnx()
     capacity = RUNTIME_CACHE_SHAPES if args.cache_capacity is None else args.cache_capacity
     context = OpenVinoBackend(path, precision="bf16", runtime_cache_shapes=capacity).create_context(0)
     shapes = [(b, n) for n in LENGTHS for b in range(1, 129)]
