@@ -184,10 +184,12 @@ def fatal(txn: CallLoop, what: str, exc: KafkaException) -> Literal["fatal", "fe
     now = txn.clock()
     txn._fenced_at = [t for t in txn._fenced_at if now - t < FENCED_WINDOW_S]
     if txn.replace_producer is None or txn.stop.started or len(txn._fenced_at) >= FENCED_TAKE_OVERS:
+        times = f"{len(txn._fenced_at) + 1} times in {FENCED_WINDOW_S:.0f} s, each taken over"
         why = ("no new producer may take over" if txn.replace_producer is None else "stopping"
                if txn.stop.started else
-               f"fenced {len(txn._fenced_at) + 1} times in {FENCED_WINDOW_S:.0f} s, each taken over; a second "
-               "process may be using the same member id (its transactional id), each fencing the other")
+               f"fenced {times}; a second process may be using the same member id (its transactional id), "
+               "each fencing the other" if fenced else
+               f"answered so {times}: the coordinator keeps refusing this member's transactions")
         cause = (f"fenced {age:.0f} s into its transaction, past transaction_timeout_ms: the broker may have "
                  "timed it out") if fenced else (f"{age:.0f} s into its transaction, the coordinator no longer "
                                                  "holds it in a state this call can end")
