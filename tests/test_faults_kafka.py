@@ -20,6 +20,7 @@ import orjson
 import pytest
 from confluent_kafka.admin import AdminClient
 
+from benchmarks.kafka_latency import rss_bytes
 from tests.conftest import KAFKA_SH
 from tests.kafka_tools import (
     TopicReader, WorkerProcess, committed_offsets, end_offsets, http_get, load_queries, produce, produce_queries,
@@ -415,11 +416,28 @@ def test_a_scale_up_and_down_storm_loses_nothing_and_every_member_exits_cleanly(
 
 
 # ------------------------------------------------------------------------------------ memory
-def _peak_rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmHWM")
+class PeakRss:
+    """The highest resident set (VmRSS) of a process, sampled every 0.1 s on a thread of its own until
+    `stop`. Not VmHWM: the worker's model load sets that mark above its ready RSS, so growth under
+    load that stays below the load's peak would not show."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.start = rss_bytes(pid)
+        self.peak = self.start
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(0.1):
+            self.peak = max(self.peak, rss_bytes(self.pid))
+
+    def stop(self) -> float:
+        """Growth above the first sample, MiB."""
+        self._done.set()
+        self._thread.join()
+        return (self.peak - self.start) / 2**20
 
 
 @pytest.mark.slow
@@ -430,7 +448,7 @@ def test_large_records_stay_within_the_byte_budget(
                       ("--max-in-flight-bytes", str(8 * 1024 * 1024))).start()
     w.wait_ready()
     assert w.proc is not None
-    baseline = _peak_rss_kib(w.proc.pid)
+    rss = PeakRss(w.proc.pid)
     filler = "lorem ipsum " * (500_000 // 12)
     # Each is above max_message_bytes: dead-lettered, its bytes held until the dead letter is
     # acknowledged, so the byte budget is what bounds memory.
@@ -439,19 +457,21 @@ def test_large_records_stay_within_the_byte_budget(
     reader = TopicReader(kafka_bootstrap, names[2], group_id + "-r")
     try:
         reader.wait_for({f"big{i}" for i in range(2000)}, 600, alive=[w])
-        peak = _peak_rss_kib(w.proc.pid)
+        grown_mib = rss.stop()
         assert w.stop() == 0
     finally:
+        rss.stop()
         if w.proc and w.proc.poll() is None:
             w.kill()
         reader.close()
     assert {r.value["reason"] for r in reader.records} == {"oversized"}
-    grown_mib = (peak - baseline) / 1024
-    print(f"\n2,000 x 500 KB records: peak RSS {peak / 1024:.0f} MiB, {grown_mib:.0f} MiB above the ready worker "
+    print(f"\n2,000 x 500 KB records: peak RSS {rss.peak / 2**20:.0f} MiB, {grown_mib:.0f} MiB above the ready worker "
           f"(1,000 MB went through)")
-    # 8 MiB of in-flight records, the prefetch queue (2 MiB), fetch buffers and the dead
-    # letters being built: far below the gigabyte that went through.
-    assert grown_mib < 250
+    # 8 MiB of in-flight records, the prefetch queue (2 MiB), fetch buffers and the dead letters
+    # being built: 8-12 MiB here (sampled VmRSS; with a 1 GiB budget too, as the dead letters are
+    # acknowledged as fast as they come). The bound catches any of the gigabyte that went through
+    # being kept: 64 MiB is 6% of it.
+    assert grown_mib < 64
 
 
 # ------------------------------------------------------------------------------------ hostile input
