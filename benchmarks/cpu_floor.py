@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.fresh_keywords import SHIPPED  # noqa: E402
 from worker.benchmark.report import quartiles  # noqa: E402
+from worker.formats.keyword_files import read_keywords  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 # Keywords per measurement at each batch size (at least MIN_CALLS calls): ~0.5-1 s of CPU each.
@@ -42,7 +43,7 @@ def stream_lengths(limit: int = 5000) -> list[int]:
     from worker.intake.tokenize import KeywordTokenizer
 
     tokenizer = KeywordTokenizer.from_model_dir(default_model_dir())
-    texts = [line.split("\t", 1)[1] for line in SHIPPED[1].read_text(encoding="utf-8").splitlines()[:limit] if "\t" in line]
+    texts = [text for _, text in read_keywords(SHIPPED[1], "tsv", limit=limit)]
     return [e.ids.size for e in tokenizer.encode(texts)]
 
 
@@ -111,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         cells = []
         for name in ctxs:
             q = quartiles(samples[name][batch])
-            row[name] = {"ms_per_keyword": q, "cores_at_rate": q["median"] * args.rate / 1e3}
-            cells.append(f"{q['median']:6.3f} ({q['q1']:.3f}-{q['q3']:.3f}) {q['median'] * args.rate / 1e3:5.2f} cores")
+            cores = q["median"] * args.rate / 1e3
+            row[name] = {"ms_per_keyword": q, "cores_at_rate": cores}
+            cells.append(f"{q['median']:6.3f} ({q['q1']:.3f}-{q['q3']:.3f}) {cores:5.2f} cores")
         table.append(row)
         print(f"{batch:>5}  " + "  ".join(f"{c:>26}" for c in cells))
     if args.json:
