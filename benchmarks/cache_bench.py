@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engines.export_onnx import ensure_onnx  # noqa: E402
-from kwe_core.model import default_model_dir  # noqa: E402
-from kwe_core.profiles import load_profile  # noqa: E402
+from worker.core.model import default_model_dir  # noqa: E402
+from worker.core.profiles import load_profile  # noqa: E402
 from worker.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402
 from worker.batching.cache import DEFAULT_CACHE_BYTES, EmbeddingCache, key  # noqa: E402
 from worker.benchmark.inputs import read_queries  # noqa: E402

@@ -39,7 +39,7 @@ MIN_CALLS = 24
 
 def stream_lengths(limit: int = 5000) -> list[int]:
     """Token lengths ([CLS] and [SEP] included) of the shipped sample keywords, as the worker tokenizes them."""
-    from kwe_core.model import default_model_dir
+    from worker.core.model import default_model_dir
     from worker.intake.tokenize import KeywordTokenizer
 
     tokenizer = KeywordTokenizer.from_model_dir(default_model_dir())

@@ -14,7 +14,7 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
-from kwe_core.errors import KeywordEmbedderError
+from worker.core.errors import KeywordEmbedderError
 from worker.formats.keyword_files import BadLines, read_keywords
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from engines.export_onnx import ensure_onnx  # noqa: E402
 from engines.quantize_int8 import Int8Variant, QuantizeError, quantize, quantized_op_counts  # noqa: E402
-from kwe_core.profiles import load_profile  # noqa: E402
+from worker.core.profiles import load_profile  # noqa: E402
 from worker.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402
 from worker.batching.padding import pad_batch  # noqa: E402
 from worker.benchmark.inputs import read_queries  # noqa: E402

@@ -22,7 +22,7 @@ from types import ModuleType
 
 import numpy as np
 
-from kwe_core.model import ModelInfo, default_model_dir
+from worker.core.model import ModelInfo, default_model_dir
 from worker.formats import messages as new_messages
 from worker.formats.keyword_files import read_keywords
 from worker.intake import tokenize as new_tokenize

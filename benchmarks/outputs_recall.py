@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from kwe_core.model import ModelInfo, Prompt
-from kwe_core.vectors import default_int8_range, dequantize_int8, pack_binary, quantize_int8, truncate
+from worker.core.model import ModelInfo, Prompt
+from worker.core.vectors import default_int8_range, dequantize_int8, pack_binary, quantize_int8, truncate
 from worker.app import output_codec
 from worker.embedder import Embedder
 from worker.formats.keyword_files import read_keywords

@@ -1,6 +1,6 @@
 """Build a multi-profile TensorRT plan from the ONNX export, and describe it in a JSON sidecar.
 
-One optimisation profile per bucket of a bucket profile (kwe_core/profiles.toml), in bucket
+One optimisation profile per bucket of a bucket profile (worker/core/profiles.toml), in bucket
 order, so that bucket i runs on TensorRT profile i: for a bucket of bound L the profile is
 min = (1, L), opt = (opt_batch, L), max = (max_batch, L) for both `input_ids` and
 `attention_mask`. The sequence length is fixed per profile (the batch is padded to the bound),
@@ -32,8 +32,8 @@ from typing import Any
 
 from engines.cuda_context import primary_context
 from engines.export_onnx import FP32_NODE_PREFIXES
-from kwe_core.errors import GPU_INSTALL_HINT, BackendError, KeywordEmbedderError
-from kwe_core.profiles import Profile, ProfileError
+from worker.core.errors import GPU_INSTALL_HINT, BackendError, KeywordEmbedderError
+from worker.core.profiles import Profile, ProfileError
 
 # The two network inputs the ONNX export has, both [batch, seq] integer tensors.
 INPUT_NAMES: tuple[str, ...] = ("input_ids", "attention_mask")
@@ -94,7 +94,7 @@ def profile_shapes(profile: Profile, *, align: int | None = None) -> list[Profil
         raise AlignmentError(
             f"profile {profile.name!r}: TensorRT needs every bucket bound to be a multiple of {align} "
             f"(fused attention kernels are only chosen for aligned lengths); not aligned: {bad} "
-            f"(round up: {fixes}). Use the 'gpu' profile of kwe_core/profiles.toml or align this one.")
+            f"(round up: {fixes}). Use the 'gpu' profile of worker/core/profiles.toml or align this one.")
     shapes = []
     for i, b in enumerate(profile.buckets):
         opt = min(max(1, b.opt_batch), b.max_batch)

@@ -2,9 +2,9 @@
 
 The weights are read with safetensors into numpy and the graph is written node by node with the
 `onnx` package: embeddings -> N encoder layers -> the model's sentence-transformers modules
-(kwe_core.st_pipeline: the pooling over the attention mask, any Dense layers, L2 normalisation
+(worker.core.st_pipeline: the pooling over the attention mask, any Dense layers, L2 normalisation
 where a Normalize module is listed). Sizes come from config.json; the family from its model_type
-(kwe_core.model.FAMILIES), all post-LayerNorm encoders with exact-GELU feed-forward layers:
+(worker.core.model.FAMILIES), all post-LayerNorm encoders with exact-GELU feed-forward layers:
 
 - bert: absolute positions 0..S-1, token type 0 added.
 - roberta, xlm-roberta: BERT's layers; positions numbered from padding_idx + 1 over the real
@@ -49,9 +49,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from kwe_core.model import FAMILIES, ModelError, ModelInfo, default_model_dir
-from kwe_core.st_pipeline import Dense
-from kwe_core.errors import KeywordEmbedderError
+from worker.core.model import FAMILIES, ModelError, ModelInfo, default_model_dir
+from worker.core.st_pipeline import Dense
+from worker.core.errors import KeywordEmbedderError
 
 # Bump whenever the emitted graph changes: it is part of the cache key.
 EXPORTER_VERSION = "2"

@@ -28,8 +28,8 @@ from typing import Literal
 import numpy as np
 import onnx
 
-from kwe_core.model import ModelInfo
-from kwe_core.errors import KeywordEmbedderError
+from worker.core.model import ModelInfo
+from worker.core.errors import KeywordEmbedderError
 
 Mode = Literal["dynamic", "static"]
 Calibration = Literal["minmax", "entropy", "percentile"]

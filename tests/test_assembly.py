@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from kwe_core.errors import BackendError
-from kwe_core.model import ModelInfo
-from kwe_core.profiles import Bucket, Profile
+from worker.core.errors import BackendError
+from worker.core.model import ModelInfo
+from worker.core.profiles import Bucket, Profile
 from tests.fakes.consumer import FakeGroupConsumer
 from tests.test_pipeline_start import _NoContexts, _Producer, _Tokenizer
 from worker.app import wire_pipeline

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kwe_core.errors import BackendError
+from worker.core.errors import BackendError
 from tests.fakes.backends import FakeClock, FakeCpuBackend
 from worker.backend_choice import auto
 from worker.backend_choice.auto import Candidate

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kwe_core.profiles import load_profile
+from worker.core.profiles import load_profile
 from worker import cli
 from worker.benchmark.inputs import read_queries
 from worker.benchmark.policies import BucketerOptions, run_bucketed, run_monolithic, run_sorted
@@ -20,7 +20,7 @@ SAMPLE = Path(__file__).resolve().parent / "data" / "terabyte05-300.tsv"
 @pytest.fixture(scope="module")
 def ort_parts():  # noqa: ANN201
     from engines.export_onnx import ensure_onnx
-    from kwe_core.model import default_model_dir
+    from worker.core.model import default_model_dir
     from worker.backends.onnxruntime import OnnxRuntimeBackend
     from worker.intake.tokenize import KeywordTokenizer
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 
-from kwe_core.profiles import Bucket, PadPolicy, Profile
+from worker.core.profiles import Bucket, PadPolicy, Profile
 from worker.batching.bucketer import Bucketer, BucketerError, BucketerStoppedError
 from worker.batching.calibration import SHAPES
 from worker.batching.cost_model import CostModel, Prices

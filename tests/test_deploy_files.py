@@ -34,7 +34,7 @@ from tests.deploy_tools import (
     settings_from_env,
     yaml_docs,
 )
-from kwe_core.model import MODEL_PIP_SPEC
+from worker.core.model import MODEL_PIP_SPEC
 from worker.cli import SUBCOMMANDS
 from worker.operations.metrics import Metrics
 from worker.settings.loader import flag_name

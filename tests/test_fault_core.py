@@ -568,7 +568,7 @@ class _Backend:
 def test_a_bug_in_the_bucketer_former_trips_the_latch_and_liveness_names_the_thread() -> None:
     """Finding 6: the former and dispatchers run guarded; a bug there stops the worker visibly
     (the latch), and /healthz names the dead thread, instead of all work stopping silently."""
-    from kwe_core.profiles import Bucket, Profile
+    from worker.core.profiles import Bucket, Profile
     from worker.batching.bucketer import Bucketer
     from worker.latch import guarded
     from worker.operations.health import Liveness
@@ -594,7 +594,7 @@ def test_a_bug_in_the_bucketer_former_trips_the_latch_and_liveness_names_the_thr
 
 
 def test_a_bucketer_stop_returns_by_its_timeout_while_a_backend_call_hangs() -> None:
-    from kwe_core.profiles import Bucket, Profile
+    from worker.core.profiles import Bucket, Profile
     from worker.batching.bucketer import Bucketer
 
     release = threading.Event()

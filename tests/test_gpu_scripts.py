@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from benchmarks.gpu.graph_shapes import graph_shapes, shape_for, stage_rows
-from kwe_core.profiles import load_profile
+from worker.core.profiles import load_profile
 from tests.fakes.gpu import FakeTrt, install_fakes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -304,7 +304,7 @@ def _dry_run(tmp_path: Path, plain_onnx: Path, small_profiles: Path, **env: str)
 def test_dry_run_of_the_shell_script_passes_on_the_fakes(tmp_path: Path, plain_onnx: Path,
                                                           small_profiles: Path) -> None:
     """As on a GPU machine without the model package: the carried export and tokenizer.json, no model folder."""
-    from kwe_core.model import default_model_dir
+    from worker.core.model import default_model_dir
 
     tokenizer = tmp_path / "tokenizer.json"
     tokenizer.write_bytes((default_model_dir() / "tokenizer.json").read_bytes())

@@ -1,10 +1,12 @@
-"""Layers import one way: no cycle between the project's top-level packages.
+"""Layers import one way: no cycle between the project's layers, nor between worker's folders.
 
-    kwe_core  <-  engines  <-  worker  <-  benchmarks
+    worker.core  <-  engines  <-  worker (the rest)  <-  benchmarks
 
-The import graph is read from the source with `ast` (every `import` and `from ... import`,
-including the ones inside functions, which a runtime check would miss), folded onto top-level
-packages, and searched for cycles. Tests are a consumer of every layer and are left out.
+`worker.core` is the lowest floor of the worker package: engines may import it and nothing
+else of `worker`. The import graph is read from the source with `ast` (every `import` and
+`from ... import`, including the ones inside functions, which a runtime check would miss),
+folded onto layers (the longest layer name a module starts with), and searched for cycles.
+Tests are a consumer of every layer and are left out.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kwe_core", "engines", "worker", "benchmarks")
-# The intended order, lowest first: a package may import only those before it.
-ORDER = {name: i for i, name in enumerate(PACKAGES)}
+LAYERS = ("worker.core", "engines", "worker", "benchmarks")
+# The intended order, lowest first: a layer may import only those before it.
+ORDER = {name: i for i, name in enumerate(LAYERS)}
 
 
 def imported_modules(source: str, module: str, is_package: bool) -> Iterable[str]:
@@ -38,19 +40,30 @@ def imported_modules(source: str, module: str, is_package: bool) -> Iterable[str
                 yield node.module
 
 
-def package_graph(root: Path, packages: Iterable[str]) -> dict[str, dict[str, list[str]]]:
-    """{package: {imported package: [modules that import it]}}, between the given packages only."""
-    packages = tuple(packages)
-    graph: dict[str, dict[str, list[str]]] = {p: {} for p in packages}
-    for pkg in packages:
-        for path in sorted((root / pkg).rglob("*.py")):
+def layer_of(module: str, layers: Iterable[str]) -> str | None:
+    """The longest layer name `module` is, or lies under; None outside every layer."""
+    found = [layer for layer in layers if module == layer or module.startswith(layer + ".")]
+    return max(found, key=len, default=None)
+
+
+def package_graph(root: Path, layers: Iterable[str]) -> dict[str, dict[str, list[str]]]:
+    """{layer: {imported layer: [modules that import it]}}, between the given layers only. A layer
+    is a package or a subpackage (`worker.core`); a module belongs to the longest that holds it."""
+    layers = tuple(layers)
+    graph: dict[str, dict[str, list[str]]] = {layer: {} for layer in layers}
+    tops = sorted({layer.split(".")[0] for layer in layers})
+    for top in tops:
+        for path in sorted((root / top).rglob("*.py")):
             rel = path.relative_to(root).with_suffix("")
             is_package = rel.name == "__init__"
             module = ".".join(rel.parts[:-1] if is_package else rel.parts)
+            here = layer_of(module, layers)
+            if here is None:
+                continue
             for name in imported_modules(path.read_text(encoding="utf-8"), module, is_package):
-                top = name.split(".")[0]
-                if top in graph and top != pkg:
-                    graph[pkg].setdefault(top, []).append(module)
+                there = layer_of(name, layers)
+                if there is not None and there != here:
+                    graph[here].setdefault(there, []).append(module)
     return graph
 
 
@@ -77,8 +90,8 @@ def find_cycle(graph: Mapping[str, Iterable[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_cycle_between_top_level_packages() -> None:
-    graph = package_graph(ROOT, PACKAGES)
+def test_no_import_cycle_between_layers() -> None:
+    graph = package_graph(ROOT, LAYERS)
     cycle = find_cycle(graph)
     if cycle:
         where = "; ".join(f"{a} -> {b} in {', '.join(sorted(set(graph[a][b]))[:3])}"
@@ -86,12 +99,51 @@ def test_no_import_cycle_between_top_level_packages() -> None:
         pytest.fail(f"import cycle between top-level packages: {' -> '.join(cycle)} ({where})")
 
 
-def test_each_package_imports_only_the_layers_below_it() -> None:
-    graph = package_graph(ROOT, PACKAGES)
+def test_each_layer_imports_only_the_layers_below_it() -> None:
+    graph = package_graph(ROOT, LAYERS)
     upward = {f"{pkg} -> {dep}": sorted(set(mods))[:3] for pkg, deps in graph.items()
               for dep, mods in deps.items() if ORDER[dep] > ORDER[pkg]}
     assert not upward, f"imports that reach up a layer: {upward}"
-    assert "kwe_core" in graph["engines"] and "engines" in graph["worker"]  # the layers are in use
+    # The layers are in use; engines reaches worker.core and nothing else of worker.
+    assert "worker.core" in graph["engines"] and "engines" in graph["worker"]
+    assert "worker" not in graph["engines"], f"engines imports worker outside worker.core: {graph['engines']['worker']}"
+
+
+def worker_folders() -> tuple[str, ...]:
+    """worker's subpackages and top-level modules: the units its folder graph is drawn between."""
+    units = [f"worker.{p.name}" for p in sorted((ROOT / "worker").iterdir())
+             if (p.is_dir() and (p / "__init__.py").is_file())
+             or (p.suffix == ".py" and p.name != "__init__.py")]
+    return tuple(u.removesuffix(".py") for u in units)
+
+
+def test_no_import_cycle_between_worker_folders() -> None:
+    graph = package_graph(ROOT, worker_folders())
+    cycle = find_cycle(graph)
+    if cycle:
+        where = "; ".join(f"{a} -> {b} in {', '.join(sorted(set(graph[a][b]))[:3])}"
+                          for a, b in zip(cycle, cycle[1:]))
+        pytest.fail(f"import cycle between worker's folders: {' -> '.join(cycle)} ({where})")
+
+
+# What every stage reads its settings from: it may lean on the floors below (the model, the
+# names, logging), never on a stage above it.
+SETTINGS_MAY_IMPORT = {"worker.core", "worker.names", "worker.operations"}
+
+
+def test_settings_import_nothing_above_them() -> None:
+    graph = package_graph(ROOT, worker_folders())
+    above = {dep: sorted(set(mods)) for dep, mods in graph["worker.settings"].items()
+             if dep not in SETTINGS_MAY_IMPORT}
+    assert not above, f"settings import from above: {above}"
+
+
+def test_a_module_belongs_to_its_longest_layer() -> None:
+    assert layer_of("worker.core.model", LAYERS) == "worker.core"
+    assert layer_of("worker.core", LAYERS) == "worker.core"
+    assert layer_of("worker.corex", LAYERS) == "worker"
+    assert layer_of("engines.build_engine", LAYERS) == "engines"
+    assert layer_of("numpy", LAYERS) is None
 
 
 def test_the_checker_sees_a_cycle_through_an_import_inside_a_function(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kwe_core.model import ModelError, ModelInfo, ModelNotFoundError, default_model_dir
+from worker.core.model import ModelError, ModelInfo, ModelNotFoundError, default_model_dir
 
 
 @pytest.fixture()

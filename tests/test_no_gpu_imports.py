@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Imports every module of the kwe_core, worker and engines packages, runs the CLI's help paths, and
+# Imports every module of the worker and engines packages, runs the CLI's help paths, and
 # reports what got imported. BLOCK, when true, first installs a finder that refuses the gpu extra.
 SCRIPT = textwrap.dedent("""
     import contextlib, importlib, io, json, pkgutil, sys
@@ -32,9 +32,9 @@ SCRIPT = textwrap.dedent("""
     if BLOCK:
         sys.meta_path.insert(0, BlockGpu())
 
-    import kwe_core, worker, engines
+    import worker, engines
     modules, failed = [], {{}}
-    for pkg in (kwe_core, worker, engines):
+    for pkg in (worker, engines):
         for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
             try:
                 importlib.import_module(info.name)
@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent("""
 
     extra = {{}}
     if BLOCK:
-        from kwe_core.errors import BackendError
+        from worker.core.errors import BackendError
         from worker.backend_choice.select import choose_backend, missing_gpu_packages
         from worker.settings.schema import Settings
         extra["missing"] = missing_gpu_packages()

@@ -1,4 +1,4 @@
-"""Prompts, truncate_dim and the int8 / binary output encodings (kwe_core.vectors, the codec, the Embedder)."""
+"""Prompts, truncate_dim and the int8 / binary output encodings (worker.core.vectors, the codec, the Embedder)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import numpy as np
 import orjson
 import pytest
 
-from kwe_core.model import ModelError, ModelInfo, Prompt, default_model_dir
-from kwe_core.vectors import (VectorError, default_int8_range, dequantize_int8, pack_binary, quantize_int8,
+from worker.core.model import ModelError, ModelInfo, Prompt, default_model_dir
+from worker.core.vectors import (VectorError, default_int8_range, dequantize_int8, pack_binary, quantize_int8,
                               truncate, unpack_binary)
 from tests.test_messages import schema
 from worker.app import output_codec

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kwe_core.vectors import pack_binary
+from worker.core.vectors import pack_binary
 from tests.kafka_tools import TopicReader, WorkerProcess, load_queries, produce_queries
 
 pytestmark = pytest.mark.kafka

@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from engines.export_onnx import ensure_onnx
-from kwe_core.errors import BackendError
-from kwe_core.model import default_model_dir
+from worker.core.errors import BackendError
+from worker.core.model import default_model_dir
 from worker.backends.base import Backend, InferenceContext
 from worker.backends.onnxruntime import OnnxRuntimeBackend
 from worker.batching.padding import pad_batch as pad

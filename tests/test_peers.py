@@ -30,7 +30,7 @@ def test_graph_cut_before_pooling_returns_the_last_hidden_state(tmp_path: Path) 
 
     from benchmarks.peers import cut_before_pooling, fastembed_folder
     from engines.export_onnx import ensure_onnx
-    from kwe_core.model import default_model_dir
+    from worker.core.model import default_model_dir
     from worker import Embedder
 
     texts = ["cheap flights", "how to treat a headache without medication", "a"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kwe_core.profiles import Bucket, Profile
+from worker.core.profiles import Bucket, Profile
 from tests.fakes.consumer import FakeGroupConsumer
 from worker.app import wire_pipeline
 from worker.batching.bucketer import BucketerError

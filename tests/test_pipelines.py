@@ -21,9 +21,9 @@ import orjson
 import pytest
 
 from engines.export_onnx import FP32_NODE_PREFIXES, build_model
-from kwe_core.errors import BackendError
-from kwe_core.model import ModelError, ModelInfo, Prompt, default_model_dir
-from kwe_core.st_pipeline import POOLING_MODES, Dense, ModulePipeline, Normalize, Pooling
+from worker.core.errors import BackendError
+from worker.core.model import ModelError, ModelInfo, Prompt, default_model_dir
+from worker.core.st_pipeline import POOLING_MODES, Dense, ModulePipeline, Normalize, Pooling
 from worker.families import (MIN_COS, NORM_TOL, PIPELINE_FIXTURES, cosines, norm_error, pipeline_fixtures,
                              pipeline_folder, pipeline_parity)
 

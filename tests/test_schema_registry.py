@@ -25,7 +25,7 @@ from confluent_kafka.schema_registry.error import SchemaRegistryError  # noqa: E
 from confluent_kafka.schema_registry.json_schema import JSONDeserializer, JSONSerializer  # noqa: E402
 from confluent_kafka.serialization import MessageField, SerializationContext  # noqa: E402
 
-from kwe_core.vectors import default_int8_range, dequantize_int8  # noqa: E402
+from worker.core.vectors import default_int8_range, dequantize_int8  # noqa: E402
 from tests.kafka_tools import free_port  # noqa: E402
 from worker.errors import SchemaRegistryFailure  # noqa: E402
 from worker.formats.messages import Keyword, OutputCodec, Rejection  # noqa: E402
@@ -213,7 +213,7 @@ def test_the_shipped_proto_files_are_the_messages_the_worker_builds() -> None:
 def test_protobuf_output_and_input_round_trip(schema_registry: str, encoding: str) -> None:
     from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer, ProtobufSerializer
 
-    from kwe_core.vectors import pack_binary
+    from worker.core.vectors import pack_binary
     from worker.formats.protobuf_schemas import message_class
 
     topic = _topic()

@@ -140,7 +140,7 @@ def test_choices_appear_in_the_reference() -> None:
 def test_choices_come_from_the_literal_types() -> None:
     from typing import get_args
 
-    from kwe_core.profiles import PAD_POLICIES
+    from worker.core.profiles import PAD_POLICIES
     from worker.names import BackendName, OutputEncoding
     from worker.operations.logs import LogLevel
 

@@ -39,7 +39,7 @@ from engines.build_engine import (
     validate_sidecar,
     write_sidecar,
 )
-from kwe_core.errors import BackendError
+from worker.core.errors import BackendError
 from worker.backends.base import Backend, InferenceContext
 from worker.backend_choice.select import (
     GPU_INSTALL_HINT,
@@ -59,14 +59,14 @@ from worker.backends.tensorrt_plan import (
     shared_memory_size,
     stage_batch,
 )
-from kwe_core.profiles import Bucket, Profile, ProfileError, load_profile
+from worker.core.profiles import Bucket, Profile, ProfileError, load_profile
 from tests.fakes.gpu import DIM, FakeTrt, install_fakes
 from tests.fakes.gpu import tiny_onnx as _tiny_onnx
 from worker.deadline import Deadline
 from worker.settings.schema import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = ROOT / "kwe_core" / "profiles.toml"
+PROFILES = ROOT / "worker" / "core" / "profiles.toml"
 
 
 @pytest.fixture()

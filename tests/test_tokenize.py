@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from kwe_core.model import ModelError, default_model_dir
+from worker.core.model import ModelError, default_model_dir
 from worker.intake.tokenize import KeywordTokenizer
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden"

@@ -13,9 +13,9 @@ from typing import Any
 import structlog
 from confluent_kafka import Consumer, Producer
 
-from kwe_core.errors import BackendError, extra_missing
-from kwe_core.model import ModelError, ModelInfo, Prompt
-from kwe_core.vectors import check_truncate_dim, default_int8_range
+from worker.core.errors import BackendError, extra_missing
+from worker.core.model import ModelError, ModelInfo, Prompt
+from worker.core.vectors import check_truncate_dim, default_int8_range
 from worker.backends.base import Backend
 from worker.backends.isolating import IsolatingBackend
 from worker.batching.cache import EmbeddingCache

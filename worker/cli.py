@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from kwe_core.errors import KeywordEmbedderError
+from worker.core.errors import KeywordEmbedderError
 from worker import __version__
 
 # name -> (module under worker.commands, one-line summary)

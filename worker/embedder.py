@@ -36,9 +36,9 @@ from typing import Literal, get_args
 
 import numpy as np
 
-from kwe_core.errors import KeywordEmbedderError
-from kwe_core.model import PROMPT_AUTO, ModelInfo, Prompt, default_model_dir
-from kwe_core.vectors import check_truncate_dim, default_int8_range, pack_binary, quantize_int8, truncate
+from worker.core.errors import KeywordEmbedderError
+from worker.core.model import PROMPT_AUTO, ModelInfo, Prompt, default_model_dir
+from worker.core.vectors import check_truncate_dim, default_int8_range, pack_binary, quantize_int8, truncate
 from worker.backend_choice.auto import CpuChoice
 from worker.backend_choice.select import choose_cpu, open_backend
 from worker.backends.base import OvPrecision
@@ -137,7 +137,7 @@ class Embedder:
     def quantize(self, vectors: np.ndarray, encoding: Literal["int8", "binary"], *,
                  int8_range: tuple[float, float] | None = None) -> np.ndarray:
         """int8 [N, dim] over `int8_range` (default: the `int8_range` property), or uint8
-        [N, ceil(dim / 8)] packed sign bits (kwe_core.vectors)."""
+        [N, ceil(dim / 8)] packed sign bits (worker.core.vectors)."""
         if encoding == "int8":
             return quantize_int8(vectors, *(int8_range or self.int8_range))
         if encoding == "binary":

@@ -6,7 +6,7 @@ the user reads (which topic, which setting, what failed), so it is written for t
 
 from __future__ import annotations
 
-from kwe_core.errors import KeywordEmbedderError
+from worker.core.errors import KeywordEmbedderError
 
 
 class WorkerError(KeywordEmbedderError, RuntimeError):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kwe_core.model import FAMILIES, ModelInfo, ModelNotFoundError, Prompt, default_model_dir
+from worker.core.model import FAMILIES, ModelInfo, ModelNotFoundError, Prompt, default_model_dir
 
 REPO_FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "data" / "families"
 MIN_COS = 0.9999

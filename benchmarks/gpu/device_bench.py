@@ -105,7 +105,7 @@ def torch_parity() -> dict:
 
 def bench(name: str, providers: list[str], profile: str, compare: str, *, limit: int, rounds: int,
           latency_s: float, dispatchers: int = 1) -> dict:
-    from kwe_core.profiles import load_profile
+    from worker.core.profiles import load_profile
     from worker.benchmark.inputs import read_queries
     from worker.benchmark.policies import BucketerOptions
     from worker.benchmark.report import render_markdown

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kwe_core.profiles import Profile
+from worker.core.profiles import Profile
 
 
 @dataclass(frozen=True)

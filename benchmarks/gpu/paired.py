@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from kwe_core.profiles import Profile
+from worker.core.profiles import Profile
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:

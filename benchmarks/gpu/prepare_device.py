@@ -22,7 +22,7 @@ import tokenizers
 from onnx import TensorProto, helper, numpy_helper
 
 from engines.export_onnx import ensure_onnx
-from kwe_core.model import default_model_dir
+from worker.core.model import default_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 DEV = ROOT / ".device"

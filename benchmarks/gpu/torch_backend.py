@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from onnx import numpy_helper
 
 from benchmarks.gpu.graph_shapes import GraphShape, graph_shapes, shape_for, stage_rows
-from kwe_core.profiles import Profile
+from worker.core.profiles import Profile
 
 _NAME = re.compile(r"^(.*)_\d+$")
 

@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu.paired import cosines, embed_through_bucketer, paired_bucketed  # noqa: E402
-from kwe_core.profiles import Bucket, Profile, load_profile  # noqa: E402
+from worker.core.profiles import Bucket, Profile, load_profile  # noqa: E402
 
 MONO = Profile("mono", (Bucket(256, 256, 256),), 256 * 256, "longest", None, "one bucket: no length bucketing")
 PROFILES = ("mono", "gpu", "cpu")

@@ -52,7 +52,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu.paired import cosines, embed_through_bucketer, paired_bucketed  # noqa: E402
-from kwe_core.profiles import Bucket, Profile, load_profile, load_profiles  # noqa: E402
+from worker.core.profiles import Bucket, Profile, load_profile, load_profiles  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "data" / "golden"
 DATA = ROOT / "tests" / "data" / "queries" / "terabyte05-20k.tsv"
@@ -324,7 +324,7 @@ def main(out: Path | None = None, *, onnx: Path | None = None, tokenizer: Path |
     `onnx` and `tokenizer` (a tokenizer.json) replace the export and the tokenizer of the model
     folder, for a GPU machine without the model package (the 90 MB weights exceed what can be
     carried there: benchmarks/gpu/prepare_device.py builds both). The plans are built for the
-    `gpu` profile of `profiles_file` (default: kwe_core/profiles.toml) and for its `mono`
+    `gpu` profile of `profiles_file` (default: worker/core/profiles.toml) and for its `mono`
     profile when it has one (else MONO); smaller ones keep the runs on fakes short.
     """
     out = out or Path(os.environ.get("OUT", "/tmp/kwe-trt-check"))
@@ -481,7 +481,7 @@ def gpu_environment(device: int) -> dict[str, str]:
 
 
 def _model_dir() -> Path:
-    from kwe_core.model import default_model_dir
+    from worker.core.model import default_model_dir
 
     return Path(os.environ["KWE_MODEL_DIR"]) if os.environ.get("KWE_MODEL_DIR") else default_model_dir()
 

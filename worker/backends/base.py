@@ -13,7 +13,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 # Defined in the lowest layer because the engine build raises it too; every backend raises it.
-from kwe_core.errors import BackendError
+from worker.core.errors import BackendError
 # The backends the worker can run on and OpenVINO's arithmetic: defined among the shared names, which the settings read
 # without importing the backends; re-exported here beside the protocol.
 from worker.names import BackendName, OvPrecision
@@ -25,7 +25,7 @@ __all__ = ["Backend", "BackendError", "BackendName", "InferenceContext", "OvPrec
 class InferenceContext(Protocol):
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
         """[B, L] int64 ids and mask in, [B, dim] float32 embeddings out (L2-normalised where the
-        model's pipeline ends in Normalize, kwe_core.model.ModelInfo.normalized).
+        model's pipeline ends in Normalize, worker.core.model.ModelInfo.normalized).
 
         B and L must fit the context's shape limits (for TensorRT, its profile's max shape).
         """

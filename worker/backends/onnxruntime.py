@@ -13,7 +13,7 @@ from typing import Literal
 
 import numpy as np
 
-from kwe_core.errors import BackendError
+from worker.core.errors import BackendError
 from worker.backends.base import check_batch
 
 GraphOptimization = Literal["disable", "basic", "extended", "all"]

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from kwe_core.errors import BackendError, extra_missing
+from worker.core.errors import BackendError, extra_missing
 from worker.backends.base import OvPrecision, check_batch
 
 INPUT_IDS = "input_ids"

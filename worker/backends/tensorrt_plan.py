@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from kwe_core.errors import BackendError
-from kwe_core.profiles import Profile
+from worker.core.errors import BackendError
+from worker.core.profiles import Profile
 
 INPUT_NAMES: tuple[str, ...] = ("input_ids", "attention_mask")
 PAD_ID = 0  # masked out, so its value never reaches a real token's output

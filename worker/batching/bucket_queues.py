@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kwe_core.profiles import PadPolicy, Profile
+from worker.core.profiles import PadPolicy, Profile
 from worker.backends.base import Backend
 from worker.batching.cost_model import Prices
 from worker.batching.flush_policy import Flush, LaneSnapshot, QueuedBucket, Snapshot, batch_count, is_full

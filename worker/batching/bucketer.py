@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kwe_core.profiles import PAD_POLICIES, PadPolicy, Profile
+from worker.core.profiles import PAD_POLICIES, PadPolicy, Profile
 from worker.backends.base import Backend, InferenceContext
 from worker.batching.bucket_queues import Batch, Bucket, Item, bucket_full, pad, plan_layout, snapshot, take_flush
 from worker.batching.cost_model import CostModel

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Generic, Literal, NamedTuple, Protocol, TypeVar
 
 import numpy as np
-from kwe_core.errors import KeywordEmbedderError
+from worker.core.errors import KeywordEmbedderError
 
 # An OrderedDict entry costs its hash-table slot (amortised over the table's doubling) plus a
 # linked-list node; measured with tracemalloc at 75 bytes on CPython 3.11, rounded up so the

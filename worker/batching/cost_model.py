@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from kwe_core.errors import KeywordEmbedderError
+from worker.core.errors import KeywordEmbedderError
 
 # Features are scaled so that the 3x3 normal equations are well conditioned for B up to a few
 # hundred and B*L up to the token budget.

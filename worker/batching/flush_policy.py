@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from kwe_core.profiles import PadPolicy
+from worker.core.profiles import PadPolicy
 from worker.batching.batch_policy import BucketView, plan_merge
 from worker.batching.cost_model import Prices
 

@@ -1,7 +1,7 @@
 """The benchmark's one error type."""
 
 from __future__ import annotations
-from kwe_core.errors import KeywordEmbedderError
+from worker.core.errors import KeywordEmbedderError
 
 
 class BenchError(KeywordEmbedderError, RuntimeError):

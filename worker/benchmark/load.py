@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kwe_core.profiles import Profile
+from worker.core.profiles import Profile
 from worker.backends.base import Backend
 from worker.benchmark.errors import BenchError
 from worker.benchmark.policies import BucketerHarness, BucketerOptions

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kwe_core.profiles import PadPolicy, Profile
+from worker.core.profiles import PadPolicy, Profile
 from worker.backends.base import Backend, InferenceContext
 from worker.batching.bucketer import Bucketer
 from worker.batching.cache import EmbeddingCache, key

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kwe_core.profiles import Profile
+from worker.core.profiles import Profile
 from worker.backends.base import Backend
 from worker.benchmark.load import run_open_loop
 from worker.benchmark.policies import (

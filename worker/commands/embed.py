@@ -52,8 +52,8 @@ def main(args: argparse.Namespace) -> int:
         print("keyword-embedder embed: nothing to embed (give TEXT arguments or --input FILE)", file=sys.stderr)
         return 2
 
-    from kwe_core.errors import KeywordEmbedderError
-    from kwe_core.vectors import truncate
+    from worker.core.errors import KeywordEmbedderError
+    from worker.core.vectors import truncate
     from worker.embedder import Embedder
 
     try:

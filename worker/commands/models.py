@@ -31,8 +31,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kwe_core.model import FAMILIES
-    from kwe_core.st_pipeline import POOLING_MODES
+    from worker.core.model import FAMILIES
+    from worker.core.st_pipeline import POOLING_MODES
     from worker.families import FAMILY_STATUS, KNOWN_PIPELINES, MIN_COS, REPO_FIXTURES
 
     if args.model is not None:
@@ -69,7 +69,7 @@ def _cache() -> Path:
 
 
 def _installed() -> list[tuple[str, Path | None, str]]:
-    from kwe_core.model import ModelError, ModelInfo, ModelNotFoundError
+    from worker.core.model import ModelError, ModelInfo, ModelNotFoundError
     from worker.families import REAL_MODELS, real_model_dir
 
     out: list[tuple[str, Path | None, str]] = []
@@ -87,7 +87,7 @@ def _installed() -> list[tuple[str, Path | None, str]]:
 
 
 def _describe(folder: Path) -> int:
-    from kwe_core.model import ModelError, ModelInfo
+    from worker.core.model import ModelError, ModelInfo
 
     try:
         info = ModelInfo.from_dir(folder)
@@ -106,7 +106,7 @@ def _describe(folder: Path) -> int:
 
 
 def _check(fixtures: Path) -> int:
-    from kwe_core.model import FAMILIES, ModelNotFoundError
+    from worker.core.model import FAMILIES, ModelNotFoundError
     from worker.families import (MIN_COS, NORM_TOL, REAL_MODELS, REAL_NORM_TOL, fixture_parity, pipeline_fixtures,
                                  pipeline_parity, real_model_dir, real_parity)
 

@@ -42,7 +42,7 @@ def main(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, signals: StopSignals) -> int:
-    from kwe_core.errors import KeywordEmbedderError
+    from worker.core.errors import KeywordEmbedderError
 
     log = structlog.get_logger("worker.run")
     try:

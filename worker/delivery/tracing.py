@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kwe_core.errors import extra_missing
+from worker.core.errors import extra_missing
 from worker.formats.propagation import TraceParent
 from worker.settings.schema import SettingsError
 

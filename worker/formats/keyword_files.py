@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
-from kwe_core.errors import KeywordEmbedderError
+from worker.core.errors import KeywordEmbedderError
 
 FORMATS = ("auto", "tsv", "lines", "jsonl")
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")

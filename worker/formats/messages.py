@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import orjson
 
-from kwe_core.vectors import (dequantize_int8, pack_binary, quantize_int8, truncate, unpack_binary)
+from worker.core.vectors import (dequantize_int8, pack_binary, quantize_int8, truncate, unpack_binary)
 from worker.names import InputFormat, OutputEncoding
 from worker.settings.output_fields import FieldMap, apply_output_fields
 
@@ -151,8 +151,8 @@ def encode_embedding(vec: np.ndarray, encoding: OutputEncoding,
 
     float-list: the float32 array itself, which orjson writes with each number in the shortest
     form that reads back as the same float32 (about half the bytes of float64 reprs, and faster).
-    int8: base64 of dim signed bytes (kwe_core.vectors.quantize_int8 over `int8_range`).
-    binary: base64 of ceil(dim / 8) bytes of packed sign bits (kwe_core.vectors.pack_binary).
+    int8: base64 of dim signed bytes (worker.core.vectors.quantize_int8 over `int8_range`).
+    binary: base64 of ceil(dim / 8) bytes of packed sign bits (worker.core.vectors.pack_binary).
     """
     if encoding == "float-list":
         return np.ascontiguousarray(vec, dtype=np.float32)

@@ -1,6 +1,6 @@
 """Tokenisation as the reference does it: [CLS] prompt text [SEP], cut at max_seq_length, no padding.
 
-A prompt (kwe_core.model.Prompt: "query: " for e5, an instruction for bge) is put before
+A prompt (worker.core.model.Prompt: "query: " for e5, an instruction for bge) is put before
 each text before tokenisation, as sentence-transformers does, so it counts towards
 max_seq_length and is part of the token IDs, hence of the embedding cache's key.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from kwe_core.model import ModelError, ModelInfo, Prompt
+from worker.core.model import ModelError, ModelInfo, Prompt
 
 
 @dataclass(frozen=True)

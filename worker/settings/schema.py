@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from kwe_core.errors import KeywordEmbedderError
-from kwe_core.profiles import PadPolicy
+from worker.core.errors import KeywordEmbedderError
+from worker.core.profiles import PadPolicy
 from worker.batching.cache import DEFAULT_CACHE_BYTES
 from worker.names import REGISTRY_FORMATS, BackendName, InputFormat, OutputEncoding, OutputFormat, OvPrecision
 from worker.operations.logs import LogFormat, LogLevel
@@ -222,7 +222,7 @@ class Settings:
     onnx_path: str = _setting("", "ONNX export to run; empty: export the model once into the user cache.")
     engine_path: str = _setting("", "TensorRT plan (keyword-embedder build-engine); needed by the tensorrt "
                                 "backend.")
-    profiles_file: str = _setting("", "Bucket profiles TOML; empty: kwe_core/profiles.toml shipped with the "
+    profiles_file: str = _setting("", "Bucket profiles TOML; empty: worker/core/profiles.toml shipped with the "
                                   "package.")
     profile: str = _setting("auto", "Named profile in the profiles file; 'auto': 'gpu' for TensorRT, 'cpu' "
                             "for ONNX Runtime.")

@@ -34,7 +34,7 @@ def main(model_dir: str) -> None:
         tiny = ref["mean"]
     out = {}
     for name, vecs in (("tiny", tiny),):
-        r = min(1.0, 6.0 / np.sqrt(vecs.shape[1]))  # kwe_core.vectors.default_int8_range
+        r = min(1.0, 6.0 / np.sqrt(vecs.shape[1]))  # worker.core.vectors.default_int8_range
         ranges = np.array([[-r] * vecs.shape[1], [r] * vecs.shape[1]], dtype=np.float32)
         out[f"{name}_float"] = vecs.astype(np.float32)
         out[f"{name}_int8"] = quantize_embeddings(vecs.astype(np.float32), precision="int8", ranges=ranges)

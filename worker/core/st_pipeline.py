@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, get_args
 
-from kwe_core.errors import ModelError
+from worker.core.errors import ModelError
 
 PoolingMode = Literal["cls", "max", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"]
 POOLING_MODES: tuple[str, ...] = get_args(PoolingMode)

@@ -9,7 +9,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from kwe_core.errors import KeywordEmbedderError
+from worker.core.errors import KeywordEmbedderError
 
 # What a batch is padded to: its bucket's bound (one fixed shape per bucket, what TensorRT
 # wants) or its longest item (what costs least where every position is computed, ONNX Runtime on CPU).
@@ -56,7 +56,7 @@ class Profile:
 
 
 def default_profiles_path() -> Path:
-    return Path(str(resources.files("kwe_core").joinpath("profiles.toml")))
+    return Path(str(resources.files("worker.core").joinpath("profiles.toml")))
 
 
 def _parse(name: str, raw: dict[str, Any], where: str) -> Profile:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from kwe_core.errors import KeywordEmbedderError
+from worker.core.errors import KeywordEmbedderError
 
 INT8_LEVELS = 255
 

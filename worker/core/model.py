@@ -2,7 +2,7 @@
 
 A model folder holds config.json, model.safetensors and tokenizer.json; a sentence-transformers
 folder adds sentence_bert_config.json (max_seq_length), modules.json and each module's folder
-(1_Pooling/config.json, N_Dense/...), read by kwe_core.st_pipeline.
+(1_Pooling/config.json, N_Dense/...), read by worker.core.st_pipeline.
 Nothing here imports torch or transformers: everything is read from those JSON files.
 """
 
@@ -13,8 +13,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from kwe_core.errors import ModelError
-from kwe_core.st_pipeline import ModulePipeline, read_json_object, read_pipeline
+from worker.core.errors import ModelError
+from worker.core.st_pipeline import ModulePipeline, read_json_object, read_pipeline
 
 __all__ = ["FAMILIES", "MODEL_PACKAGE", "MODEL_PIP_SPEC", "ModelError", "ModelInfo", "ModelNotFoundError",
            "ModulePipeline", "PROMPT_AUTO", "PROMPT_NONE", "Prompt", "default_model_dir"]
