@@ -35,13 +35,9 @@ contents depend on the optimizer), and written atomically.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import math
-import os
-import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +47,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from worker.core.model import FAMILIES, ModelError, ModelInfo, default_model_dir
 from worker.core.st_pipeline import Dense
+from worker.core.disk_cache import cache_dir, locked, write_atomic
 from worker.core.errors import KeywordEmbedderError
 
 # Bump whenever the emitted graph changes: it is part of the cache key.
@@ -61,7 +58,6 @@ OUTPUT_NAME = "sentence_embedding"
 # The additive mask value HF BERT used when ORT's fusion patterns were written; exp(-10000) is 0
 # in float32, so padded positions get exactly zero attention weight (padding invariance).
 MASK_FILL = -10000.0
-ENV_CACHE_DIR = "KWE_CACHE_DIR"
 # A fused graph must match the plain graph within this on the self-check batch; float32
 # reassociation stays around 1e-6, a broken fusion is off by far more.
 FUSED_CHECK_TOL = 1e-4
@@ -606,48 +602,8 @@ def _set_metadata(model: onnx.ModelProto, info: ModelInfo, *, optimize: bool) ->
         model.metadata_props.add(key=key, value=value)
 
 
-def cache_root() -> Path:
-    """The project's user cache: $KWE_CACHE_DIR, else $XDG_CACHE_HOME (or ~/.cache)/keyword-embedder."""
-    env = os.environ.get(ENV_CACHE_DIR)
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "keyword-embedder"
-
-
 def default_cache_dir() -> Path:
-    return cache_root() / "onnx"
-
-
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    # Serialises concurrent exporters of the same file (two workers starting together): the
-    # second one waits and then finds the cached file instead of exporting it again.
-    import fcntl
-
-    with lock_path.open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _save_atomic(model: onnx.ModelProto, output: Path) -> None:
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
-    os.close(fd)
-    try:
-        onnx.save_model(model, tmp)
-        # mkstemp creates 0600; a cache file should get the usual umask-based mode.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, output)  # atomic on POSIX: readers see the old file or the new, never half
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    return cache_dir("onnx")
 
 
 # ---------------------------------------------------------------- optimisation
@@ -726,7 +682,7 @@ def export_onnx(model_dir: str | Path | ModelInfo | None, output: str | Path, *,
                           "protobuf limit (external-data export is not supported)")
     output = Path(output).expanduser()
     try:
-        _save_atomic(model, output)
+        write_atomic(output, lambda tmp: onnx.save_model(model, str(tmp)))
     except OSError as exc:
         raise ExportError(f"{output}: cannot write the ONNX file ({exc.strerror or exc})") from None
     return output
@@ -757,7 +713,8 @@ def ensure_onnx(model_dir: str | Path | ModelInfo | None = None, *, optimize: bo
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ExportError(f"{path.parent}: cannot create the ONNX cache dir ({exc.strerror or exc})") from None
-    with _locked(path.parent / f".{path.name}.lock"):
+    # Two workers starting together: the second waits, then finds the first one's export.
+    with locked(path.parent / f".{path.name}.lock"):
         if not path.is_file():  # another process may have finished it while we waited
             export_onnx(_model_info(model_dir), path, optimize=optimize)
     return path

@@ -197,9 +197,8 @@ def int8_cached_path(model_dir: str | Path | ModelInfo | None = None, *, cache_d
 
 def ensure_int8_onnx(model_dir: str | Path | ModelInfo | None = None, *, cache_dir: str | Path | None = None) -> Path:
     """The cached int8 graph (the SHIPPED recipe) of the model folder, quantized first if missing."""
-    import os
-
-    from engines.export_onnx import _locked, _model_info, ensure_onnx
+    from engines.export_onnx import _model_info, ensure_onnx
+    from worker.core.disk_cache import locked, write_atomic
 
     family = _model_info(model_dir).model_type
     if family not in INT8_FAMILIES:
@@ -211,12 +210,7 @@ def ensure_int8_onnx(model_dir: str | Path | ModelInfo | None = None, *, cache_d
     if path.is_file():
         return path
     fp32 = ensure_onnx(model_dir, optimize=False, cache_dir=cache_dir)
-    with _locked(path.parent / f".{path.name}.lock"):
+    with locked(path.parent / f".{path.name}.lock"):
         if not path.is_file():  # another process may have finished it while we waited
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            try:
-                quantize(fp32, tmp, SHIPPED)
-                os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
+            write_atomic(path, lambda tmp: quantize(fp32, tmp, SHIPPED))
     return path

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ import numpy as np
 import structlog
 
 from worker.backends.base import Backend, OvPrecision
+from worker.core.disk_cache import cache_dir, read_json, write_json_atomic
 
 log = structlog.get_logger(__name__)
 
@@ -330,10 +330,7 @@ def calibrate(found: Sequence[Candidate], open_candidate: OpenCandidate,
 
 
 def default_cache_dir() -> Path:
-    """Beside the cost models, under the project's cache root ($KWE_CACHE_DIR or the XDG cache)."""
-    from engines.export_onnx import cache_root
-
-    return cache_root() / "backend-choice"
+    return cache_dir("backend-choice")
 
 
 def choice_key(key_parts: dict[str, Any], found: Sequence[Candidate], flags: frozenset[str]) -> dict[str, Any]:
@@ -345,17 +342,12 @@ def choice_key(key_parts: dict[str, Any], found: Sequence[Candidate], flags: fro
 
 
 def _read_cached(path: Path, found: Sequence[Candidate]) -> tuple[Candidate, str, list[Trial]] | None:
-    try:
-        data = json.loads(path.read_text())
-        labels = {c.label: c for c in found}
-        cand = labels[data["choice"]]
-        trials = [Trial(**t) for t in data["trials"]]
-        return cand, str(data["reason"]), trials
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("backend choice cache unreadable; measuring again", path=str(path), error=str(exc))
-        return None
+    labels = {c.label: c for c in found}
+
+    def parse(data: Any) -> tuple[Candidate, str, list[Trial]]:
+        return labels[data["choice"]], str(data["reason"]), [Trial(**t) for t in data["trials"]]
+
+    return read_json(path, parse, what="backend choice")
 
 
 def choose(key_parts: dict[str, Any], open_candidate: OpenCandidate, token_ids: Callable[[], Sequence[Sequence[int]]],
@@ -387,11 +379,8 @@ def choose(key_parts: dict[str, Any], open_candidate: OpenCandidate, token_ids: 
         other.close()
     cand = next(c for c in found if c.label == label)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": choice_key(key_parts, found, flags), "choice": label, "reason": reason,
-                                   "trials": [asdict(t) for t in trials]}, default=str))
-        tmp.replace(path)  # atomic: two workers starting together never read half a file
+        write_json_atomic(path, {"key": choice_key(key_parts, found, flags), "choice": label, "reason": reason,
+                                 "trials": [asdict(t) for t in trials]})
     except OSError as exc:
         log.warning("backend choice not cached", path=str(path), error=str(exc))
     return CpuChoice(cand, reason, trials, False, time.monotonic() - t0), backend

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from worker.core.disk_cache import cache_dir
 from worker.core.errors import BackendError, extra_missing
 from worker.backends.base import OvPrecision, check_batch
 
@@ -59,10 +60,7 @@ def import_openvino() -> Any:
 
 
 def default_cache_dir() -> Path:
-    """Compiled blobs beside the ONNX exports, under the same user cache ($KWE_CACHE_DIR or XDG)."""
-    from engines.export_onnx import cache_root
-
-    return cache_root() / "openvino"
+    return cache_dir("openvino")
 
 
 def version() -> str:

@@ -13,8 +13,6 @@ buckets, so there is nothing to decide.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import platform
 import time
@@ -26,6 +24,7 @@ import numpy as np
 import structlog
 
 from worker.batching.cost_model import CostModel, CostModelError, Sample, fit
+from worker.core.disk_cache import cache_dir, key_of, read_or_measure
 
 log = structlog.get_logger(__name__)
 
@@ -79,7 +78,7 @@ def cpu_model() -> str:
 
 
 def cache_key(parts: dict[str, Any]) -> str:
-    """A file name for these key parts (plus the machine's CPU and the grid version)."""
+    """A file name for these key parts (plus the machine's CPU, ONNX Runtime and the grid version)."""
     try:
         import onnxruntime
 
@@ -88,37 +87,26 @@ def cache_key(parts: dict[str, Any]) -> str:
         ort_version = "-"
     full = {**parts, "cpu": cpu_model(), "cores": os.cpu_count(), "ort": ort_version, "version": VERSION,
             "shapes": SHAPES, "repeats": REPEATS}
-    return hashlib.sha256(json.dumps(full, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return key_of(full)
 
 
 def default_cache_dir() -> Path:
-    """Beside the ONNX exports, under the same user cache ($KWE_CACHE_DIR or the XDG cache)."""
-    from engines.export_onnx import cache_root
+    return cache_dir("cost-models")
 
-    return cache_root() / "cost-models"
+
+def _parse_samples(data: Any) -> list[Sample]:
+    samples = [(int(r), int(n), float(s)) for r, n, s in data["samples"]]
+    fit(samples)  # a file whose samples cannot be fitted is measured again
+    return samples
 
 
 def load_or_measure(run: Run, key_parts: dict[str, Any], *, cache_dir: Path | None = None,
                     remeasure: bool = False) -> tuple[list[Sample], bool]:
     """(samples, from_cache): the cached samples for this key, or fresh ones (then cached)."""
     path = (cache_dir or default_cache_dir()) / f"{cache_key(key_parts)}.json"
-    if not remeasure and path.is_file():
-        try:
-            data = json.loads(path.read_text())
-            samples = [(int(r), int(n), float(s)) for r, n, s in data["samples"]]
-            fit(samples)
-            return samples, True
-        except (OSError, ValueError, KeyError, TypeError, CostModelError) as exc:
-            log.warning("cost model cache unreadable; measuring again", path=str(path), error=str(exc))
-    samples = measure(run)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"key": key_parts, "samples": samples}, default=str))
-        tmp.replace(path)  # atomic: two workers starting together never read half a file
-    except OSError as exc:
-        log.warning("cost model not cached", path=str(path), error=str(exc))
-    return samples, False
+    return read_or_measure(path, _parse_samples, lambda: measure(run),
+                           lambda samples: {"key": key_parts, "samples": samples},
+                           what="cost model", remeasure=remeasure)
 
 
 def backend_key(backend: Any, key_parts: dict[str, Any]) -> dict[str, Any]:

@@ -72,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
     from worker.core.errors import KeywordEmbedderError
     from worker.core.model import ModelInfo, default_model_dir
     from worker.core.profiles import load_profile
-    from worker.backend_choice.select import DEFAULT_PROFILE, open_backend
+    from worker.backend_choice.select import DEFAULT_PROFILE
     from worker.benchmark.inputs import read_queries
     from worker.benchmark.policies import BucketerOptions
     from worker.benchmark.report import render_markdown

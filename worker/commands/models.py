@@ -12,7 +12,6 @@ tests/data/), and every real model that is installed.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -65,7 +64,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _cache() -> Path:
-    return Path(os.environ.get("KWE_CACHE_DIR") or Path.home() / ".cache" / "keyword-embedder") / "models"
+    from worker.core.disk_cache import cache_dir
+
+    return cache_dir("models")
 
 
 def _installed() -> list[tuple[str, Path | None, str]]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
