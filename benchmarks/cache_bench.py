@@ -41,7 +41,8 @@ from engines.export_onnx import ensure_onnx  # noqa: E402
 from worker.core.model import default_model_dir  # noqa: E402
 from worker.core.profiles import load_profile  # noqa: E402
 from worker.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402
-from worker.batching.cache import DEFAULT_CACHE_BYTES, EmbeddingCache, key  # noqa: E402
+from worker.embedding_cache import EmbeddingCache, key  # noqa: E402
+from worker.settings.schema import DEFAULT_CACHE_BYTES  # noqa: E402
 from worker.benchmark.inputs import read_queries  # noqa: E402
 from worker.benchmark.policies import BucketerOptions, run_bucketed  # noqa: E402
 from worker.benchmark.report import quartiles  # noqa: E402

@@ -101,7 +101,7 @@ def test_run_bucketed_returns_each_embedding_in_its_row(ort_parts) -> None:  # n
 
 
 def test_run_bucketed_with_a_cache_answers_repeats_without_the_bucketer(ort_parts) -> None:  # noqa: ANN001
-    from worker.batching.cache import EmbeddingCache, key
+    from worker.embedding_cache import EmbeddingCache, key
 
     tokenizer, backend, encoded = ort_parts
     profile = load_profile("cpu", model_max_len=tokenizer.max_len)
@@ -124,7 +124,7 @@ def test_run_bucketed_with_a_cache_answers_repeats_without_the_bucketer(ort_part
 
 
 def test_run_bucketed_coalesces_repeats_in_flight(ort_parts) -> None:  # noqa: ANN001
-    from worker.batching.cache import EmbeddingCache
+    from worker.embedding_cache import EmbeddingCache
 
     tokenizer, backend, encoded = ort_parts
     profile = load_profile("cpu", model_max_len=tokenizer.max_len)
@@ -139,7 +139,7 @@ def test_run_bucketed_coalesces_repeats_in_flight(ort_parts) -> None:  # noqa: A
 
 
 def test_run_bucketed_with_a_cache_fails_cleanly_when_the_leader_fails() -> None:
-    from worker.batching.cache import EmbeddingCache
+    from worker.embedding_cache import EmbeddingCache
     from worker.benchmark.errors import BenchError
     from worker.intake.tokenize import Encoded
 

@@ -1,4 +1,4 @@
-"""The exact-match embedding cache (worker/batching/cache.py) and Embedder's use of it."""
+"""The exact-match embedding cache (worker/embedding_cache.py) and Embedder's use of it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from worker.batching.cache import ENTRY_OVERHEAD, CacheError, EmbeddingCache, hit_rate_line, key
+from worker.embedding_cache import ENTRY_OVERHEAD, CacheError, EmbeddingCache, hit_rate_line, key
 from worker.operations.metrics import Metrics
 
 DIM = 384

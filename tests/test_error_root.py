@@ -67,7 +67,7 @@ def test_every_error_a_user_can_read_derives_from_the_one_root() -> None:
     found = _defined_exceptions()
     # The ones the issue named, found and walked (not skipped as an import that failed).
     for name in ("worker.formats.keyword_files.KeywordFileError", "worker.benchmark.errors.BenchError",
-                 "worker.batching.bucketer.BucketerError", "worker.batching.cache.CacheError",
+                 "worker.batching.bucketer.BucketerError", "worker.embedding_cache.CacheError",
                  "worker.batching.cost_model.CostModelError",
                  "worker.core.vectors.VectorError", "engines.quantize_int8.QuantizeError",
                  "engines.build_engine.EngineBuildError", "engines.export_onnx.ExportError",

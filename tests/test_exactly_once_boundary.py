@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # What at-least-once runs: the assembly and the pipeline, intake, the output stage and dead letters, acknowledgement,
 # the in-flight table, the delivery interface (with AtLeastOnce), the producer and the committer.
-AT_LEAST_ONCE = ["worker/app.py", "worker/pipeline.py", "worker/intake/stage.py", "worker/delivery/output.py",
-                 "worker/delivery/dead_letters.py", "worker/delivery/acks.py", "worker/delivery/inflight.py",
+AT_LEAST_ONCE = ["worker/app.py", "worker/pipeline.py", "worker/intake/stage.py", "worker/output/stage.py",
+                 "worker/output/dead_letters.py", "worker/delivery/acks.py", "worker/delivery/inflight.py",
                  "worker/delivery/guarantees.py", "worker/delivery/base.py",
                  "worker/kafka/producer.py", "worker/kafka/committer.py", "worker/kafka/offsets.py"]
 # Exactly-once's names: the write gate, failed-write routing, the client take-over, the transaction loop.

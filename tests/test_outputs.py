@@ -16,7 +16,7 @@ from worker.core.vectors import (VectorError, default_int8_range, dequantize_int
                               truncate, unpack_binary)
 from tests.test_messages import schema
 from worker.app import output_codec
-from worker.batching.cache import key
+from worker.embedding_cache import key
 from worker.settings.schema import Settings
 from worker.formats.messages import (H_INT8_RANGE, H_PROMPT, H_PROMPT_NAME, OutputCodec, decode_embedding,
                                      encode_embedding)

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -24,15 +25,27 @@ from engines.export_onnx import FP32_NODE_PREFIXES, build_model
 from worker.core.errors import BackendError
 from worker.core.model import ModelError, ModelInfo, Prompt, default_model_dir
 from worker.core.st_pipeline import POOLING_MODES, Dense, ModulePipeline, Normalize, Pooling
-from worker.families import (MIN_COS, NORM_TOL, PIPELINE_FIXTURES, cosines, norm_error, pipeline_fixtures,
-                             pipeline_folder, pipeline_parity)
+from worker.families import MIN_COS, NORM_TOL, cosines, norm_error, pipeline_fixtures
+from worker.families import pipeline_folder as _pipeline_folder
+from worker.families import pipeline_parity as _pipeline_parity
 
-FIXTURES = pipeline_fixtures()
+DATA = Path(__file__).resolve().parent / "data"
+PIPELINE_FIXTURES = DATA / "pipelines"
+FAMILY_FIXTURES = DATA / "families"
+FIXTURES = pipeline_fixtures(PIPELINE_FIXTURES)
 NAMES = [f.name for f in FIXTURES]
 
 
 def _fixture(name: str) -> Path:
     return PIPELINE_FIXTURES / name
+
+
+def pipeline_folder(fixture: Path, into: Path) -> Path:
+    return _pipeline_folder(fixture, into, families=FAMILY_FIXTURES)
+
+
+def pipeline_parity(fixture: Path, **kwargs: Any) -> Any:
+    return _pipeline_parity(fixture, families=FAMILY_FIXTURES, **kwargs)
 
 
 def _info(tmp_path: Path, name: str) -> ModelInfo:
@@ -133,9 +146,7 @@ def test_the_excluded_prompt_is_sentence_transformers_prompt_length(tmp_path: Pa
 
 
 def test_a_folder_without_modules_json_keeps_the_defaults_and_says_so() -> None:
-    from worker.families import REPO_FIXTURES
-
-    info = ModelInfo.from_dir(REPO_FIXTURES / "bert")  # config, weights, tokenizer: nothing else
+    info = ModelInfo.from_dir(FAMILY_FIXTURES / "bert")  # config, weights, tokenizer: nothing else
     assert info.pipeline == ModulePipeline(Pooling(("mean",)), (Normalize(),), None)
     assert info.normalized and info.dim == info.hidden_size
     assert info.pipeline.describe() == "Pooling mean -> Normalize (no modules.json: the defaults, L2-normalised)"
@@ -152,10 +163,8 @@ def _editable(tmp_path: Path, name: str) -> Path:
     folder = tmp_path / name
     shutil.copytree(_fixture(name), folder, ignore=shutil.ignore_patterns("reference.npz", "fixture.json"))
     family = json.loads((_fixture(name) / "fixture.json").read_text())["transformer"]
-    from worker.families import REPO_FIXTURES
-
     for item in ("config.json", "model.safetensors", "tokenizer.json"):
-        (folder / item).symlink_to(REPO_FIXTURES / family / item)
+        (folder / item).symlink_to(FAMILY_FIXTURES / family / item)
     return folder
 
 

@@ -88,8 +88,8 @@ import sys
 for name in ("fastavro", "opentelemetry", "google.protobuf.descriptor_pool"):
     sys.modules[name] = None  # as if the extras were not installed: importing them raises ImportError
 from worker.app import registry_formats
-import worker.cli, worker.app, worker.pipeline, worker.delivery.output
-from worker.delivery.tracing import batch_spans
+import worker.cli, worker.app, worker.pipeline, worker.output.stage
+from worker.output.tracing import batch_spans
 from worker.formats.messages import OutputCodec
 from worker.settings.schema import Settings, SettingsError
 codec = OutputCodec(model="m", dim=4, encoding="float-list")

@@ -16,7 +16,7 @@ from typing import Any
 from tests.fakes.consumer import FakeGroupConsumer
 from tests.fakes.transactions import FakeTxnProducer
 from worker.delivery.acks import Acknowledger
-from worker.delivery.dead_letters import DeadLetters
+from worker.output.dead_letters import DeadLetters
 from worker.delivery.exactly_once.loop import ExactlyOnce
 from worker.delivery.exactly_once.producer import ExactlyOnceProducer
 from worker.delivery.exactly_once.transactions import Transactions

@@ -1,4 +1,4 @@
-"""One OpenTelemetry span per batch (worker/delivery/tracing.py): links, attributes, and the OTLP/HTTP export.
+"""One OpenTelemetry span per batch (worker/output/tracing.py): links, attributes, and the OTLP/HTTP export.
 
 The export goes to a local HTTP receiver on loopback that decodes the OTLP protobuf body, so the
 bytes a collector would get are checked without a collector. Through the broker and the pipeline:
@@ -17,7 +17,7 @@ pytest.importorskip("opentelemetry.sdk", reason="the otel extra is not installed
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
-from worker.delivery.tracing import SPAN_NAME, batch_spans  # noqa: E402
+from worker.output.tracing import SPAN_NAME, batch_spans  # noqa: E402
 from worker.formats.propagation import parse_traceparent  # noqa: E402
 
 PARENTS = [parse_traceparent(f"00-{i:032x}-{i + 100:016x}-01".encode()) for i in range(1, 4)]
@@ -77,7 +77,7 @@ def test_a_failing_tracer_never_stops_the_output_stage() -> None:
     import numpy as np
 
     from worker.delivery.inflight import InFlight, InFlightTable
-    from worker.delivery.output import OutputStage, _Finished
+    from worker.output.stage import OutputStage, _Finished
     from worker.formats.headers import InputHeaders
     from worker.kafka.offsets import PartitionOffsets
     from worker.latch import FatalLatch

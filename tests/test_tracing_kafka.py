@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from tests.kafka_tools import TopicReader, load_queries, produce  # noqa: E402
 from worker.app import wire_pipeline  # noqa: E402
-from worker.delivery.tracing import batch_spans  # noqa: E402
+from worker.output.tracing import batch_spans  # noqa: E402
 from worker.formats.propagation import parse_traceparent  # noqa: E402
 from worker.settings.schema import Settings  # noqa: E402
 

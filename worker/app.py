@@ -13,19 +13,16 @@ from typing import Any
 import structlog
 from confluent_kafka import Consumer, Producer
 
+from worker.backends.base import Backend
+from worker.backends.isolating import IsolatingBackend
+from worker.batching.cost_model import CostModel
 from worker.core.errors import BackendError, extra_missing
 from worker.core.model import ModelError, ModelInfo, Prompt
 from worker.core.vectors import check_truncate_dim, default_int8_range
-from worker.backends.base import Backend
-from worker.backends.isolating import IsolatingBackend
-from worker.batching.cache import EmbeddingCache
-from worker.batching.cost_model import CostModel
 from worker.delivery.acks import Acknowledger
-from worker.delivery.dead_letters import DeadLetters
 from worker.delivery.guarantees import build_delivery, producer_config_for
 from worker.delivery.inflight import InFlightTable
-from worker.delivery.output import OutputStage
-from worker.delivery.tracing import BatchSpans
+from worker.embedding_cache import EmbeddingCache
 from worker.formats.messages import OutputCodec, ValueEncoder
 from worker.formats.propagation import Propagation
 from worker.intake.flow import FlowControl
@@ -39,6 +36,9 @@ from worker.latch import guarded
 from worker.names import REGISTRY_FORMATS
 from worker.operations.health import Liveness
 from worker.operations.metrics import Metrics
+from worker.output.dead_letters import DeadLetters
+from worker.output.stage import OutputStage
+from worker.output.tracing import BatchSpans
 from worker.pipeline import Pipeline, Shutdown, Stages
 from worker.settings.output_fields import parse_output_fields
 from worker.settings.schema import Settings, SettingsError
@@ -163,7 +163,7 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
     codec = codec or OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding)  # type: ignore[arg-type]
     # One span per batch when an OTLP endpoint is set (the otel extra, imported only then).
     if spans is None and settings.otel_exporter_otlp_endpoint:
-        from worker.delivery.tracing import batch_spans
+        from worker.output.tracing import batch_spans
 
         spans = batch_spans(settings.otel_exporter_otlp_endpoint, model=model_name)
     # Repeated keywords are answered from here without the model (0 bytes: off).

@@ -12,8 +12,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from worker.core.errors import KeywordEmbedderError
 from worker import __version__
+from worker.core.errors import KeywordEmbedderError
 
 # name -> (module under worker.commands, one-line summary)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {

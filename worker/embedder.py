@@ -12,7 +12,7 @@ left out of the pooling), so the result does not depend on the batch composition
 are unit length where the model's pipeline ends in a Normalize module (`normalized`), as every
 packaged model's does; a dot-product model's are not (docs/models.md).
 
-`cache_bytes` (default: worker.batching.cache.DEFAULT_CACHE_BYTES, 0 turns it off) keeps the vectors of
+`cache_bytes` (default: worker.settings.schema.DEFAULT_CACHE_BYTES, 0 turns it off) keeps the vectors of
 texts already embedded, keyed by their token IDs after truncation: a repeat, in the same call or
 a later one, is not run again, and gets bit for bit the vector computed the first time.
 `backend` (default "auto"): ONNX Runtime fp32, or OpenVINO where it measured faster on this machine
@@ -36,18 +36,18 @@ from typing import Literal, get_args
 
 import numpy as np
 
-from worker.core.errors import KeywordEmbedderError
-from worker.core.model import PROMPT_AUTO, ModelInfo, Prompt, default_model_dir
-from worker.core.vectors import check_truncate_dim, default_int8_range, pack_binary, quantize_int8, truncate
 from worker.backend_choice.auto import CpuChoice
 from worker.backend_choice.select import choose_cpu, open_backend
 from worker.backends.base import OvPrecision
 from worker.backends.onnxruntime import OnnxRuntimeBackend
 from worker.backends.openvino import OpenVinoBackend
-from worker.batching.cache import DEFAULT_CACHE_BYTES, EmbeddingCache, key
 from worker.batching.padding import length_batches, pad_batch
+from worker.core.errors import KeywordEmbedderError
+from worker.core.model import PROMPT_AUTO, ModelInfo, Prompt, default_model_dir
+from worker.core.vectors import check_truncate_dim, default_int8_range, pack_binary, quantize_int8, truncate
+from worker.embedding_cache import EmbeddingCache, key
 from worker.intake.tokenize import Encoded, KeywordTokenizer
-from worker.settings.schema import BackendSetting, Precision, Settings
+from worker.settings.schema import DEFAULT_CACHE_BYTES, BackendSetting, Precision, Settings
 
 
 class EmbedderError(KeywordEmbedderError, ValueError):

@@ -24,7 +24,6 @@ import numpy as np
 
 from worker.core.model import FAMILIES, ModelInfo, ModelNotFoundError, Prompt, default_model_dir
 
-REPO_FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "data" / "families"
 MIN_COS = 0.9999
 # Norms against float32 references (the fixtures): float32 arithmetic in another order stays
 # near 1e-6; a normalisation added or left out is off by far more.
@@ -120,7 +119,7 @@ def fixture_folder(fixture: Path, pooling: str, into: Path) -> Path:
     folder = into / f"{fixture.name}-{pooling}"
     folder.mkdir(parents=True)
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
-        os.symlink(fixture / name, folder / name)
+        os.symlink((fixture / name).resolve(), folder / name)  # absolute: the link lives elsewhere
     (folder / "1_Pooling").mkdir()
     (folder / "1_Pooling" / "config.json").write_text(json.dumps(
         {"pooling_mode_cls_token": pooling == "cls", "pooling_mode_mean_tokens": pooling == "mean"}))
@@ -158,7 +157,6 @@ def fixture_parity(fixture: Path, pooling: str, *, info: ModelInfo | None = None
 
 # ------------------------------------------------------------------ pipeline fixtures
 
-PIPELINE_FIXTURES = REPO_FIXTURES.parent / "pipelines"
 _ENCODER_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
@@ -176,11 +174,12 @@ class PipelineParity:
         return self.ids_match and min(self.single, self.batched) >= MIN_COS and self.norm_error <= NORM_TOL
 
 
-def pipeline_fixtures(root: Path = PIPELINE_FIXTURES) -> list[Path]:
+def pipeline_fixtures(root: Path) -> list[Path]:
+    """The pipeline fixtures under `root` (a source checkout's tests/data/pipelines)."""
     return sorted(p for p in root.iterdir() if (p / "fixture.json").is_file()) if root.is_dir() else []
 
 
-def pipeline_folder(fixture: Path, into: Path, *, families: Path = REPO_FIXTURES) -> Path:
+def pipeline_folder(fixture: Path, into: Path, *, families: Path) -> Path:
     """A sentence-transformers model folder under `into`: the fixture's module files and the
     encoder of the family fixture its fixture.json names (what make_pipeline_fixtures.py loaded)."""
     family = json.loads((fixture / "fixture.json").read_text())["transformer"]
@@ -188,13 +187,13 @@ def pipeline_folder(fixture: Path, into: Path, *, families: Path = REPO_FIXTURES
     folder.mkdir(parents=True)
     for item in fixture.iterdir():
         if item.name not in ("reference.npz", "fixture.json"):
-            os.symlink(item, folder / item.name)
+            os.symlink(item.resolve(), folder / item.name)
     for name in _ENCODER_FILES:
-        os.symlink(families / family / name, folder / name)
+        os.symlink((families / family / name).resolve(), folder / name)
     return folder
 
 
-def pipeline_parity(fixture: Path, *, families: Path = REPO_FIXTURES,
+def pipeline_parity(fixture: Path, *, families: Path,
                     change: Callable[[ModelInfo], ModelInfo] | None = None) -> PipelineParity:
     """The fixture's folder as the worker runs it (the model's default prompt, as sentence-
     transformers' encode took it; the export through ONNX Runtime) against encode's vectors.
@@ -282,7 +281,6 @@ def assemble_split_model(cache_dir: Path, *, unpack: bool = True) -> Path:
 
 # all-mpnet-base-v2's reference vectors are float16 (3 decimal digits): norms match to ~1e-4.
 REAL_NORM_TOL = 1e-3
-GOLDEN = REPO_FIXTURES.parent / "golden"
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,6 @@ from worker.deadline import Deadline
 from worker.delivery.acks import Acknowledger
 from worker.delivery.guarantees import Delivery
 from worker.delivery.inflight import InFlightTable
-from worker.delivery.output import OutputStage
-from worker.delivery.tracing import BatchSpans
 from worker.errors import ThreadDiedError, WorkerError
 from worker.intake.flow import FlowControl
 from worker.intake.stage import Intake
@@ -46,6 +44,8 @@ from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch
 from worker.operations.health import Liveness
 from worker.operations.metrics import Metrics
+from worker.output.stage import OutputStage
+from worker.output.tracing import BatchSpans
 from worker.settings.schema import Settings
 
 if TYPE_CHECKING:

@@ -32,11 +32,11 @@ from typing import Any
 
 import structlog
 
+from worker.backend_choice.auto import Candidate, CpuChoice
+from worker.backends.base import Backend, BackendName, OvPrecision
 from worker.core.errors import BackendError, extra_missing
 from worker.core.model import ModelInfo, default_model_dir
 from worker.core.profiles import PadPolicy, Profile, load_profile
-from worker.backend_choice.auto import Candidate, CpuChoice
-from worker.backends.base import Backend, BackendName, OvPrecision
 from worker.settings.schema import Precision, Settings
 
 log = structlog.get_logger(__name__)

@@ -14,6 +14,7 @@ import numpy as np
 
 # Defined in the lowest layer because the engine build raises it too; every backend raises it.
 from worker.core.errors import BackendError
+
 # The backends the worker can run on and OpenVINO's arithmetic: defined among the shared names, which the settings read
 # without importing the backends; re-exported here beside the protocol.
 from worker.names import BackendName, OvPrecision

@@ -13,8 +13,8 @@ from typing import Literal
 
 import numpy as np
 
-from worker.core.errors import BackendError
 from worker.backends.base import check_batch
+from worker.core.errors import BackendError
 
 GraphOptimization = Literal["disable", "basic", "extended", "all"]
 

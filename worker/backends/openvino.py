@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
+from worker.backends.base import OvPrecision, check_batch
 from worker.core.disk_cache import cache_dir
 from worker.core.errors import BackendError, extra_missing
-from worker.backends.base import OvPrecision, check_batch
 
 INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"

@@ -48,10 +48,19 @@ from typing import Any
 
 import numpy as np
 
+from worker.backends.tensorrt_plan import (
+    INPUT_NAMES,
+    PAD_ID,
+    buffer_plan,
+    check_engine_profiles,
+    numpy_dtype,
+    profile_index_for_bucket,
+    shared_memory_size,
+    stage_batch,
+)
 from worker.core.errors import BackendError
 from worker.core.profiles import Profile
-from worker.backends.tensorrt_plan import (INPUT_NAMES, PAD_ID, buffer_plan, check_engine_profiles, numpy_dtype,
-                                           profile_index_for_bucket, shared_memory_size, stage_batch)
+
 
 # ---------------------------------------------------------------------------- the backend
 class _ThreadCudaContext:

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from worker.core.profiles import PadPolicy, Profile
 from worker.backends.base import Backend
 from worker.batching.cost_model import Prices
 from worker.batching.flush_policy import Flush, LaneSnapshot, QueuedBucket, Snapshot, batch_count, is_full
 from worker.batching.padding import pad_batch
+from worker.core.profiles import PadPolicy, Profile
 
 
 @dataclass(slots=True)

@@ -33,24 +33,24 @@ it, so a second stop request that shortens the deadline shortens the drain under
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import structlog
 
-from worker.core.profiles import PAD_POLICIES, PadPolicy, Profile
 from worker.backends.base import Backend, InferenceContext
 from worker.batching.bucket_queues import Batch, Bucket, Item, bucket_full, pad, plan_layout, snapshot, take_flush
 from worker.batching.cost_model import CostModel
 from worker.batching.flush_policy import Flush, next_flush
+from worker.core.profiles import PAD_POLICIES, PadPolicy, Profile
 from worker.deadline import Deadline
 from worker.errors import WorkerError
 from worker.operations.batch_stats import BatchStats
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger(__name__)
 
 # stop(deadline): how long past its deadline it waits for the threads to end, and how often it
 # re-reads the deadline while draining.
@@ -255,8 +255,8 @@ class Bucketer:
             t.join(None if math.isinf(left) else left)
         self.stuck = [t.name for t in self._threads if t.is_alive()]
         if self.stuck:
-            log.warning("bucketer threads still running at stop (a backend call that does not return): %s",
-                        ", ".join(self.stuck))
+            log.warning("bucketer threads still running at stop (a backend call that does not return)",
+                        threads=self.stuck)
         with self._lock:
             dropped = [it.seq for b in self._buckets for it in b.items]
             dropped += [it.seq for lane in self._lanes for batch in lane.ready for it in batch.items]
@@ -380,7 +380,7 @@ class Bucketer:
             try:
                 self._on_error(seqs, exc)
             except Exception:
-                log.exception("on_error callback raised; batch of %d items lost", len(seqs))
+                log.exception("on_error callback raised; batch lost", items=len(seqs))
             return
         end = self._clock()
         size, pad_len = batch.input_ids.shape
@@ -394,4 +394,4 @@ class Bucketer:
             self._on_complete(seqs, out, stats)
         except Exception:
             # The caller's bug, not the backend's: keep the dispatcher alive for other batches.
-            log.exception("on_complete callback raised for a batch of %d items", len(seqs))
+            log.exception("on_complete callback raised", items=len(seqs))

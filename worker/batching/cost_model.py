@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from worker.core.errors import KeywordEmbedderError
 
 # Features are scaled so that the 3x3 normal equations are well conditioned for B up to a few

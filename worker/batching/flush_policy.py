@@ -27,9 +27,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from worker.core.profiles import PadPolicy
 from worker.batching.batch_policy import BucketView, plan_merge
 from worker.batching.cost_model import Prices
+from worker.core.profiles import PadPolicy
 
 
 # The snapshot is taken under the bucketer's lock at every decision: named tuples, the cheapest

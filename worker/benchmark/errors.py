@@ -1,6 +1,7 @@
 """The benchmark's one error type."""
 
 from __future__ import annotations
+
 from worker.core.errors import KeywordEmbedderError
 
 

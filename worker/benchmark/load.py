@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from worker.core.profiles import Profile
 from worker.backends.base import Backend
 from worker.benchmark.errors import BenchError
 from worker.benchmark.policies import BucketerHarness, BucketerOptions
+from worker.core.profiles import Profile
 from worker.intake.tokenize import Encoded
 
 

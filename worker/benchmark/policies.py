@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from worker.core.profiles import PadPolicy, Profile
 from worker.backends.base import Backend, InferenceContext
 from worker.batching.bucketer import Bucketer
-from worker.batching.cache import EmbeddingCache, key
 from worker.batching.cost_model import CostModel
 from worker.batching.padding import pad_batch
 from worker.benchmark.errors import BenchError
+from worker.core.profiles import PadPolicy, Profile
+from worker.embedding_cache import EmbeddingCache, key
 from worker.intake.tokenize import Encoded
 from worker.operations.batch_stats import BatchStats
 

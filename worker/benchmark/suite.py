@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from worker.core.profiles import Profile
 from worker.backends.base import Backend
 from worker.benchmark.load import run_open_loop
 from worker.benchmark.policies import (
@@ -27,6 +26,7 @@ from worker.benchmark.policies import (
     run_sorted,
 )
 from worker.benchmark.report import quartiles
+from worker.core.profiles import Profile
 from worker.intake.tokenize import Encoded
 
 

@@ -69,14 +69,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from worker.core.errors import KeywordEmbedderError
-    from worker.core.model import ModelInfo, default_model_dir
-    from worker.core.profiles import load_profile
     from worker.backend_choice.select import DEFAULT_PROFILE
     from worker.benchmark.inputs import read_queries
     from worker.benchmark.policies import BucketerOptions
     from worker.benchmark.report import render_markdown
     from worker.benchmark.suite import BenchConfig, run_benchmark
+    from worker.core.errors import KeywordEmbedderError
+    from worker.core.model import ModelInfo, default_model_dir
+    from worker.core.profiles import load_profile
     from worker.formats.keyword_files import BadLines
     from worker.intake.tokenize import KeywordTokenizer
 
@@ -203,12 +203,12 @@ def _open(args: argparse.Namespace, info, profile, threads: int, *, kind: str | 
 
 def calibrate(args: argparse.Namespace, fail) -> int:  # noqa: ANN001
     """`bench --calibrate`: measure afresh (and cache it for the worker) the backend choice and the cost model, print them."""
-    from worker.core.errors import KeywordEmbedderError
-    from worker.core.model import ModelInfo, default_model_dir
     from worker.app import calibration_key
     from worker.backend_choice.select import intra_op_threads
     from worker.batching.calibration import backend_key, cache_key, default_cache_dir, load_or_measure
     from worker.batching.cost_model import fit
+    from worker.core.errors import KeywordEmbedderError
+    from worker.core.model import ModelInfo, default_model_dir
 
     if args.backend == "tensorrt":
         return fail("--calibrate is for the CPU backends: on TensorRT context i serves bucket i only, so batches "

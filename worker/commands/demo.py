@@ -28,7 +28,7 @@ import orjson
 from confluent_kafka import Consumer, KafkaError, Message, Producer
 from tqdm import tqdm
 
-from worker.batching.cache import hit_rate_line
+from worker.embedding_cache import hit_rate_line
 from worker.formats.keyword_files import read_keywords
 from worker.formats.messages import decode_embedding
 from worker.kafka.admin import ensure_topics

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 PROG = "keyword-embedder models"
+# The fixtures ship with a source checkout, not with the package: looked up from the current folder.
+CHECKOUT_FIXTURES = Path("tests") / "data" / "families"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +25,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="Rerun the checks here: fixture parity per family and pooling, each pipeline fixture, "
                              "and every installed real model.")
     parser.add_argument("--fixtures", type=Path, default=None,
-                        help="Folder of the family fixtures (default: tests/data/families in this checkout); the "
+                        help="Folder of the family fixtures (default: tests/data/families under the current folder, a "
+                             "source checkout's root); the "
                              "pipeline fixtures and real-model references are read beside it.")
     parser.add_argument("--model", type=Path, default=None, metavar="DIR",
                         help="Print what this model folder runs (family, width, pipeline) and exit.")
@@ -32,7 +35,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from worker.core.model import FAMILIES
     from worker.core.st_pipeline import POOLING_MODES
-    from worker.families import FAMILY_STATUS, KNOWN_PIPELINES, MIN_COS, REPO_FIXTURES
+    from worker.families import FAMILY_STATUS, KNOWN_PIPELINES, MIN_COS
 
     if args.model is not None:
         return _describe(args.model)
@@ -60,7 +63,7 @@ def main(args: argparse.Namespace) -> int:
     if not args.check:
         print("\nRerun the checks: keyword-embedder models --check; one folder: keyword-embedder models --model DIR")
         return 0
-    return _check(args.fixtures or REPO_FIXTURES)
+    return _check(args.fixtures or CHECKOUT_FIXTURES)
 
 
 def _cache() -> Path:
@@ -108,8 +111,17 @@ def _describe(folder: Path) -> int:
 
 def _check(fixtures: Path) -> int:
     from worker.core.model import FAMILIES, ModelNotFoundError
-    from worker.families import (MIN_COS, NORM_TOL, REAL_MODELS, REAL_NORM_TOL, fixture_parity, pipeline_fixtures,
-                                 pipeline_parity, real_model_dir, real_parity)
+    from worker.families import (
+        MIN_COS,
+        NORM_TOL,
+        REAL_MODELS,
+        REAL_NORM_TOL,
+        fixture_parity,
+        pipeline_fixtures,
+        pipeline_parity,
+        real_model_dir,
+        real_parity,
+    )
 
     failed = 0
     print("\nfixture parity (worst row's cosine vs transformers)")

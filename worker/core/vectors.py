@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
 from worker.core.errors import KeywordEmbedderError
 
 INT8_LEVELS = 255

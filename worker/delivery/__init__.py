@@ -1,1 +1,2 @@
-"""Output and delivery: output records, acknowledgement, the in-flight table, dead letters, the guarantees."""
+"""Delivery: when an input is finished and how its offset commits: the guarantees (at least once,
+exactly once), acknowledgement and the in-flight table."""

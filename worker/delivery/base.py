@@ -13,7 +13,8 @@ from worker.kafka.producer import RecordWriter
 
 Serve = Callable[[float], None]
 Phase = Literal["created", "running", "finished"]
-# Wraps the output thread's handling of one batch (exactly-once: in the write gate; None: nothing).
+# Wraps the output thread's handling of one queued item (exactly-once: in the write gate; None: handled
+# as it is). The one definition: the output stage takes it, each guarantee gives it.
 AroundBatch = Callable[[Callable[[Any], None]], Callable[[Any], None]]
 
 

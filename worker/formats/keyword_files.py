@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
+
 from worker.core.errors import KeywordEmbedderError
 
 FORMATS = ("auto", "tsv", "lines", "jsonl")

@@ -2,7 +2,7 @@
 
 The wire formats are specified in schemas/ (input, output, dead-letter); this module is
 their one implementation, with worker/formats/headers.py (reading headers safely) and
-worker/delivery/dead_letter_record.py (the dead-letter record). Decoding never raises on bad
+worker/output/dead_letter_record.py (the dead-letter record). Decoding never raises on bad
 input: it returns a `Rejection` whose reason goes to the dead-letter topic.
 """
 
@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 import orjson
 
-from worker.core.vectors import (dequantize_int8, pack_binary, quantize_int8, truncate, unpack_binary)
+from worker.core.vectors import dequantize_int8, pack_binary, quantize_int8, truncate, unpack_binary
 from worker.names import InputFormat, OutputEncoding
 from worker.settings.output_fields import FieldMap, apply_output_fields
 

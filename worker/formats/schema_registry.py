@@ -28,8 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from confluent_kafka.schema_registry import (SchemaRegistryClient, record_subject_name_strategy,
-                                             topic_record_subject_name_strategy, topic_subject_name_strategy)
+from confluent_kafka.schema_registry import (
+    SchemaRegistryClient,
+    record_subject_name_strategy,
+    topic_record_subject_name_strategy,
+    topic_subject_name_strategy,
+)
 from confluent_kafka.schema_registry.avro import AvroDeserializer, AvroSerializer
 from confluent_kafka.schema_registry.error import SchemaRegistryError
 from confluent_kafka.schema_registry.json_schema import JSONDeserializer, JSONSerializer
@@ -37,9 +41,9 @@ from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer, Proto
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from worker.errors import SchemaRegistryFailure
-from worker.settings.schema import Settings
-from worker.formats.messages import (Headers, Keyword, OutputCodec, Rejection, check_size, keyword_from_object)
+from worker.formats.messages import Headers, Keyword, OutputCodec, Rejection, check_size, keyword_from_object
 from worker.formats.protobuf_schemas import message_class
+from worker.settings.schema import Settings
 
 try:  # confluent-kafka's registry client speaks HTTP through httpx2 (Python 3.10+) or httpx
     from httpx2 import TransportError

@@ -19,14 +19,14 @@ import numpy as np
 import structlog
 from confluent_kafka import Message
 
-from worker.batching.cache import EmbeddingCache
-from worker.batching.cache import key as cache_key
-from worker.delivery.dead_letters import DeadLetters
 from worker.delivery.inflight import InFlight, InFlightTable
+from worker.embedding_cache import EmbeddingCache
+from worker.embedding_cache import key as cache_key
 from worker.formats.headers import read_headers
 from worker.formats.messages import Headers, Keyword, Rejection, decode_input
 from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched, Watermarks
 from worker.operations.metrics import Metrics
+from worker.output.dead_letters import DeadLetters
 from worker.settings.schema import Settings
 
 log = structlog.get_logger(__name__)

@@ -100,7 +100,7 @@ class Metrics:
                                   ["topic", "partition"], registry=r)
         self.rebalances = Counter(f"{PREFIX}rebalances", "Partition rebalance callbacks, by kind.", ["kind"],
                                   registry=r)
-        # The embedding cache (worker/batching/cache.py) counts for itself; its series are read from it at
+        # The embedding cache (worker/embedding_cache.py) counts for itself; its series are read from it at
         # scrape time (watch_cache), so the per-keyword path pays for no metric update.
         self._cache_stats: Callable[[], Any] | None = None
         r.register(_CacheCollector(lambda: self._cache_stats))
@@ -205,9 +205,9 @@ class Metrics:
         """Export the prices of this CostModel (calibrated and live), read at scrape time."""
         self._costs = costs
 
-    # --- embedding cache (worker.batching.cache.CacheObserver) -----------------------------------
+    # --- embedding cache (worker.embedding_cache.CacheObserver) -----------------------------------
     def watch_cache(self, stats: Callable[[], Any]) -> None:
-        """Export the cache whose `stats()` (a worker.batching.cache.CacheStats) is given, read at scrape time."""
+        """Export the cache whose `stats()` (a worker.embedding_cache.CacheStats) is given, read at scrape time."""
         self._cache_stats = stats
 
     def watch_liveness(self, live: LiveCheck) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-
 # The fields of the JSON output record (schemas/output.schema.json), for output_fields; `uuid`
 # is written only when output_fields names it: the query ID as a UUID (uuid5 in UUID_NAMESPACE),
 # for stores whose point IDs must be UUIDs (Qdrant, Weaviate).

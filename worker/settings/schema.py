@@ -20,12 +20,13 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from worker.core.errors import KeywordEmbedderError
 from worker.core.profiles import PadPolicy
-from worker.batching.cache import DEFAULT_CACHE_BYTES
 from worker.names import REGISTRY_FORMATS, BackendName, InputFormat, OutputEncoding, OutputFormat, OvPrecision
 from worker.operations.logs import LogFormat, LogLevel
 from worker.operations.redact import MASK, is_secret_key
 from worker.settings.kafka_overrides import RECORD_FRAMING_BYTES, kafka_override_error, librdkafka_int
 from worker.settings.output_fields import parse_output_fields
+
+DEFAULT_CACHE_BYTES = 192 * 1024 * 1024  # the embedding cache's default bound (cache_bytes)
 
 
 # librdkafka's values; "" leaves the key unset (librdkafka's default, or what the config file says).
@@ -238,6 +239,9 @@ class Settings:
     intra_op_threads: int = _setting(0, "Threads per inference call (ONNX Runtime intra-op threads, OpenVINO "
                                      "threads per stream); 0: the cores this process may "
                                      "use, divided among the dispatchers (1 each on 2 cores).", minimum=0)
+    # ~100k vectors of 384 float32 with typical keyword keys (3-12 tokens): one entry is about
+    # 1,569 (value) + 45-81 (key) + 104 (map) bytes (worker/embedding_cache.py's account), so
+    # 100k take ~175 MB; 192 MiB leaves room.
     cache_bytes: int = _setting(DEFAULT_CACHE_BYTES, "Byte bound of the exact-match embedding cache, keyed by "
                                 "the token IDs after truncation: a repeated keyword is answered from it "
                                 "without the model (least recently used vectors are evicted). The default "

@@ -34,7 +34,6 @@ from worker.operations.metrics import Metrics
 from worker.settings.schema import Settings
 
 
-
 class ExactlyOnce:
     def __init__(self, txn: Transactions, in_flight: Callable[[], int], producer: ExactlyOnceProducer) -> None:
         self.txn = txn

@@ -62,13 +62,21 @@ from confluent_kafka import KafkaException, TopicPartition
 
 from worker.deadline import Deadline
 from worker.delivery.exactly_once.bounded_calls import BoundedCalls
+from worker.delivery.exactly_once.errors import TransactionError, TransactionFencedError, TransactionHungError
 from worker.delivery.exactly_once.rewind import GroupConsumer, fresh_state, seek
 from worker.delivery.exactly_once.take_over import FENCE_SETTLE_S, Fence, TakeOverReason, take_over
-from worker.kafka.offsets import OffsetTracker, PartitionOffsets
-from worker.delivery.exactly_once.transactional_calls import (RETRIES, CallResult, TransactionalProducer, bounded, call,
-                                                              call_timeout, fatal, kind_of)
-from worker.delivery.exactly_once.errors import TransactionError, TransactionFencedError, TransactionHungError
+from worker.delivery.exactly_once.transactional_calls import (
+    RETRIES,
+    CallResult,
+    TransactionalProducer,
+    bounded,
+    call,
+    call_timeout,
+    fatal,
+    kind_of,
+)
 from worker.delivery.exactly_once.write_failures import WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, WriteFailures
+from worker.kafka.offsets import OffsetTracker, PartitionOffsets
 from worker.latch import FatalLatch
 
 log = structlog.get_logger(__name__)

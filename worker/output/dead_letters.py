@@ -11,10 +11,10 @@ import structlog
 from confluent_kafka import Message
 
 from worker.delivery.acks import Acknowledger
-from worker.delivery.dead_letter_record import dead_letter_record
 from worker.formats.headers import InputHeaders
 from worker.formats.messages import Rejection
 from worker.kafka.producer import RecordWriter
+from worker.output.dead_letter_record import dead_letter_record
 
 log = structlog.get_logger(__name__)
 

@@ -22,7 +22,7 @@ calls `complete`, or `abandon` if it cannot), or joined (someone leads already; 
 handed back by the leader's `complete` or `abandon`, to be answered with the same row or
 retried). `get`/`put` remain for callers that do not coalesce.
 
-How the Kafka worker uses it (wired in worker/app.py, used by worker/intake/stage.py and worker/delivery/output.py):
+How the Kafka worker uses it (wired in worker/app.py, used by worker/intake/stage.py and worker/output/stage.py):
     cache = EmbeddingCache(settings.cache_bytes, backend.dim, observer=metrics) if settings.cache_bytes else None
     # poll thread, per tokenized record `seq` (already tracked for commit-after-write):
     found = cache.lookup(key(enc.ids), seq)
@@ -49,16 +49,13 @@ from dataclasses import dataclass
 from typing import Generic, Literal, NamedTuple, Protocol, TypeVar
 
 import numpy as np
+
 from worker.core.errors import KeywordEmbedderError
 
 # An OrderedDict entry costs its hash-table slot (amortised over the table's doubling) plus a
 # linked-list node; measured with tracemalloc at 75 bytes on CPython 3.11, rounded up so the
 # account errs towards using less memory than max_bytes, not more.
 ENTRY_OVERHEAD = 104
-
-# ~100k vectors of 384 float32 with typical keyword keys (3-12 tokens): one entry is about
-# 1,569 (value) + 45-81 (key) + 104 (map) bytes, so 100k take ~175 MB; 192 MiB leaves room.
-DEFAULT_CACHE_BYTES = 192 * 1024 * 1024
 
 _KEY_DTYPE = np.dtype("<i8")
 _MAX_ID = np.iinfo(np.int64).max
@@ -235,7 +232,7 @@ class EmbeddingCache(Generic[W]):
 
     def _store(self, k: bytes, row: np.ndarray, *, release: bool) -> tuple[np.ndarray, list[W]]:
         if type(k) is not bytes:
-            raise CacheError(f"cache: key must be bytes (from worker.batching.cache.key), got {type(k).__name__}")
+            raise CacheError(f"cache: key must be bytes (from worker.embedding_cache.key), got {type(k).__name__}")
         if not isinstance(row, np.ndarray) or row.shape != (self.dim,) or row.dtype != np.float32:
             raise CacheError(f"cache: expected a float32 row of shape ({self.dim},), got "
                              f"{getattr(row, 'dtype', type(row).__name__)} {getattr(row, 'shape', '')}")

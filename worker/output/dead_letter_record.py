@@ -15,8 +15,15 @@ from typing import Any
 import orjson
 
 from worker.formats.headers import InputHeaders
-from worker.formats.messages import (H_REASON, H_SRC_OFFSET, H_SRC_PARTITION, H_SRC_TOPIC, OWN_HEADER_PREFIX, Headers,
-                                     Rejection)
+from worker.formats.messages import (
+    H_REASON,
+    H_SRC_OFFSET,
+    H_SRC_PARTITION,
+    H_SRC_TOPIC,
+    OWN_HEADER_PREFIX,
+    Headers,
+    Rejection,
+)
 
 
 def _b64(data: bytes | None) -> str | None:

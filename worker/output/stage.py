@@ -15,19 +15,18 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import structlog
 
 from worker.backends.isolating import PartialBatchError
-from worker.batching.cache import EmbeddingCache
 from worker.deadline import Deadline
 from worker.delivery.acks import Acknowledger
-from worker.delivery.dead_letters import DeadLetters
+from worker.delivery.base import AroundBatch
 from worker.delivery.inflight import InFlight, InFlightTable
-from worker.delivery.tracing import BatchSpans, epoch_ns
+from worker.embedding_cache import EmbeddingCache
 from worker.errors import BackendBrokenError, WorkerError
 from worker.formats.messages import Rejection, ValueEncoder
 from worker.formats.propagation import Propagation, find_traceparent
@@ -35,6 +34,8 @@ from worker.kafka.producer import RecordWriter
 from worker.latch import FatalLatch, guarded
 from worker.operations.batch_stats import BatchStats
 from worker.operations.metrics import Metrics
+from worker.output.dead_letters import DeadLetters
+from worker.output.tracing import BatchSpans, epoch_ns
 
 log = structlog.get_logger(__name__)
 
@@ -56,8 +57,6 @@ class _Failed:
 
 
 Item = _Finished | _Failed
-# Wraps the output thread's handling of one queued item (None: handled as it is).
-AroundBatch = Callable[[Callable[[Item], None]], Callable[[Item], None]]
 
 
 class OutputStage:
