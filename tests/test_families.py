@@ -18,7 +18,7 @@ import onnx
 import pytest
 from tokenizers import Tokenizer
 
-from engines.export_onnx import ExportError, build_model, mpnet_buckets
+from engines.onnx_export.export import ExportError, build_model, mpnet_buckets
 from worker.core.model import FAMILIES, ModelError, ModelInfo
 from worker.families import MIN_COS, REPO_FIXTURES, cosines, fixture_folder, fixture_parity, reference
 from worker.intake.tokenize import KeywordTokenizer
@@ -254,7 +254,7 @@ def test_a_tensorrt_fp16_build_pins_only_the_pooling_of_every_family(tmp_path: P
     are exactly the pooling and normalisation, not a family's own nodes (positions, relative bias)."""
     import re
 
-    from engines.export_onnx import FP32_NODE_PREFIXES
+    from engines.onnx_export.export import FP32_NODE_PREFIXES
 
     nodes = build_model(_folder(tmp_path, family, "mean")).graph.node
     matched = [re.sub(r"(_\d+)?_node$", "", n.name) for n in nodes if n.name.startswith(FP32_NODE_PREFIXES)]
@@ -268,7 +268,7 @@ def test_a_tensorrt_fp16_build_pins_only_the_pooling_of_every_family(tmp_path: P
 def test_the_offline_fused_graph_matches_too_except_mpnet_which_is_refused(tmp_path: Path, family: str) -> None:
     import onnxruntime as ort
 
-    from engines.export_onnx import INPUT_NAMES, export_onnx
+    from engines.onnx_export.export import INPUT_NAMES, export_onnx
     from worker.batching.padding import pad_batch
 
     folder = _folder(tmp_path, family, "mean")

@@ -2,7 +2,7 @@
 
 sentence-transformers runs a model as the modules listed in modules.json, in order: a
 Transformer (the encoder), a Pooling, then any Dense layers and a Normalize where the model has
-them. This reads that list and each module's config, so the export (engines/export_onnx.py) can
+them. This reads that list and each module's config, so the export (engines/onnx_export/export.py) can
 build the same steps into the graph:
 
 - Pooling (1_Pooling/config.json): cls, max, mean, mean_sqrt_len_tokens, weightedmean,

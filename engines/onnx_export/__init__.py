@@ -1,0 +1,1 @@
+"""The torch-free ONNX exporter of a sentence encoder (the entry points are in `export`)."""
