@@ -497,7 +497,7 @@ def _load_dense(info: ModelInfo) -> list[tuple[np.ndarray, np.ndarray | None]]:
 
 def build_model(model_dir: str | Path | ModelInfo | None = None) -> onnx.ModelProto:
     """The unfused ONNX graph of the model folder, with metadata_props (in memory, not cached)."""
-    info = _model_info(model_dir)
+    info = model_info(model_dir)
     if info.model_type not in FAMILIES:  # ModelInfo refuses these already; a hand-made one may not
         raise ExportError(f"{info.config_path}: model_type {info.model_type!r} is not supported; supported "
                           f"encoder families: {', '.join(FAMILIES)}")
@@ -534,7 +534,8 @@ def build_model(model_dir: str | Path | ModelInfo | None = None) -> onnx.ModelPr
 # ---------------------------------------------------------------- metadata, hashing, cache
 
 
-def _model_info(model_dir: str | Path | ModelInfo | None) -> ModelInfo:
+def model_info(model_dir: str | Path | ModelInfo | None) -> ModelInfo:
+    """The model folder read (None: the default model), or an ExportError naming what is wrong."""
     if isinstance(model_dir, ModelInfo):
         return model_dir  # already read: a start reads the model folder once
     try:
@@ -670,7 +671,7 @@ def _check_fused(plain: onnx.ModelProto, fused: onnx.ModelProto, info: ModelInfo
 
 def export_onnx(model_dir: str | Path | ModelInfo | None, output: str | Path, *, optimize: bool = True) -> Path:
     """Export the model folder to `output` (atomically) and return the path."""
-    info = _model_info(model_dir)
+    info = model_info(model_dir)
     model = build_model(info)
     if optimize:
         fused = _fuse(model, info)
@@ -691,7 +692,7 @@ def export_onnx(model_dir: str | Path | ModelInfo | None, output: str | Path, *,
 def cached_path(model_dir: str | Path | ModelInfo | None = None, *, optimize: bool = True,
                 cache_dir: str | Path | None = None) -> Path:
     """Where ensure_onnx keeps (or would keep) the export of this model folder."""
-    info = _model_info(model_dir)
+    info = model_info(model_dir)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     variant = "fused" if optimize else "plain"
     safe_name = "".join(c if c.isalnum() or c in "-_." else "_" for c in info.name)
@@ -716,5 +717,5 @@ def ensure_onnx(model_dir: str | Path | ModelInfo | None = None, *, optimize: bo
     # Two workers starting together: the second waits, then finds the first one's export.
     with locked(path.parent / f".{path.name}.lock"):
         if not path.is_file():  # another process may have finished it while we waited
-            export_onnx(_model_info(model_dir), path, optimize=optimize)
+            export_onnx(model_info(model_dir), path, optimize=optimize)
     return path
