@@ -16,6 +16,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from engines.onnx_export import export as ex
+from engines.onnx_export.graph import ExportError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -194,12 +195,12 @@ def test_missing_or_misshapen_tensor_is_an_export_error(tmp_path: Path) -> None:
     w = tiny_weights(0)
     del w["encoder.layer.1.output.dense.bias"]
     save_file(w, str(folder / "model.safetensors"))
-    with pytest.raises(ex.ExportError, match=r"model.safetensors: missing tensor 'encoder.layer.1.output.dense.bias'"):
+    with pytest.raises(ExportError, match=r"model.safetensors: missing tensor 'encoder.layer.1.output.dense.bias'"):
         ex.export_onnx(folder, tmp_path / "x.onnx", optimize=False)
     w = tiny_weights(0)
     w["encoder.layer.0.intermediate.dense.weight"] = np.zeros((10, 48), np.float32)
     save_file(w, str(folder / "model.safetensors"))
-    with pytest.raises(ex.ExportError, match=r"has shape \(10, 48\), config.json implies \(80, 48\)"):
+    with pytest.raises(ExportError, match=r"has shape \(10, 48\), config.json implies \(80, 48\)"):
         ex.export_onnx(folder, tmp_path / "x.onnx", optimize=False)
     assert not (tmp_path / "x.onnx").exists()
 
@@ -306,7 +307,7 @@ def test_concurrent_ensure_onnx_processes(tmp_path: Path) -> None:
 
 
 def test_missing_model_folder_is_an_export_error(tmp_path: Path) -> None:
-    with pytest.raises(ex.ExportError, match="model folder not found"):
+    with pytest.raises(ExportError, match="model folder not found"):
         ex.export_onnx(tmp_path / "nope", tmp_path / "x.onnx")
 
 

@@ -18,7 +18,8 @@ import onnx
 import pytest
 from tokenizers import Tokenizer
 
-from engines.onnx_export.export import ExportError, build_model, mpnet_buckets
+from engines.onnx_export.export import build_model, mpnet_buckets
+from engines.onnx_export.graph import ExportError
 from worker.core.model import FAMILIES, ModelError, ModelInfo
 from worker.families import MIN_COS, REPO_FIXTURES, cosines, fixture_folder, fixture_parity, reference
 from worker.intake.tokenize import KeywordTokenizer
@@ -268,7 +269,8 @@ def test_a_tensorrt_fp16_build_pins_only_the_pooling_of_every_family(tmp_path: P
 def test_the_offline_fused_graph_matches_too_except_mpnet_which_is_refused(tmp_path: Path, family: str) -> None:
     import onnxruntime as ort
 
-    from engines.onnx_export.export import INPUT_NAMES, export_onnx
+    from engines.onnx_export.export import export_onnx
+    from engines.onnx_export.graph import INPUT_NAMES
     from worker.batching.padding import pad_batch
 
     folder = _folder(tmp_path, family, "mean")

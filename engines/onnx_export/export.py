@@ -38,33 +38,27 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
+from engines.onnx_export.graph import (INPUT_NAMES, OPSET, OUTPUT_NAME, ExportError, Graph, Weights, f32, gelu,
+                                       i64, layer_norm, linear, read_safetensors, seq_len)
+from worker.core.disk_cache import cache_dir, locked, write_atomic
 from worker.core.model import FAMILIES, ModelError, ModelInfo, default_model_dir
 from worker.core.st_pipeline import Dense
-from worker.core.disk_cache import cache_dir, locked, write_atomic
-from worker.core.errors import KeywordEmbedderError
 
 # Bump whenever the emitted graph changes: it is part of the cache key.
 EXPORTER_VERSION = "2"
-OPSET = 17  # LayerNormalization is a standard op from 17; ReduceL2 still takes axes as attribute
-INPUT_NAMES = ("input_ids", "attention_mask")
-OUTPUT_NAME = "sentence_embedding"
 # The additive mask value HF BERT used when ORT's fusion patterns were written; exp(-10000) is 0
 # in float32, so padded positions get exactly zero attention weight (padding invariance).
 MASK_FILL = -10000.0
 # A fused graph must match the plain graph within this on the self-check batch; float32
 # reassociation stays around 1e-6, a broken fusion is off by far more.
 FUSED_CHECK_TOL = 1e-4
-
-
-class ExportError(KeywordEmbedderError, RuntimeError):
-    """The model cannot be exported; the message names the model folder or file and the reason."""
 
 
 # ---------------------------------------------------------------- families
@@ -129,12 +123,7 @@ def mpnet_buckets(relative: np.ndarray) -> np.ndarray:
 
 
 def _load_weights(info: ModelInfo) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
-
-    try:
-        raw = load_file(str(info.weights_path))
-    except Exception as exc:  # safetensors raises SafetensorError / OSError variants
-        raise ExportError(f"{info.weights_path}: cannot read safetensors weights ({exc})") from None
+    raw = read_safetensors(info.weights_path)
     weights: dict[str, np.ndarray] = {}
     prefix = f"{_PREFIXES[info.model_type]}."
     for key, value in raw.items():
@@ -146,73 +135,7 @@ def _load_weights(info: ModelInfo) -> dict[str, np.ndarray]:
     return weights
 
 
-@dataclass
-class _Weights:
-    info: ModelInfo
-    tensors: dict[str, np.ndarray]
-
-    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        try:
-            value = self.tensors[name]
-        except KeyError:
-            raise ExportError(f"{self.info.weights_path}: missing tensor {name!r} "
-                              f"(config.json says model_type {self.info.model_type!r}; is it?)") from None
-        if value.shape != shape:
-            raise ExportError(f"{self.info.weights_path}: tensor {name!r} has shape {value.shape}, "
-                              f"config.json implies {shape}")
-        # Weights may be stored in float16/bfloat16-as-float; compute is float32 throughout.
-        return np.ascontiguousarray(value, dtype=np.float32)
-
-
-# ---------------------------------------------------------------- graph builder
-
-
-@dataclass
-class _Graph:
-    nodes: list[onnx.NodeProto] = field(default_factory=list)
-    inits: list[onnx.TensorProto] = field(default_factory=list)
-    _counter: int = 0
-
-    def _name(self, hint: str) -> str:
-        self._counter += 1
-        return f"{hint}_{self._counter}"
-
-    def const(self, hint: str, value: np.ndarray) -> str:
-        name = self._name(hint)
-        self.inits.append(numpy_helper.from_array(np.asarray(value), name))
-        return name
-
-    def op(self, op_type: str, inputs: list[str], hint: str | None = None, *, output: str | None = None,
-           **attrs: object) -> str:
-        # `output` fixes the value's name (the graph output); otherwise it is made unique.
-        out = output or self._name(hint or op_type.lower())
-        self.nodes.append(helper.make_node(op_type, inputs, [out], name=f"{out}_node", **attrs))
-        return out
-
-
-def _i64(*values: int) -> np.ndarray:
-    return np.asarray(values, dtype=np.int64)
-
-
-def _f32(value: float) -> np.ndarray:
-    return np.asarray(value, dtype=np.float32)
-
-
-def _linear(g: _Graph, w: _Weights, x: str, prefix: str, n_in: int, n_out: int) -> str:
-    # HF Linear stores [out, in]; MatMul wants [in, out]. MatMul + Add (not Gemm) is what ORT's
-    # fusions expect, and it works on [B, S, H] without reshaping to 2-D.
-    weight = g.const(f"{prefix}.weight", w.get(f"{prefix}.weight", (n_out, n_in)).T.copy())
-    bias = g.const(f"{prefix}.bias", w.get(f"{prefix}.bias", (n_out,)))
-    return g.op("Add", [g.op("MatMul", [x, weight], f"{prefix}.matmul"), bias], f"{prefix}.add")
-
-
-def _layer_norm(g: _Graph, w: _Weights, x: str, prefix: str, hidden: int, eps: float) -> str:
-    scale = g.const(f"{prefix}.weight", w.get(f"{prefix}.weight", (hidden,)))
-    bias = g.const(f"{prefix}.bias", w.get(f"{prefix}.bias", (hidden,)))
-    return g.op("LayerNormalization", [x, scale, bias], f"{prefix}.ln", axis=-1, epsilon=eps)
-
-
-def _embeddings(g: _Graph, w: _Weights, info: ModelInfo, input_ids: str, attention_mask: str) -> str:
+def _embeddings(g: Graph, w: Weights, info: ModelInfo, input_ids: str, attention_mask: str) -> str:
     h = info.hidden_size
     word = g.const("word_embeddings", w.get("embeddings.word_embeddings.weight", (info.vocab_size, h)))
     pos_table = w.get("embeddings.position_embeddings.weight", (info.max_position_embeddings, h))
@@ -221,9 +144,9 @@ def _embeddings(g: _Graph, w: _Weights, info: ModelInfo, input_ids: str, attenti
     if info.position_offset == 0:
         # Position ids: Slice of a [1, max_pos] constant up to seq_len, as HF exports BERT (the
         # layout ORT's EmbedLayerNormalization fusion recognises).
-        end = g.op("Unsqueeze", [_seq_len(g, input_ids), g.const("axis0", _i64(0))], "seq_end")
+        end = g.op("Unsqueeze", [seq_len(g, input_ids), g.const("axis0", i64(0))], "seq_end")
         pos_ids = g.op("Slice", [g.const("position_ids", np.arange(info.max_position_embeddings, dtype=np.int64)[None]),
-                                 g.const("zero", _i64(0)), end, g.const("axis1", _i64(1)), g.const("step", _i64(1))],
+                                 g.const("zero", i64(0)), end, g.const("axis1", i64(1)), g.const("step", i64(1))],
                        "position_ids")
     else:
         # padding_idx + cumsum(mask) * mask: real tokens get padding_idx + 1, + 2, ...; padding
@@ -241,15 +164,10 @@ def _embeddings(g: _Graph, w: _Weights, info: ModelInfo, input_ids: str, attenti
         zeros = g.op("Mul", [input_ids, g.const("zero_scalar", np.asarray(0, dtype=np.int64))], "token_type_ids")
         words = g.op("Add", [words, g.op("Gather", [types, zeros], "type_emb")], "word_type_emb")
     summed = g.op("Add", [words, g.op("Gather", [pos, pos_ids], "pos_emb")], "emb_sum")
-    return _layer_norm(g, w, summed, "embeddings.LayerNorm", h, info.layer_norm_eps)
+    return layer_norm(g, w, summed, "embeddings.LayerNorm", h, info.layer_norm_eps)
 
 
-def _seq_len(g: _Graph, input_ids: str) -> str:
-    return g.op("Gather", [g.op("Shape", [input_ids]), g.const("one", np.asarray(1, dtype=np.int64))],
-                "seq_len", axis=0)  # scalar index -> scalar
-
-
-def _relative_bias(g: _Graph, w: _Weights, info: ModelInfo, input_ids: str) -> str:
+def _relative_bias(g: Graph, w: Weights, info: ModelInfo, input_ids: str) -> str:
     """MPNet: [1, heads, S, S] bias of bucket(key - query), the same for every layer and row."""
     table = w.get("encoder.relative_attention_bias.weight", (info.relative_attention_buckets, info.num_heads))
     if info.relative_attention_buckets < MPNET_BUCKETS:
@@ -258,53 +176,49 @@ def _relative_bias(g: _Graph, w: _Weights, info: ModelInfo, input_ids: str) -> s
     span = info.max_position_embeddings
     distances = np.arange(-(span - 1), span, dtype=np.int64)
     by_distance = g.const("relative_bias_table", table[mpnet_buckets(distances)])  # [2 * span - 1, heads]
-    steps = g.op("Range", [g.const("zero_scalar", np.asarray(0, dtype=np.int64)), _seq_len(g, input_ids),
+    steps = g.op("Range", [g.const("zero_scalar", np.asarray(0, dtype=np.int64)), seq_len(g, input_ids),
                            g.const("one_scalar", np.asarray(1, dtype=np.int64))], "positions")
-    relative = g.op("Sub", [g.op("Unsqueeze", [steps, g.const("axis0", _i64(0))], "key_pos"),
-                            g.op("Unsqueeze", [steps, g.const("axis1", _i64(1))], "query_pos")], "relative")
+    relative = g.op("Sub", [g.op("Unsqueeze", [steps, g.const("axis0", i64(0))], "key_pos"),
+                            g.op("Unsqueeze", [steps, g.const("axis1", i64(1))], "query_pos")], "relative")
     index = g.op("Add", [relative, g.const("distance_offset", np.asarray(span - 1, dtype=np.int64))], "distance")
     bias = g.op("Transpose", [g.op("Gather", [by_distance, index], "relative_bias_sqh")], "relative_bias_hsq",
                 perm=[2, 0, 1])
-    return g.op("Unsqueeze", [bias, g.const("axis0", _i64(0))], "relative_bias")
+    return g.op("Unsqueeze", [bias, g.const("axis0", i64(0))], "relative_bias")
 
 
-def _mask_bias(g: _Graph, attention_mask: str) -> str:
+def _mask_bias(g: Graph, attention_mask: str) -> str:
     # [B, S] -> [B, 1, 1, S] additive bias: 0 where attended, -10000 on padding.
-    m = g.op("Unsqueeze", [attention_mask, g.const("axis1", _i64(1))], "mask_u1")
-    m = g.op("Unsqueeze", [m, g.const("axis2", _i64(2))], "mask_u2")
+    m = g.op("Unsqueeze", [attention_mask, g.const("axis1", i64(1))], "mask_u1")
+    m = g.op("Unsqueeze", [m, g.const("axis2", i64(2))], "mask_u2")
     m = g.op("Cast", [m], "mask_f", to=TensorProto.FLOAT)
-    inv = g.op("Sub", [g.const("one_f", _f32(1.0)), m], "mask_inv")
-    return g.op("Mul", [inv, g.const("mask_fill", _f32(MASK_FILL))], "mask_bias")
+    inv = g.op("Sub", [g.const("one_f", f32(1.0)), m], "mask_inv")
+    return g.op("Mul", [inv, g.const("mask_fill", f32(MASK_FILL))], "mask_bias")
 
 
-def _encoder_layer(g: _Graph, w: _Weights, info: ModelInfo, x: str, mask_bias: str, i: int) -> str:
+def _encoder_layer(g: Graph, w: Weights, info: ModelInfo, x: str, mask_bias: str, i: int) -> str:
     h, heads, hs = info.hidden_size, info.num_heads, info.head_size
     names = _LAYER_NAMES[info.model_type]
     p = names.layer.format(i=i)
-    split = g.const("split_heads", _i64(0, 0, heads, hs))
+    split = g.const("split_heads", i64(0, 0, heads, hs))
 
     def heads_of(name: str, perm: list[int]) -> str:
-        proj = _linear(g, w, x, f"{p}.{name}", h, h)
+        proj = linear(g, w, x, f"{p}.{name}", h, h)
         short = name.rsplit(".", 1)[-1]  # BERT's graph keeps the node names it always had
         return g.op("Transpose", [g.op("Reshape", [proj, split], f"{p}.{short}.reshape")], f"{p}.{short}.t", perm=perm)
 
     q = heads_of(names.query, [0, 2, 1, 3])        # [B, heads, S, hs]
     k = heads_of(names.key, [0, 2, 3, 1])          # [B, heads, hs, S]
     v = heads_of(names.value, [0, 2, 1, 3])        # [B, heads, S, hs]
-    scores = g.op("Div", [g.op("MatMul", [q, k], f"{p}.qk"), g.const("sqrt_hs", _f32(math.sqrt(hs)))], f"{p}.scaled")
+    scores = g.op("Div", [g.op("MatMul", [q, k], f"{p}.qk"), g.const("sqrt_hs", f32(math.sqrt(hs)))], f"{p}.scaled")
     probs = g.op("Softmax", [g.op("Add", [scores, mask_bias], f"{p}.masked")], f"{p}.probs", axis=-1)
     ctx = g.op("Transpose", [g.op("MatMul", [probs, v], f"{p}.ctx")], f"{p}.ctx.t", perm=[0, 2, 1, 3])
-    ctx = g.op("Reshape", [ctx, g.const("merge_heads", _i64(0, 0, h))], f"{p}.ctx.merge")
-    attn = _linear(g, w, ctx, f"{p}.{names.attn_out}", h, h)
-    x = _layer_norm(g, w, g.op("Add", [attn, x], f"{p}.attn.residual"), f"{p}.{names.attn_norm}",
+    ctx = g.op("Reshape", [ctx, g.const("merge_heads", i64(0, 0, h))], f"{p}.ctx.merge")
+    attn = linear(g, w, ctx, f"{p}.{names.attn_out}", h, h)
+    x = layer_norm(g, w, g.op("Add", [attn, x], f"{p}.attn.residual"), f"{p}.{names.attn_norm}",
                     h, info.layer_norm_eps)
-    inter = _linear(g, w, x, f"{p}.{names.ffn_in}", h, info.intermediate_size)
-    # Exact GELU as torch's erf form: x * 0.5 * (1 + erf(x / sqrt(2))) (ORT fuses it to BiasGelu).
-    erf = g.op("Erf", [g.op("Div", [inter, g.const("sqrt2", _f32(math.sqrt(2.0)))], f"{p}.gelu.div")], f"{p}.gelu.erf")
-    gelu = g.op("Mul", [g.op("Mul", [inter, g.op("Add", [erf, g.const("one_f", _f32(1.0))], f"{p}.gelu.add")],
-                             f"{p}.gelu.mul"), g.const("half", _f32(0.5))], f"{p}.gelu")
-    out = _linear(g, w, gelu, f"{p}.{names.ffn_out}", info.intermediate_size, h)
-    return _layer_norm(g, w, g.op("Add", [out, x], f"{p}.ffn.residual"), f"{p}.{names.ffn_norm}",
+    inter = linear(g, w, x, f"{p}.{names.ffn_in}", h, info.intermediate_size)
+    out = linear(g, w, gelu(g, inter, p), f"{p}.{names.ffn_out}", info.intermediate_size, h)
+    return layer_norm(g, w, g.op("Add", [out, x], f"{p}.ffn.residual"), f"{p}.{names.ffn_norm}",
                        h, info.layer_norm_eps)
 
 
@@ -315,7 +229,7 @@ def _encoder_layer(g: _Graph, w: _Weights, info: ModelInfo, x: str, mask_bias: s
 FP32_NODE_PREFIXES: tuple[str, ...] = ("masked_states", "pool_sum", "pool_count", "pooled", "norm_", OUTPUT_NAME)
 
 
-def _head(g: _Graph, info: ModelInfo, dense_weights: list[tuple[np.ndarray, np.ndarray | None]],
+def _head(g: Graph, info: ModelInfo, dense_weights: list[tuple[np.ndarray, np.ndarray | None]],
           hidden_states: str, attention_mask: str) -> str:
     """sentence-transformers' modules after the encoder: Pooling, then Dense and Normalize in order."""
     pipeline = info.pipeline
@@ -335,10 +249,10 @@ def _head(g: _Graph, info: ModelInfo, dense_weights: list[tuple[np.ndarray, np.n
     return x
 
 
-def _without_prompt(g: _Graph, attention_mask: str, n: int) -> str:
+def _without_prompt(g: Graph, attention_mask: str, n: int) -> str:
     """The mask with its first n positions off: the prompt's tokens (include_prompt false), which
     lead every row (rows are right-padded), are attended to but not pooled."""
-    positions = g.op("Range", [g.const("zero_scalar", np.asarray(0, dtype=np.int64)), _seq_len(g, attention_mask),
+    positions = g.op("Range", [g.const("zero_scalar", np.asarray(0, dtype=np.int64)), seq_len(g, attention_mask),
                                g.const("one_scalar", np.asarray(1, dtype=np.int64))], "pool_index_positions")
     after = g.op("GreaterOrEqual", [positions, g.const("prompt_tokens", np.asarray(n, dtype=np.int64))],
                  "pool_index_after_prompt")
@@ -346,7 +260,7 @@ def _without_prompt(g: _Graph, attention_mask: str, n: int) -> str:
     return g.op("Mul", [attention_mask, keep], "pool_index_mask")  # [B, S] int64
 
 
-def _pool(g: _Graph, modes: tuple[str, ...], hidden_states: str, mask: str, *, prompt_excluded: bool) -> str:
+def _pool(g: Graph, modes: tuple[str, ...], hidden_states: str, mask: str, *, prompt_excluded: bool) -> str:
     """sentence-transformers' Pooling over the mask, the modes concatenated in their order.
 
     Each mode is written as sentence-transformers 6.x computes it (Pooling._forward_padded), for
@@ -365,7 +279,7 @@ def _pool(g: _Graph, modes: tuple[str, ...], hidden_states: str, mask: str, *, p
 
     def float_mask() -> str:  # [B, S, 1] float32
         if "m" not in cache:
-            cache["m"] = g.op("Cast", [g.op("Unsqueeze", [mask, g.const("axis2", _i64(2))], "pool_mask_u")],
+            cache["m"] = g.op("Cast", [g.op("Unsqueeze", [mask, g.const("axis2", i64(2))], "pool_mask_u")],
                               "pool_mask", to=TensorProto.FLOAT)
         return cache["m"]
 
@@ -373,17 +287,17 @@ def _pool(g: _Graph, modes: tuple[str, ...], hidden_states: str, mask: str, *, p
         if "sum" not in cache:
             m = float_mask()
             cache["sum"] = g.op("ReduceSum", [g.op("Mul", [hidden_states, m], "masked_states"),
-                                              g.const("axis1", _i64(1))], "pool_sum", keepdims=0)  # [B, H]
-            count = g.op("ReduceSum", [m, g.const("axis1", _i64(1))], "pool_count", keepdims=0)  # [B, 1]
-            cache["count"] = g.op("Max", [count, g.const("count_min", _f32(1e-9))], "pool_count_c")
+                                              g.const("axis1", i64(1))], "pool_sum", keepdims=0)  # [B, H]
+            count = g.op("ReduceSum", [m, g.const("axis1", i64(1))], "pool_count", keepdims=0)  # [B, 1]
+            cache["count"] = g.op("Max", [count, g.const("count_min", f32(1e-9))], "pool_count_c")
         return cache["sum"], cache["count"]
 
     def positions() -> tuple[str, str]:  # ([1, S, 1] float32 1..S, [1, S, 1] bool: position 1)
         if "pos" not in cache:
             one = np.asarray(1, dtype=np.int64)
-            end = g.op("Add", [_seq_len(g, mask), g.const("one_scalar", one)], "pool_index_end")
+            end = g.op("Add", [seq_len(g, mask), g.const("one_scalar", one)], "pool_index_end")
             steps = g.op("Range", [g.const("one_scalar", one), end, g.const("one_scalar", one)], "pool_index_range")
-            steps = g.op("Unsqueeze", [steps, g.const("axes02", _i64(0, 2))], "pool_index_range_u")
+            steps = g.op("Unsqueeze", [steps, g.const("axes02", i64(0, 2))], "pool_index_range_u")
             cache["pos"] = g.op("Cast", [steps], "pooled_positions", to=TensorProto.FLOAT)
             cache["first"] = g.op("Equal", [steps, g.const("one_scalar", np.asarray(1, dtype=np.int64))],
                                   "pool_index_first")
@@ -397,7 +311,7 @@ def _pool(g: _Graph, modes: tuple[str, ...], hidden_states: str, mask: str, *, p
         if select is not None:
             onehot = g.op("Mul", [onehot, select], "pooled_pick_masked")
         return g.op("ReduceSum", [g.op("Mul", [hidden_states, onehot], "pooled_pick_states"),
-                                  g.const("axis1", _i64(1))], name(mode), keepdims=0)
+                                  g.const("axis1", i64(1))], name(mode), keepdims=0)
 
     for mode in modes:
         if mode == "mean":
@@ -415,32 +329,32 @@ def _pool(g: _Graph, modes: tuple[str, ...], hidden_states: str, mask: str, *, p
             # position 1, so a row with nothing masked takes position 0 as argmax does.
             pos, first = positions()
             span = g.op("Add", [g.op("ReduceMax", [pos], "pooled_span", axes=[1], keepdims=1),
-                                g.const("one_f", _f32(1.0))], "pooled_span_1")
+                                g.const("one_f", f32(1.0))], "pooled_span_1")
             score = g.op("Mul", [float_mask(), g.op("Sub", [span, pos], "pooled_from_end")], "pooled_cls_score")
             first_f = g.op("Cast", [first], "pooled_first", to=TensorProto.FLOAT)
-            bonus = g.op("Mul", [first_f, g.const("half", _f32(0.5))], "pooled_first_half")
+            bonus = g.op("Mul", [first_f, g.const("half", f32(0.5))], "pooled_first_half")
             parts.append(pick(g.op("Add", [score, bonus], "pooled_cls_scored"), None, mode))
         elif mode == "lasttoken":
             pos, _ = positions()
             parts.append(pick(g.op("Mul", [float_mask(), pos], "pooled_last_score"), float_mask(), mode))
         elif mode == "max":
             keep = g.op("Cast", [float_mask()], "pool_index_keep_bool", to=TensorProto.BOOL)
-            filled = g.op("Where", [keep, hidden_states, g.const("minus_inf", _f32(-np.inf))], "pooled_max_fill")
+            filled = g.op("Where", [keep, hidden_states, g.const("minus_inf", f32(-np.inf))], "pooled_max_fill")
             parts.append(g.op("ReduceMax", [filled], name(mode), axes=[1], keepdims=0))
         elif mode == "weightedmean":
             pos, _ = positions()
             weights = g.op("Mul", [float_mask(), pos], "pooled_weights")  # [B, S, 1]
             total = g.op("ReduceSum", [g.op("Mul", [hidden_states, weights], "pooled_weighted_states"),
-                                       g.const("axis1", _i64(1))], "pooled_weighted_sum", keepdims=0)
-            count = g.op("ReduceSum", [weights, g.const("axis1", _i64(1))], "pooled_weight_total", keepdims=0)
-            count = g.op("Max", [count, g.const("count_min", _f32(1e-9))], "pooled_weight_total_c")
+                                       g.const("axis1", i64(1))], "pooled_weighted_sum", keepdims=0)
+            count = g.op("ReduceSum", [weights, g.const("axis1", i64(1))], "pooled_weight_total", keepdims=0)
+            count = g.op("Max", [count, g.const("count_min", f32(1e-9))], "pooled_weight_total_c")
             parts.append(g.op("Div", [total, count], name(mode)))
         else:
             raise ExportError(f"pooling mode {mode!r} is not supported")
     return parts[0] if single else g.op("Concat", parts, "pooled", axis=-1)
 
 
-def _dense(g: _Graph, layer: Dense, weight: np.ndarray, bias: np.ndarray | None, x: str, i: int) -> str:
+def _dense(g: Graph, layer: Dense, weight: np.ndarray, bias: np.ndarray | None, x: str, i: int) -> str:
     """sentence-transformers' Dense: activation(x W^T + b) on the [B, in] embedding."""
     p = f"dense_{i}"
     y = g.op("MatMul", [x, g.const(f"{p}.weight", weight.T.copy())], f"{p}.matmul")
@@ -456,31 +370,24 @@ def _dense(g: _Graph, layer: Dense, weight: np.ndarray, bias: np.ndarray | None,
     if act == "silu":
         return g.op("Mul", [y, g.op("Sigmoid", [y], f"{p}.silu_gate")], f"{p}.silu")
     if act == "gelu":  # torch.nn.GELU(): the exact erf form, as the encoder's
-        erf = g.op("Erf", [g.op("Div", [y, g.const("sqrt2", _f32(math.sqrt(2.0)))], f"{p}.gelu.div")], f"{p}.gelu.erf")
-        return g.op("Mul", [g.op("Mul", [y, g.op("Add", [erf, g.const("one_f", _f32(1.0))], f"{p}.gelu.add")],
-                                 f"{p}.gelu.mul"), g.const("half", _f32(0.5))], f"{p}.gelu")
+        return gelu(g, y, p)
     if act == "identity":
         return y
     raise ExportError(f"{layer.config_path}: activation {act!r} is not supported")
 
 
-def _normalise(g: _Graph, x: str, *, output: str | None) -> str:
+def _normalise(g: Graph, x: str, *, output: str | None) -> str:
     # torch.nn.functional.normalize: x / max(||x||, 1e-12).
     norm = g.op("ReduceL2", [x], "norm", axes=[1], keepdims=1)
-    norm = g.op("Max", [norm, g.const("norm_min", _f32(1e-12))], "norm_c")
+    norm = g.op("Max", [norm, g.const("norm_min", f32(1e-12))], "norm_c")
     return g.op("Div", [x, norm], "norm_div", output=output)
 
 
 def _load_dense(info: ModelInfo) -> list[tuple[np.ndarray, np.ndarray | None]]:
     """The (weight [out, in], bias [out] or None) of each Dense layer, float32."""
-    from safetensors.numpy import load_file
-
     out = []
     for layer in info.pipeline.dense:
-        try:
-            raw = load_file(str(layer.weights_path))
-        except Exception as exc:  # safetensors raises SafetensorError / OSError variants
-            raise ExportError(f"{layer.weights_path}: cannot read safetensors weights ({exc})") from None
+        raw = read_safetensors(layer.weights_path)
         expect = {"linear.weight": (layer.out_features, layer.in_features)}
         if layer.bias:
             expect["linear.bias"] = (layer.out_features,)
@@ -501,9 +408,9 @@ def build_model(model_dir: str | Path | ModelInfo | None = None) -> onnx.ModelPr
     if info.model_type not in FAMILIES:  # ModelInfo refuses these already; a hand-made one may not
         raise ExportError(f"{info.config_path}: model_type {info.model_type!r} is not supported; supported "
                           f"encoder families: {', '.join(FAMILIES)}")
-    w = _Weights(info, _load_weights(info))
+    w = Weights(info, _load_weights(info))
     dense = _load_dense(info)
-    g = _Graph()
+    g = Graph()
     ids, mask = INPUT_NAMES
     x = _embeddings(g, w, info, ids, mask)
     bias = _mask_bias(g, mask)
