@@ -18,7 +18,8 @@ import onnx
 import pytest
 from tokenizers import Tokenizer
 
-from engines.onnx_export.export import build_model, mpnet_buckets
+from engines.onnx_export.encoder import mpnet_buckets
+from engines.onnx_export.export import build_model
 from engines.onnx_export.graph import ExportError
 from worker.core.model import FAMILIES, ModelError, ModelInfo
 from worker.families import MIN_COS, REPO_FIXTURES, cosines, fixture_folder, fixture_parity, reference
