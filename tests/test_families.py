@@ -256,7 +256,7 @@ def test_a_tensorrt_fp16_build_pins_only_the_pooling_of_every_family(tmp_path: P
     are exactly the pooling and normalisation, not a family's own nodes (positions, relative bias)."""
     import re
 
-    from engines.onnx_export.export import FP32_NODE_PREFIXES
+    from engines.onnx_export.head import FP32_NODE_PREFIXES
 
     nodes = build_model(_folder(tmp_path, family, "mean")).graph.node
     matched = [re.sub(r"(_\d+)?_node$", "", n.name) for n in nodes if n.name.startswith(FP32_NODE_PREFIXES)]

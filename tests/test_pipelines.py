@@ -20,7 +20,8 @@ import onnx
 import orjson
 import pytest
 
-from engines.onnx_export.export import FP32_NODE_PREFIXES, build_model
+from engines.onnx_export.export import build_model
+from engines.onnx_export.head import FP32_NODE_PREFIXES
 from worker.core.errors import BackendError
 from worker.core.model import ModelError, ModelInfo, Prompt, default_model_dir
 from worker.core.st_pipeline import POOLING_MODES, Dense, ModulePipeline, Normalize, Pooling

@@ -587,7 +587,8 @@ def test_the_plan_is_built_on_the_device_its_sidecar_names(tmp_path: Path, fake_
 
 def test_fp16_keeps_pooling_and_normalisation_in_fp32(built_plan: tuple[Path, Path], fake_gpu: FakeTrt) -> None:
     """Defect 7: the floors 1e-9 and 1e-12 are 0 in half precision; those layers are pinned to FP32."""
-    from engines.onnx_export.export import FP32_NODE_PREFIXES, build_model
+    from engines.onnx_export.export import build_model
+    from engines.onnx_export.head import FP32_NODE_PREFIXES
 
     built = fake_gpu.built[0]
     assert "OBEY_PRECISION_CONSTRAINTS" in built["config"].flags
