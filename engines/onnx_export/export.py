@@ -1,35 +1,17 @@
-"""Export a sentence encoder to ONNX without torch.
+"""Export a sentence encoder to ONNX without torch: the entry points, and where exports are kept.
 
-The weights are read with safetensors into numpy and the graph is written node by node with the
-`onnx` package: embeddings -> N encoder layers -> the model's sentence-transformers modules
-(worker.core.st_pipeline: the pooling over the attention mask, any Dense layers, L2 normalisation
-where a Normalize module is listed). Sizes come from config.json; the family from its model_type
-(worker.core.model.FAMILIES), all post-LayerNorm encoders with exact-GELU feed-forward layers:
-
-- bert: absolute positions 0..S-1, token type 0 added.
-- roberta, xlm-roberta: BERT's layers; positions numbered from padding_idx + 1 over the real
-  tokens (HF's create_position_ids_from_input_ids, computed here from the attention mask, so
-  the pad id the batch uses does not matter); a one-row token type table.
-- distilbert: BERT's layers under other names (q_lin, sa_layer_norm, ffn.lin1, ...); no token
-  types.
-- mpnet: RoBERTa's positions, no token types, and a relative position bias added to every
-  layer's attention scores: T5-style buckets (32, max distance 128, as HF MPNetEncoder) of
-  key - query, precomputed here as one [2 * max_pos - 1, heads] table indexed by the distance.
-
-The node layout deliberately mirrors what `torch.onnx.export` produces for HF BertModel
-(Reshape to [0, 0, heads, head_size], Transpose, MatMul, Div by sqrt(head_size), additive mask
-built as (1 - mask) * -10000, Erf GELU, ...). That is the layout ONNX Runtime's transformer
-optimizer pattern-matches, so `optimize=True` can fuse it into Attention,
-SkipLayerNormalization, BiasGelu and EmbedLayerNormalization. The unfused graph uses only
-standard opset-17 operators, which is what TensorRT needs.
+`build_model` reads the model folder (worker.core.model.ModelInfo) and writes the graph:
+the encoder (encoder.py) -> the model's sentence-transformers modules (head.py). `export_onnx`
+adds ORT's offline fusion when asked (fusion.py) and writes the file atomically; `ensure_onnx`
+is what the worker calls: the cached export, made first if missing.
 
 Inputs `input_ids` and `attention_mask`: int64 [batch, seq], both dynamic.
 Output `sentence_embedding`: float32 [batch, dim] (the pipeline's width), unit L2 norm where the
 pipeline normalises (metadata "normalize": "l2", else "none").
 
-Exports are cached under the user cache dir, keyed by the weights, the config and module files
-(Dense weights included), the prompt tokens a pooling leaves out, the exporter version and the
-optimize flag (plus the onnxruntime version for fused graphs, whose
+Exports are cached under the user cache dir (worker.core.disk_cache), keyed by the weights, the
+config and module files (Dense weights included), the prompt tokens a pooling leaves out, the
+exporter version and the optimize flag (plus the onnxruntime version for fused graphs, whose
 contents depend on the optimizer), and written atomically.
 """
 
@@ -39,21 +21,18 @@ import functools
 import hashlib
 from pathlib import Path
 
-import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
 from engines.onnx_export.encoder import encode, load_weights
+from engines.onnx_export.fusion import check_fused, fuse
 from engines.onnx_export.graph import INPUT_NAMES, OPSET, OUTPUT_NAME, ExportError, Graph
 from engines.onnx_export.head import head, load_dense
 from worker.core.disk_cache import cache_dir, locked, write_atomic
 from worker.core.model import FAMILIES, ModelError, ModelInfo, default_model_dir
 
-# Bump whenever the emitted graph changes: it is part of the cache key.
+# Bump whenever the emitted graph changes (any module of this package): it is part of the cache key.
 EXPORTER_VERSION = "2"
-# A fused graph must match the plain graph within this on the self-check batch; float32
-# reassociation stays around 1e-6, a broken fusion is off by far more.
-FUSED_CHECK_TOL = 1e-4
 
 
 def build_model(model_dir: str | Path | ModelInfo | None = None) -> onnx.ModelProto:
@@ -161,65 +140,6 @@ def default_cache_dir() -> Path:
     return cache_dir("onnx")
 
 
-# ---------------------------------------------------------------- optimisation
-
-
-def _fuse(model: onnx.ModelProto, info: ModelInfo) -> onnx.ModelProto:
-    """ORT's transformer optimizer (offline, opt_level 0: pattern fusions only, no session)."""
-    import logging
-
-    from onnxruntime.transformers.optimizer import optimize_model
-
-    if info.relative_attention_buckets:
-        raise ExportError(f"{info.model_dir}: no offline-fused graph for model_type {info.model_type!r} (ONNX "
-                          "Runtime's attention fusion has no relative position bias); use the plain graph, "
-                          "the default, which ONNX Runtime optimises at load")
-    # The optimizer logs each fusion at INFO/WARNING; the counts are checked below instead.
-    logging.getLogger("onnxruntime.transformers").setLevel(logging.ERROR)
-    try:
-        optimized = optimize_model(model, model_type="bert", num_heads=info.num_heads,
-                                   hidden_size=info.hidden_size, opt_level=0)
-    except Exception as exc:  # the optimizer raises whatever its passes raise
-        raise ExportError(f"{info.model_dir}: onnxruntime transformer optimizer failed ({exc})") from exc
-    fused = optimized.model
-    counts = _op_counts(fused)
-    if counts.get("Attention", 0) != info.num_layers:
-        raise ExportError(f"{info.model_dir}: attention fusion applied to {counts.get('Attention', 0)} "
-                          f"of {info.num_layers} layers; the graph layout no longer matches ORT's patterns")
-    _set_metadata(fused, info, optimize=True)
-    return fused
-
-
-def _op_counts(model: onnx.ModelProto) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for node in model.graph.node:
-        counts[node.op_type] = counts.get(node.op_type, 0) + 1
-    return counts
-
-
-def _check_fused(plain: onnx.ModelProto, fused: onnx.ModelProto, info: ModelInfo) -> None:
-    """Runs both graphs on a small padded batch; a fusion that changed the maths is an error."""
-    import onnxruntime as ort
-
-    rng = np.random.default_rng(0)
-    lengths = [3, 7, 12]
-    ids = np.zeros((len(lengths), max(lengths)), dtype=np.int64)
-    mask = np.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, :n] = rng.integers(1, info.vocab_size, n)
-        mask[row, :n] = 1
-    outs = []
-    for model in (plain, fused):
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = 1
-        sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-        outs.append(sess.run([OUTPUT_NAME], {"input_ids": ids, "attention_mask": mask})[0])
-    diff = float(np.abs(outs[0] - outs[1]).max())
-    if not diff <= FUSED_CHECK_TOL:
-        raise ExportError(f"{info.model_dir}: fused graph differs from the plain graph by {diff:.3g} "
-                          f"(> {FUSED_CHECK_TOL}); not using it")
-
-
 # ---------------------------------------------------------------- public API
 
 
@@ -228,8 +148,9 @@ def export_onnx(model_dir: str | Path | ModelInfo | None, output: str | Path, *,
     info = model_info(model_dir)
     model = build_model(info)
     if optimize:
-        fused = _fuse(model, info)
-        _check_fused(model, fused, info)
+        fused = fuse(model, info)
+        _set_metadata(fused, info, optimize=True)
+        check_fused(model, fused, info)
         model = fused
     if model.ByteSize() >= 2**31:
         # One protobuf cannot exceed 2 GiB; external-data export is not implemented (BERT-large is 1.3 GB).
