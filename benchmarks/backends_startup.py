@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engines.export_onnx import ensure_onnx
+from engines.onnx_export.export import ensure_onnx
 onnx = ensure_onnx()  # the export is not part of the calibration
 from worker.backend_choice.select import choose_cpu, model_info
 from worker.settings.schema import Settings

@@ -37,7 +37,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engines.export_onnx import ensure_onnx  # noqa: E402
+from engines.onnx_export.export import ensure_onnx  # noqa: E402
 from worker.core.model import default_model_dir  # noqa: E402
 from worker.core.profiles import load_profile  # noqa: E402
 from worker.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402

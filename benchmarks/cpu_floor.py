@@ -48,7 +48,7 @@ def stream_lengths(limit: int = 5000) -> list[int]:
 
 
 def contexts() -> dict[str, object]:
-    from engines.export_onnx import ensure_onnx
+    from engines.onnx_export.export import ensure_onnx
     from worker.backends.onnxruntime import OnnxRuntimeBackend
 
     onnx = ensure_onnx()

@@ -21,7 +21,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engines.export_onnx import ensure_onnx  # noqa: E402
+from engines.onnx_export.export import ensure_onnx  # noqa: E402
 from engines.quantize_int8 import ensure_int8_onnx  # noqa: E402
 from worker.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402
 from worker.benchmark.report import quartiles  # noqa: E402

@@ -36,7 +36,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engines.export_onnx import ensure_onnx  # noqa: E402
+from engines.onnx_export.export import ensure_onnx  # noqa: E402
 from engines.quantize_int8 import Int8Variant, QuantizeError, quantize, quantized_op_counts  # noqa: E402
 from worker.core.profiles import load_profile  # noqa: E402
 from worker.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402

@@ -32,7 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engines.export_onnx import ensure_onnx  # noqa: E402
+from engines.onnx_export.export import ensure_onnx  # noqa: E402
 from worker.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402
 
 BATCHES = (1, 8, 32, 64, 128, 256)

@@ -37,7 +37,7 @@ VARIABLE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 def child(seed: int) -> dict[str, float]:
     import numpy as np
 
-    from engines.export_onnx import ensure_onnx
+    from engines.onnx_export.export import ensure_onnx
     from worker.backends.openvino import OpenVinoBackend
 
     context = OpenVinoBackend(ensure_onnx(), precision="bf16").create_context(0)

@@ -33,7 +33,7 @@ def main() -> int:
     args = ap.parse_args()
     from worker.backends.openvino import RUNTIME_CACHE_SHAPES, OpenVinoBackend
 
-    from engines.export_onnx import ensure_onnx
+    from engines.onnx_export.export import ensure_onnx
 
     path = args.onnx or ensure_onnx()
     capacity = RUNTIME_CACHE_SHAPES if args.cache_capacity is None else args.cache_capacity

@@ -42,7 +42,7 @@ import onnx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engines.export_onnx import default_cache_dir, ensure_onnx  # noqa: E402
+from engines.onnx_export.export import default_cache_dir, ensure_onnx  # noqa: E402
 from worker.core.model import ModelInfo, default_model_dir  # noqa: E402
 from worker.core.profiles import load_profile  # noqa: E402
 from worker.backend_choice.select import open_backend  # noqa: E402

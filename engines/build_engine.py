@@ -31,7 +31,7 @@ from types import ModuleType
 from typing import Any
 
 from engines.cuda_context import primary_context
-from engines.export_onnx import FP32_NODE_PREFIXES
+from engines.onnx_export.head import FP32_NODE_PREFIXES
 from worker.core.errors import GPU_INSTALL_HINT, BackendError, KeywordEmbedderError
 from worker.core.profiles import Profile, ProfileError
 

@@ -187,7 +187,7 @@ def int8_cached_path(model_dir: str | Path | ModelInfo | None = None, *, cache_d
 
     import onnxruntime
 
-    from engines.export_onnx import cached_path
+    from engines.onnx_export.export import cached_path
 
     fp32 = cached_path(model_dir, optimize=False, cache_dir=cache_dir)
     digest = hashlib.sha256(f"{fp32.name};int8={INT8_VERSION};{SHIPPED!r};"
@@ -197,10 +197,10 @@ def int8_cached_path(model_dir: str | Path | ModelInfo | None = None, *, cache_d
 
 def ensure_int8_onnx(model_dir: str | Path | ModelInfo | None = None, *, cache_dir: str | Path | None = None) -> Path:
     """The cached int8 graph (the SHIPPED recipe) of the model folder, quantized first if missing."""
-    from engines.export_onnx import _model_info, ensure_onnx
+    from engines.onnx_export.export import ensure_onnx, model_info
     from worker.core.disk_cache import locked, write_atomic
 
-    family = _model_info(model_dir).model_type
+    family = model_info(model_dir).model_type
     if family not in INT8_FAMILIES:
         # The recipe picks MatMuls by BERT's tensor names; DistilBERT's and MPNet's differ, and
         # no recipe has been measured for them (benchmarks/results/int8.md).

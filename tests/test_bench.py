@@ -19,7 +19,7 @@ SAMPLE = Path(__file__).resolve().parent / "data" / "terabyte05-300.tsv"
 
 @pytest.fixture(scope="module")
 def ort_parts():  # noqa: ANN201
-    from engines.export_onnx import ensure_onnx
+    from engines.onnx_export.export import ensure_onnx
     from worker.core.model import default_model_dir
     from worker.backends.onnxruntime import OnnxRuntimeBackend
     from worker.intake.tokenize import KeywordTokenizer

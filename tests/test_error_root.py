@@ -70,7 +70,7 @@ def test_every_error_a_user_can_read_derives_from_the_one_root() -> None:
                  "worker.batching.bucketer.BucketerError", "worker.embedding_cache.CacheError",
                  "worker.batching.cost_model.CostModelError",
                  "worker.core.vectors.VectorError", "engines.quantize_int8.QuantizeError",
-                 "engines.build_engine.EngineBuildError", "engines.export_onnx.ExportError",
+                 "engines.build_engine.EngineBuildError", "engines.onnx_export.graph.ExportError",
                  "worker.settings.schema.SettingsError", "worker.embedder.EmbedderError"):
         assert name in found, name
     outside = sorted(name for name, cls in found.items()
@@ -80,7 +80,7 @@ def test_every_error_a_user_can_read_derives_from_the_one_root() -> None:
 
 
 def test_errors_keep_the_builtin_type_callers_caught_before() -> None:
-    from engines.export_onnx import ExportError
+    from engines.onnx_export.graph import ExportError
     from worker.batching.bucketer import BucketerError
     from worker.formats.keyword_files import KeywordFileError
 
@@ -108,7 +108,7 @@ def _command_handlers() -> list[tuple[str, int, list[str]]]:
 
 def _resolve(name: str) -> type[BaseException] | None:
     for module in ("worker.core.errors", "worker.core.model", "worker.core.profiles", "worker.settings.schema",
-                   "worker.formats.keyword_files", "engines.build_engine", "engines.export_onnx",
+                   "worker.formats.keyword_files", "engines.build_engine", "engines.onnx_export.graph",
                    "worker.benchmark.errors", "worker.operations.stop_signals"):
         cls = getattr(importlib.import_module(module), name, None)
         if cls is not None:

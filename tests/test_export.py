@@ -15,7 +15,8 @@ import onnxruntime as ort
 import pytest
 from safetensors.numpy import save_file
 
-from engines import export_onnx as ex
+from engines.onnx_export import export as ex
+from engines.onnx_export.graph import ExportError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -194,12 +195,12 @@ def test_missing_or_misshapen_tensor_is_an_export_error(tmp_path: Path) -> None:
     w = tiny_weights(0)
     del w["encoder.layer.1.output.dense.bias"]
     save_file(w, str(folder / "model.safetensors"))
-    with pytest.raises(ex.ExportError, match=r"model.safetensors: missing tensor 'encoder.layer.1.output.dense.bias'"):
+    with pytest.raises(ExportError, match=r"model.safetensors: missing tensor 'encoder.layer.1.output.dense.bias'"):
         ex.export_onnx(folder, tmp_path / "x.onnx", optimize=False)
     w = tiny_weights(0)
     w["encoder.layer.0.intermediate.dense.weight"] = np.zeros((10, 48), np.float32)
     save_file(w, str(folder / "model.safetensors"))
-    with pytest.raises(ex.ExportError, match=r"has shape \(10, 48\), config.json implies \(80, 48\)"):
+    with pytest.raises(ExportError, match=r"has shape \(10, 48\), config.json implies \(80, 48\)"):
         ex.export_onnx(folder, tmp_path / "x.onnx", optimize=False)
     assert not (tmp_path / "x.onnx").exists()
 
@@ -221,7 +222,7 @@ _BLOCK_TORCH = textwrap.dedent("""
 def test_export_runs_with_torch_absent(tmp_path: Path) -> None:
     folder = make_tiny_bert(tmp_path / "tiny")
     script = _BLOCK_TORCH + textwrap.dedent(f"""
-        from engines.export_onnx import export_onnx, ensure_onnx
+        from engines.onnx_export.export import export_onnx, ensure_onnx
         export_onnx({str(folder)!r}, {str(tmp_path / 'plain.onnx')!r}, optimize=False)
         export_onnx({str(folder)!r}, {str(tmp_path / 'fused.onnx')!r}, optimize=True)
         ensure_onnx({str(folder)!r}, cache_dir={str(tmp_path / 'cache')!r})
@@ -245,7 +246,7 @@ def test_export_with_torch_poisoned_in_sys_modules(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import sys
         sys.modules["torch"] = None
-        from engines.export_onnx import export_onnx
+        from engines.onnx_export.export import export_onnx
         export_onnx({str(folder)!r}, {str(tmp_path / 'fused.onnx')!r}, optimize=True)
         print("OK")
     """)
@@ -292,7 +293,7 @@ def test_cache_dir_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 def test_concurrent_ensure_onnx_processes(tmp_path: Path) -> None:
     folder = make_tiny_bert(tmp_path / "tiny")
     cache = tmp_path / "cache"
-    script = (f"from engines.export_onnx import ensure_onnx; "
+    script = (f"from engines.onnx_export.export import ensure_onnx; "
               f"print(ensure_onnx({str(folder)!r}, cache_dir={str(cache)!r}, optimize=False))")
     procs = [subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(3)]
@@ -306,7 +307,7 @@ def test_concurrent_ensure_onnx_processes(tmp_path: Path) -> None:
 
 
 def test_missing_model_folder_is_an_export_error(tmp_path: Path) -> None:
-    with pytest.raises(ex.ExportError, match="model folder not found"):
+    with pytest.raises(ExportError, match="model folder not found"):
         ex.export_onnx(tmp_path / "nope", tmp_path / "x.onnx")
 
 

@@ -18,7 +18,9 @@ import onnx
 import pytest
 from tokenizers import Tokenizer
 
-from engines.export_onnx import ExportError, build_model, mpnet_buckets
+from engines.onnx_export.encoder import mpnet_buckets
+from engines.onnx_export.export import build_model
+from engines.onnx_export.graph import ExportError
 from worker.core.model import FAMILIES, ModelError, ModelInfo
 from worker.families import MIN_COS, cosines, fixture_folder, fixture_parity, reference
 from worker.intake.tokenize import KeywordTokenizer
@@ -256,7 +258,7 @@ def test_a_tensorrt_fp16_build_pins_only_the_pooling_of_every_family(tmp_path: P
     are exactly the pooling and normalisation, not a family's own nodes (positions, relative bias)."""
     import re
 
-    from engines.export_onnx import FP32_NODE_PREFIXES
+    from engines.onnx_export.head import FP32_NODE_PREFIXES
 
     nodes = build_model(_folder(tmp_path, family, "mean")).graph.node
     matched = [re.sub(r"(_\d+)?_node$", "", n.name) for n in nodes if n.name.startswith(FP32_NODE_PREFIXES)]
@@ -270,7 +272,8 @@ def test_a_tensorrt_fp16_build_pins_only_the_pooling_of_every_family(tmp_path: P
 def test_the_offline_fused_graph_matches_too_except_mpnet_which_is_refused(tmp_path: Path, family: str) -> None:
     import onnxruntime as ort
 
-    from engines.export_onnx import INPUT_NAMES, export_onnx
+    from engines.onnx_export.export import export_onnx
+    from engines.onnx_export.graph import INPUT_NAMES
     from worker.batching.padding import pad_batch
 
     folder = _folder(tmp_path, family, "mean")

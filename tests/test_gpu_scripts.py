@@ -100,7 +100,7 @@ def test_graphs_mode_matches_eager_on_a_gpu() -> None:
     from pathlib import Path
 
     from benchmarks.gpu.torch_backend import TorchBertBackend
-    from engines.export_onnx import ensure_onnx
+    from engines.onnx_export.export import ensure_onnx
 
     gpu = load_profile("gpu")
     eager = TorchBertBackend(Path(ensure_onnx()))
@@ -118,7 +118,7 @@ def test_graphs_mode_matches_eager_on_a_gpu() -> None:
 # ============================================================================ trt_check.py on the fakes
 @pytest.fixture(scope="module")
 def plain_onnx(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engines.export_onnx import ensure_onnx
+    from engines.onnx_export.export import ensure_onnx
 
     return ensure_onnx(cache_dir=tmp_path_factory.mktemp("kwe-cache") / "onnx", optimize=False)
 

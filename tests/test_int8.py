@@ -24,7 +24,7 @@ GOLDEN = Path(__file__).resolve().parent / "data" / "golden"
 
 @pytest.fixture(scope="module")
 def fp32_model() -> onnx.ModelProto:
-    from engines.export_onnx import ensure_onnx
+    from engines.onnx_export.export import ensure_onnx
 
     return onnx.load(str(ensure_onnx()))
 

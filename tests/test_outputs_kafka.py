@@ -17,7 +17,7 @@ pytestmark = pytest.mark.kafka
 
 def test_a_prompted_truncated_binary_stream_matches_the_embedder(
         kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path) -> None:
-    from engines.export_onnx import ensure_onnx
+    from engines.onnx_export.export import ensure_onnx
     from worker import Embedder
 
     ensure_onnx()

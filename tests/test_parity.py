@@ -9,7 +9,7 @@ import numpy as np
 import orjson
 import pytest
 
-from engines.export_onnx import ensure_onnx
+from engines.onnx_export.export import ensure_onnx
 from worker.core.errors import BackendError
 from worker.core.model import default_model_dir
 from worker.backends.base import Backend, InferenceContext

@@ -29,7 +29,7 @@ def test_graph_cut_before_pooling_returns_the_last_hidden_state(tmp_path: Path) 
     import onnxruntime as ort
 
     from benchmarks.peers import cut_before_pooling, fastembed_folder
-    from engines.export_onnx import ensure_onnx
+    from engines.onnx_export.export import ensure_onnx
     from worker.core.model import default_model_dir
     from worker import Embedder
 

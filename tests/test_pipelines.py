@@ -21,7 +21,8 @@ import onnx
 import orjson
 import pytest
 
-from engines.export_onnx import FP32_NODE_PREFIXES, build_model
+from engines.onnx_export.export import build_model
+from engines.onnx_export.head import FP32_NODE_PREFIXES
 from worker.core.errors import BackendError
 from worker.core.model import ModelError, ModelInfo, Prompt, default_model_dir
 from worker.core.st_pipeline import POOLING_MODES, Dense, ModulePipeline, Normalize, Pooling
@@ -263,7 +264,7 @@ def test_the_fp16_anchors_are_float_nodes_of_the_head_only(tmp_path: Path, name:
 
 
 def test_an_excluded_prompt_is_part_of_the_export_cache_key(tmp_path: Path) -> None:
-    from engines.export_onnx import cache_key
+    from engines.onnx_export.export import cache_key
 
     info = _info(tmp_path, "bert-mean-prompt-excluded")
     assert cache_key(info, optimize=False) != cache_key(info.with_prompt(3), optimize=False)

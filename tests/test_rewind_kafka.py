@@ -25,7 +25,7 @@ QUERIES = 9_000
 
 @pytest.fixture(scope="module")
 def onnx_ready() -> None:
-    from engines.export_onnx import ensure_onnx
+    from engines.onnx_export.export import ensure_onnx
 
     ensure_onnx()
 

@@ -59,7 +59,7 @@ def _stopped(w: WorkerProcess) -> None:
 def test_avro_in_and_out_with_dead_letters_headers_and_trace_context(
         kafka_bootstrap: str, schema_registry: str, make_topic: Callable[..., str], group_id: str,
         tmp_path: Path) -> None:
-    from engines.export_onnx import ensure_onnx
+    from engines.onnx_export.export import ensure_onnx
 
     ensure_onnx()
     inp, out, dlq = make_topic("kw", 2), make_topic("emb", 2), make_topic("dlq", 1)

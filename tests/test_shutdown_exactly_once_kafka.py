@@ -24,7 +24,7 @@ EOS = ["--processing-guarantee", "exactly-once", "--intra-op-threads", "1"]
 
 @pytest.fixture(scope="module")
 def onnx_ready() -> None:
-    from engines.export_onnx import ensure_onnx
+    from engines.onnx_export.export import ensure_onnx
 
     ensure_onnx()
 

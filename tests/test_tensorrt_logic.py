@@ -587,7 +587,8 @@ def test_the_plan_is_built_on_the_device_its_sidecar_names(tmp_path: Path, fake_
 
 def test_fp16_keeps_pooling_and_normalisation_in_fp32(built_plan: tuple[Path, Path], fake_gpu: FakeTrt) -> None:
     """Defect 7: the floors 1e-9 and 1e-12 are 0 in half precision; those layers are pinned to FP32."""
-    from engines.export_onnx import FP32_NODE_PREFIXES, build_model
+    from engines.onnx_export.export import build_model
+    from engines.onnx_export.head import FP32_NODE_PREFIXES
 
     built = fake_gpu.built[0]
     assert "OBEY_PRECISION_CONSTRAINTS" in built["config"].flags
@@ -796,9 +797,9 @@ def test_load_backend_onnxruntime_with_profile_and_onnx_path(monkeypatch: pytest
                                                                                           "longest")
     assert loaded.model.dim == DIM
 
-    export = types.ModuleType("engines.export_onnx")
+    export = types.ModuleType("engines.onnx_export.export")
     export.ensure_onnx = lambda model, **kw: f"/cache/{model.name}.onnx"  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "engines.export_onnx", export)
+    monkeypatch.setitem(sys.modules, "engines.onnx_export.export", export)
     load_backend(Settings(), find_spec=_spec(set()), has_gpu=lambda: False)
     # default: the cached export of the model already read (not the folder read again)
     assert made[-1][0] == "/cache/all-MiniLM-L6-v2.onnx"

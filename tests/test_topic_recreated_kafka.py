@@ -35,7 +35,7 @@ pytestmark = pytest.mark.kafka
 
 @pytest.fixture(scope="module")
 def onnx_ready() -> None:
-    from engines.export_onnx import ensure_onnx
+    from engines.onnx_export.export import ensure_onnx
 
     ensure_onnx()
 

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.kafka
 @pytest.fixture(scope="module")
 def onnx_ready() -> None:
     # Export once before worker processes start, so they all load the cached file.
-    from engines.export_onnx import ensure_onnx
+    from engines.onnx_export.export import ensure_onnx
 
     ensure_onnx()
 

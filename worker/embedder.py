@@ -91,7 +91,7 @@ class Embedder:
         self.backend: OnnxRuntimeBackend | OpenVinoBackend
         if backend == "auto":
             if optimize and onnx_path is None:
-                from engines.export_onnx import ensure_onnx
+                from engines.onnx_export.export import ensure_onnx
 
                 onnx_path = ensure_onnx(self.info, optimize=True)
             settings = Settings(onnx_path=str(onnx_path or ""), precision=precision, dispatchers=1,

@@ -138,7 +138,8 @@ def fixture_parity(fixture: Path, pooling: str, *, info: ModelInfo | None = None
     """
     import onnxruntime as ort
 
-    from engines.export_onnx import INPUT_NAMES, build_model
+    from engines.onnx_export.export import build_model
+    from engines.onnx_export.graph import INPUT_NAMES
     from worker.batching.padding import pad_batch
 
     _, ids, expected = reference(fixture)
@@ -202,7 +203,8 @@ def pipeline_parity(fixture: Path, *, families: Path,
     """
     import onnxruntime as ort
 
-    from engines.export_onnx import INPUT_NAMES, build_model
+    from engines.onnx_export.export import build_model
+    from engines.onnx_export.graph import INPUT_NAMES
     from worker.batching.padding import pad_batch
     from worker.intake.tokenize import KeywordTokenizer
 

@@ -21,7 +21,7 @@ import onnx
 import tokenizers
 from onnx import TensorProto, helper, numpy_helper
 
-from engines.export_onnx import ensure_onnx
+from engines.onnx_export.export import ensure_onnx
 from worker.core.model import default_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]

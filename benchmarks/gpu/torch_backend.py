@@ -3,7 +3,7 @@
 The lent GPU machine has PyTorch and CUDA but neither TensorRT nor a CUDA build of ONNX
 Runtime, so this is how the worker's bucketing is measured on a GPU there. It reads the
 weights from the same ONNX export that ONNX Runtime and TensorRT run (names as
-engines/export_onnx.py writes them), computes the same BERT forward + mean pooling + L2
+engines/onnx_export/encoder.py writes them), computes the same BERT forward + mean pooling + L2
 normalisation in float16, and implements the Backend protocol of worker/backends/base.py, one
 CUDA stream per context, as the TensorRT backend does. It is not part of the worker: nothing
 under worker/ imports torch.

@@ -343,7 +343,7 @@ def main(out: Path | None = None, *, onnx: Path | None = None, tokenizer: Path |
         print(f"environment: {env}", flush=True)
         model_dir = _model_dir() if onnx is None or tokenizer is None else None
         if onnx is None:
-            from engines.export_onnx import ensure_onnx
+            from engines.onnx_export.export import ensure_onnx
 
             state["onnx"] = ensure_onnx(model_dir, optimize=False)
         else:

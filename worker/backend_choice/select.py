@@ -209,7 +209,7 @@ def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = 
         if precision != "fp32":
             raise BackendError(f"setting 'precision': {precision!r} is for the onnxruntime backend; OpenVINO's "
                                "is openvino_precision (bf16 or f32)")
-        from engines.export_onnx import ensure_onnx
+        from engines.onnx_export.export import ensure_onnx
         from worker.backends.openvino import OpenVinoBackend
 
         backend = OpenVinoBackend(onnx_path or ensure_onnx(model, optimize=fused), precision=openvino_precision,
@@ -225,7 +225,7 @@ def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = 
             except QuantizeError as exc:  # e.g. a family the int8 recipe does not cover
                 raise BackendError(f"{model.model_dir}: {exc}") from exc
         elif not onnx_path:
-            from engines.export_onnx import ensure_onnx
+            from engines.onnx_export.export import ensure_onnx
 
             onnx_path = ensure_onnx(model, optimize=fused)
         backend = OnnxRuntimeBackend(onnx_path, intra_op_threads=intra_op_threads, allow_spinning=allow_spinning)

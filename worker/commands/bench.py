@@ -187,7 +187,7 @@ def _worker_settings(args: argparse.Namespace, backend: str = "onnxruntime",  # 
 def _open(args: argparse.Namespace, info, profile, threads: int, *, kind: str | None = None,  # noqa: ANN001, ANN202
           remeasure: bool = False):
     """(backend, CpuChoice or None): auto measures (or reads) the worker's CPU choice for this layout."""
-    from engines.export_onnx import ensure_onnx
+    from engines.onnx_export.export import ensure_onnx
     from worker.backend_choice.select import choose_cpu, open_backend
 
     kind = kind or args.backend

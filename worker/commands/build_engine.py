@@ -83,7 +83,7 @@ def main(args: argparse.Namespace) -> int:
 
     onnx_path = args.onnx
     if not onnx_path:
-        from engines.export_onnx import ensure_onnx
+        from engines.onnx_export.export import ensure_onnx
 
         onnx_path = ensure_onnx(info, optimize=False)  # the model folder already read
     if not Path(onnx_path).is_file():

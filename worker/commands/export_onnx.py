@@ -22,7 +22,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from engines.export_onnx import ExportError, ensure_onnx, export_onnx
+    from engines.onnx_export.export import ensure_onnx, export_onnx
+    from engines.onnx_export.graph import ExportError
 
     optimize = bool(args.fused) and not args.no_optimize
     try:

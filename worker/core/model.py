@@ -57,7 +57,7 @@ def _model_name(model_dir: Path) -> str:
     return model_dir.parent.name if model_dir.name == "model" else model_dir.name
 
 
-# The encoder families the exporter builds (engines/export_onnx.py), by config.json's model_type.
+# The encoder families the exporter builds (engines/onnx_export/encoder.py), by config.json's model_type.
 FAMILIES: tuple[str, ...] = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet")
 _OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "mpnet"})
 _DISTILBERT_KEYS = {"hidden_size": "dim", "num_attention_heads": "n_heads", "hidden_act": "activation",

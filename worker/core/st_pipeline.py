@@ -2,8 +2,8 @@
 
 sentence-transformers runs a model as the modules listed in modules.json, in order: a
 Transformer (the encoder), a Pooling, then any Dense layers and a Normalize where the model has
-them. This reads that list and each module's config, so the export (engines/export_onnx.py) can
-build the same steps into the graph:
+them. This reads that list and each module's config, so the export (engines/onnx_export/head.py)
+can build the same steps into the graph:
 
 - Pooling (1_Pooling/config.json): cls, max, mean, mean_sqrt_len_tokens, weightedmean,
   lasttoken, several concatenated in sentence-transformers' order, and include_prompt (false:

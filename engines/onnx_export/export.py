@@ -1,0 +1,196 @@
+"""Export a sentence encoder to ONNX without torch: the entry points, and where exports are kept.
+
+`build_model` reads the model folder (worker.core.model.ModelInfo) and writes the graph:
+the encoder (encoder.py) -> the model's sentence-transformers modules (head.py). `export_onnx`
+adds ORT's offline fusion when asked (fusion.py) and writes the file atomically; `ensure_onnx`
+is what the worker calls: the cached export, made first if missing.
+
+Inputs `input_ids` and `attention_mask`: int64 [batch, seq], both dynamic.
+Output `sentence_embedding`: float32 [batch, dim] (the pipeline's width), unit L2 norm where the
+pipeline normalises (metadata "normalize": "l2", else "none").
+
+Exports are cached under the user cache dir (worker.core.disk_cache), keyed by the weights, the
+config and module files (Dense weights included), the prompt tokens a pooling leaves out, the
+exporter version and the optimize flag (plus the onnxruntime version for fused graphs, whose
+contents depend on the optimizer), and written atomically.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import onnx
+from onnx import TensorProto, helper
+
+from engines.onnx_export.encoder import encode, load_weights
+from engines.onnx_export.fusion import check_fused, fuse
+from engines.onnx_export.graph import INPUT_NAMES, OPSET, OUTPUT_NAME, ExportError, Graph
+from engines.onnx_export.head import head, load_dense
+from worker.core.disk_cache import cache_dir, locked, write_atomic
+from worker.core.model import FAMILIES, ModelError, ModelInfo, default_model_dir
+
+# Bump whenever the emitted graph changes (any module of this package): it is part of the cache key.
+EXPORTER_VERSION = "2"
+
+
+def build_model(model_dir: str | Path | ModelInfo | None = None) -> onnx.ModelProto:
+    """The unfused ONNX graph of the model folder, with metadata_props (in memory, not cached)."""
+    info = model_info(model_dir)
+    if info.model_type not in FAMILIES:  # ModelInfo refuses these already; a hand-made one may not
+        raise ExportError(f"{info.config_path}: model_type {info.model_type!r} is not supported; supported "
+                          f"encoder families: {', '.join(FAMILIES)}")
+    weights = load_weights(info)
+    dense = load_dense(info)
+    g = Graph()
+    ids, mask = INPUT_NAMES
+    head(g, info, dense, encode(g, weights, info, ids, mask), mask)
+    graph = helper.make_graph(
+        g.nodes, f"{info.name}-sentence-encoder",
+        inputs=[helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"]) for n in INPUT_NAMES],
+        outputs=[helper.make_tensor_value_info(OUTPUT_NAME, TensorProto.FLOAT, ["batch", info.dim])],
+        initializer=g.inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                              producer_name="keyword-embedder", producer_version=EXPORTER_VERSION)
+    # ir_version 8 keeps the file loadable by older runtimes (TensorRT's parser included).
+    model.ir_version = 8
+    _set_metadata(model, info, optimize=False)
+    try:
+        onnx.checker.check_model(model, full_check=False)
+    except onnx.checker.ValidationError as exc:
+        raise ExportError(f"{info.model_dir}: exported graph is invalid ({exc})") from None
+    return model
+
+
+# ---------------------------------------------------------------- metadata, hashing, cache
+
+
+def model_info(model_dir: str | Path | ModelInfo | None) -> ModelInfo:
+    """The model folder read (None: the default model), or an ExportError naming what is wrong."""
+    if isinstance(model_dir, ModelInfo):
+        return model_dir  # already read: a start reads the model folder once
+    try:
+        return ModelInfo.from_dir(default_model_dir() if model_dir is None else model_dir)
+    except ModelError as exc:
+        raise ExportError(str(exc)) from exc
+
+
+def _hash_file(path: Path, digest: hashlib._Hash) -> None:
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+
+
+def weights_hash(info: ModelInfo) -> str:
+    st = info.weights_path.stat()
+    return _weights_hash(str(info.weights_path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _weights_hash(path: str, size: int, mtime_ns: int) -> str:
+    # Keyed by size and mtime too, so a rewritten file is hashed again (cache key, metadata and
+    # ensure_onnx each ask for it; hashing 90 MB three times would be wasted).
+    del size, mtime_ns
+    digest = hashlib.sha256()
+    _hash_file(Path(path), digest)
+    return digest.hexdigest()
+
+
+def cache_key(info: ModelInfo, *, optimize: bool) -> str:
+    """Hash of everything the exported file depends on."""
+    digest = hashlib.sha256()
+    digest.update(f"exporter={EXPORTER_VERSION};opset={OPSET};optimize={optimize};".encode())
+    if optimize:
+        # The fused graph is written by onnxruntime's optimizer: a new version may fuse differently.
+        import onnxruntime
+
+        digest.update(f"onnxruntime={onnxruntime.__version__};".encode())
+    digest.update(weights_hash(info).encode())
+    for extra in (info.config_path, info.model_dir / "sentence_bert_config.json",
+                  info.model_dir / "1_Pooling" / "config.json", info.model_dir / "tokenizer_config.json",
+                  *info.pipeline.files()):
+        digest.update(extra.name.encode())
+        if extra.is_file():
+            _hash_file(extra, digest)
+    # What the folder alone does not say: the prompt tokens a pooling leaves out (a setting).
+    digest.update(f"prompt_tokens_excluded={info.pipeline.prompt_tokens_excluded};".encode())
+    return digest.hexdigest()
+
+
+def _set_metadata(model: onnx.ModelProto, info: ModelInfo, *, optimize: bool) -> None:
+    props = {
+        "model_name": info.name,
+        "dim": str(info.dim),
+        "max_seq_length": str(info.max_seq_length),
+        "pooling": info.pooling_mode,
+        "normalize": "l2" if info.normalized else "none",
+        "pipeline": info.pipeline.describe(),
+        "exporter_version": EXPORTER_VERSION,
+        "weights_sha256": weights_hash(info),
+        "optimized": str(optimize).lower(),
+    }
+    del model.metadata_props[:]
+    for key, value in props.items():
+        model.metadata_props.add(key=key, value=value)
+
+
+def default_cache_dir() -> Path:
+    return cache_dir("onnx")
+
+
+# ---------------------------------------------------------------- public API
+
+
+def export_onnx(model_dir: str | Path | ModelInfo | None, output: str | Path, *, optimize: bool = True) -> Path:
+    """Export the model folder to `output` (atomically) and return the path."""
+    info = model_info(model_dir)
+    model = build_model(info)
+    if optimize:
+        fused = fuse(model, info)
+        _set_metadata(fused, info, optimize=True)
+        check_fused(model, fused, info)
+        model = fused
+    if model.ByteSize() >= 2**31:
+        # One protobuf cannot exceed 2 GiB; external-data export is not implemented (BERT-large is 1.3 GB).
+        raise ExportError(f"{info.model_dir}: the graph is {model.ByteSize() / 2**30:.1f} GiB, over the 2 GiB "
+                          "protobuf limit (external-data export is not supported)")
+    output = Path(output).expanduser()
+    try:
+        write_atomic(output, lambda tmp: onnx.save_model(model, str(tmp)))
+    except OSError as exc:
+        raise ExportError(f"{output}: cannot write the ONNX file ({exc.strerror or exc})") from None
+    return output
+
+
+def cached_path(model_dir: str | Path | ModelInfo | None = None, *, optimize: bool = True,
+                cache_dir: str | Path | None = None) -> Path:
+    """Where ensure_onnx keeps (or would keep) the export of this model folder."""
+    info = model_info(model_dir)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    variant = "fused" if optimize else "plain"
+    safe_name = "".join(c if c.isalnum() or c in "-_." else "_" for c in info.name)
+    return root / f"{safe_name}-{variant}-{cache_key(info, optimize=optimize)[:20]}.onnx"
+
+
+def ensure_onnx(model_dir: str | Path | ModelInfo | None = None, *, optimize: bool = False,
+                cache_dir: str | Path | None = None) -> Path:
+    """The cached ONNX export of the model folder, exported first if missing or stale.
+
+    optimize=False (the default) is the plain graph that ONNX Runtime optimises at load and
+    TensorRT parses; the offline-fused variant measured slower on our CPUs
+    (benchmarks/results/ort_grid.md).
+    """
+    path = cached_path(model_dir, optimize=optimize, cache_dir=cache_dir)
+    if path.is_file():
+        return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ExportError(f"{path.parent}: cannot create the ONNX cache dir ({exc.strerror or exc})") from None
+    # Two workers starting together: the second waits, then finds the first one's export.
+    with locked(path.parent / f".{path.name}.lock"):
+        if not path.is_file():  # another process may have finished it while we waited
+            export_onnx(model_info(model_dir), path, optimize=optimize)
+    return path
