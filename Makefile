@@ -75,7 +75,7 @@ image:
 BENCH_DATA ?= ../shared/data/queries/terabyte05-efficiency.tsv
 bench: install
 	$(PY) -m worker.cli bench $(BENCH_DATA) --rounds 5 --dispatchers 2 --threads 1 \
-	  --json benchmarks/results/bucketing.json --markdown benchmarks/results/bucketing.md
+	  --json benchmarks/results/batching/bucketing.json --markdown benchmarks/results/batching/bucketing.md
 
 # What Kafka costs: the worker end to end through the local broker vs the same pipeline offline.
 bench-kafka: install

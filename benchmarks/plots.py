@@ -174,7 +174,7 @@ def draw_paired_ratios(data: Sequence[dict[str, Any]], sources: Sequence[str]) -
 
 
 PLOTS = (
-    Plot("bucketing.png", ("bucketing.json",), draw_bucketing,
+    Plot("bucketing.png", ("batching/bucketing.json",), draw_bucketing,
          "bucketed vs monolithic vs sorted batching, offline (make bench)"),
     Plot("peers.png", ("peers.json",), draw_peers, "against FastEmbed on the same weights (benchmarks/peers.py)"),
     Plot("kafka-latency.png", ("kafka_latency.json",), draw_latency,
