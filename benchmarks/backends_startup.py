@@ -1,7 +1,7 @@
 """Start-up cost of backend=auto: choose_cpu on a cold cache (no cached choice, no compiled OpenVINO blobs; the ONNX
 export copied in, it is not part of the choice) and then warm, 3 rounds.
 
-    flock /tmp/kwe-bench.lock .venv/bin/python benchmarks/backends_startup.py > benchmarks/results/backends_startup.json
+    flock /tmp/kwe-bench.lock .venv/bin/python benchmarks/backends_startup.py > benchmarks/results/backends/backends_startup.json
 """
 import json, os, shutil, sys, tempfile, time
 from pathlib import Path

@@ -13,7 +13,7 @@ backend directly, so no embedding cache is involved and repeating the queries me
 Or one checkout with different arguments per side, e.g. the auto backend against ONNX Runtime fp32:
 
     .venv/bin/python benchmarks/bench_ab.py --new-args="--backend auto" --old-args="--backend onnxruntime" \
-        --bench-args="--threads 1 --dispatchers 2" --label offline --json benchmarks/results/backends_offline.json
+        --bench-args="--threads 1 --dispatchers 2" --label offline --json benchmarks/results/backends/backends_offline.json
 """
 from __future__ import annotations
 

@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render", type=Path, default=None,
                         help="Only re-render --md from this JSON result (no measuring).")
     parser.add_argument("--cells", default="", help="Only these cells, e.g. 32x8,64x16 (default: the full grid).")
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "ort_grid.json")
-    parser.add_argument("--md", type=Path, default=ROOT / "benchmarks" / "results" / "ort_grid.md")
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "backends" / "ort_grid.json")
+    parser.add_argument("--md", type=Path, default=ROOT / "benchmarks" / "results" / "backends" / "ort_grid.md")
     args = parser.parse_args(argv)
 
     if args.render is not None:

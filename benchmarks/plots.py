@@ -182,7 +182,7 @@ PLOTS = (
     Plot("latency-curve.png", ("kafka_latency_curve.json",), draw_latency,
          "the latency-vs-load curve at 8 rates, 10% to 100% of the sustained rate",
          waiting_for="issue 37 (latency after a catch-up; the latency-vs-load curve)"),
-    Plot("backends.png", ("backends_offline.json", "backends_kafka.json"), draw_paired_ratios,
+    Plot("backends.png", ("backends/backends_offline.json", "backends/backends_kafka.json"), draw_paired_ratios,
          "throughput of the auto backend against ONNX Runtime fp32, offline and through Kafka"),
 )
 

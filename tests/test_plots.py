@@ -38,7 +38,7 @@ def test_the_plots_that_wait_for_other_work_are_drawn_once_their_jsons_exist(tmp
     for name, median in (("backends_offline.json", 2.6), ("backends_kafka.json", 2.1)):
         ab = {"label": name.split("_")[1].removesuffix(".json"),
               "ratio_new_over_old": {"median": median, "q1": median - 0.1, "q3": median + 0.1}}
-        (results / name).write_text(json.dumps(ab), encoding="utf-8")
+        (results / "backends" / name).write_text(json.dumps(ab), encoding="utf-8")
     made, waiting = make(PLOTS, results, tmp_path / "img")
     assert waiting == []
     assert sorted(m.name for m in made) == sorted(p.name for p in PLOTS)
