@@ -1,6 +1,6 @@
 """The shipped int8 graph against fp32, call by call: alternating pairs on fixed shapes.
 
-    .venv/bin/python benchmarks/int8_kernel.py --json benchmarks/results/int8-kernel.json
+    .venv/bin/python benchmarks/int8_kernel.py --json benchmarks/results/int8/int8-kernel.json
 
 Whole-stream passes (benchmarks/int8_study.py) take seconds each, and on a shared 2-core machine
 the load changes within a pass; here each pair is two back-to-back calls on the same batch

@@ -1,7 +1,7 @@
 """int8 study: every quantization variant of engines/quantize_int8.py against the fp32 graph.
 
-    .venv/bin/python benchmarks/int8_study.py --json benchmarks/results/int8.json \
-        --markdown benchmarks/results/int8.md
+    .venv/bin/python benchmarks/int8_study.py --json benchmarks/results/int8/int8.json \
+        --markdown benchmarks/results/int8/int8.md
 
 Quality, on `--n` (5,000) distinct real queries (TREC 2005 efficiency, file order):
 - cosine of each int8 vector to its fp32 vector: mean, 1st percentile, minimum;
