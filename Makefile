@@ -79,12 +79,12 @@ bench: install
 
 # What Kafka costs: the worker end to end through the local broker vs the same pipeline offline.
 bench-kafka: install
-	bash deploy/local/with-kafka.sh $(PY) benchmarks/kafka_vs_offline.py --json benchmarks/results/kafka_vs_offline.json
+	bash deploy/local/with-kafka.sh $(PY) benchmarks/kafka_vs_offline.py --json benchmarks/results/kafka/kafka_vs_offline.json
 
 # Exactly-once against at-least-once, paired rounds through one broker (README, Delivery guarantees).
 bench-kafka-eos: install
 	bash deploy/local/with-kafka.sh $(PY) benchmarks/kafka_ab.py -n 5000 --rounds 6 \
-		--new-args="--processing-guarantee exactly-once" --json benchmarks/results/kafka_eos.json
+		--new-args="--processing-guarantee exactly-once" --json benchmarks/results/kafka/kafka_eos.json
 
 # Latency through Kafka under open-loop load (25/50/80/90% of the sustained throughput), paired
 # with the same bucketer offline, and where the time goes per hop; a few minutes.

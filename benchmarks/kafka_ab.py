@@ -7,7 +7,7 @@
 Or one checkout with different settings per side, e.g. exactly-once against at-least-once:
 
     deploy/local/with-kafka.sh .venv/bin/python benchmarks/kafka_ab.py \
-        --new-args="--processing-guarantee exactly-once" --json benchmarks/results/kafka_eos.json
+        --new-args="--processing-guarantee exactly-once" --json benchmarks/results/kafka/kafka_eos.json
 
 Each side is one `keyword-embedder run` process (default settings, its own group and topics),
 warm and in its group before the first round. A round publishes N keywords to one side and ends

@@ -1,7 +1,7 @@
 """What Kafka costs: end-to-end keywords/s through the broker against the same pipeline offline.
 
 Run with a broker (the script starts none itself):
-    deploy/local/with-kafka.sh .venv/bin/python benchmarks/kafka_vs_offline.py --json benchmarks/results/kafka_vs_offline.json
+    deploy/local/with-kafka.sh .venv/bin/python benchmarks/kafka_vs_offline.py --json benchmarks/results/kafka/kafka_vs_offline.json
 
 kafka:   one `keyword-embedder run` process (default settings), already in its group and warm;
          a round publishes N keywords and ends when the last embedding is read back from the
