@@ -90,7 +90,7 @@ bench-kafka-eos: install
 # with the same bucketer offline, and where the time goes per hop; a few minutes.
 bench-latency: install
 	bash deploy/local/with-kafka.sh $(PY) benchmarks/kafka_latency.py $(BENCH_LATENCY_ARGS) \
-	  --json benchmarks/results/kafka_latency.json --markdown benchmarks/results/kafka_latency.md
+	  --json benchmarks/results/latency/kafka_latency.json --markdown benchmarks/results/latency/kafka_latency.md
 
 broker-start:
 	bash deploy/local/kafka.sh start

@@ -1,7 +1,7 @@
 """Latency through Kafka under open-loop load, on keywords the worker has not seen before, in paired rounds.
 
     deploy/local/with-kafka.sh .venv/bin/python benchmarks/kafka_latency.py \
-        --json benchmarks/results/kafka_latency.json --markdown benchmarks/results/kafka_latency.md
+        --json benchmarks/results/latency/kafka_latency.json --markdown benchmarks/results/latency/kafka_latency.md
     (or: make bench-latency)
 
 1. Sustained throughput: each worker (`keyword-embedder run`, default settings unless --worker-arg

@@ -2,7 +2,7 @@
 
     deploy/local/with-kafka.sh .venv/bin/python benchmarks/latency_diagnosis.py --rate 250 \
         --variant old="--merge-buckets=false --intra-op-threads=0 --dispatchers=1" --variant new= \
-        --json benchmarks/results/latency_diagnosis.json
+        --json benchmarks/results/latency/latency_diagnosis.json
 
 Each variant is one `keyword-embedder run` on topics of its own; variants take turns for --rounds
 rounds at the same offered rate (fresh keywords each time, benchmarks/fresh_keywords.py). During
