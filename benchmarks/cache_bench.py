@@ -1,7 +1,7 @@
 """What the embedding cache gives and costs, through the worker's bucketed path offline.
 
-    .venv/bin/python benchmarks/cache_bench.py --json benchmarks/results/cache.json \
-        --markdown benchmarks/results/cache.md
+    .venv/bin/python benchmarks/cache_bench.py --json benchmarks/results/cache/cache.json \
+        --markdown benchmarks/results/cache/cache.md
 
 Three streams, tokenized once up front (outside the timings):
 - trec:     the TREC 2005 efficiency queries in file order (repeats as they come);
