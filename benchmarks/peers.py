@@ -1,8 +1,8 @@
 """Peer benchmark: FastEmbed vs our offline Embedder vs our bucketed stream, and the CPU ceiling.
 
     pip install -e '.[peers]'          # fastembed; never part of the worker's install
-    .venv/bin/python benchmarks/peers.py --json benchmarks/results/peers.json \
-        --markdown benchmarks/results/peers.md
+    .venv/bin/python benchmarks/peers.py --json benchmarks/results/peers/peers.json \
+        --markdown benchmarks/results/peers/peers.md
 
 Same ONNX weights for all three: FastEmbed gets a local model folder (no hub download) whose
 graph is our export cut before pooling, so it returns `last_hidden_state` and FastEmbed does

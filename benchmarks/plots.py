@@ -176,7 +176,7 @@ def draw_paired_ratios(data: Sequence[dict[str, Any]], sources: Sequence[str]) -
 PLOTS = (
     Plot("bucketing.png", ("batching/bucketing.json",), draw_bucketing,
          "bucketed vs monolithic vs sorted batching, offline (make bench)"),
-    Plot("peers.png", ("peers.json",), draw_peers, "against FastEmbed on the same weights (benchmarks/peers.py)"),
+    Plot("peers.png", ("peers/peers.json",), draw_peers, "against FastEmbed on the same weights (benchmarks/peers.py)"),
     Plot("kafka-latency.png", ("latency/kafka_latency.json",), draw_latency,
          "latency through Kafka against the offered load (make bench-latency)"),
     Plot("latency-curve.png", ("latency/kafka_latency_curve.json",), draw_latency,
