@@ -9,7 +9,7 @@ head. Also prints the mean bytes of one output record and of its `embedding` val
 encoding, from the worker's own codec.
 
     .venv/bin/python benchmarks/outputs_recall.py ../shared/data/queries/terabyte05-efficiency.tsv \
-        --corpus 20000 --questions 1000 --json benchmarks/results/outputs.json
+        --corpus 20000 --questions 1000 --json benchmarks/results/outputs/outputs.json
 
 Only meaningful as a sanity check: all-MiniLM-L6-v2 was not trained for Matryoshka truncation.
 """
