@@ -1,6 +1,6 @@
 """oneDNN's primitive cache inside OpenVINO's CPU plugin: RSS against call time, paired.
 
-    .venv/bin/python benchmarks/ov_primitive_cache.py [--rounds 3] [--capacities 256 64] [--json PATH]
+    .venv/bin/python benchmarks/archive/ov_primitive_cache.py [--rounds 3] [--capacities 256 64] [--json PATH]
 
 The plugin keeps two caches of per-shape state: its own runtime cache (CPU_RUNTIME_CACHE_CAPACITY,
 capped by the worker at RUNTIME_CACHE_SHAPES) and oneDNN's global primitive cache (JIT-compiled
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.ov_shape_rss import rss_mib  # noqa: E402
