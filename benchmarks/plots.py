@@ -1,7 +1,7 @@
 """The documentation's plots, made from the committed benchmark JSONs under benchmarks/results/.
 
-    .venv/bin/python benchmarks/plots.py            # or: make plots; then commit docs/img/
-    .venv/bin/python benchmarks/plots.py --results DIR --out DIR
+    .venv/bin/python -m benchmarks.plots            # or: make plots; then commit docs/img/
+    .venv/bin/python -m benchmarks.plots --results DIR --out DIR
 
 A rerun of a benchmark rewrites its JSON; rerunning this script redraws its picture.
 tests/test_plots.py runs it on the committed JSONs and fails when a committed PNG is not what it

@@ -5,4 +5,4 @@
 # H200's are kept in benchmarks/results/gpu/).
 set -u
 source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh" "onnxruntime, numpy"
-timeout "${DEVICE_BENCH_TIMEOUT:-480}" $PY benchmarks/gpu/device_bench.py 2>&1 | tee "$OUT/log.txt"
+timeout "${DEVICE_BENCH_TIMEOUT:-480}" $PY -m benchmarks.gpu.device_bench 2>&1 | tee "$OUT/log.txt"
