@@ -79,7 +79,8 @@ bench: install
 
 # What Kafka costs: the worker end to end through the local broker vs the same pipeline offline.
 bench-kafka: install
-	bash deploy/local/with-kafka.sh $(PY) -m benchmarks.kafka_vs_offline --json benchmarks/results/kafka/kafka_vs_offline.json
+	bash deploy/local/with-kafka.sh $(PY) -m benchmarks.kafka_vs_offline \
+	  --json benchmarks/results/kafka/kafka_vs_offline.json
 
 # Exactly-once against at-least-once, paired rounds through one broker (README, Delivery guarantees).
 bench-kafka-eos: install

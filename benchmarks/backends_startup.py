@@ -27,7 +27,8 @@ def main() -> int:
         for kind in ("cold", "warm"):
             t0 = time.perf_counter(); c, b = choose_cpu(s, m, threads=1); dt = time.perf_counter() - t0
             ctx = b.create_context(0); ctx.close(); b.close()
-            rows.append({"round": r, "cache": kind, "seconds": round(dt, 3), "choice": c.candidate.label, "cached": c.cached})
+            rows.append({"round": r, "cache": kind, "seconds": round(dt, 3), "choice": c.candidate.label,
+                         "cached": c.cached})
             print(rows[-1], file=sys.stderr, flush=True)
         shutil.rmtree(root)
     print(json.dumps(rows))
