@@ -62,7 +62,7 @@ docs: install
 
 # The PNG plots of docs/img/ from the committed benchmark JSONs (benchmarks/plots.py); commit them.
 plots: install
-	$(PY) benchmarks/plots.py
+	$(PY) -m benchmarks.plots
 
 # The CPU image (deploy/docker/Dockerfile): Docker where it has an engine, else Podman
 # (--isolation chroot), on python:3.11-slim or, where that cannot be pulled, on a base made from
@@ -75,22 +75,23 @@ image:
 BENCH_DATA ?= ../shared/data/queries/terabyte05-efficiency.tsv
 bench: install
 	$(PY) -m worker.cli bench $(BENCH_DATA) --rounds 5 --dispatchers 2 --threads 1 \
-	  --json benchmarks/results/bucketing.json --markdown benchmarks/results/bucketing.md
+	  --json benchmarks/results/batching/bucketing.json --markdown benchmarks/results/batching/bucketing.md
 
 # What Kafka costs: the worker end to end through the local broker vs the same pipeline offline.
 bench-kafka: install
-	bash deploy/local/with-kafka.sh $(PY) benchmarks/kafka_vs_offline.py --json benchmarks/results/kafka_vs_offline.json
+	bash deploy/local/with-kafka.sh $(PY) -m benchmarks.kafka_vs_offline \
+	  --json benchmarks/results/kafka/kafka_vs_offline.json
 
 # Exactly-once against at-least-once, paired rounds through one broker (README, Delivery guarantees).
 bench-kafka-eos: install
-	bash deploy/local/with-kafka.sh $(PY) benchmarks/kafka_ab.py -n 5000 --rounds 6 \
-		--new-args="--processing-guarantee exactly-once" --json benchmarks/results/kafka_eos.json
+	bash deploy/local/with-kafka.sh $(PY) -m benchmarks.kafka_ab -n 5000 --rounds 6 \
+		--new-args="--processing-guarantee exactly-once" --json benchmarks/results/kafka/kafka_eos.json
 
 # Latency through Kafka under open-loop load (25/50/80/90% of the sustained throughput), paired
 # with the same bucketer offline, and where the time goes per hop; a few minutes.
 bench-latency: install
-	bash deploy/local/with-kafka.sh $(PY) benchmarks/kafka_latency.py $(BENCH_LATENCY_ARGS) \
-	  --json benchmarks/results/kafka_latency.json --markdown benchmarks/results/kafka_latency.md
+	bash deploy/local/with-kafka.sh $(PY) -m benchmarks.kafka_latency $(BENCH_LATENCY_ARGS) \
+	  --json benchmarks/results/latency/kafka_latency.json --markdown benchmarks/results/latency/kafka_latency.md
 
 broker-start:
 	bash deploy/local/kafka.sh start

@@ -1,7 +1,7 @@
 """MkDocs hook (mkdocs.yml `hooks:`): links from docs/ pages to repository files outside docs/.
 
 The pages link the benchmark results, source files and deploy/ by their relative path in the
-repository (`../benchmarks/results/bucketing.md`), which works where the Markdown is read as it
+repository (`../benchmarks/results/batching/bucketing.md`), which works where the Markdown is read as it
 is (a repository browser, an editor). MkDocs knows only the files under docs/ and, under
 `--strict`, fails on such a link. This hook:
 

@@ -1,8 +1,8 @@
 """The offline benchmark (`keyword-embedder bench`) of this checkout against an older one, paired.
 
     git worktree add /tmp/kwe-old <old commit>
-    .venv/bin/python benchmarks/bench_ab.py --baseline-root /tmp/kwe-old --pairs 6 \
-        --json benchmarks/results/bench_ab.json
+    .venv/bin/python -m benchmarks.bench_ab --baseline-root /tmp/kwe-old --pairs 6 \
+        --json /tmp/bench_ab.json
 
 Each run is one `python -m worker.cli bench` process in that checkout (`python -m` imports from the
 working directory), the bucketed policy only (no latency levels, no second profile); the pairs
@@ -12,8 +12,8 @@ backend directly, so no embedding cache is involved and repeating the queries me
 
 Or one checkout with different arguments per side, e.g. the auto backend against ONNX Runtime fp32:
 
-    .venv/bin/python benchmarks/bench_ab.py --new-args="--backend auto" --old-args="--backend onnxruntime" \
-        --bench-args="--threads 1 --dispatchers 2" --label offline --json benchmarks/results/backends_offline.json
+    .venv/bin/python -m benchmarks.bench_ab --new-args="--backend auto" --old-args="--backend onnxruntime" \
+        --bench-args="--threads 1 --dispatchers 2" --label offline --json benchmarks/results/backends/backends_offline.json
 """
 from __future__ import annotations
 
@@ -24,11 +24,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.kafka_vs_offline import DEFAULT_DATA, FALLBACK_DATA
+from worker.benchmark.report import quartiles
 
-from benchmarks.kafka_vs_offline import DEFAULT_DATA, FALLBACK_DATA  # noqa: E402
-from worker.benchmark.report import quartiles  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def bucketed_kw_s(root: Path, data: Path, limit: int, rounds: int, extra: list[str]) -> float:

@@ -1,7 +1,7 @@
 """What the embedding cache gives and costs, through the worker's bucketed path offline.
 
-    .venv/bin/python benchmarks/cache_bench.py --json benchmarks/results/cache.json \
-        --markdown benchmarks/results/cache.md
+    .venv/bin/python -m benchmarks.cache_bench --json benchmarks/results/cache/cache.json \
+        --markdown benchmarks/results/cache/cache.md
 
 Three streams, tokenized once up front (outside the timings):
 - trec:     the TREC 2005 efficiency queries in file order (repeats as they come);
@@ -34,20 +34,18 @@ from typing import Any
 
 import numpy as np
 
+from engines.onnx_export.export import ensure_onnx
+from worker.core.model import default_model_dir
+from worker.core.profiles import load_profile
+from worker.backends.onnxruntime import OnnxRuntimeBackend
+from worker.embedding_cache import EmbeddingCache, key
+from worker.settings.schema import DEFAULT_CACHE_BYTES
+from worker.benchmark.inputs import read_queries
+from worker.benchmark.policies import BucketerOptions, run_bucketed
+from worker.benchmark.report import quartiles
+from worker.intake.tokenize import KeywordTokenizer
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from engines.onnx_export.export import ensure_onnx  # noqa: E402
-from worker.core.model import default_model_dir  # noqa: E402
-from worker.core.profiles import load_profile  # noqa: E402
-from worker.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402
-from worker.embedding_cache import EmbeddingCache, key  # noqa: E402
-from worker.settings.schema import DEFAULT_CACHE_BYTES  # noqa: E402
-from worker.benchmark.inputs import read_queries  # noqa: E402
-from worker.benchmark.policies import BucketerOptions, run_bucketed  # noqa: E402
-from worker.benchmark.report import quartiles  # noqa: E402
-from worker.intake.tokenize import KeywordTokenizer  # noqa: E402
-
 DEFAULT_QUERIES = ROOT.parent / "shared" / "data" / "queries" / "terabyte05-efficiency.tsv"
 GOALS = {"distinct": ("cost <= 2%", lambda r: r >= 0.98), "zipf": (">= 2x", lambda r: r >= 2.0)}
 MODES = {"trec": ("off", "lru", "single-flight"), "distinct": ("off", "single-flight"),

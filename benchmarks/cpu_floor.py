@@ -1,6 +1,6 @@
 """The model's CPU floor: CPU time per keyword of one backend call, by batch size, on this machine.
 
-    .venv/bin/python benchmarks/cpu_floor.py [--rounds 3] [--rate 1050] [--json PATH]
+    .venv/bin/python -m benchmarks.cpu_floor [--rounds 3] [--rate 1050] [--json PATH]
 
 Issue 37 asks for p99 <= 100 ms at 50% of the backlog rate with the broker, the load generator and
 the worker on the same two cores. Whether any schedule can give that is a question of CPU: the
@@ -24,12 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.fresh_keywords import SHIPPED
+from worker.benchmark.report import quartiles
+from worker.formats.keyword_files import read_keywords
 
-from benchmarks.fresh_keywords import SHIPPED  # noqa: E402
-from worker.benchmark.report import quartiles  # noqa: E402
-from worker.formats.keyword_files import read_keywords  # noqa: E402
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 # Keywords per measurement at each batch size (at least MIN_CALLS calls): ~0.5-1 s of CPU each.
@@ -123,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
         flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni")))
         args.json.write_text(json.dumps({
-            "command": "benchmarks/cpu_floor.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": "python -m benchmarks.cpu_floor " + " ".join(sys.argv[1:] if argv is None else argv),
             "machine": {"cpu": cpu_model(), "flags": flags, "python": platform.python_version()},
             "rate": args.rate, "rounds": args.rounds, "mean_length": mean_len,
             "table": table, "samples": samples}, indent=1) + "\n")

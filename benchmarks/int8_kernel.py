@@ -1,6 +1,6 @@
 """The shipped int8 graph against fp32, call by call: alternating pairs on fixed shapes.
 
-    .venv/bin/python benchmarks/int8_kernel.py --json benchmarks/results/int8-kernel.json
+    .venv/bin/python -m benchmarks.int8_kernel --json benchmarks/results/int8/int8-kernel.json
 
 Whole-stream passes (benchmarks/int8_study.py) take seconds each, and on a shared 2-core machine
 the load changes within a pass; here each pair is two back-to-back calls on the same batch
@@ -18,13 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from engines.onnx_export.export import ensure_onnx  # noqa: E402
-from engines.quantize_int8 import ensure_int8_onnx  # noqa: E402
-from worker.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402
-from worker.benchmark.report import quartiles  # noqa: E402
+from engines.onnx_export.export import ensure_onnx
+from engines.quantize_int8 import ensure_int8_onnx
+from worker.backends.onnxruntime import OnnxRuntimeBackend
+from worker.benchmark.report import quartiles
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """int8 study: every quantization variant of engines/quantize_int8.py against the fp32 graph.
 
-    .venv/bin/python benchmarks/int8_study.py --json benchmarks/results/int8.json \
-        --markdown benchmarks/results/int8.md
+    .venv/bin/python -m benchmarks.int8_study --json benchmarks/results/int8/int8.json \
+        --markdown benchmarks/results/int8/int8.md
 
 Quality, on `--n` (5,000) distinct real queries (TREC 2005 efficiency, file order):
 - cosine of each int8 vector to its fp32 vector: mean, 1st percentile, minimum;
@@ -33,20 +33,18 @@ from typing import Any
 
 import numpy as np
 
+from engines.onnx_export.export import ensure_onnx
+from engines.quantize_int8 import Int8Variant, QuantizeError, quantize, quantized_op_counts
+from worker.core.profiles import load_profile
+from worker.backends.onnxruntime import OnnxRuntimeBackend
+from worker.batching.padding import pad_batch
+from worker.benchmark.inputs import read_queries
+from worker.benchmark.policies import BucketerOptions, run_bucketed
+from worker.benchmark.report import quartiles
+from worker.embedder import Embedder
+from worker.intake.tokenize import Encoded
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from engines.onnx_export.export import ensure_onnx  # noqa: E402
-from engines.quantize_int8 import Int8Variant, QuantizeError, quantize, quantized_op_counts  # noqa: E402
-from worker.core.profiles import load_profile  # noqa: E402
-from worker.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402
-from worker.batching.padding import pad_batch  # noqa: E402
-from worker.benchmark.inputs import read_queries  # noqa: E402
-from worker.benchmark.policies import BucketerOptions, run_bucketed  # noqa: E402
-from worker.benchmark.report import quartiles  # noqa: E402
-from worker.embedder import Embedder  # noqa: E402
-from worker.intake.tokenize import Encoded  # noqa: E402
-
 DEFAULT_QUERIES = ROOT.parent / "shared" / "data" / "queries" / "terabyte05-efficiency.tsv"
 GOLDEN = ROOT / "tests" / "data" / "golden"
 GATE = {"mean": 0.995, "p1": 0.98, "recall10": 0.95, "golden_min": 0.99}

@@ -1,13 +1,13 @@
 """Two worker versions through the same broker, paired: is the new one as fast as the old?
 
     git worktree add /tmp/kwe-old <old commit>
-    deploy/local/with-kafka.sh .venv/bin/python benchmarks/kafka_ab.py --baseline-root /tmp/kwe-old \
-        --json benchmarks/results/kafka_ab.json
+    deploy/local/with-kafka.sh .venv/bin/python -m benchmarks.kafka_ab --baseline-root /tmp/kwe-old \
+        --json /tmp/kafka_ab.json
 
 Or one checkout with different settings per side, e.g. exactly-once against at-least-once:
 
-    deploy/local/with-kafka.sh .venv/bin/python benchmarks/kafka_ab.py \
-        --new-args="--processing-guarantee exactly-once" --json benchmarks/results/kafka_eos.json
+    deploy/local/with-kafka.sh .venv/bin/python -m benchmarks.kafka_ab \
+        --new-args="--processing-guarantee exactly-once" --json benchmarks/results/kafka/kafka_eos.json
 
 Each side is one `keyword-embedder run` process (default settings, its own group and topics),
 warm and in its group before the first round. A round publishes N keywords to one side and ends
@@ -28,14 +28,13 @@ from pathlib import Path
 
 from confluent_kafka import Consumer
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.kafka_vs_offline import DEFAULT_DATA, FALLBACK_DATA, kafka_round
+from tests.kafka_tools import WorkerProcess
+from worker.benchmark.report import quartiles
+from worker.formats.keyword_files import read_keywords
+from worker.kafka.admin import ensure_topics
 
-from benchmarks.kafka_vs_offline import DEFAULT_DATA, FALLBACK_DATA, kafka_round  # noqa: E402
-from tests.kafka_tools import WorkerProcess  # noqa: E402
-from worker.benchmark.report import quartiles  # noqa: E402
-from worker.formats.keyword_files import read_keywords  # noqa: E402
-from worker.kafka.admin import ensure_topics  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> int:

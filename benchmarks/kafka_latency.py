@@ -1,7 +1,7 @@
 """Latency through Kafka under open-loop load, on keywords the worker has not seen before, in paired rounds.
 
-    deploy/local/with-kafka.sh .venv/bin/python benchmarks/kafka_latency.py \
-        --json benchmarks/results/kafka_latency.json --markdown benchmarks/results/kafka_latency.md
+    deploy/local/with-kafka.sh .venv/bin/python -m benchmarks.kafka_latency \
+        --json benchmarks/results/latency/kafka_latency.json --markdown benchmarks/results/latency/kafka_latency.md
     (or: make bench-latency)
 
 1. Sustained throughput: each worker (`keyword-embedder run`, default settings unless --worker-arg
@@ -66,15 +66,13 @@ import numpy as np
 from confluent_kafka import Consumer
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.fresh_keywords import FreshKeywords, default_sources
+from benchmarks.kafka_vs_offline import cpu_seconds
+from tests.kafka_tools import WorkerProcess, free_port, http_get, produce_queries
+from worker.benchmark.loadgen import arrivals
+from worker.kafka.admin import ensure_topics
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.fresh_keywords import FreshKeywords, default_sources  # noqa: E402
-from benchmarks.kafka_vs_offline import cpu_seconds  # noqa: E402
-from tests.kafka_tools import WorkerProcess, free_port, http_get, produce_queries  # noqa: E402
-from worker.benchmark.loadgen import arrivals  # noqa: E402
-from worker.kafka.admin import ensure_topics  # noqa: E402
-
 LEVELS = (0.5, 0.8)
 WARMUP_FRACTION = 0.1
 # A level "keeps up" when the last embedding comes at most this long after the last keyword.
@@ -766,7 +764,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.merge:
         merged = merge_reports([json.loads(p.read_text()) for p in args.merge],
-                               " ".join(["benchmarks/kafka_latency.py", *sys.argv[1:]]))
+                               " ".join(["python -m benchmarks.kafka_latency", *sys.argv[1:]]))
         write_report(merged, args.json, args.markdown)
         return 0
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
@@ -891,7 +889,7 @@ def main() -> int:
         for side in sides:
             side.close()
     report = {
-        "command": " ".join(["benchmarks/kafka_latency.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m benchmarks.kafka_latency", *sys.argv[1:]]),
         "conditions": (f"{os.cpu_count()} cores shared with the broker and other users; load average at the start "
                        f"{load_avg[0]:.1f}; {args.duration:g} s per level, {args.spacing} spacing; "
                        f"{len(pool):,} distinct keywords from {', '.join(p.name for p in pool.sources)}"

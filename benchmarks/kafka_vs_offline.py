@@ -1,7 +1,7 @@
 """What Kafka costs: end-to-end keywords/s through the broker against the same pipeline offline.
 
 Run with a broker (the script starts none itself):
-    deploy/local/with-kafka.sh .venv/bin/python benchmarks/kafka_vs_offline.py --json benchmarks/results/kafka_vs_offline.json
+    deploy/local/with-kafka.sh .venv/bin/python -m benchmarks.kafka_vs_offline --json benchmarks/results/kafka/kafka_vs_offline.json
 
 kafka:   one `keyword-embedder run` process (default settings), already in its group and warm;
          a round publishes N keywords and ends when the last embedding is read back from the
@@ -27,17 +27,15 @@ from pathlib import Path
 import orjson
 from confluent_kafka import Consumer, Producer
 
+from tests.kafka_tools import WorkerProcess
+from worker.batching.bucketer import Bucketer
+from worker.benchmark.report import quartiles
+from worker.formats.keyword_files import read_keywords
+from worker.intake.flow import CONSUME_BATCH
+from worker.kafka.admin import ensure_topics
+from worker.settings.schema import Settings
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tests.kafka_tools import WorkerProcess  # noqa: E402
-from worker.batching.bucketer import Bucketer  # noqa: E402
-from worker.benchmark.report import quartiles  # noqa: E402
-from worker.formats.keyword_files import read_keywords  # noqa: E402
-from worker.intake.flow import CONSUME_BATCH  # noqa: E402
-from worker.kafka.admin import ensure_topics  # noqa: E402
-from worker.settings.schema import Settings  # noqa: E402
-
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "queries" / "msmarco-passage-dev.tsv"
 FALLBACK_DATA = ROOT / "tests" / "data" / "queries" / "terabyte05-20k.tsv"
 

@@ -1,8 +1,8 @@
 """Where a keyword's time goes under open-loop load: threads, GIL, cores, call prices, flow control, the broker.
 
-    deploy/local/with-kafka.sh .venv/bin/python benchmarks/latency_diagnosis.py --rate 250 \
+    deploy/local/with-kafka.sh .venv/bin/python -m benchmarks.latency_diagnosis --rate 250 \
         --variant old="--merge-buckets=false --intra-op-threads=0 --dispatchers=1" --variant new= \
-        --json benchmarks/results/latency_diagnosis.json
+        --json benchmarks/results/latency/latency_diagnosis.json
 
 Each variant is one `keyword-embedder run` on topics of its own; variants take turns for --rounds
 rounds at the same offered rate (fresh keywords each time, benchmarks/fresh_keywords.py). During
@@ -35,14 +35,13 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.fresh_keywords import FreshKeywords, default_sources
+from benchmarks.kafka_latency import Side, _reader, backlog_round, kafka_level, quartiles
+from benchmarks.kafka_vs_offline import cpu_seconds
+from tests.kafka_tools import WorkerProcess, http_get
+from worker.kafka.admin import ensure_topics
 
-from benchmarks.fresh_keywords import FreshKeywords, default_sources  # noqa: E402
-from benchmarks.kafka_latency import Side, _reader, backlog_round, kafka_level, quartiles  # noqa: E402
-from benchmarks.kafka_vs_offline import cpu_seconds  # noqa: E402
-from tests.kafka_tools import WorkerProcess, http_get  # noqa: E402
-from worker.kafka.admin import ensure_topics  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # Frames that tell what a sampled Python thread is doing (matched against "function (file)").
 ACTIVITIES = (
@@ -206,7 +205,7 @@ def main() -> int:
                       "backend_ms_per_call": quartiles([r["backend_ms_per_call"] for r in rs]),
                       "cost_model_slowdown": quartiles([r.get("cost_model_slowdown", math.nan) for r in rs])}
                for name, rs in results.items()}
-    report = {"command": " ".join(["benchmarks/latency_diagnosis.py", *sys.argv[1:]]), "rate": args.rate,
+    report = {"command": " ".join(["python -m benchmarks.latency_diagnosis", *sys.argv[1:]]), "rate": args.rate,
               "load_average": os.getloadavg(), "sustained": sustained, "summary": summary, "runs": results}
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=float) + "\n")

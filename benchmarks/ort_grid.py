@@ -1,7 +1,7 @@
 """ONNX Runtime tokens/s over batch x length, fused vs unfused, as paired ratios from one run.
 
-    .venv/bin/python benchmarks/ort_grid.py            # full grid + thread sweep, a few minutes
-    .venv/bin/python benchmarks/ort_grid.py --quick    # a smoke run
+    .venv/bin/python -m benchmarks.ort_grid            # full grid + thread sweep, a few minutes
+    .venv/bin/python -m benchmarks.ort_grid --quick    # a smoke run
 
 Configurations (all on the CPU provider):
   fused       the exporter's optimize=True file (ORT transformer optimizer: Attention,
@@ -29,12 +29,10 @@ from pathlib import Path
 
 import numpy as np
 
+from engines.onnx_export.export import ensure_onnx
+from worker.backends.onnxruntime import OnnxRuntimeBackend
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from engines.onnx_export.export import ensure_onnx  # noqa: E402
-from worker.backends.onnxruntime import OnnxRuntimeBackend  # noqa: E402
-
 BATCHES = (1, 8, 32, 64, 128, 256)
 LENGTHS = (8, 16, 32, 64)
 THREAD_CELLS = ((1, 8), (8, 16), (32, 16), (16, 64))
@@ -138,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render", type=Path, default=None,
                         help="Only re-render --md from this JSON result (no measuring).")
     parser.add_argument("--cells", default="", help="Only these cells, e.g. 32x8,64x16 (default: the full grid).")
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "ort_grid.json")
-    parser.add_argument("--md", type=Path, default=ROOT / "benchmarks" / "results" / "ort_grid.md")
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "backends" / "ort_grid.json")
+    parser.add_argument("--md", type=Path, default=ROOT / "benchmarks" / "results" / "backends" / "ort_grid.md")
     args = parser.parse_args(argv)
 
     if args.render is not None:
@@ -185,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     vs_basic = [c.ratio("fused", "plain-basic")["median"] for c in grid]
     vs_all = [c.ratio("fused", "plain-all")["median"] for c in grid]
     result = {
-        "command": "python benchmarks/ort_grid.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m benchmarks.ort_grid " + " ".join(sys.argv[1:] if argv is None else argv),
         "grid_threads": t,
         "machine": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
                     "processor": platform.processor(), "onnxruntime": onnxruntime.__version__,

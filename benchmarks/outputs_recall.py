@@ -8,8 +8,8 @@ int8 by the dot product of the dequantised vectors, truncated by cosine of the r
 head. Also prints the mean bytes of one output record and of its `embedding` value per
 encoding, from the worker's own codec.
 
-    .venv/bin/python benchmarks/outputs_recall.py ../shared/data/queries/terabyte05-efficiency.tsv \
-        --corpus 20000 --questions 1000 --json benchmarks/results/outputs.json
+    .venv/bin/python -m benchmarks.outputs_recall ../shared/data/queries/terabyte05-efficiency.tsv \
+        --corpus 20000 --questions 1000 --json benchmarks/results/outputs/outputs.json
 
 Only meaningful as a sanity check: all-MiniLM-L6-v2 was not trained for Matryoshka truncation.
 """

@@ -1,7 +1,7 @@
 """RSS of one context of the worker's OpenVINO backend (bf16, one thread) fed distinct (batch, length)
 shapes, shuffled.
 
-    .venv/bin/python benchmarks/ov_shape_rss.py [--cache-capacity N] [--shapes 400]
+    .venv/bin/python -m benchmarks.ov_shape_rss [--cache-capacity N] [--shapes 400]
 
 Issue 37's overload on `--backend auto` grew the worker's RSS by 526 MiB; this isolates the
 per-shape state of the CPU plugin (--cache-capacity sets CPU_RUNTIME_CACHE_CAPACITY; default:

@@ -1,8 +1,8 @@
 """Peer benchmark: FastEmbed vs our offline Embedder vs our bucketed stream, and the CPU ceiling.
 
     pip install -e '.[peers]'          # fastembed; never part of the worker's install
-    .venv/bin/python benchmarks/peers.py --json benchmarks/results/peers.json \
-        --markdown benchmarks/results/peers.md
+    .venv/bin/python -m benchmarks.peers --json benchmarks/results/peers/peers.json \
+        --markdown benchmarks/results/peers/peers.md
 
 Same ONNX weights for all three: FastEmbed gets a local model folder (no hub download) whose
 graph is our export cut before pooling, so it returns `last_hidden_state` and FastEmbed does
@@ -39,20 +39,18 @@ from typing import Any
 import numpy as np
 import onnx
 
+from engines.onnx_export.export import default_cache_dir, ensure_onnx
+from worker.core.model import ModelInfo, default_model_dir
+from worker.core.profiles import load_profile
+from worker.backend_choice.select import open_backend
+from worker.backends.base import Backend
+from worker.benchmark.inputs import read_queries
+from worker.benchmark.policies import BucketerOptions, run_bucketed
+from worker.benchmark.report import quartiles
+from worker.benchmark.suite import round_order
+from worker.embedder import Embedder
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from engines.onnx_export.export import default_cache_dir, ensure_onnx  # noqa: E402
-from worker.core.model import ModelInfo, default_model_dir  # noqa: E402
-from worker.core.profiles import load_profile  # noqa: E402
-from worker.backend_choice.select import open_backend  # noqa: E402
-from worker.backends.base import Backend  # noqa: E402
-from worker.benchmark.inputs import read_queries  # noqa: E402
-from worker.benchmark.policies import BucketerOptions, run_bucketed  # noqa: E402
-from worker.benchmark.report import quartiles  # noqa: E402
-from worker.benchmark.suite import round_order  # noqa: E402
-from worker.embedder import Embedder  # noqa: E402
-
 DEFAULT_QUERIES = ROOT.parent / "shared" / "data" / "queries" / "terabyte05-efficiency.tsv"
 FASTEMBED_NAME = "keyword-embedder/all-MiniLM-L6-v2-local"
 TOKENIZER_FILES = ("tokenizer.json", "special_tokens_map.json", "config.json", "vocab.txt")

@@ -1,7 +1,7 @@
 """The documentation's plots, made from the committed benchmark JSONs under benchmarks/results/.
 
-    .venv/bin/python benchmarks/plots.py            # or: make plots; then commit docs/img/
-    .venv/bin/python benchmarks/plots.py --results DIR --out DIR
+    .venv/bin/python -m benchmarks.plots            # or: make plots; then commit docs/img/
+    .venv/bin/python -m benchmarks.plots --results DIR --out DIR
 
 A rerun of a benchmark rewrites its JSON; rerunning this script redraws its picture.
 tests/test_plots.py runs it on the committed JSONs and fails when a committed PNG is not what it
@@ -174,15 +174,15 @@ def draw_paired_ratios(data: Sequence[dict[str, Any]], sources: Sequence[str]) -
 
 
 PLOTS = (
-    Plot("bucketing.png", ("bucketing.json",), draw_bucketing,
+    Plot("bucketing.png", ("batching/bucketing.json",), draw_bucketing,
          "bucketed vs monolithic vs sorted batching, offline (make bench)"),
-    Plot("peers.png", ("peers.json",), draw_peers, "against FastEmbed on the same weights (benchmarks/peers.py)"),
-    Plot("kafka-latency.png", ("kafka_latency.json",), draw_latency,
+    Plot("peers.png", ("peers/peers.json",), draw_peers, "against FastEmbed on the same weights (benchmarks/peers.py)"),
+    Plot("kafka-latency.png", ("latency/kafka_latency.json",), draw_latency,
          "latency through Kafka against the offered load (make bench-latency)"),
-    Plot("latency-curve.png", ("kafka_latency_curve.json",), draw_latency,
+    Plot("latency-curve.png", ("latency/kafka_latency_curve.json",), draw_latency,
          "the latency-vs-load curve at 8 rates, 10% to 100% of the sustained rate",
          waiting_for="issue 37 (latency after a catch-up; the latency-vs-load curve)"),
-    Plot("backends.png", ("backends_offline.json", "backends_kafka.json"), draw_paired_ratios,
+    Plot("backends.png", ("backends/backends_offline.json", "backends/backends_kafka.json"), draw_paired_ratios,
          "throughput of the auto backend against ONNX Runtime fp32, offline and through Kafka"),
 )
 

@@ -40,7 +40,7 @@ Calibration = Literal["minmax", "entropy", "percentile"]
 #   sensitive:   attn-act + every attention output projection + the last layer's MatMuls
 #                (its output dense is the pooling input)
 #   sensitive+ffn-out: sensitive + every FFN output projection (GELU output has long tails)
-#   measured:    what a one-group-at-a-time sensitivity scan (benchmarks/results/int8.md) found
+#   measured:    what a one-group-at-a-time sensitivity scan (benchmarks/results/int8/int8.md) found
 #                to cost least: only the query, key and attention output projections are int8;
 #                value, both FFN projections and attention's activation products stay fp32
 Exclusion = Literal["none", "attn-act", "sensitive", "sensitive+ffn-out", "measured"]
@@ -176,7 +176,7 @@ def quantized_op_counts(path: str | Path) -> dict[str, int]:
 # ---------------------------------------------------------------- the shipped recipe, cached
 # Bump when the shipped recipe or this code's output changes: it is part of the cache key.
 INT8_VERSION = "1"
-# The variant that met the quality gate in benchmarks/results/int8.md (docs/performance.md, int8).
+# The variant that met the quality gate in benchmarks/results/int8/int8.md (docs/performance.md, int8).
 SHIPPED = Int8Variant("dynamic, per-channel, only Q/K/attention-out int8 (measured)", "dynamic", per_channel=True,
                       exclude="measured")
 
@@ -203,7 +203,7 @@ def ensure_int8_onnx(model_dir: str | Path | ModelInfo | None = None, *, cache_d
     family = model_info(model_dir).model_type
     if family not in INT8_FAMILIES:
         # The recipe picks MatMuls by BERT's tensor names; DistilBERT's and MPNet's differ, and
-        # no recipe has been measured for them (benchmarks/results/int8.md).
+        # no recipe has been measured for them (benchmarks/results/int8/int8.md).
         raise QuantizeError(f"precision int8 supports the encoder families {', '.join(INT8_FAMILIES)}, "
                             f"not model_type {family!r}; use precision fp32")
     path = int8_cached_path(model_dir, cache_dir=cache_dir)

@@ -6,8 +6,10 @@ Each block is split into simple commands (continuation lines joined, comments dr
 - `keyword-embedder SUB --flag ...`: SUB is a subcommand and every `--flag` is one of its options
   (argparse's, so `--no-x` counts for a boolean);
 - `make TARGET`: the Makefile defines TARGET;
-- a project script (`bash deploy/local/kafka.sh start --secure`, `python benchmarks/x.py --rounds 3`,
-  `python -m pytest tests/x.py`): the file exists and names every `--flag` it is given;
+- a project script (`bash deploy/local/kafka.sh start --secure`, `python deploy/tools/prometheus_rule.py
+  --check`, `python -m benchmarks.x --rounds 3`, `python -m pytest tests/x.py`): the file (for
+  `-m benchmarks.x`, benchmarks/x.py) exists and names every `--flag` it is given; a benchmark is
+  run as a module (`python benchmarks/x.py` is refused: its imports need the repository root);
 - `pip install '.[extra]'` / `'keyword-embedder[extra]'`: pyproject.toml declares the extra;
 - `docker build -f FILE`, `podman build -f FILE`, `kubectl apply -k DIR`: the file or folder exists.
 
@@ -151,7 +153,9 @@ def check(words: list[str], root: Path) -> list[str]:
         if args[0] == "-m" and len(args) > 1 and args[1] == "pytest":
             return [f"{a} does not exist" for a in args[2:]
                     if a.startswith("tests/") and not (root / a.split("::")[0]).exists()]
-        if not args[0].startswith("-"):
+        if args[0] == "-m" and len(args) > 1 and args[1].split(".")[0] == "benchmarks":
+            script, rest = args[1].replace(".", "/") + ".py", args[2:]
+        elif not args[0].startswith("-"):
             script, rest = args[0], args[1:]
     elif "/" in words[0] and not words[0].startswith(("/", "$", "~", ".venv/")):
         script, rest = words[0], args
@@ -160,6 +164,9 @@ def check(words: list[str], root: Path) -> list[str]:
     path = root / script
     if not path.is_file():
         return [f"{script} does not exist"]
+    as_module = INTERPRETERS.match(words[0]) is not None and args[:1] == ["-m"]
+    if script.startswith("benchmarks/") and script.endswith(".py") and not as_module:
+        return [f"{script}: run it as a module, python -m {script.removesuffix('.py').replace('/', '.')}"]
     text = path.read_text(encoding="utf-8", errors="replace")
     return [f"{script} takes no option {flag}" for flag in _flags(rest) if flag not in text]
 

@@ -33,12 +33,13 @@ def test_every_plot_is_drawn_from_the_committed_jsons_and_matches_the_committed_
 
 def test_the_plots_that_wait_for_other_work_are_drawn_once_their_jsons_exist(tmp_path: Path) -> None:
     results = tmp_path / "results"
-    shutil.copytree(RESULTS, results, ignore=shutil.ignore_patterns("device"))
-    (results / "kafka_latency_curve.json").write_bytes((RESULTS / "kafka_latency.json").read_bytes())
+    shutil.copytree(RESULTS, results, ignore=shutil.ignore_patterns("gpu"))
+    latency = RESULTS / "latency" / "kafka_latency.json"
+    (results / "latency" / "kafka_latency_curve.json").write_bytes(latency.read_bytes())
     for name, median in (("backends_offline.json", 2.6), ("backends_kafka.json", 2.1)):
         ab = {"label": name.split("_")[1].removesuffix(".json"),
               "ratio_new_over_old": {"median": median, "q1": median - 0.1, "q3": median + 0.1}}
-        (results / name).write_text(json.dumps(ab), encoding="utf-8")
+        (results / "backends" / name).write_text(json.dumps(ab), encoding="utf-8")
     made, waiting = make(PLOTS, results, tmp_path / "img")
     assert waiting == []
     assert sorted(m.name for m in made) == sorted(p.name for p in PLOTS)

@@ -6,7 +6,7 @@
 Texts are sorted by token count and cut into batches that are each padded only to their own
 longest item, so short queries do not pay for long ones; the rows come back in input order.
 The default graph is the plain export run with ONNX Runtime's session-time optimisations
-(`optimize=True` picks the offline-fused one; see benchmarks/results/ort_grid.md for why not).
+(`optimize=True` picks the offline-fused one; see benchmarks/results/backends/ort_grid.md for why not).
 Padding does not change a vector (masked positions get exactly zero attention weight and are
 left out of the pooling), so the result does not depend on the batch composition. The vectors
 are unit length where the model's pipeline ends in a Normalize module (`normalized`), as every
@@ -19,7 +19,7 @@ a later one, is not run again, and gets bit for bit the vector computed the firs
 and passed the fp32 parity gate (worker/backend_choice/auto.py, cached as the worker's choice is);
 "onnxruntime" or "openvino" (with `openvino_precision`, the openvino extra) as given.
 `precision="int8"` runs the quantized graph (engines/quantize_int8.py, cached beside the fp32
-export; its quality against fp32 is in benchmarks/results/int8.md).
+export; its quality against fp32 is in benchmarks/results/int8/int8.md).
 
 Prompts and smaller vectors, as the Kafka worker's settings of the same names:
 
@@ -86,7 +86,7 @@ class Embedder:
         self.info = self.info.with_prompt(self.tokenizer.prompt_tokens)
         # The plain graph by default: with ONNX Runtime's own session-time fusions (level ALL)
         # it measured ~10-15% faster than the offline-fused graph on this project's CPUs
-        # (benchmarks/results/ort_grid.md); both match the reference equally.
+        # (benchmarks/results/backends/ort_grid.md); both match the reference equally.
         self.backend_choice: CpuChoice | None = None
         self.backend: OnnxRuntimeBackend | OpenVinoBackend
         if backend == "auto":

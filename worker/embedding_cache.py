@@ -16,7 +16,7 @@ change a cached row, and the row a hit returns is bit for bit the row that was p
 
 In-flight repeats (single flight): a keyword repeated while its first occurrence is still being
 embedded would miss and be computed again; with max_in_flight=4096 keywords in flight, that is
-most repeats of a short burst (benchmarks/results/cache.md). `lookup(k, waiter)` therefore
+most repeats of a short burst (benchmarks/results/cache/cache.md). `lookup(k, waiter)` therefore
 answers one of three ways: a hit (the row), a miss (the caller leads: it computes the row and
 calls `complete`, or `abandon` if it cannot), or joined (someone leads already; `waiter` is
 handed back by the leader's `complete` or `abandon`, to be answered with the same row or

@@ -24,13 +24,10 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.gpu.paired import cosines, embed_through_bucketer, paired_bucketed
+from worker.core.profiles import Bucket, Profile, load_profile
+
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.gpu.paired import cosines, embed_through_bucketer, paired_bucketed  # noqa: E402
-from worker.core.profiles import Bucket, Profile, load_profile  # noqa: E402
-
 MONO = Profile("mono", (Bucket(256, 256, 256),), 256 * 256, "longest", None, "one bucket: no length bucketing")
 PROFILES = ("mono", "gpu", "cpu")
 MODES = ("eager", "graphs")

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.gpu.torch_backend import TorchBertBackend
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from benchmarks.gpu.torch_backend import TorchBertBackend  # noqa: E402
 
 
 def timed(fn, n: int = 30) -> float:  # noqa: ANN001

@@ -47,13 +47,10 @@ from typing import Any, Literal
 
 import numpy as np
 
+from benchmarks.gpu.paired import cosines, embed_through_bucketer, paired_bucketed
+from worker.core.profiles import Bucket, Profile, load_profile, load_profiles
+
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from benchmarks.gpu.paired import cosines, embed_through_bucketer, paired_bucketed  # noqa: E402
-from worker.core.profiles import Bucket, Profile, load_profile, load_profiles  # noqa: E402
-
 GOLDEN = ROOT / "tests" / "data" / "golden"
 DATA = ROOT / "tests" / "data" / "queries" / "terabyte05-20k.tsv"
 MIN_COSINE = 0.999  # FP16 plan vs FP32 reference

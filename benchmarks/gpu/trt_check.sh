@@ -15,5 +15,5 @@
 set -u
 OUT="${OUT:-/tmp/kwe-trt-check}"
 source "$(dirname "${BASH_SOURCE[0]}")/device_env.sh" "tensorrt, pycuda.driver, onnxruntime, tokenizers"
-timeout "${TRT_CHECK_TIMEOUT:-290}" $PY benchmarks/gpu/trt_check.py 2>&1 | tee "$OUT/trt-check.log"
+timeout "${TRT_CHECK_TIMEOUT:-290}" $PY -m benchmarks.gpu.trt_check 2>&1 | tee "$OUT/trt-check.log"
 exit "${PIPESTATUS[0]}"

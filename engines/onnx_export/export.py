@@ -180,7 +180,7 @@ def ensure_onnx(model_dir: str | Path | ModelInfo | None = None, *, optimize: bo
 
     optimize=False (the default) is the plain graph that ONNX Runtime optimises at load and
     TensorRT parses; the offline-fused variant measured slower on our CPUs
-    (benchmarks/results/ort_grid.md).
+    (benchmarks/results/backends/ort_grid.md).
     """
     path = cached_path(model_dir, optimize=optimize, cache_dir=cache_dir)
     if path.is_file():

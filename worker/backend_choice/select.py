@@ -161,7 +161,7 @@ def intra_op_threads(settings: Settings, cores: int | None = None) -> int:
 
     One pool of every core shared by concurrent calls makes each call wait for pool threads
     that other work (the broker, the poll and output threads) has descheduled; single-threaded
-    calls side by side have no such barrier (issue 19, benchmarks/results/latency_diagnosis.md).
+    calls side by side have no such barrier (issue 19, benchmarks/results/latency/latency_diagnosis.md).
     """
     if settings.intra_op_threads:
         return settings.intra_op_threads

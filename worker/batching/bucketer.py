@@ -24,7 +24,7 @@ Flush rules (full, due, oldest first, eager, merge): worker/batching/flush_polic
 snapshot of the buckets and the clock. The former takes the snapshot under the lock, asks
 `next_flush`, and applies the answer; so every item leaves within its deadline plus the batch
 running and at most one formed before it became due. `eager=True` is the default, chosen by
-measurement (benchmarks/results/bucketing.md); `costs` (the worker's merge_buckets setting)
+measurement (benchmarks/results/batching/bucketing.md); `costs` (the worker's merge_buckets setting)
 gives the prices merging reads, and every finished call refines them.
 
 Stopping: `stop(deadline)` drains until the `Deadline` (worker/deadline.py) expires, re-reading

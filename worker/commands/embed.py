@@ -27,9 +27,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="Arithmetic of --backend openvino.")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--fused", action="store_true",
-                        help="Use the offline-fused export instead of the plain one (see benchmarks/results/ort_grid.md).")
+                        help="Use the offline-fused export instead of the plain one (see benchmarks/results/backends/ort_grid.md).")
     parser.add_argument("--precision", choices=("fp32", "int8"), default="fp32",
-                        help="int8: the quantized graph (benchmarks/results/int8.md), cached beside the fp32 one.")
+                        help="int8: the quantized graph (benchmarks/results/int8/int8.md), cached beside the fp32 one.")
     parser.add_argument("--cache-bytes", type=int, default=None,
                         help="Byte bound of the embedding cache (repeats are embedded once); 0 turns it off.")
     parser.add_argument("--prompt", default=None, help="Literal prefix put before every text (e.g. 'query: ').")

@@ -16,7 +16,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fused", action="store_true",
                         help="Write the ONNX Runtime-fused CPU graph instead of the plain standard-op graph "
                              "(the default, which ONNX Runtime optimises at load and TensorRT parses; the "
-                             "fused file measured slower here, see benchmarks/results/ort_grid.md).")
+                             "fused file measured slower here, see benchmarks/results/backends/ort_grid.md).")
     # Kept for scripts written against the first release; the plain graph is now the default.
     parser.add_argument("--no-optimize", action="store_true", help=argparse.SUPPRESS)
 

@@ -87,8 +87,9 @@ class KeywordTokenizer:
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
         # One text at a time on the calling thread, never encode_batch: that wakes the tokenizers'
         # Rayon pool, whose threads spin between calls and took a core from the model under a
-        # trickle (issue 19: ~5 ms per call of 1-3 keywords on the poll thread; benchmarks/results/
-        # latency_diagnosis.md). Keywords are short: one at a time costs ~15 us each.
+        # trickle (issue 19: ~5 ms per call of 1-3 keywords on the poll thread;
+        # benchmarks/results/latency/latency_diagnosis.md). Keywords are short: one at a time costs
+        # ~15 us each.
         out = []
         encode = self._tokenizer.encode
         prefix = self.prompt.text

@@ -231,7 +231,7 @@ class Settings:
                                   "('longest'); 'auto': the profile's pad_to.")
     precision: Precision = _setting("fp32", "Model precision on ONNX Runtime: 'int8' runs the quantized graph "
                                     "(only the query, key and attention-output projections in int8, the recipe "
-                                    "that kept neighbours in benchmarks/results/int8.md), exported and cached "
+                                    "that kept neighbours in benchmarks/results/int8/int8.md), exported and cached "
                                     "beside the fp32 one; ignored when onnx_path is set; not for TensorRT.")
     openvino_precision: OvPrecision = _setting("bf16", "Arithmetic of the openvino backend when chosen with "
                                                "backend = openvino: 'bf16' (INFERENCE_PRECISION_HINT, the CPU's bf16 "
@@ -248,13 +248,13 @@ class Settings:
                                 "holds about 100k 384-d vectors; 0 turns the cache off.", minimum=0)
     ort_allow_spinning: bool = _setting(False, "ONNX Runtime's intra-op threads spin-wait for work between runs "
                                         "(session.intra_op.allow_spinning); off (measured: p99 195 vs 1,211 ms "
-                                        "at 80 percent load through Kafka, benchmarks/results/kafka_latency_spin.md) "
+                                        "at 80 percent load through Kafka, benchmarks/archive/results/kafka_latency_spin.md) "
                                         "gives the cores to the worker's other threads and the broker between "
                                         "batches.")
     dispatchers: int = _setting(2, "Inference contexts (and dispatcher threads) on CPU; TensorRT always uses "
                                 "one per bucket profile. Two single-threaded calls at once beat one two-threaded "
                                 "call on 2 shared cores (backlog throughput 1.24x, paired, "
-                                "benchmarks/results/latency_diagnosis.md).", minimum=1)
+                                "benchmarks/results/latency/latency_diagnosis.md).", minimum=1)
     # --- Operations --------------------------------------------------------------------
     metrics_port: int = _setting(0, "Port for /metrics, /healthz and /readyz (on metrics_host); 0 disables "
                                  "them.", minimum=0, maximum=65535)

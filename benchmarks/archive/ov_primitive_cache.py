@@ -1,6 +1,6 @@
 """oneDNN's primitive cache inside OpenVINO's CPU plugin: RSS against call time, paired.
 
-    .venv/bin/python benchmarks/ov_primitive_cache.py [--rounds 3] [--capacities 256 64] [--json PATH]
+    .venv/bin/python -m benchmarks.archive.ov_primitive_cache [--rounds 3] [--capacities 256 64] [--json PATH]
 
 The plugin keeps two caches of per-shape state: its own runtime cache (CPU_RUNTIME_CACHE_CAPACITY,
 capped by the worker at RUNTIME_CACHE_SHAPES) and oneDNN's global primitive cache (JIT-compiled
@@ -25,12 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.ov_shape_rss import rss_mib
+from worker.benchmark.report import quartiles
 
-from benchmarks.ov_shape_rss import rss_mib  # noqa: E402
-from worker.benchmark.report import quartiles  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[2]
 VARIABLE = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
 
 
@@ -75,7 +73,7 @@ def main() -> int:
             env = {k: v for k, v in os.environ.items() if k != VARIABLE}
             if configs[name] is not None:
                 env[VARIABLE] = str(configs[name])
-            out = subprocess.run([sys.executable, __file__, "--child", str(r)], env=env, cwd=ROOT,
+            out = subprocess.run([sys.executable, "-m", __spec__.name, "--child", str(r)], env=env, cwd=ROOT,
                                  capture_output=True, text=True, check=True).stdout
             runs[name].append(json.loads(out.strip().splitlines()[-1]))
             print(r, name, {k: round(v, 2) for k, v in runs[name][-1].items()}, flush=True)

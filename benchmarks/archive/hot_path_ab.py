@@ -1,6 +1,6 @@
 """The default JSON path's per-record work, this checkout against an older one, paired in one process.
 
-    .venv/bin/python benchmarks/hot_path_ab.py --baseline-root /tmp/kwe-old [--rounds 15]
+    .venv/bin/python -m benchmarks.archive.hot_path_ab --baseline-root /tmp/kwe-old [--rounds 15]
 
 What a change to intake decoding or output encoding costs per record, without Kafka or the model
 (whose noise on a shared box hides a sub-microsecond change): each round times decode_input on a
@@ -22,9 +22,6 @@ from types import ModuleType
 
 import numpy as np
 import orjson
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def load_old(root: Path) -> ModuleType:

@@ -7,7 +7,7 @@ loaded into one process and timed alternately; the minimum of N interleaved repe
 figure least moved by other load on a shared box.
 
     git worktree add /tmp/kwe-main main   # or: git archive main | tar -x -C /tmp/kwe-main
-    .venv/bin/python benchmarks/outputs_ab.py --baseline-root /tmp/kwe-main \
+    .venv/bin/python -m benchmarks.archive.outputs_ab --baseline-root /tmp/kwe-main \
         ../shared/data/queries/terabyte05-efficiency.tsv
 """
 
