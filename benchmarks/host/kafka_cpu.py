@@ -1,0 +1,188 @@
+"""The worker process's CPU per keyword through the real broker, with the model taken out and with
+it, paired: how much of a keyword's cost is the worker's own (intake, batching, output, delivery,
+librdkafka's threads) and how much the model's.
+
+    deploy/local/with-kafka.sh .venv/bin/python -m benchmarks.host.kafka_cpu --rounds 4 \
+        --sides null model null@/tmp/kwe-base --json benchmarks/results/host/kafka_cpu.json
+
+Sides: `null` (benchmarks/host/null_worker.py: unit vectors, no compute), `model` (the real worker,
+`--backend` as given, default onnxruntime), each optionally `@ROOT` for another checkout (a
+baseline). Each side is one worker process with the default settings and the embedding cache off
+(every keyword is tokenized, batched and encoded), its own topics (6 partitions) and group. A round
+publishes N keywords to each side in turn (the order rotates) and reads every embedding back; the
+side's CPU is its process's user + system time from /proc over that span, divided by N. Paired
+per round: on a shared, noisy box only same-round ratios mean anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Consumer
+
+from benchmarks.host.pipeline_bench import DEFAULT_DATA, quartiles, runner_dir
+from benchmarks.kafka_vs_offline import BROKER_PID, cpu_seconds, kafka_round
+from worker.formats.keyword_files import read_keywords
+from worker.kafka.admin import ensure_topics
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Side:
+    name: str
+    kind: str  # "null" or "model"
+    root: Path
+    backend: str
+    extra: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+    port: int = field(default_factory=free_port)
+    topics: tuple[str, str, str] = ("", "", "")
+    reader: Any = None
+
+    def start(self, bootstrap: str, runner: Path, logdir: Path) -> None:
+        run = f"cpu-{self.name.replace('@', '-').replace('/', '_')}-{uuid.uuid4().hex[:6]}"
+        self.topics = (f"{run}-in", f"{run}-out", f"{run}-dlq")
+        ensure_topics(bootstrap, {self.topics[0]: 6, self.topics[1]: 6, self.topics[2]: 1})
+        module = "kwe_host.null_worker" if self.kind == "null" else "worker.cli"
+        cmd = [sys.executable, "-m", module, "run", "--bootstrap-servers", bootstrap,
+               "--input-topic", self.topics[0], "--output-topic", self.topics[1],
+               "--dead-letter-topic", self.topics[2], "--group-id", run, "--metrics-port", str(self.port),
+               "--metrics-host", "127.0.0.1", "--log-format", "json",
+               "--backend", "onnxruntime" if self.kind == "null" else self.backend, "--cache-bytes", "0", *self.extra]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KWE_")}
+        env["PYTHONPATH"] = str(runner)
+        log = (logdir / f"{run}.log").open("ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, env=env)
+        log.close()
+        self.reader = Consumer({"bootstrap.servers": bootstrap, "group.id": f"{run}-reader",
+                                "auto.offset.reset": "earliest", "enable.auto.commit": False,
+                                "fetch.wait.max.ms": 5})
+        self.reader.subscribe([self.topics[1]])
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name}: worker exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/readyz", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise SystemExit(f"{self.name}: not ready after {timeout} s")
+
+    def stop(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def parse_side(spec: str, backend: str) -> Side:
+    kind, _, root = spec.partition("@")
+    if kind not in ("null", "model"):
+        raise SystemExit(f"side {spec!r}: null or model, optionally @ROOT")
+    return Side(spec, kind, Path(root).resolve() if root else ROOT, backend)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sides", nargs="+", default=["null", "model"])
+    ap.add_argument("--backend", default="onnxruntime", help="the model side's backend")
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("-n", "--n", type=int, default=8000, help="keywords per side and round")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--worker-args", default="", help="extra `run` flags for every side (one string)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if not bootstrap:
+        raise SystemExit("set KAFKA_BOOTSTRAP_SERVERS (run through deploy/local/with-kafka.sh)")
+    rows = list(read_keywords(args.data))
+    sides = [parse_side(s, args.backend) for s in args.sides]
+    for side in sides:
+        side.extra = args.worker_args.split()
+    broker_pid = int(BROKER_PID.read_text()) if BROKER_PID.is_file() else None
+    logdir = Path(tempfile.mkdtemp(prefix="kwe-kafka-cpu-"))
+    results: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        runner = runner_dir(Path(tmp))
+        shutil.copy(Path(__file__).with_name("null_worker.py"), runner / "kwe_host" / "null_worker.py")
+        try:
+            for side in sides:
+                side.start(bootstrap, runner, logdir)
+            for side in sides:
+                side.wait_ready()
+                side.reader.consume(1, timeout=3.0)
+                kafka_round(f"warm-{side.name}", rows[:1000], bootstrap, side.topics[0], side.reader)
+            at = 0
+            for r in range(args.rounds):
+                order = sides[r % len(sides):] + sides[:r % len(sides)]
+                got: dict[str, Any] = {}
+                for side in order:
+                    batch = [rows[(at + i) % len(rows)] for i in range(args.n)]
+                    at += args.n
+                    assert side.proc is not None
+                    cpu0, broker0 = cpu_seconds(side.proc.pid), cpu_seconds(broker_pid)
+                    wall = kafka_round(f"r{r}-{side.name}", batch, bootstrap, side.topics[0], side.reader)
+                    cpu, broker = cpu_seconds(side.proc.pid) - cpu0, cpu_seconds(broker_pid) - broker0
+                    got[side.name] = {"keywords_per_s": args.n / wall, "worker_cpu_us_per_keyword": cpu * 1e6 / args.n,
+                                      "broker_cpu_us_per_keyword": broker * 1e6 / args.n}
+                results.append({"round": r, "order": [s.name for s in order], "sides": got})
+                print(f"round {r}: " + "  ".join(f"{k}: {v['keywords_per_s']:6.0f} kw/s worker "
+                                                  f"{v['worker_cpu_us_per_keyword']:6.1f} us/kw"
+                                                  for k, v in got.items()), flush=True)
+        finally:
+            for side in sides:
+                side.stop()
+    summary: dict[str, Any] = {"data": args.data.name, "n": args.n, "rounds_run": len(results),
+                               "cpu_count": os.cpu_count(), "worker_args": args.worker_args, "sides": {},
+                               "ratios": {}}
+    for side in sides:
+        per = [x["sides"][side.name] for x in results]
+        summary["sides"][side.name] = {k: quartiles([p[k] for p in per]) for k in per[0]}
+        c = summary["sides"][side.name]["worker_cpu_us_per_keyword"]
+        print(f"{side.name}: worker {c['median']:.1f} us/keyword ({c['q1']:.1f}-{c['q3']:.1f})")
+    first = sides[0].name
+    for side in sides[1:]:
+        q = quartiles([x["sides"][side.name]["worker_cpu_us_per_keyword"] / x["sides"][first]["worker_cpu_us_per_keyword"]
+                       for x in results])
+        summary["ratios"][f"{side.name}/{first} worker_cpu"] = q
+        print(f"{side.name}/{first} worker CPU per keyword: median {q['median']:.3f} (q1 {q['q1']:.3f}, q3 {q['q3']:.3f})")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**summary, "rounds": results}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The worker's host path with the model and the broker taken out: keywords/s per process and CPU
+microseconds per keyword, by thread, paired against a baseline checkout and across N processes.
+
+    python -m benchmarks.host.pipeline_bench --rounds 5 --baseline-root /tmp/kwe-base \
+        --json benchmarks/results/host/pipeline_bench.json
+    python -m benchmarks.host.pipeline_bench --rounds 3 --processes 1 2      # scaling on this box
+
+Each run is one process of benchmarks/host/one_run.py (the worker's own pipeline, in-memory
+records, a do-nothing backend, a producer that acknowledges at once; the embedding cache off, so
+every keyword is tokenized and batched). A round runs every side once, in an order that rotates,
+and ratios are paired per round: on a shared, noisy machine only same-round ratios mean anything.
+Comparing a checkout with itself (`--baseline-root .`) gives the A/A noise floor.
+
+With --processes N the side runs N such processes at once (each on its own slice of the data),
+and reports their total keywords/s and the scaling over one process of the same round.
+No broker, no GPU needed: it runs wherever the worker's Python dependencies do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+DEFAULT_DATA = ROOT / "tests" / "data" / "queries" / "terabyte05-20k.tsv"
+
+
+def quartiles(values: list[float]) -> dict[str, float]:
+    import statistics
+
+    if len(values) == 1:
+        return {"median": values[0], "q1": values[0], "q3": values[0]}
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return {"median": statistics.median(values), "q1": q[0], "q3": q[2]}
+
+
+def runner_dir(tmp: Path) -> Path:
+    """This folder's one-run module and doubles as a package of their own (kwe_host), so a baseline
+    checkout that lacks them runs the same measurement with its own `worker`."""
+    pkg = tmp / "kwe_host"
+    pkg.mkdir()
+    for name in ("__init__.py", "doubles.py", "one_run.py"):
+        shutil.copy(HERE / name, pkg / name)
+    return tmp
+
+
+def run_side(root: Path, pythonpath: Path, args: argparse.Namespace, processes: int,
+             settings: list[str]) -> list[dict[str, Any]]:
+    """`processes` one_run processes at once in checkout `root`; their JSON results."""
+    env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+    procs = []
+    per = args.n + args.warmup
+    for i in range(processes):
+        cmd = [sys.executable, "-m", "kwe_host.one_run", "--data", str(args.data), "--n", str(args.n),
+               "--warmup", str(args.warmup), "--skip", str(i * per), "--backend", args.backend]
+        for s in settings:
+            cmd += ["--setting", s]
+        procs.append(subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=args.timeout)
+        if p.returncode != 0:
+            raise SystemExit(f"one_run in {root} failed ({p.returncode}):\n{err[-3000:]}")
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("-n", "--n", type=int, default=12000, help="keywords measured per process and run")
+    ap.add_argument("--warmup", type=int, default=3000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--baseline-root", type=Path, default=None, help="a checkout to pair against")
+    ap.add_argument("--processes", type=int, nargs="+", default=[1],
+                    help="process counts to run this checkout with (each round runs every count)")
+    ap.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
+                    help="a worker setting for both sides")
+    ap.add_argument("--backend", default="null", help="null (no model; the default) or a worker backend")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    sides: list[tuple[str, Path, int]] = [(f"new-p{p}", ROOT, p) for p in args.processes]
+    if args.baseline_root is not None:
+        sides.append(("old-p1", args.baseline_root.resolve(), 1))
+    rounds: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = runner_dir(Path(tmp))
+        for r in range(args.rounds):
+            order = sides[r % len(sides):] + sides[:r % len(sides)]
+            got: dict[str, Any] = {}
+            for name, root, processes in order:
+                results = run_side(root, path, args, processes, args.setting)
+                got[name] = {"keywords_per_s": sum(x["keywords_per_s"] for x in results),
+                             "cpu_us_per_keyword": sum(x["cpu_us_per_keyword"] for x in results) / len(results),
+                             "threads_us_per_keyword": results[0]["threads_us_per_keyword"],
+                             "per_process_keywords_per_s": [x["keywords_per_s"] for x in results]}
+            rounds.append({"round": r, "order": [s[0] for s in order], "sides": got})
+            line = "  ".join(f"{k}: {v['keywords_per_s']:8.0f} kw/s {v['cpu_us_per_keyword']:5.1f} us"
+                             for k, v in got.items())
+            print(f"round {r}: {line}", flush=True)
+    summary: dict[str, Any] = {"data": args.data.name, "n": args.n, "rounds_run": len(rounds),
+                               "cpu_count": os.cpu_count(), "settings": args.setting, "backend": args.backend,
+                               "sides": {}, "ratios": {}}
+    for name, _, _ in sides:
+        rows = [x["sides"][name] for x in rounds]
+        threads = {t: quartiles([row["threads_us_per_keyword"].get(t, 0.0) for row in rows])["median"]
+                   for t in rows[0]["threads_us_per_keyword"]}
+        summary["sides"][name] = {"keywords_per_s": quartiles([row["keywords_per_s"] for row in rows]),
+                                  "cpu_us_per_keyword": quartiles([row["cpu_us_per_keyword"] for row in rows]),
+                                  "threads_us_per_keyword_median": threads}
+
+    def paired(a: str, b: str, key: str) -> dict[str, float]:
+        return quartiles([x["sides"][a][key] / x["sides"][b][key] for x in rounds])
+
+    if args.baseline_root is not None:
+        summary["ratios"]["new/old keywords_per_s"] = paired("new-p1", "old-p1", "keywords_per_s")
+        summary["ratios"]["old/new cpu_us_per_keyword"] = paired("old-p1", "new-p1", "cpu_us_per_keyword")
+    for p in args.processes[1:]:
+        summary["ratios"][f"p{p}/p1 keywords_per_s"] = paired(f"new-p{p}", "new-p1", "keywords_per_s")
+    for name, side in summary["sides"].items():
+        k, c = side["keywords_per_s"], side["cpu_us_per_keyword"]
+        print(f"{name}: {k['median']:8.0f} kw/s ({k['q1']:.0f}-{k['q3']:.0f}), CPU {c['median']:.1f} us/keyword "
+              f"({c['q1']:.1f}-{c['q3']:.1f}); by thread {side['threads_us_per_keyword_median']}")
+    for name, q in summary["ratios"].items():
+        print(f"{name}: median {q['median']:.3f} (q1 {q['q1']:.3f}, q3 {q['q3']:.3f})")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**summary, "rounds": rounds}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
