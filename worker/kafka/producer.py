@@ -113,6 +113,8 @@ class OutputProducer:
         self._interrupt = threading.Event()
         # Where a fatal error raised from poll goes first (`route_fatal`); set once, before start.
         self._fatal_route: Callable[[KafkaError], bool] | None = None
+        # Run after each poll on the delivery thread (the acknowledgements' metrics, batched per poll).
+        self._after_poll: Callable[[], None] | None = None
         self._thread = threading.Thread(target=guarded(latch, "kwe-delivery", self._serve), name="kwe-delivery")
 
     @property
@@ -142,6 +144,11 @@ class OutputProducer:
         self._generation += 1
         self._producer = self._new_client()
         return old
+
+    def after_poll(self, hook: Callable[[], None]) -> None:
+        """`hook` runs on the delivery thread after each poll, with the delivery callbacks that
+        poll served behind it. Set before `start`."""
+        self._after_poll = hook
 
     def route_fatal(self, route: Callable[[KafkaError], bool]) -> None:
         """A fatal error raised from poll goes to `route` first; True: taken over, the delivery
@@ -216,6 +223,8 @@ class OutputProducer:
         generation = self._generation
         try:
             self._producer.poll(timeout_s)
+            if self._after_poll is not None:
+                self._after_poll()
             return True
         except KafkaException as exc:
             # librdkafka's fatal errors are raised from poll itself

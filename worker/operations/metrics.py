@@ -12,8 +12,10 @@ methods below; it never touches prometheus_client itself.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Any, Literal
+
+import numpy as np
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,6 +23,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from worker.operations.batch_stats import BatchStats
+from worker.operations.bulk_histogram import BulkHistogram
 from worker.operations.health import LiveCheck, always_alive
 from worker.operations.rdkafka_stats import partition_lags
 
@@ -80,22 +83,23 @@ class Metrics:
         self.padded_tokens = Counter(f"{PREFIX}padded_tokens",
                                      "Tokens sent to the backend including padding (batch x pad length).",
                                      ["bucket"], registry=r)
-        self.queue_wait = Histogram(f"{PREFIX}queue_wait_seconds",
-                                    "Per keyword: time in its bucket queue before its batch was dispatched.",
-                                    ["bucket"], buckets=QUEUE_WAIT_BUCKETS, registry=r)
+        # The per-keyword latencies are observed a batch at a time (worker/operations/bulk_histogram.py).
+        self.queue_wait = BulkHistogram(f"{PREFIX}queue_wait_seconds",
+                                        "Per keyword: time in its bucket queue before its batch was dispatched.",
+                                        labelnames=["bucket"], buckets=QUEUE_WAIT_BUCKETS, registry=r)
         self.backend_time = Histogram(f"{PREFIX}backend_seconds", "Per batch: time in the inference backend.",
                                       ["bucket"], buckets=BACKEND_BUCKETS, registry=r)
-        self.end_to_end = Histogram(f"{PREFIX}end_to_end_latency_seconds",
-                                    "Kafka timestamp of the input message to broker ack of its output.",
-                                    buckets=E2E_BUCKETS, registry=r)
-        self.hop = Histogram(
+        self.end_to_end = BulkHistogram(f"{PREFIX}end_to_end_latency_seconds",
+                                        "Kafka timestamp of the input message to broker ack of its output.",
+                                        buckets=E2E_BUCKETS, registry=r)
+        self.hop = BulkHistogram(
             f"{PREFIX}hop_seconds",
             "Per keyword (per batch for output_queue, encode, produce_call), time spent in one hop: input_to_poll "
             "(input record timestamp to the poll that returned it: time in the topic, fetch and the prefetch "
             "queue), poll_to_submit (decode, validate, tokenize), output_queue (batch finished to the output "
             "thread taking it), encode (output values of a batch), produce_call (producer.produce calls of a "
             "batch), produce_to_ack (produce call to the broker's acknowledgement).",
-            ["hop"], buckets=HOP_BUCKETS, registry=r)
+            labelnames=["hop"], buckets=HOP_BUCKETS, registry=r)
         self.consumer_lag = Gauge(f"{PREFIX}consumer_lag", "Messages behind the high watermark, per partition.",
                                   ["topic", "partition"], registry=r)
         self.rebalances = Counter(f"{PREFIX}rebalances", "Partition rebalance callbacks, by kind.", ["kind"],
@@ -163,19 +167,23 @@ class Metrics:
         between producer and worker can make the difference negative; it is clamped to 0
         rather than dragging the histogram's sum below the truth.
         """
-        if timestamp_ms <= 0:
-            return
-        now = time.time() if now_s is None else now_s
-        self.end_to_end.observe(max(0.0, now - timestamp_ms / 1000.0))
+        self.observe_end_to_end_many([timestamp_ms], now_s)
+
+    def observe_end_to_end_many(self, timestamps_ms: Sequence[int] | np.ndarray, now_s: float | None = None) -> None:
+        """observe_end_to_end of many records at once (the delivery thread's acknowledgements of one poll)."""
+        ts = np.asarray(timestamps_ms, dtype=np.float64)
+        ts = ts[ts > 0]
+        if len(ts):
+            now = time.time() if now_s is None else now_s
+            self.end_to_end.observe_many(now - ts / 1000.0)  # negative (clock skew): clamped to 0
 
     def observe_hop(self, hop: Hop, seconds: float) -> None:
         """One keyword's (or batch's) time in a hop; clock steps below 0 count as 0."""
         self.hop.labels(hop=hop).observe(max(0.0, seconds))
 
-    def observe_hops(self, hop: Hop, seconds: list[float]) -> None:
-        child = self.hop.labels(hop=hop)
-        for s in seconds:
-            child.observe(max(0.0, s))
+    def observe_hops(self, hop: Hop, seconds: Sequence[float] | np.ndarray) -> None:
+        """Many keywords' times in a hop, at once; clock steps below 0 count as 0."""
+        self.hop.labels(hop=hop).observe_many(seconds)
 
     # --- flow control --------------------------------------------------------------------
     def set_in_flight(self, n: int) -> None:
@@ -193,9 +201,7 @@ class Metrics:
         self.padding_waste.labels(bucket=label).observe(stats.padding_waste)
         self.real_tokens.labels(bucket=label).inc(stats.real_tokens)
         self.padded_tokens.labels(bucket=label).inc(stats.padded_tokens)
-        wait = self.queue_wait.labels(bucket=label)
-        for seconds in stats.queue_wait_s:
-            wait.observe(seconds)
+        self.queue_wait.labels(bucket=label).observe_many(stats.queue_wait_s)
         self.backend_time.labels(bucket=label).observe(stats.backend_s)
         if stats.merged > 1:
             self.merged_batches.labels(bucket=label).inc()

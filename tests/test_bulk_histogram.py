@@ -1,0 +1,61 @@
+"""worker/operations/bulk_histogram.py: a batch of observations exposes what prometheus_client's
+Histogram exposes for the same observations, one at a time."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.exposition import generate_latest
+
+from worker.operations.bulk_histogram import BulkHistogram
+
+BUCKETS = (0.0001, 0.001, 0.01, 0.1, 1.0, 10.0)
+
+
+def _samples(registry: CollectorRegistry) -> dict[str, float]:
+    out = {}
+    for line in generate_latest(registry).decode().splitlines():
+        if line.startswith("#") or "_created" in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        out[name] = float(value)
+    return out
+
+
+@pytest.mark.parametrize("labelled", [False, True])
+def test_a_batch_exposes_what_one_at_a_time_does(labelled: bool) -> None:
+    rng = np.random.default_rng(3)
+    # Values on the bounds (le is inclusive), between them, above the last, and 0.
+    values = np.concatenate([rng.lognormal(-5, 2, 500), np.array(BUCKETS), [0.0, 50.0, 1e-9]])
+    ref_reg, bulk_reg = CollectorRegistry(), CollectorRegistry()
+    labels = ["hop"] if labelled else []
+    ref = Histogram("kwe_x_seconds", "x", labels, buckets=BUCKETS, registry=ref_reg)
+    bulk = BulkHistogram("kwe_x_seconds", "x", labelnames=labels, buckets=BUCKETS, registry=bulk_reg)
+    ref_child = ref.labels(hop="encode") if labelled else ref
+    bulk_child = bulk.labels(hop="encode") if labelled else bulk
+    for v in values:
+        ref_child.observe(float(v))
+    bulk_child.observe_many(values[:300])
+    for v in values[300:310]:
+        bulk_child.observe(float(v))
+    bulk_child.observe_many(list(values[310:]))
+    got, want = _samples(bulk_reg), _samples(ref_reg)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, rel=1e-12), name
+
+
+def test_negative_values_count_as_zero_and_an_empty_batch_is_nothing() -> None:
+    reg = CollectorRegistry()
+    h = BulkHistogram("kwe_y_seconds", "y", buckets=BUCKETS, registry=reg)
+    h.observe_many([])
+    h.observe_many(np.array([-0.5, 0.00005]))
+    s = _samples(reg)
+    assert s['kwe_y_seconds_bucket{le="0.0001"}'] == 2 and s["kwe_y_seconds_count"] == 2
+    assert s["kwe_y_seconds_sum"] == pytest.approx(0.00005)
+
+
+def test_buckets_must_increase() -> None:
+    with pytest.raises(ValueError, match="increase"):
+        BulkHistogram("kwe_z", "z", buckets=(1.0, 0.5))
