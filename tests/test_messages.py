@@ -396,3 +396,37 @@ def test_output_fields_make_a_qdrant_point_the_query_id_as_a_uuid_and_a_constant
         parse_output_fields(["uuid=id"])
     with pytest.raises(ValueError, match="expected \\+name=value"):
         parse_output_fields(["+collection_name"])
+
+
+# ------------------------------------------------------------------ batch encoding
+
+
+@pytest.mark.parametrize("encoding", ["float-list", "base64-f32", "base64-f16", "int8", "binary"])
+@pytest.mark.parametrize("variant", ["plain", "truncate", "prompt", "not-normalized", "fields"])
+def test_a_batch_encodes_each_record_as_value_does_byte_for_byte(encoding: str, variant: str) -> None:
+    from worker.settings.output_fields import parse_output_fields
+
+    rng = np.random.default_rng(7)
+    rows = rng.standard_normal((9, 48)).astype(np.float32)
+    rows[0] = 0.0  # zeros, and values that print in exponent form
+    rows[1, :3] = (1e-8, -3.5e12, 0.1)
+    rows /= np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
+    kw: dict[str, Any] = {"model": "m\u00e9-\"q\"", "dim": 48, "encoding": encoding}
+    if encoding == "int8":
+        kw["int8_range"] = (-0.4, 0.4)
+    if variant == "truncate":
+        kw.update(dim=16, truncate_dim=16)
+    elif variant == "prompt":
+        kw.update(prompt="query: ", prompt_name="query")
+    elif variant == "not-normalized":
+        kw.update(normalized=False)
+    elif variant == "fields":
+        kw.update(fields=parse_output_fields(["embedding=vector", "-tokens", "+source=kafka"]))
+    codec = OutputCodec(**kw)
+    qids = ["q-1", "\u00fcber \"quoted\"", "", "x" * 300, "5", "6", "7", "8", "9"]
+    tokens = [3, 7, 256, 1, 2, 3, 4, 5, 6]
+    truncated = [False, True, True, False, False, False, False, False, True]
+    batch = codec.values(qids, rows, tokens, truncated)
+    assert batch == [codec.value(q, rows[i], tokens[i], truncated[i]) for i, q in enumerate(qids)]
+    assert codec.values(qids[:1], rows[:1], tokens[:1], truncated[:1]) == batch[:1]
+    assert codec.values([], rows[:0], [], []) == []

@@ -70,7 +70,7 @@ class Member:
             OutputProducer({}, self.latch, producer_factory=lambda config: object()), self.inflight))
         self.submitted: list[int] = []
         self.intake = Intake(Settings(input_format="raw"), _Tokenizer(), self.committer.tracker, self.inflight,
-                             lambda seq, ids: self.submitted.append(seq),
+                             lambda seqs, ids: self.submitted.extend(seqs),
                              DeadLetters("dlq", 1 << 20, None, self.acks),  # type: ignore[arg-type]
                              self.metrics, watermarks=self.member.watermarks)
         self.delivery.start()

@@ -107,6 +107,9 @@ def test_a_failing_tracer_never_stops_the_output_stage() -> None:
         def value(self, qid: str, vec: Any, tokens: int, truncated: bool) -> bytes:
             return b"{}"
 
+        def values(self, qids: list[str], rows: Any, tokens: Any, truncated: Any) -> list[bytes]:
+            return [b"{}" for _ in qids]
+
     table = InFlightTable()
     latch = FatalLatch()
     stage = OutputStage("out", Codec(), Producer(), table, Acks(), None, Metrics(), latch,  # type: ignore[arg-type]

@@ -153,6 +153,7 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
     producer = OutputProducer(producer_config_for(settings, producer_config(settings)), latch,
                               failures=failures, producer_factory=producer_factory)
     acks = Acknowledger(inflight, metrics)
+    producer.after_poll(acks.flush)
     committer = Committer(None, interval_s=settings.commit_interval_ms / 1000.0)
     member = GroupMember(consumer_config(settings), committer, latch, metrics, revoke_wait_s=shutdown.revoke_wait_s,
                          group=settings.group_id, failures=failures, consumer_factory=consumer_factory)
@@ -176,7 +177,7 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
         profile, IsolatingBackend(backend, canary), output.on_batch, on_error=output.on_batch_error,
         max_queue_delay_ms=settings.max_queue_delay_ms, dispatchers=settings.dispatchers,
         pad_to=settings.pad_to, costs=costs, guard=lambda name, body: guarded(latch, name, body))
-    intake = Intake(settings, tokenizer, committer.tracker, inflight, bucketer.submit, dead_letters, metrics,
+    intake = Intake(settings, tokenizer, committer.tracker, inflight, bucketer.submit_many, dead_letters, metrics,
                     cache=cache, answer=output.on_cached, decode=decode, watermarks=member.watermarks)
     liveness = Liveness(latch, lambda: [output.thread, producer.thread, *bucketer.threads],
                         committer.stalled_for, settings.stall_timeout_s)

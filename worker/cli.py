@@ -119,6 +119,7 @@ def _command(name: str, entry: tuple[str, str], rest: list[str], signals: Any) -
     module.configure(parser)
     try:
         args = parser.parse_args(bool_words(parser, rest))
+        args.command_argv = list(rest)  # as given: `run --processes N` starts its processes with it
         if signals is not None:
             return int(module.main(args, signals) or 0)
         return int(module.main(args) or 0)

@@ -170,28 +170,41 @@ class Bucketer:
 
     def submit(self, seq: int, ids: np.ndarray) -> None:
         """Queue one tokenized item; thread-safe. `ids` must already be cut at the model's max."""
-        if not isinstance(ids, np.ndarray) or ids.ndim != 1:
-            raise ValueError(f"item {seq}: ids must be a 1-D numpy array of token ids")
-        n = len(ids)
-        if n > self.profile.max_len:
-            raise ValueError(f"item {seq} has {n} tokens, more than the profile's last bound "
-                             f"{self.profile.max_len}; truncate at the model's max first")
-        bucket = self._buckets[self.profile.bucket_for(n)]
+        self.submit_many((seq,), (ids,))
+
+    def submit_many(self, seqs: Sequence[int], ids: Sequence[np.ndarray]) -> None:
+        """Queue a poll's tokenized items under one lock; thread-safe. Each item's `ids` must
+        already be cut at the model's max; a wrong item raises before any is queued."""
+        profile = self.profile
+        picked = []
+        for seq, row in zip(seqs, ids, strict=True):
+            if not isinstance(row, np.ndarray) or row.ndim != 1:
+                raise ValueError(f"item {seq}: ids must be a 1-D numpy array of token ids")
+            n = len(row)
+            if n > profile.max_len:
+                raise ValueError(f"item {seq} has {n} tokens, more than the profile's last bound "
+                                 f"{profile.max_len}; truncate at the model's max first")
+            picked.append((self._buckets[profile.bucket_for(n)], n))
         with self._lock:
             if self._stopping or not self._started:
                 raise BucketerStoppedError("bucketer is stopped" if self._stopping else "bucketer not started")
-            was_empty = not bucket.items
-            bucket.items.append(Item(seq, ids, self._clock()))
-            if n > bucket.longest:
-                bucket.longest = n
-            self._queued += 1
-            self._pending += 1
-            # Wake the former only when its decision can change: a bucket just became full, or
-            # a first item gives it a new deadline to wait for (a later item's deadline is never
-            # earlier than its bucket head's), or an idle dispatcher could take it right now.
-            lane = self._lanes[bucket.lane]
-            if self._queued == 1 or (lane.has_room() and (
-                    self._is_full(bucket) or (was_empty and lane.idle > len(lane.ready) + lane.forming))):
+            now = self._clock()
+            wake = self._queued == 0
+            for seq, row, (bucket, n) in zip(seqs, ids, picked):
+                was_empty = not bucket.items
+                bucket.items.append(Item(seq, row, now))
+                if n > bucket.longest:
+                    bucket.longest = n
+                # Wake the former only when its decision can change: a bucket just became full, or
+                # a first item gives it a new deadline to wait for (a later item's deadline is never
+                # earlier than its bucket head's), or an idle dispatcher could take it right now.
+                if not wake:
+                    lane = self._lanes[bucket.lane]
+                    wake = lane.has_room() and (
+                        self._is_full(bucket) or (was_empty and lane.idle > len(lane.ready) + lane.forming))
+            self._queued += len(picked)
+            self._pending += len(picked)
+            if wake:
                 self._form_cv.notify()
 
     @property

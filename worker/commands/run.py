@@ -16,6 +16,7 @@ import structlog
 
 from worker.operations.logs import configure_logging
 from worker.operations.stop_signals import StopDuringStartup, StopSignals, startup_stopped_message
+from worker.operations.supervisor import ENV_PROCESS
 from worker.settings.loader import add_setting_flags, load_settings
 
 
@@ -46,7 +47,11 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
 
     log = structlog.get_logger("worker.run")
     try:
-        assembled, metrics, settings = _start(args)
+        settings = _checked_settings(args)
+        processes = process_count(settings)
+        if processes > 1:
+            return _supervise(args, settings, processes, signals)
+        assembled, metrics = _start(settings)
     except KeywordEmbedderError as exc:
         if signals.stopped_during_startup():
             raise StopDuringStartup(signals.requested) from None  # the stop, not a failure
@@ -84,23 +89,69 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     return code
 
 
-def _start(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """Settings, the Kafka check and the model: raises a KeywordEmbedderError on what stops start-up."""
+def _checked_settings(args: argparse.Namespace) -> Any:
+    """Settings and the Kafka check: raises a KeywordEmbedderError on what stops start-up."""
     settings = load_settings(args)
     from worker.kafka.client_config import client_config, secret_values
 
     # Read the config and password files now: a bad one stops the worker before the model loads.
     client_config(settings)
     configure_logging(settings.log_format, settings.log_level, secrets=secret_values(settings))
+    if os.environ.get(ENV_PROCESS):  # one of a supervisor's processes: its lines say which
+        structlog.contextvars.bind_contextvars(process=int(os.environ[ENV_PROCESS]))
 
     # Before the model loads: a missing topic or permission stops the worker within seconds.
     from worker.kafka.client_config import admin_config
     from worker.kafka.preflight import check_topics
 
     check_topics(admin_config(settings), settings)
+    return settings
 
+
+def _start(settings: Any) -> tuple[Any, Any]:
+    """The model, the backend and the wired pipeline."""
     from worker.app import build_pipeline
     from worker.operations.metrics import Metrics
 
     metrics = Metrics()
-    return build_pipeline(settings, metrics=metrics), metrics, settings
+    return build_pipeline(settings, metrics=metrics), metrics
+
+
+def process_count(settings: Any, *, gpu: bool | None = None, cores: int | None = None) -> int:
+    """`processes` as a number: 'auto' is half the cores up to 8 where a GPU embeds (the host path is
+    the limit there), else 1 (on CPU the model's own threads take the cores)."""
+    if settings.processes != "auto":
+        return int(settings.processes)
+    from worker.backend_choice.select import gpu_present, usable_cores
+
+    on_gpu = settings.backend in ("tensorrt", "torch") or (settings.backend == "auto" and
+                                                           (gpu_present() if gpu is None else gpu))
+    return max(1, min(8, (cores or usable_cores()) // 2)) if on_gpu else 1
+
+
+def _supervise(args: argparse.Namespace, settings: Any, processes: int, signals: StopSignals) -> int:
+    import socket
+
+    from worker.operations.probes import MetricsServer
+    from worker.operations.supervisor import Supervisor
+
+    supervisor = Supervisor(list(getattr(args, "command_argv", [])), processes,
+                            member_id=settings.member_id or socket.gethostname(), metrics=bool(settings.metrics_port))
+    signals.on_stop = supervisor.request_stop
+    supervisor.start()
+    server = None
+    if settings.metrics_port:
+        server = MetricsServer(supervisor, settings.metrics_host, settings.metrics_port, supervisor.ready,
+                               supervisor.live)
+        server.start()
+        structlog.get_logger("worker.run").info("metrics served", processes=processes,
+                                                 url=f"http://{settings.metrics_host}:{server.port}/metrics")
+    try:
+        code = supervisor.run()
+    finally:
+        if server is not None:
+            server.stop()
+    if supervisor.failed is not None:
+        print(f"keyword-embedder run: worker process {supervisor.failed.index} exited with "
+              f"{supervisor.failed.code}; the others were stopped", file=sys.stderr)
+    return code

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import tomllib
 from dataclasses import dataclass, replace
 from importlib import resources
@@ -37,8 +38,10 @@ class Profile:
     align: int | None = None
     description: str = ""
 
-    @property
+    @functools.cached_property
     def bounds(self) -> tuple[int, ...]:
+        # Cached: bucket_for reads it for every keyword (a frozen dataclass's cached_property is
+        # written straight into the instance dict).
         return tuple(b.max_len for b in self.buckets)
 
     @property

@@ -13,7 +13,7 @@ the number of records.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from confluent_kafka import Message
@@ -50,6 +50,12 @@ class InFlightTable:
         with self._lock:
             self._items[seq] = rec
             self._bytes += rec.nbytes
+
+    def add_many(self, seqs: Sequence[int], recs: Sequence[InFlight]) -> None:
+        """add() of a poll's records under one lock."""
+        with self._lock:
+            self._items.update(zip(seqs, recs))
+            self._bytes += sum(rec.nbytes for rec in recs)
 
     def get(self, seq: int) -> InFlight | None:
         with self._lock:

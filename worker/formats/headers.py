@@ -32,6 +32,8 @@ class InputHeaders:
     @property
     def size(self) -> int:
         """Bytes of names and values, as they count toward the input size check."""
+        if not self.headers and not self.not_utf8:
+            return 0  # the common case, read twice per record
         return (sum(len(n.encode("utf-8", "surrogatepass")) + len(v or b"") for n, v in self.headers)
                 + sum(len(n or b"") + len(v or b"") for n, v in self.not_utf8))
 
@@ -58,6 +60,10 @@ class InputHeaders:
                     pass
             bad.append((raw, value))
         return cls(good, bad)
+
+
+# A record without headers (most of them): one shared, never-changed instance instead of one per record.
+NO_HEADERS = InputHeaders()
 
 
 class _HasHeaders(Protocol):
@@ -88,7 +94,7 @@ def read_headers(msg: _HasHeaders) -> InputHeaders:
         except Exception:  # noqa: BLE001
             raw = None
     if raw is None and error is None:
-        return InputHeaders()
+        return NO_HEADERS
     if not isinstance(raw, list):
         return _headers_dropped(msg, f"the headers could not be read and were dropped ({_why(error, raw)})")
     pairs: list[tuple[str | bytes, bytes | None]] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import unicodedata
 from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -42,7 +43,7 @@ H_SRC_PARTITION = "kwe-source-partition"
 H_SRC_OFFSET = "kwe-source-offset"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Keyword:
     id: str
     text: str
@@ -183,13 +184,30 @@ def decode_embedding(value: list[float] | str, encoding: OutputEncoding, *, dim:
 
 
 class ValueEncoder(Protocol):
-    """What the output stage needs of a codec: the shared headers and one value per embedding
-    (OutputCodec for JSON; worker/formats/schema_registry.py's RegistryOutput for the registry formats)."""
+    """What the output stage needs of a codec: the shared headers and the value of each embedding,
+    one at a time or a batch at once (OutputCodec for JSON; worker/formats/schema_registry.py's
+    RegistryOutput for the registry formats)."""
 
     @property
     def headers(self) -> Headers: ...
 
     def value(self, qid: str, vec: np.ndarray, tokens: int, truncated: bool) -> bytes: ...
+
+    def values(self, qids: Sequence[str], rows: np.ndarray, tokens: Sequence[int],
+               truncated: Sequence[bool]) -> list[bytes]: ...
+
+
+def values_one_by_one(encoder: ValueEncoder, qids: Sequence[str], rows: np.ndarray, tokens: Sequence[int],
+                      truncated: Sequence[bool]) -> list[bytes]:
+    """`values` as a loop over `value`: for encoders with no batch form of their own."""
+    return [encoder.value(q, rows[i], tokens[i], truncated[i]) for i, q in enumerate(qids)]
+
+
+def _json_rows(rows: np.ndarray) -> list[bytes]:
+    """Each row of a float32 matrix as orjson writes it alone (the inside of its brackets), from one
+    call for the whole batch: a row's numbers hold no bracket, so the batch splits at "],[" ."""
+    whole = orjson.dumps(np.ascontiguousarray(rows, dtype=np.float32), option=orjson.OPT_SERIALIZE_NUMPY)
+    return whole[2:-2].split(b"],[")
 
 
 @dataclass(frozen=True)
@@ -216,6 +234,7 @@ class OutputCodec:
     _headers: Headers = field(init=False, repr=False, compare=False)
     _extra: dict[str, object] = field(init=False, repr=False, compare=False)
     _shaped: bool = field(init=False, repr=False, compare=False)  # output_fields set (read per record)
+    _fixed: tuple[bytes, bytes] = field(init=False, repr=False, compare=False)  # see _fixed_json
 
     def __post_init__(self) -> None:
         if self.truncate_dim and self.truncate_dim != self.dim:
@@ -239,6 +258,7 @@ class OutputCodec:
         object.__setattr__(self, "_headers", headers)
         object.__setattr__(self, "_extra", extra)
         object.__setattr__(self, "_shaped", bool(self.fields))
+        object.__setattr__(self, "_fixed", self._fixed_json())
 
     @property
     def headers(self) -> Headers:
@@ -273,6 +293,59 @@ class OutputCodec:
         if self._shaped:
             record = apply_output_fields(record, self.fields)
         return orjson.dumps(record, option=orjson.OPT_SERIALIZE_NUMPY)
+
+    def values(self, qids: Sequence[str], rows: np.ndarray, tokens: Sequence[int],
+               truncated: Sequence[bool]) -> list[bytes]:
+        """The values of a batch, byte for byte what `value` writes for each row, without building
+        a dict per record: the record's fixed fields are written once per codec and the embeddings
+        of the whole batch in one call (tests/test_messages.py holds the two against each other)."""
+        if self._shaped or not len(qids):
+            return values_one_by_one(self, qids, rows, tokens, truncated)
+        if self.truncate_dim:
+            rows = truncate(rows, self.truncate_dim, renormalise=self.normalized)
+        if self.encoding == "float-list":
+            embeddings = [b"[" + e + b"]" for e in _json_rows(rows)]
+        else:
+            embeddings = [b'"' + base64.b64encode(r) + b'"' for r in _BATCH_BYTES[self.encoding](rows, self.int8_range)]
+        fixed, tail = self._fixed
+        dumps = orjson.dumps
+        return [b"".join((b'{"id":', dumps(q), b',"embedding":', e, fixed, b"%d" % t,
+                          b',"truncated":true' if cut else b',"truncated":false', tail))
+                for q, e, t, cut in zip(qids, embeddings, tokens, truncated)]
+
+    def _fixed_json(self) -> tuple[bytes, bytes]:
+        """What every record of this codec writes between the embedding and the token count, and
+        after `truncated`, in `record`'s key order (orjson keeps a dict's insertion order)."""
+        middle = orjson.dumps({"encoding": self.encoding, "dim": self.dim, "model": self.model})[1:-1]
+        extra: dict[str, object] = dict(self._extra)
+        if not self.normalized:
+            extra["normalized"] = False
+        tail = (b"," + orjson.dumps(extra)[1:-1] if extra else b"") + b"}"
+        return b"," + middle + b',"tokens":', tail
+
+
+def _int8_rows(rows: np.ndarray, int8_range: tuple[float, float] | None) -> list[bytes]:
+    if int8_range is None:
+        raise ValueError("the int8 encoding needs its calibration range")
+    q = quantize_int8(rows, *int8_range)
+    return [q[i].tobytes() for i in range(len(q))]
+
+
+def _binary_rows(rows: np.ndarray, int8_range: tuple[float, float] | None) -> list[bytes]:
+    packed = pack_binary(rows)
+    return [packed[i].tobytes() for i in range(len(packed))]
+
+
+def _float_rows(dtype: str) -> Callable[[np.ndarray, tuple[float, float] | None], list[bytes]]:
+    def rows_of(rows: np.ndarray, int8_range: tuple[float, float] | None) -> list[bytes]:
+        arr = np.ascontiguousarray(rows, dtype=dtype)
+        return [arr[i].tobytes() for i in range(len(arr))]
+    return rows_of
+
+
+# embedding_bytes of a whole batch at once, per byte encoding (each row as embedding_bytes writes it).
+_BATCH_BYTES: dict[str, Callable[[np.ndarray, tuple[float, float] | None], list[bytes]]] = {
+    "int8": _int8_rows, "binary": _binary_rows, "base64-f32": _float_rows("<f4"), "base64-f16": _float_rows("<f2")}
 
 
 def embedding_bytes(vec: np.ndarray, encoding: OutputEncoding, int8_range: tuple[float, float] | None = None) -> bytes:

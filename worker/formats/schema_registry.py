@@ -23,7 +23,7 @@ Errors, and where they end:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,8 @@ from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer, Proto
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from worker.errors import SchemaRegistryFailure
-from worker.formats.messages import Headers, Keyword, OutputCodec, Rejection, check_size, keyword_from_object
+from worker.formats.messages import (Headers, Keyword, OutputCodec, Rejection, check_size, keyword_from_object,
+                                     values_one_by_one)
 from worker.formats.protobuf_schemas import message_class
 from worker.settings.schema import Settings
 
@@ -204,6 +205,10 @@ class RegistryOutput:
                                         f"{self._url}: {describe(exc)}") from exc
         assert out is not None
         return out
+
+    def values(self, qids: Sequence[str], rows: np.ndarray, tokens: Sequence[int],
+               truncated: Sequence[bool]) -> list[bytes]:
+        return values_one_by_one(self, qids, rows, tokens, truncated)
 
     def check(self, dim: int) -> None:
         """At start: resolves the output schema's ID (registering it when schema_auto_register is

@@ -31,7 +31,8 @@ from worker.settings.schema import Settings
 
 log = structlog.get_logger(__name__)
 
-Submit = Callable[[int, np.ndarray], None]
+# A poll's tokenized records, at once (the bucketer's submit_many): their seqs and token IDs.
+Submit = Callable[[Sequence[int], Sequence[np.ndarray]], None]
 # Records answered from the embedding cache: their seqs and rows, handed to the output stage.
 Answer = Callable[[list[int], np.ndarray], None]
 # A registry format's decoder (worker/formats/schema_registry.py's RegistryInput):
@@ -61,36 +62,45 @@ class Intake:
         self.consumed = 0
 
     def handle(self, msgs: Sequence[Message]) -> None:
-        """Records just returned by a poll (consume)."""
+        """Records just returned by a poll (consume), handled as one batch: one tokenizer call, one
+        in-flight insert, one bucketer submit (a poll of a backlog holds hundreds)."""
         s = self._settings
         polled = time.monotonic()
         now_ms = time.time() * 1000.0
+        fmt, max_bytes, decode = s.input_format, s.max_message_bytes, self._decode
+        # Each partition's offset state, looked up once per poll (None: no longer ours).
+        parts: dict[tuple[str, int], PartitionOffsets | None] = {}
         good: list[tuple[int, Keyword, InFlight]] = []
-        in_topic: list[float] = []
+        timestamps: list[int] = []
         consumed = 0
         for msg in msgs:
-            part = self._tracker.get(msg.topic(), msg.partition())
+            tp = (msg.topic(), msg.partition())
+            part = parts[tp] if tp in parts else parts.setdefault(tp, self._tracker.get(*tp))
             if part is None:
                 continue  # delivered for a partition no longer ours (revoked between fetch and here)
             rec = self._track(part, msg)
             if rec is None:
                 continue
+            if rec.part is not part:
+                parts[tp] = rec.part  # the partition started over (OffsetWentBack): the rest go to its new state
             consumed += 1
             if rec.timestamp_ms is not None and rec.timestamp_ms > 0:
-                in_topic.append((now_ms - rec.timestamp_ms) / 1000.0)
+                timestamps.append(rec.timestamp_ms)
             seq = next(self._seq)
-            if self._decode is None:
-                decoded = decode_input(msg.key(), msg.value(), fmt=s.input_format,  # type: ignore[arg-type]
-                                       max_bytes=s.max_message_bytes, headers_bytes=rec.headers.size)
+            size = rec.headers.size
+            if decode is None:
+                decoded = decode_input(msg.key(), msg.value(), fmt=fmt,  # type: ignore[arg-type]
+                                       max_bytes=max_bytes, headers_bytes=size)
             else:
-                decoded = self._decode(msg.topic(), msg.key(), msg.value(), rec.headers.headers, rec.headers.size)
+                decoded = decode(msg.topic(), msg.key(), msg.value(), rec.headers.headers, size)
             if isinstance(decoded, Rejection):
                 self._reject(seq, rec, decoded)
             else:
                 good.append((seq, decoded, rec))
         self.consumed += consumed
         self._metrics.count_consumed(consumed)
-        self._metrics.observe_hops("input_to_poll", in_topic)
+        if timestamps:
+            self._metrics.observe_hops("input_to_poll", (now_ms - np.asarray(timestamps, dtype=np.float64)) / 1000.0)
         if good:
             self._embed(good, polled)
 
@@ -126,7 +136,6 @@ class Intake:
 
     def _embed(self, good: list[tuple[int, Keyword, InFlight]], polled: float) -> None:
         texts = [kw.text for _, kw, _ in good]
-        hits: list[tuple[int, np.ndarray]] = []
         try:
             encoded: list[Any] = self._tokenizer.encode(texts)
         except Exception:  # noqa: BLE001 - one bad text must not cost the batch: find it alone
@@ -136,27 +145,38 @@ class Intake:
                     encoded.append(self._tokenizer.encode([text])[0])
                 except Exception as exc:  # noqa: BLE001
                     encoded.append(exc)
-        submitted: list[float] = []
+        special = self._tokenizer.special_tokens
+        cache = self._cache
+        seqs: list[int] = []
+        recs: list[InFlight] = []
+        submit_seqs: list[int] = []
+        submit_ids: list[np.ndarray] = []
+        hits: list[tuple[int, np.ndarray]] = []
         for (seq, kw, rec), enc in zip(good, encoded):
             if isinstance(enc, Exception):
                 self._reject(seq, rec, Rejection("tokenize_error", f"the tokenizer failed on this text: {enc!r}"))
                 continue
-            if enc.length <= self._tokenizer.special_tokens:
+            if enc.length <= special:
                 # Visible to is_blank but nothing to the model (e.g. only combining marks).
                 self._reject(seq, rec, Rejection("empty_text", "'text' has no tokens once normalised"))
                 continue
             rec.qid, rec.tokens, rec.truncated = kw.id, enc.length, enc.truncated
-            self._inflight.add(seq, rec)
-            if self._cache is not None:
+            seqs.append(seq)
+            recs.append(rec)
+            if cache is not None:
                 rec.cache_key = cache_key(enc.ids)
-                row = self._cache.get(rec.cache_key)
+                row = cache.get(rec.cache_key)
                 if row is not None:
                     # A repeat: answered now, skipping the bucketer and the model; its offset is
                     # still finished only when the output is acknowledged, like any other.
                     hits.append((seq, row))
                     continue
-            self._submit(seq, enc.ids)
-            submitted.append(time.monotonic() - polled)
-        self._metrics.observe_hops("poll_to_submit", submitted)
+            submit_seqs.append(seq)
+            submit_ids.append(enc.ids)
+        # In the table before the bucketer or the output stage can finish any of them.
+        self._inflight.add_many(seqs, recs)
+        if submit_seqs:
+            self._submit(submit_seqs, submit_ids)
+            self._metrics.observe_hops("poll_to_submit", np.full(len(submit_seqs), time.monotonic() - polled))
         if hits and self._answer is not None:
             self._answer([seq for seq, _ in hits], np.stack([row for _, row in hits]))

@@ -11,6 +11,7 @@ stands, every keyword would cost 128 positions and long ones would be cut below 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +20,10 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from worker.core.model import ModelError, ModelInfo, Prompt
+from worker.intake.wordpiece import FastWordPiece, WordCache
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Encoded:
     # Token ids with special tokens, already cut at max_len: what the model sees.
     ids: np.ndarray
@@ -32,13 +34,22 @@ class Encoded:
 
 class KeywordTokenizer:
     def __init__(self, tokenizer: Tokenizer, max_len: int, *, source: str = "<tokenizer>",
-                 prompt: Prompt | None = None) -> None:
+                 prompt: Prompt | None = None, fast: bool = True) -> None:
         if max_len < 3:
             raise ValueError(f"{source}: max_len {max_len} cannot hold [CLS] x [SEP]")
+        # A poll's texts are encoded in one call (encode_batch_fast), which releases the GIL for the
+        # whole batch. With the library's parallelism on, that call wakes Rayon's pool, whose
+        # threads spin between calls and took a core from the model under a trickle (issue 19,
+        # ~5 ms per call of 1-3 keywords, benchmarks/results/latency/latency_diagnosis.md); off, it
+        # runs on the calling thread. The library reads
+        # this variable at each call and has no per-call argument; a value the user set is kept.
+        # Parallelism comes from worker processes instead (`processes`).
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         tokenizer.no_padding()
         tokenizer.enable_truncation(max_len)
         self._tokenizer = tokenizer
         self._max_len = max_len
+        self._fast = FastWordPiece.of(tokenizer) if fast else None
         # Each overflow piece repeats the special tokens; subtracting them gives the full length.
         self._n_special = tokenizer.num_special_tokens_to_add(False)
         self.prompt = prompt or Prompt()
@@ -70,6 +81,11 @@ class KeywordTokenizer:
         return cls(tokenizer, limit, source=str(info.tokenizer_path), prompt=prompt)
 
     @property
+    def word_cache(self) -> WordCache | None:
+        """The fast path's word cache (its hit rate), or None where the full tokenizer runs everything."""
+        return self._fast.cache if self._fast is not None else None
+
+    @property
     def max_len(self) -> int:
         return self._max_len
 
@@ -85,16 +101,29 @@ class KeywordTokenizer:
         return self._prompt_tokens
 
     def encode(self, texts: Sequence[str]) -> list[Encoded]:
-        # One text at a time on the calling thread, never encode_batch: that wakes the tokenizers'
-        # Rayon pool, whose threads spin between calls and took a core from the model under a
-        # trickle (issue 19: ~5 ms per call of 1-3 keywords on the poll thread;
-        # benchmarks/results/latency/latency_diagnosis.md). Keywords are short: one at a time costs
-        # ~15 us each.
-        out = []
-        encode = self._tokenizer.encode
+        """The texts' encodings. ASCII text of a BERT WordPiece tokenizer takes the fast path
+        (worker/intake/wordpiece.py: the same IDs, a word lookup each); the rest goes to the
+        tokenizer in one call on the calling thread, without the GIL (see __init__)."""
         prefix = self.prompt.text
-        for enc in (encode(prefix + text if prefix else text, add_special_tokens=True) for text in texts):
-            ids = np.asarray(enc.ids, dtype=np.int64)
-            overflow = sum(len(o.ids) - self._n_special for o in enc.overflowing)
-            out.append(Encoded(ids=ids, length=len(ids) + overflow, truncated=overflow > 0))
-        return out
+        full = [prefix + t for t in texts] if prefix else texts
+        cut = self._max_len
+        out: list[Encoded | None] = [None] * len(full)
+        slow: list[int] = []
+        fast = self._fast
+        for i, text in enumerate(full):
+            got = fast.encode(text, cut) if fast is not None else None
+            if got is None:
+                slow.append(i)
+            else:
+                out[i] = Encoded(np.array(got[0], dtype=np.int64), got[1], got[1] > cut)
+        if slow:
+            special = self._n_special
+            # Offsets are not computed (encode_batch_fast): nothing here reads them.
+            for i, enc in zip(slow, self._tokenizer.encode_batch_fast([full[i] for i in slow],
+                                                                       add_special_tokens=True)):
+                ids = np.array(enc.ids, dtype=np.int64)
+                n = len(ids)
+                # Only an encoding cut at max_len has overflowing pieces; reading them costs objects.
+                overflow = sum(len(o.ids) - special for o in enc.overflowing) if n >= cut else 0
+                out[i] = Encoded(ids, n + overflow, overflow > 0)
+        return out  # type: ignore[return-value]  # every slot is filled above

@@ -11,13 +11,21 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Mapping
+from typing import Protocol
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from worker.operations.health import LiveCheck, ReadyCheck, always_alive
-from worker.operations.metrics import Metrics
+
+
+class Exposition(Protocol):
+    """What /metrics serves: a worker's `Metrics`, or the supervisor's merge of its processes'."""
+
+    def render(self) -> bytes: ...
+
+    def watch_liveness(self, live: LiveCheck) -> None: ...
 
 
 def readiness_body(ready: bool, detail: Mapping[str, bool] | str) -> dict[str, object]:
@@ -40,7 +48,7 @@ class _Server(ThreadingHTTPServer):
     # Request threads must not keep the process alive if a scraper hangs mid-request.
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], metrics: Metrics, ready: ReadyCheck, live: LiveCheck) -> None:
+    def __init__(self, address: tuple[str, int], metrics: Exposition, ready: ReadyCheck, live: LiveCheck) -> None:
         self.metrics = metrics
         self.ready = ready
         self.live = live
@@ -114,7 +122,7 @@ class MetricsServer:
     setting metrics_port=0 meaning "disabled" is the caller's decision, not this class's.
     """
 
-    def __init__(self, metrics: Metrics, host: str, port: int, ready: ReadyCheck,
+    def __init__(self, metrics: Exposition, host: str, port: int, ready: ReadyCheck,
                  live: LiveCheck = always_alive) -> None:
         self._metrics = metrics
         metrics.watch_liveness(live)

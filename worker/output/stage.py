@@ -140,10 +140,9 @@ class OutputStage:
             self._metrics.observe_batch(item.stats)
         live, dropped = self._inflight.take_live(item.seqs)
         self.dropped += dropped
-        index = {seq: i for i, seq in enumerate(item.seqs)}
         headers = self._codec.headers
-        values = [self._codec.value(rec.qid, self._row(item, index[seq], rec), rec.tokens, rec.truncated)
-                  for seq, rec in live]
+        values = self._codec.values([rec.qid for _, rec in live], self._rows(item, live),
+                                    [rec.tokens for _, rec in live], [rec.truncated for _, rec in live])
         t1 = time.monotonic()
         self._metrics.observe_hop("encode", t1 - t0)
         propagation = self._propagation
@@ -180,12 +179,21 @@ class OutputStage:
         self._spans.record(parents, size=len(live), start_ns=epoch_ns(start), end_ns=epoch_ns(end),
                            cached=item.cached, attributes=attributes)
 
-    def _row(self, item: _Finished, i: int, rec: InFlight) -> np.ndarray:
-        row = item.rows[i]
-        if self._cache is not None and not item.cached and rec.cache_key is not None:
-            # Stored as computed; a repeat gets these exact bits (the first stored row wins).
-            row = self._cache.put(rec.cache_key, row)
-        return row
+    def _rows(self, item: _Finished, live: list[tuple[int, InFlight]]) -> np.ndarray:
+        """The live records' rows of the batch, in `live`'s order (take_live keeps the batch's)."""
+        if len(live) == len(item.seqs):
+            rows = item.rows
+            positions: Sequence[int] = range(len(live))
+        else:
+            index = {seq: i for i, seq in enumerate(item.seqs)}
+            positions = [index[seq] for seq, _ in live]
+            rows = item.rows[positions]
+        if self._cache is None or item.cached:
+            return rows
+        # Stored as computed; a repeat gets these exact bits (the first stored row wins).
+        cache = self._cache
+        return np.stack([cache.put(rec.cache_key, item.rows[i]) if rec.cache_key is not None else item.rows[i]
+                         for i, (_, rec) in zip(positions, live)]) if live else rows
 
     def _fail(self, item: _Failed) -> None:
         live, dropped = self._inflight.take_live(item.seqs)

@@ -27,6 +27,7 @@ from worker.settings.kafka_overrides import RECORD_FRAMING_BYTES, kafka_override
 from worker.settings.output_fields import parse_output_fields
 
 DEFAULT_CACHE_BYTES = 192 * 1024 * 1024  # the embedding cache's default bound (cache_bytes)
+MAX_PROCESSES = 64  # `processes`: more members than that on one machine is a typo
 
 
 # librdkafka's values; "" leaves the key unset (librdkafka's default, or what the config file says).
@@ -256,6 +257,13 @@ class Settings:
                                 "call on 2 shared cores (backlog throughput 1.24x, paired, "
                                 "benchmarks/results/latency/latency_diagnosis.md).", minimum=1)
     # --- Operations --------------------------------------------------------------------
+    processes: str = _setting("1", "Worker processes on this machine, each a member of the group with its own "
+                              "consumer, sharing the model files (and the GPU): a number, or 'auto' (on a "
+                              "GPU backend, half the cores up to 8; on CPU, 1: the model takes the cores). One "
+                              "process's Python tops out below what a GPU embeds (docs/performance.md, The "
+                              "host path). A supervisor forwards signals, serves one /metrics for the machine "
+                              "(each process's series labelled process=N) and exits when a process does. "
+                              "Give the input topic at least processes x machines partitions.")
     metrics_port: int = _setting(0, "Port for /metrics, /healthz and /readyz (on metrics_host); 0 disables "
                                  "them.", minimum=0, maximum=65535)
     metrics_host: str = _setting("0.0.0.0", "Address the metrics server binds to.")
@@ -303,6 +311,9 @@ class Settings:
             raise SettingsError(f"setting 'dead_letter_max_bytes': {self.dead_letter_max_bytes} does not fit "
                                 f"kafka_config message.max.bytes={max_request}; set it to at most "
                                 f"{max_request - RECORD_FRAMING_BYTES}")
+        if self.processes != "auto" and not (self.processes.isdigit() and 1 <= int(self.processes) <= MAX_PROCESSES):
+            raise SettingsError(f"setting 'processes': {self.processes!r} is not 'auto' or a number from 1 to "
+                                f"{MAX_PROCESSES}")
         if self.sasl_password and self.sasl_password_file:
             raise SettingsError("settings 'sasl_password' and 'sasl_password_file' are both set: keep one")
         if self.schema_registry_password and self.schema_registry_password_file:

@@ -1,0 +1,135 @@
+"""`run --processes N` (worker/operations/supervisor.py): signals forwarded, a child that dies stops
+the others and names itself in the exit, one /metrics for the machine."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import time
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from worker.commands.run import process_count
+from worker.operations.merged_metrics import merge_expositions
+from worker.operations.metrics import Metrics
+from worker.operations.supervisor import Supervisor, worst
+from worker.settings.schema import Settings, SettingsError
+
+# A stand-in for `python -m worker.cli run ...`: child 1 exits with FAIL_CODE after a moment (or
+# never, when it is 0); every child exits 0 on SIGTERM, 130 on a second one, and writes what it got.
+CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+    index = int(os.environ["KWE_WORKER_PROCESS"])
+    fail, out = int(sys.argv[1]), sys.argv[2]
+    got = []
+    def stop(signum, frame):
+        got.append(signum)
+        if len(got) > 1:
+            sys.exit(130)
+    signal.signal(signal.SIGTERM, stop)
+    with open(f"{out}/child-{index}.argv", "w") as fh:
+        fh.write(" ".join(sys.argv[3:]))
+    start = time.monotonic()
+    while not got:
+        if index == 1 and fail and time.monotonic() - start > 0.3:
+            sys.exit(fail)
+        time.sleep(0.02)
+    time.sleep(0.2)
+    sys.exit(130 if len(got) > 1 else 0)
+""")
+
+
+def _supervisor(tmp_path: Any, fail: int, count: int = 3) -> Supervisor:
+    return Supervisor(["--input-topic", "in"], count, member_id="host", metrics=False,
+                      executable=(sys.executable, "-c", CHILD, str(fail), str(tmp_path)))
+
+
+def _run(sup: Supervisor, timeout: float = 30.0) -> int:
+    import threading
+
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(sup.run()))
+    t.start()
+    t.join(timeout)
+    assert result, "the supervisor did not return"
+    return result[0]
+
+
+def test_a_child_that_exits_on_its_own_stops_the_others_and_sets_the_exit_code(tmp_path: Any) -> None:
+    sup = _supervisor(tmp_path, fail=3)
+    sup.start()
+    code = _run(sup)
+    assert code == 3
+    assert sup.failed is not None and sup.failed.index == 1
+    assert [c.code for c in sup.children] == [0, 3, 0], "the others were stopped (SIGTERM: drain, exit 0)"
+
+
+def test_a_stop_is_forwarded_and_the_worst_code_wins(tmp_path: Any) -> None:
+    sup = _supervisor(tmp_path, fail=0, count=2)
+    sup.start()
+    time.sleep(0.5)
+    sup.request_stop()
+    assert _run(sup) == 0 and sup.failed is None
+    sup = _supervisor(tmp_path, fail=0, count=2)
+    sup.start()
+    time.sleep(0.5)
+    sup.request_stop()
+    time.sleep(0.05)  # two signals at once would reach a child as one
+    sup.request_stop()  # a second signal: the children abort
+    assert _run(sup) == 130
+
+
+def test_each_child_gets_run_s_argv_with_its_own_member_id(tmp_path: Any) -> None:
+    sup = _supervisor(tmp_path, fail=0, count=2)
+    sup.start()
+    time.sleep(0.5)
+    sup.request_stop()
+    _run(sup)
+    for i in range(2):
+        argv = (tmp_path / f"child-{i}.argv").read_text().split()
+        assert argv[:3] == ["run", "--input-topic", "in"]
+        assert argv[argv.index("--processes") + 1] == "1" and argv[argv.index("--member-id") + 1] == f"host-{i}"
+
+
+def test_worst_orders_a_fatal_error_before_a_start_failure_before_an_abort() -> None:
+    assert worst([0, 130, 2, 1]) == 1
+    assert worst([0, 2, 130]) == 2
+    assert worst([0, 137, 130]) == 137
+    assert worst([0, 130]) == 130 and worst([0, 0]) == 0 and worst([]) == 0
+
+
+def test_the_machine_s_metrics_merge_every_process_with_its_label() -> None:
+    texts = []
+    for i, produced in enumerate((5, 7)):
+        m = Metrics()
+        m.count_produced(produced)
+        m.observe_hops("encode", [0.001] * (i + 1))
+        texts.append((str(i), m.render().decode()))
+    merged = merge_expositions(texts, label="process", up=[("0", True), ("1", False)]).decode()
+    families = {f.name: f for f in text_string_to_metric_families(merged)}
+    produced = {s.labels["process"]: s.value for s in families["kwe_produced_messages"].samples
+                if s.name == "kwe_produced_messages_total"}
+    assert produced == {"0": 5.0, "1": 7.0}
+    counts = {s.labels["process"]: s.value for s in families["kwe_hop_seconds"].samples
+              if s.name == "kwe_hop_seconds_count" and s.labels["hop"] == "encode"}
+    assert counts == {"0": 1.0, "1": 2.0}
+    up = {s.labels["process"]: s.value for s in families["kwe_worker_process_up"].samples}
+    assert up == {"0": 1.0, "1": 0.0}
+    assert merged.count("# TYPE kwe_produced_messages_total counter") == 1, "one family per name"
+
+
+def test_processes_auto_is_half_the_cores_up_to_8_on_a_gpu_and_1_on_cpu() -> None:
+    assert process_count(Settings(processes="3")) == 3
+    assert process_count(Settings(processes="auto", backend="tensorrt"), cores=16) == 8
+    assert process_count(Settings(processes="auto", backend="auto"), gpu=True, cores=6) == 3
+    assert process_count(Settings(processes="auto", backend="auto"), gpu=False, cores=64) == 1
+    assert process_count(Settings(processes="auto", backend="onnxruntime"), gpu=True, cores=64) == 1
+    assert process_count(Settings(processes="auto", backend="tensorrt"), cores=1) == 1
+
+
+@pytest.mark.parametrize("value", ["0", "65", "two", "-1", ""])
+def test_processes_takes_auto_or_a_number(value: str) -> None:
+    with pytest.raises(SettingsError, match="processes"):
+        Settings(processes=value)
