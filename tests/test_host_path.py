@@ -1,0 +1,112 @@
+"""The host path a poll at a time (worker/intake/stage.py): a poll with a bad record, a text the
+tokenizer fails on and a cached keyword keeps every offset's fate; and the whole worker pipeline
+runs broker-free on the benchmark's doubles (benchmarks/host/)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+from tokenizers import Tokenizer
+
+from benchmarks.host.doubles import MemoryMessage
+from worker.core.model import default_model_dir
+from worker.delivery.acks import Acknowledger
+from worker.delivery.inflight import InFlightTable
+from worker.embedding_cache import EmbeddingCache
+from worker.embedding_cache import key as cache_key
+from worker.intake.stage import Intake
+from worker.intake.tokenize import KeywordTokenizer
+from worker.kafka.offsets import OffsetTracker
+from worker.operations.metrics import Metrics
+from worker.output.dead_letters import DeadLetters
+from worker.settings.schema import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+POISON = "tokenizer poison"
+
+
+class _Tokenizer(KeywordTokenizer):
+    """The real tokenizer, failing on one text (a batch holding it fails; alone it fails again)."""
+
+    def encode(self, texts: Any) -> Any:
+        if POISON in texts:
+            raise RuntimeError("tokenizer bug")
+        return super().encode(texts)
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.records: list[tuple[int, str, str, Any]] = []  # (seq, topic, dead-letter reason, ack)
+
+    def write(self, seq: int, topic: str, key: bytes | None, value: bytes, headers: Any, on_delivered: Any) -> bool:
+        reason = dict(headers or []).get("kwe-dlq-reason", b"").decode()
+        self.records.append((seq, topic, reason, on_delivered))
+        return True
+
+
+def test_a_poll_with_a_bad_record_a_tokenizer_failure_and_a_cache_hit_keeps_every_offsets_fate() -> None:
+    tok = _Tokenizer(Tokenizer.from_file(str(default_model_dir() / "tokenizer.json")), 256)
+    tracker = OffsetTracker()
+    part = tracker.assign("in", 0)
+    inflight, metrics = InFlightTable(), Metrics()
+    acks = Acknowledger(inflight, metrics)
+    writer = _Writer()
+    cache: EmbeddingCache[int] = EmbeddingCache(1 << 20, 4)
+    cached_row = np.array([1, 0, 0, 0], dtype=np.float32)
+    cache.put(cache_key(tok.encode(["used cars"])[0].ids), cached_row)
+    submitted: list[tuple[list[int], list[np.ndarray]]] = []
+    answered: list[tuple[list[int], np.ndarray]] = []
+    intake = Intake(Settings(), tok, tracker, inflight, lambda seqs, ids: submitted.append((list(seqs), list(ids))),
+                    DeadLetters("dlq", 1 << 20, writer, acks), metrics, cache=cache,  # type: ignore[arg-type]
+                    answer=lambda seqs, rows: answered.append((list(seqs), rows)))
+    values = [orjson.dumps({"id": "a", "text": "cheap flights"}), b"{not json", orjson.dumps({"id": "b", "text": POISON}),
+              orjson.dumps({"id": "c", "text": "used cars"}), orjson.dumps({"id": "d", "text": "running shoes"})]
+    intake.handle([MemoryMessage("in", 0, 100 + i, None, v, 0) for i, v in enumerate(values)])
+
+    # Offsets 100..104 are all tracked; none can be committed before its fate is acknowledged.
+    assert part.unfinished() == 5 and part.committable() == 100
+    assert [(seq, topic, reason) for seq, topic, reason, _ in writer.records] == [
+        (1, "dlq", "malformed_json"), (2, "dlq", "tokenize_error")]
+    assert [seqs for seqs, _ in submitted] == [[0, 4]], "the two good texts, in one submit"
+    assert [len(ids) for ids in submitted[0][1]] == [4, 4]
+    (hit_seqs, hit_rows), = answered
+    assert hit_seqs == [3] and np.array_equal(hit_rows[0], cached_row)
+    assert len(inflight) == 5
+    for seq, _, _, ack in writer.records:
+        ack()  # the dead letters are acknowledged
+    for seq in (0, 3, 4):
+        acks.embedded(seq)()
+    assert len(inflight) == 0 and part.unfinished() == 0 and part.committable() == 105
+    acks.flush()
+    assert intake.consumed == 5
+
+
+def test_the_dead_letters_say_why() -> None:
+    tok = _Tokenizer(Tokenizer.from_file(str(default_model_dir() / "tokenizer.json")), 256)
+    tracker = OffsetTracker()
+    tracker.assign("in", 0)
+    inflight = InFlightTable()
+    writer = _Writer()
+    intake = Intake(Settings(), tok, tracker, inflight, lambda seqs, ids: None,
+                    DeadLetters("dlq", 1 << 20, writer, Acknowledger(inflight, Metrics())), Metrics())  # type: ignore[arg-type]
+    intake.handle([MemoryMessage("in", 0, 0, None, b"[1]", 0),
+                   MemoryMessage("in", 0, 1, None, orjson.dumps({"id": "x", "text": POISON}), 0)])
+    assert [reason for _, _, reason, _ in writer.records] == ["not_an_object", "tokenize_error"]
+
+
+def test_the_whole_worker_pipeline_runs_broker_free_on_the_benchmark_doubles() -> None:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.host.one_run", "--data",
+                          str(ROOT / "tests" / "data" / "queries" / "terabyte05-20k.tsv"), "--n", "600",
+                          "--warmup", "200"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["exit"] == 0 and result["keywords_per_s"] > 0 and result["n"] == 600
+    # Every keyword's output was produced: float-list JSON of 384 numbers each.
+    assert result["produced_value_bytes"] > 800 * 384 * 2
+    assert {"poll", "kwe-output", "kwe-delivery", "kwe-bucket-former"} <= set(result["threads_us_per_keyword"])
