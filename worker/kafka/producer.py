@@ -115,6 +115,7 @@ class OutputProducer:
         self._fatal_route: Callable[[KafkaError], bool] | None = None
         # Run after each poll on the delivery thread (the acknowledgements' metrics, batched per poll).
         self._after_poll: Callable[[], None] | None = None
+        self._delivered = False  # a record was delivered during the current poll (delivery thread)
         self._thread = threading.Thread(target=guarded(latch, "kwe-delivery", self._serve), name="kwe-delivery")
 
     @property
@@ -177,7 +178,7 @@ class OutputProducer:
             if err is not None:
                 self._refused(topic, err, "could not write to topic", on_failed)
                 return
-            self._failures.connected()
+            self._delivered = True  # the credentials work: told to the failure policy after the poll
             try:
                 on_delivered()
             except Exception as exc:  # noqa: BLE001 - a bug in accounting must stop the worker, visibly
@@ -223,6 +224,9 @@ class OutputProducer:
         generation = self._generation
         try:
             self._producer.poll(timeout_s)
+            if self._delivered:
+                self._delivered = False
+                self._failures.connected()  # once per poll, not once per record (it takes a lock)
             if self._after_poll is not None:
                 self._after_poll()
             return True
