@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.fresh_keywords import FreshKeywords, default_sources
-from benchmarks.kafka_latency import Side, _reader, backlog_round, kafka_level, quartiles
 from benchmarks.kafka_vs_offline import cpu_seconds
+from benchmarks.latency_report import quartiles
+from benchmarks.latency_rounds import Side, _reader, backlog_round, kafka_level
 from tests.kafka_tools import WorkerProcess, http_get
 from worker.kafka.admin import ensure_topics
 

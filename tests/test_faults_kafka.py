@@ -20,7 +20,7 @@ import orjson
 import pytest
 from confluent_kafka.admin import AdminClient
 
-from benchmarks.kafka_latency import rss_bytes
+from benchmarks.latency_probes import rss_bytes
 from tests.conftest import KAFKA_SH
 from tests.kafka_tools import (
     TopicReader, WorkerProcess, committed_offsets, end_offsets, http_get, load_queries, produce, produce_queries,

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from benchmarks.fresh_keywords import FreshKeywords, PoolExhaustedError
-from benchmarks.kafka_latency import (MAX_GENERATOR_LAG_P99_MS, MAX_HIT_RATE, cache_hit_rate, generator_verdict,
-                                     overload_verdict, partition_line, partition_spread, render_markdown,
-                                     render_overload, schedule_lag_ms, summarise, window_stats, windows_line)
+from benchmarks.latency_probes import cache_hit_rate
+from benchmarks.latency_report import (MAX_GENERATOR_LAG_P99_MS, MAX_HIT_RATE, generator_verdict, overload_verdict,
+                                      partition_line, partition_spread, render_markdown, render_overload,
+                                      schedule_lag_ms, summarise, window_stats, windows_line)
 from worker.benchmark.loadgen import arrivals
 
 

@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.fresh_keywords import FreshKeywords, default_sources
-from benchmarks.kafka_latency import Side, _reader, backlog_round, overload_round, partition_line, rss_bytes
+from benchmarks.latency_probes import rss_bytes
+from benchmarks.latency_report import partition_line
+from benchmarks.latency_rounds import Side, _reader, backlog_round, overload_round
 from tests.kafka_tools import WorkerProcess
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
