@@ -113,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     app.wire_pipeline = wire_in_memory  # type: ignore[assignment]
     assembled = app.build_pipeline(settings)
     pipeline = assembled.pipeline
+    try:  # what `keyword-embedder run` does after start-up (a checkout older than it lacks it)
+        from worker.operations.gc_tuning import settle_for_steady_state
+    except ImportError:
+        pass
+    else:
+        settle_for_steady_state()
     producer: AckingProducer = clients["producer"]
     total = len(records)
     marks: dict[str, Any] = {}

@@ -63,6 +63,9 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
         return 2
     pipeline = assembled.pipeline
     signals.on_stop = pipeline.request_stop
+    from worker.operations.gc_tuning import settle_for_steady_state
+
+    settle_for_steady_state()
     from worker.operations.probes import MetricsServer
 
     server = None

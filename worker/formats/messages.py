@@ -66,11 +66,11 @@ def decode_input(key: bytes | None, value: bytes | None, *, fmt: InputFormat, ma
     if rejection is not None:
         return rejection
     assert value is not None
-    try:
-        raw_text = value.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        return Rejection("not_utf8", f"value is not valid UTF-8 ({exc.reason} at byte {exc.start})")
     if fmt == "raw":
+        try:
+            raw_text = value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return _not_utf8(exc)
         if key is None:
             return Rejection("missing_key", "input_format=raw needs the query ID in the message key")
         try:
@@ -79,10 +79,18 @@ def decode_input(key: bytes | None, value: bytes | None, *, fmt: InputFormat, ma
             return Rejection("not_utf8", f"key is not valid UTF-8 ({exc.reason} at byte {exc.start})")
         return _checked(qid, raw_text)
     try:
-        obj = orjson.loads(value)
+        obj = orjson.loads(value)  # validates UTF-8 itself: the value is decoded once
     except orjson.JSONDecodeError as exc:
+        try:
+            value.decode("utf-8")  # which of the two reasons: not text at all, or text but not JSON
+        except UnicodeDecodeError as not_text:
+            return _not_utf8(not_text)
         return Rejection("malformed_json", f"value is not JSON ({exc})")
     return keyword_from_object(obj)
+
+
+def _not_utf8(exc: UnicodeDecodeError) -> Rejection:
+    return Rejection("not_utf8", f"value is not valid UTF-8 ({exc.reason} at byte {exc.start})")
 
 
 def check_size(key: bytes | None, value: bytes | None, *, max_bytes: int, headers_bytes: int = 0) -> Rejection | None:
