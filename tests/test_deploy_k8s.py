@@ -247,6 +247,7 @@ def test_gpu_overlay_builds_the_plan_in_an_init_container_onto_a_required_volume
     assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"])
     settings = _worker_settings("gpu", objects)
     assert settings.backend == "tensorrt" and settings.profile == "gpu"
+    assert settings.processes == "auto"  # several processes share the GPU (docs/operating.md, Scaling)
     # No surge: a surge pod needs a spare GPU.
     assert _worker_deployment(objects)["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
 

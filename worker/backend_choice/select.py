@@ -148,12 +148,24 @@ def precision_label(settings: Settings) -> str:
     return settings.precision
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity, which container CPU sets narrow)."""
+def usable_cores(cpu_max: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """Cores this process may run on: its CPU affinity (which container CPU sets narrow), and no more
+    than its cgroup's CPU quota (a Kubernetes CPU limit, which leaves the affinity at every core of
+    the node), rounded up."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+    except (OSError, ValueError):
+        return cores  # cgroup v1, or no cgroup file: the affinity is all there is to go by
+    if quota == "max":
+        return cores
+    try:
+        return max(1, min(cores, -(-int(quota) // int(period))))
+    except (ValueError, ZeroDivisionError):
+        return cores
 
 
 def intra_op_threads(settings: Settings, cores: int | None = None) -> int:
