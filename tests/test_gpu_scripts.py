@@ -301,20 +301,26 @@ def _dry_run(tmp_path: Path, plain_onnx: Path, small_profiles: Path, **env: str)
     return proc.returncode, proc.stdout + proc.stderr, json.loads((out / "trt-check.json").read_text())
 
 
+@pytest.mark.parametrize("version", ["10.3.0", "11.1.0"])
 def test_dry_run_of_the_shell_script_passes_on_the_fakes(tmp_path: Path, plain_onnx: Path,
-                                                          small_profiles: Path) -> None:
-    """As on a GPU machine without the model package: the carried export and tokenizer.json, no model folder."""
+                                                          small_profiles: Path, version: str) -> None:
+    """As on a GPU machine without the model package: the carried export and tokenizer.json, no model
+    folder; on TensorRT 10's API and on 11's (no weak typing, no v1 memory sizes)."""
     from worker.core.model import default_model_dir
 
     tokenizer = tmp_path / "tokenizer.json"
     tokenizer.write_bytes((default_model_dir() / "tokenizer.json").read_bytes())
     rc, log, summary = _dry_run(tmp_path, plain_onnx, small_profiles, TRT_CHECK_TOKENIZER=str(tokenizer),
-                                KWE_MODEL_DIR=str(tmp_path / "no-model-here"))
+                                KWE_MODEL_DIR=str(tmp_path / "no-model-here"), FAKE_TRT_VERSION=version)
     assert rc == 0, log[-3000:]
     assert summary["ok"] and list(summary["stages"]) == STAGES
     assert (tmp_path / "out" / "trt-check.log").read_text().count("== ") == len(STAGES)
     env = json.loads((tmp_path / "out" / "trt-setup.json").read_text())["environment"]
-    assert env["tensorrt"] == "10.3.0" and env["gpu"] == "NVIDIA L40S (sm 8.9)"  # the fakes, as the JSON says
+    assert env["tensorrt"] == version and env["gpu"] == "NVIDIA L40S (sm 8.9)"  # the fakes, as the JSON says
+    # The fp16 plan was parsed from the fp16 graph (the fake plan computes it in ONNX Runtime) and still
+    # passed the buckets and parity stages (cos >= 0.999 against the fp32 graph).
+    build = json.loads((tmp_path / "out" / "trt-build.json").read_text())
+    assert build["sidecar"]["extra"]["fp16_onnx"].endswith(".plan.fp16.onnx"), build
 
 
 @pytest.mark.parametrize("fail,stage,code", [("build", "build", 1), ("nan-profile-4", "buckets", 1)])
