@@ -649,3 +649,31 @@ def install_fakes(monkeypatch: Any, *, compute: str = "token-sums", version: str
     monkeypatch.setitem(sys.modules, "pycuda", pycuda)
     monkeypatch.setitem(sys.modules, "pycuda.driver", cuda)
     return trt
+
+
+FAKE_TORCH = Path(__file__).resolve().parent / "gpu_modules" / "torch" / "__init__.py"
+
+
+def install_fake_torch(monkeypatch: Any, *, cuda: bool = True, capability: tuple[int, int] = (9, 0),
+                       cuda_version: str | None = "13.0", warning: str = "",
+                       perturb: dict[str, float] | None = None) -> Any:
+    """A fresh numpy-backed fake `torch` (tests/fakes/gpu_modules/torch) as `torch` and its submodules
+    for one test; its knobs (`torch._fake`) set as given. Restored by pytest's monkeypatch."""
+    import importlib.util
+    import sys
+
+    names = ["torch", "torch.cuda", "torch.nn", "torch.nn.functional", "torch.version"]
+    for name in names:  # recorded as they are now, so that the undo removes what the load adds
+        monkeypatch.setitem(sys.modules, name, None)
+    spec = importlib.util.spec_from_file_location("torch", FAKE_TORCH, submodule_search_locations=[])
+    assert spec is not None and spec.loader is not None
+    torch = importlib.util.module_from_spec(spec)
+    sys.modules["torch"] = torch
+    spec.loader.exec_module(torch)
+    for name, module in {"torch": torch, **torch.SUBMODULES}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    state = torch._fake
+    state.cuda_available, state.capability, state.warning = cuda, capability, warning
+    state.perturb = dict(perturb or {})
+    torch.version.cuda = state.cuda_version = cuda_version
+    return torch

@@ -273,6 +273,7 @@ class TensorRTBackend:
             raise
         self._thread_ctx.leave()
         self.gpu_name, self.compute_capability = gpu_name, cc
+        self.device_name = f"{gpu_name} (sm {cc})"  # kwe_backend_info's device label
 
     def create_context(self, index: int) -> TensorRTContext:
         """Context for bucket `index` (= optimisation profile `index`). Call it on the thread that runs it."""
