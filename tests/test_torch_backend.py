@@ -71,6 +71,9 @@ def test_one_graph_shape_per_bucket_at_its_max_batch_and_bound() -> None:
     assert graph_shapes(gpu, 128)[-1] == GraphShape(4, 8, 128) and graph_shapes(gpu, 128)[0] == GraphShape(0, 256, 8)
     cpu = load_profile("cpu")
     assert len(graph_shapes(cpu)) == len(cpu.buckets) and graph_shapes(cpu)[0].length == cpu.buckets[0].max_len
+    from benchmarks.gpu import graph_shapes as benchmark_shapes  # the GPU scripts' import path, kept
+
+    assert benchmark_shapes.graph_shapes is graph_shapes and benchmark_shapes.stage_rows is stage_rows
 
 
 def test_a_batch_runs_in_the_graph_of_the_bucket_covering_its_length() -> None:
