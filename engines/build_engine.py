@@ -119,6 +119,11 @@ def sha256_file(path: str | Path, *, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def fp16_onnx_path(plan_path: str | Path) -> Path:
+    """`engine.plan` -> `engine.plan.fp16.onnx`: the fp16 graph an fp16 plan was parsed from."""
+    return Path(str(plan_path) + ".fp16.onnx")
+
+
 def sidecar_path(plan_path: str | Path) -> Path:
     """`engine.plan` -> `engine.plan.json` (appended, so the plan's own suffix stays visible)."""
     return Path(str(plan_path) + ".json")
@@ -379,30 +384,40 @@ def fp32_region(network: Any) -> list[int]:
     return sorted(region)
 
 
-def keep_pooling_in_fp32(trt: Any, network: Any, config: Any) -> int:
-    """Constrains the pooling and normalisation layers to FP32 in an FP16 build; returns how many.
+def check_fp32_region(trt: Any, network: Any) -> int:
+    """Checks that the parsed pooling/normalisation layers compute in FP32; returns how many were checked.
 
-    In half precision the floors of the mean's count (1e-9) and of the norm (1e-12) are 0, and
-    a sum over 256 hidden states loses digits; the encoder layers keep FP16, where it pays.
-    OBEY_PRECISION_CONSTRAINTS makes the per-layer precision binding rather than a hint. Only
-    layers whose outputs are floating point are constrained (an integer shape or mask layer
-    keeps its type).
+    In a strongly typed network a layer's type is its tensors' type, which the fp16 graph
+    (engines/fp16_onnx.py) sets with Casts; this reads the parsed network back (reading a
+    tensor's dtype is allowed on TensorRT 10 and 11 alike; setting it is not) so that a Cast left
+    out shows up here, at build time, and not as a plan whose floors 1e-9 and 1e-12 are 0.
     """
-    floats = (trt.float32, trt.float16)
+    half = trt.float16
     n = 0
     for i in fp32_region(network):
         layer = network.get_layer(i)
-        if all(layer.get_output(k).dtype in floats for k in range(layer.num_outputs)):
-            layer.precision = trt.float32
-            for k in range(layer.num_outputs):
-                layer.set_output_type(k, trt.float32)
-            n += 1
+        kinds = [layer.get_output(k).dtype for k in range(layer.num_outputs)]
+        if half in kinds:
+            raise EngineBuildError(f"fp16: layer {layer.name!r} of the pooling/normalisation region computes in "
+                                   "FP16 in the parsed network; the fp16 ONNX graph lost a Cast to float32")
+        n += 1
     if n == 0:
         raise EngineBuildError("fp16: no pooling/normalisation layer found by name "
-                               f"({', '.join(FP32_NODE_PREFIXES)}); the ONNX file was not written by this "
-                               "exporter, or build an FP32 plan with --no-fp16")
-    config.set_flag(trt.BuilderFlag.OBEY_PRECISION_CONSTRAINTS)
+                               f"({', '.join(FP32_NODE_PREFIXES)}) in the parsed network; build an FP32 plan "
+                               "with --no-fp16")
     return n
+
+
+def strongly_typed_flags(trt: Any) -> int:
+    """`create_network`'s flags for a strongly typed network, on TensorRT 10 and 11 alike.
+
+    10: strong typing is opt-in, NetworkDefinitionCreationFlag.STRONGLY_TYPED = 1 (so 1 << 1);
+    11: always on, the flag kept for compatibility at value 0 and ignored, while 2 there means
+    PREFER_JIT_PYTHON_PLUGINS. So the bit is taken from the enum, never written as a number.
+    """
+    flags = getattr(trt, "NetworkDefinitionCreationFlag", None)
+    flag = getattr(flags, "STRONGLY_TYPED", None)
+    return 0 if flag is None else 1 << int(flag)
 
 
 def build_engine(onnx_path: str | Path, profile: Profile, output: str | Path, *, fp16: bool = True,
@@ -410,9 +425,15 @@ def build_engine(onnx_path: str | Path, profile: Profile, output: str | Path, *,
                  device: int = 0, log: Callable[[str], None] | None = None) -> PlanSidecar:
     """Parses the ONNX file, builds one optimisation profile per bucket, writes plan + sidecar.
 
-    TensorRT 10 Python API. The plan is written atomically (temporary file, then rename), its
-    sidecar next to it; the timing cache, when given, is loaded first (if it exists) and saved
-    after the build, so a rebuild on the same GPU skips most kernel timing.
+    One strongly typed network on TensorRT 10.1+ and 11 alike: its arithmetic is the graph's
+    types. fp16=True parses the fp16 graph of `onnx_path` (engines/fp16_onnx.py: the encoder in
+    float16, the pooling and normalisation in float32; written beside the plan, fp16_onnx_path), fp16=False
+    the file itself (FP32; TensorRT's TF32 matmuls stay on, its default). No precision flag and no
+    per-layer precision is set: TensorRT 11 removed them, and 10 refuses them on a strongly typed
+    network. The sidecar keeps the hash of `onnx_path` (what the backend and --check compare) and,
+    under `extra`, that of the fp16 graph. The plan is written atomically (temporary file, then
+    rename), its sidecar next to it; the timing cache, when given, is loaded first (if it exists)
+    and saved after the build, so a rebuild on the same GPU skips most kernel timing.
     """
     say = log or (lambda msg: print(msg, file=sys.stderr))
     onnx_path, output = Path(onnx_path), Path(output)
@@ -423,50 +444,51 @@ def build_engine(onnx_path: str | Path, profile: Profile, output: str | Path, *,
         raise EngineBuildError(f"ONNX file {onnx_path} not found (export it: keyword-embedder export-onnx)")
     trt, cuda = import_gpu_extra()
     gpu_name, cc = gpu_identity(cuda, device)
+    parse_path = onnx_path
+    if fp16:
+        from engines.fp16_onnx import Fp16Error, write_fp16_onnx
+
+        try:
+            parse_path = write_fp16_onnx(onnx_path, fp16_onnx_path(output))
+        except Fp16Error as exc:
+            raise EngineBuildError(f"fp16: {exc}") from None
+        say(f"fp16: parsing {parse_path} (the encoder in float16, the pooling and normalisation in float32)")
     # TensorRT builds on the CUDA context current on this thread. Making `device`'s primary
     # context current (the one the runtime API uses, and the one the backend loads the plan
     # in) means the plan is built on the GPU the sidecar names, also on a multi-GPU host.
     # Retained once per process (engines/cuda_context.py says why it is never detached).
     primary_context(cuda, device).push()
     try:
-        return _build(trt, onnx_path, profile, output, shapes, fp16=fp16, workspace_gib=workspace_gib,
+        return _build(trt, onnx_path, parse_path, profile, output, shapes, fp16=fp16, workspace_gib=workspace_gib,
                       timing_cache=timing_cache, gpu_name=gpu_name, cc=cc, say=say)
     finally:
         cuda.Context.pop()
 
 
-def _build(trt: Any, onnx_path: Path, profile: Profile, output: Path, shapes: Sequence[ProfileShape], *,
-           fp16: bool, workspace_gib: float, timing_cache: str | Path | None, gpu_name: str, cc: str,
-           say: Callable[[str], None]) -> PlanSidecar:
+def _build(trt: Any, onnx_path: Path, parse_path: Path, profile: Profile, output: Path,
+           shapes: Sequence[ProfileShape], *, fp16: bool, workspace_gib: float, timing_cache: str | Path | None,
+           gpu_name: str, cc: str, say: Callable[[str], None]) -> PlanSidecar:
     say(f"building a TensorRT {trt.__version__} plan on {gpu_name} (sm {cc}) from {onnx_path}, "
         f"profile {profile.name!r}: {', '.join(f'{s.seq_len}x{s.max_batch}' for s in shapes)}, fp16={fp16}")
 
-    # TensorRT 11 removed the weak-typing flags (BuilderFlag.FP16 among them): there, FP16 needs
-    # a mixed-precision ONNX graph. This builder targets TensorRT 10's API, so say so up front.
-    fp16_flag = getattr(getattr(trt, "BuilderFlag", None), "FP16", None)
-    if fp16 and fp16_flag is None:
-        raise EngineBuildError(
-            f"TensorRT {trt.__version__} has no BuilderFlag.FP16 (TensorRT 11 removed weak typing); install "
-            "TensorRT 10 (pip install 'tensorrt>=10,<11') or build an FP32 plan with --no-fp16")
-
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    # TensorRT 10: every network is explicit-batch; the old EXPLICIT_BATCH flag is deprecated.
-    network = builder.create_network(0)
+    # Strongly typed (strongly_typed_flags says why the bit comes from the enum); explicit batch
+    # is every network's mode since TensorRT 10, and 11 removed the EXPLICIT_BATCH flag.
+    network = builder.create_network(strongly_typed_flags(trt))
     parser = trt.OnnxParser(network, logger)
     # parse_from_file (not parse(bytes)) so weights stored as external data next to the file resolve.
-    if not parser.parse_from_file(str(onnx_path)):
+    if not parser.parse_from_file(str(parse_path)):
         errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
-        raise EngineBuildError(f"TensorRT's ONNX parser rejected {onnx_path}: " + " | ".join(errors))
+        raise EngineBuildError(f"TensorRT's ONNX parser rejected {parse_path}: " + " | ".join(errors))
     _check_network_inputs(network)
 
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
     fp32_layers = 0
     if fp16:
-        config.set_flag(fp16_flag)
-        fp32_layers = keep_pooling_in_fp32(trt, network, config)
-        say(f"fp16: {fp32_layers} pooling/normalisation layers kept in FP32")
+        fp32_layers = check_fp32_region(trt, network)
+        say(f"fp16: {fp32_layers} pooling/normalisation layers compute in FP32")
     for shape in shapes:
         opt_profile = builder.create_optimization_profile()
         for name in INPUT_NAMES:
@@ -514,7 +536,8 @@ def _build(trt: Any, onnx_path: Path, profile: Profile, output: Path, shapes: Se
         exporter_version=onnx_exporter_version(onnx_path),
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         plan_sha256=hashlib.sha256(plan).hexdigest(),
-        extra={"workspace_gib": workspace_gib, "fp32_layers": fp32_layers},
+        extra={"workspace_gib": workspace_gib, "fp32_layers": fp32_layers, "strongly_typed": True,
+               **({"fp16_onnx": str(parse_path), "fp16_onnx_sha256": sha256_file(parse_path)} if fp16 else {})},
     )
     write_sidecar(output, sidecar)
     say(f"wrote {output} ({len(plan) / 1e6:.1f} MB) and {sidecar_path(output)}")

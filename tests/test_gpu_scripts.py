@@ -5,8 +5,9 @@ tests/fakes/gpu.py, whose plans compute through ONNX Runtime: in process, with a
 injected in every stage, and as the whole shell script (trt_check.sh) in a subprocess with the
 fakes installed as importable packages. That shows the script's flow, its deadlines and its
 JSON; it cannot show that real TensorRT accepts the plan or how fast it is (docs/gpu.md).
-The CUDA-graphs mode of the PyTorch backend needs torch and a GPU; its shape and staging logic
-is tested here, and the torch test skips (with its reason) where torch or CUDA is missing.
+The CUDA-graphs benchmark runs the worker's torch backend (tests/test_torch_backend.py tests it on a
+numpy fake of torch); the one test here that needs real torch and a GPU skips (with its reason)
+where torch or CUDA is missing.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from benchmarks.gpu.graph_shapes import graph_shapes, shape_for, stage_rows
 from worker.core.profiles import load_profile
 from tests.fakes.gpu import FakeTrt, install_fakes
 
@@ -51,34 +51,6 @@ buckets = [{ max_len = 256, max_batch = 16, opt_batch = 16 }]
 """
 
 
-def test_one_graph_shape_per_bucket_at_its_max_batch_and_bound() -> None:
-    gpu = load_profile("gpu")
-    assert [(s.bucket, s.batch, s.length) for s in graph_shapes(gpu)] == [
-        (0, 256, 8), (1, 128, 16), (2, 64, 32), (3, 32, 64), (4, 8, 256)]
-    cpu = load_profile("cpu")
-    assert len(graph_shapes(cpu)) == len(cpu.buckets) and graph_shapes(cpu)[0].length == cpu.buckets[0].max_len
-
-
-def test_a_batch_runs_in_the_graph_of_the_bucket_covering_its_length() -> None:
-    gpu = load_profile("gpu")
-    shapes = graph_shapes(gpu)
-    assert shape_for(shapes, gpu, 100, 5).length == 8
-    assert shape_for(shapes, gpu, 3, 9).length == 16  # pad-to-longest batches land in the covering bucket
-    assert shape_for(shapes, gpu, 8, 256).bucket == 4
-    with pytest.raises(ValueError, match=r"\[9, 200\] batch fits no captured graph"):
-        shape_for(shapes, gpu, 9, 200)
-
-
-def test_staging_pads_and_gives_unused_rows_one_visible_token() -> None:
-    ids_buf = np.full((4, 6), 7, np.int64)
-    mask_buf = np.full((4, 6), 7, np.int64)
-    ids = np.array([[101, 5, 102], [101, 102, 0]])
-    mask = np.array([[1, 1, 1], [1, 1, 0]])
-    assert stage_rows(ids_buf, mask_buf, ids, mask) == 2
-    assert ids_buf.tolist() == [[101, 5, 102, 0, 0, 0], [101, 102, 0, 0, 0, 0], [0] * 6, [0] * 6]
-    assert mask_buf.tolist() == [[1, 1, 1, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]]
-
-
 def test_the_graphs_script_pairs_every_configuration() -> None:
     from benchmarks.gpu.torch_graphs import config_names, ratio_pairs, render
 
@@ -94,25 +66,26 @@ def test_the_graphs_script_pairs_every_configuration() -> None:
 
 
 def test_graphs_mode_matches_eager_on_a_gpu() -> None:
-    torch = pytest.importorskip("torch", reason="torch is not installed here (a benchmark-only GPU dependency)")
+    """The worker's torch backend (what torch_graphs.py runs) on a real GPU; tests/test_torch_backend.py runs it
+    on the numpy fake of torch everywhere else."""
+    torch = pytest.importorskip("torch", reason="torch is not installed here (the torch extra, for GPU hosts)")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: the graphs mode captures CUDA graphs")
-    from pathlib import Path
+    from worker.backends.torch_cuda import TorchCudaBackend
+    from worker.core.model import ModelInfo, default_model_dir
 
-    from benchmarks.gpu.torch_backend import TorchBertBackend
-    from engines.onnx_export.export import ensure_onnx
-
+    info = ModelInfo.from_dir(default_model_dir())
     gpu = load_profile("gpu")
-    eager = TorchBertBackend(Path(ensure_onnx()))
-    graphs = eager.graphs(gpu)
+    eager, graphs = TorchCudaBackend(info, gpu, graphs=False), TorchCudaBackend(info, gpu)
     rng = np.random.default_rng(0)
     ids = rng.integers(1000, 30000, size=(5, 12))
     mask = np.ones_like(ids)
     mask[1, 6:] = 0
-    a = eager.create_context(0).run(ids, mask)
-    ctx = graphs.create_context(0)
-    np.testing.assert_allclose(ctx.run(ids, mask), a, atol=2e-3)
-    ctx.close()
+    contexts = [b.create_context(1) for b in (eager, graphs)]  # bucket 1: lengths 9-16
+    np.testing.assert_allclose(contexts[1].run(ids, mask), contexts[0].run(ids, mask), atol=2e-3)
+    for ctx, backend in zip(contexts, (eager, graphs)):
+        ctx.close()
+        backend.close()
 
 
 # ============================================================================ trt_check.py on the fakes
@@ -301,20 +274,26 @@ def _dry_run(tmp_path: Path, plain_onnx: Path, small_profiles: Path, **env: str)
     return proc.returncode, proc.stdout + proc.stderr, json.loads((out / "trt-check.json").read_text())
 
 
+@pytest.mark.parametrize("version", ["10.3.0", "11.1.0"])
 def test_dry_run_of_the_shell_script_passes_on_the_fakes(tmp_path: Path, plain_onnx: Path,
-                                                          small_profiles: Path) -> None:
-    """As on a GPU machine without the model package: the carried export and tokenizer.json, no model folder."""
+                                                          small_profiles: Path, version: str) -> None:
+    """As on a GPU machine without the model package: the carried export and tokenizer.json, no model
+    folder; on TensorRT 10's API and on 11's (no weak typing, no v1 memory sizes)."""
     from worker.core.model import default_model_dir
 
     tokenizer = tmp_path / "tokenizer.json"
     tokenizer.write_bytes((default_model_dir() / "tokenizer.json").read_bytes())
     rc, log, summary = _dry_run(tmp_path, plain_onnx, small_profiles, TRT_CHECK_TOKENIZER=str(tokenizer),
-                                KWE_MODEL_DIR=str(tmp_path / "no-model-here"))
+                                KWE_MODEL_DIR=str(tmp_path / "no-model-here"), FAKE_TRT_VERSION=version)
     assert rc == 0, log[-3000:]
     assert summary["ok"] and list(summary["stages"]) == STAGES
     assert (tmp_path / "out" / "trt-check.log").read_text().count("== ") == len(STAGES)
     env = json.loads((tmp_path / "out" / "trt-setup.json").read_text())["environment"]
-    assert env["tensorrt"] == "10.3.0" and env["gpu"] == "NVIDIA L40S (sm 8.9)"  # the fakes, as the JSON says
+    assert env["tensorrt"] == version and env["gpu"] == "NVIDIA L40S (sm 8.9)"  # the fakes, as the JSON says
+    # The fp16 plan was parsed from the fp16 graph (the fake plan computes it in ONNX Runtime) and still
+    # passed the buckets and parity stages (cos >= 0.999 against the fp32 graph).
+    build = json.loads((tmp_path / "out" / "trt-build.json").read_text())
+    assert build["sidecar"]["extra"]["fp16_onnx"].endswith(".plan.fp16.onnx"), build
 
 
 @pytest.mark.parametrize("fail,stage,code", [("build", "build", 1), ("nan-profile-4", "buckets", 1)])

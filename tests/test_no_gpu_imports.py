@@ -1,8 +1,8 @@
-"""The CPU install never imports tensorrt or pycuda (the optional `gpu` extra).
+"""The CPU install never imports tensorrt, pycuda (the optional `gpu` extra) or torch (the `torch` extra).
 
 Each check runs in a fresh interpreter, so modules imported by other tests cannot hide an
-import, and the result does not depend on whether the gpu extra happens to be installed:
-the second check installs a meta-path finder that makes every tensorrt/pycuda import fail.
+import, and the result does not depend on whether the extras happen to be installed:
+the second check installs a meta-path finder that makes every tensorrt/pycuda/torch import fail.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent("""
     import contextlib, importlib, io, json, pkgutil, sys
 
     BLOCK = {block}
-    GPU = ("tensorrt", "pycuda")
+    GPU = ("tensorrt", "pycuda", "torch")
 
     class BlockGpu:
         def find_spec(self, name, path=None, target=None):
@@ -62,6 +62,10 @@ SCRIPT = textwrap.dedent("""
             choose_backend(Settings(backend="tensorrt", engine_path=sys.executable), has_gpu=lambda: True)
         except BackendError as exc:
             extra["tensorrt_error"] = str(exc)
+        try:
+            choose_backend(Settings(backend="torch"), has_gpu=lambda: True)
+        except BackendError as exc:
+            extra["torch_error"] = str(exc)
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             extra["build_rc"] = main(["build-engine", "--onnx", sys.executable, "--output", "/nonexistent/p.plan"])
@@ -84,7 +88,8 @@ def test_importing_everything_and_the_cli_help_never_loads_the_gpu_extra() -> No
     result = _run(block=False)
     assert result["failed"] == {}
     # The walk really covered the GPU-facing modules, not just the package roots.
-    for name in ("worker.backends.tensorrt", "worker.backend_choice.select", "engines.build_engine",
+    for name in ("worker.backends.tensorrt", "worker.backends.torch_cuda", "worker.backend_choice.torch_choice",
+                 "worker.backend_choice.select", "engines.build_engine", "engines.fp16_onnx",
                  "worker.commands.build_engine", "worker.cli"):
         assert name in result["modules"]
     assert result["codes"] == {"--help": 0, "build-engine --help": 0, "run --help": 0}
@@ -100,6 +105,7 @@ def test_everything_cpu_still_works_when_the_gpu_extra_cannot_be_imported() -> N
     assert extra["auto"] == "onnxruntime"
     assert "missing: tensorrt, pycuda" in extra["tensorrt_error"]
     assert "pip install 'keyword-embedder[gpu]'" in extra["tensorrt_error"]
+    assert extra["torch_error"].startswith("backend 'torch' needs the torch extra: pip install 'keyword-embedder[torch]'")
     assert extra["build_rc"] == 2
     assert "tensorrt" in extra["build_err"] and "Traceback" not in extra["build_err"]
     assert result["gpu_loaded"] == []
@@ -113,4 +119,5 @@ def test_gpu_extra_is_optional_in_the_package_metadata() -> None:
     assert "tensorrt" not in core and "pycuda" not in core
     gpu = " ".join(meta["optional-dependencies"]["gpu"]).lower()
     assert "tensorrt" in gpu and "pycuda" in gpu
+    assert "torch" not in core and meta["optional-dependencies"]["torch"][0].startswith("torch>=")
     assert json.dumps(meta["scripts"]) == '{"keyword-embedder": "worker.cli:main"}'

@@ -31,6 +31,7 @@ from engines.build_engine import (
     PlanSidecar,
     PlanSidecarError,
     build_engine,
+    fp16_onnx_path,
     profile_shapes,
     profile_table,
     read_sidecar,
@@ -39,8 +40,9 @@ from engines.build_engine import (
     validate_sidecar,
     write_sidecar,
 )
-from worker.core.errors import BackendError
-from worker.backends.base import Backend, InferenceContext
+from engines.onnx_export.export import EXPORTER_VERSION
+from tests.fakes.gpu import DIM, FakeTrt, install_fakes
+from tests.fakes.gpu import tiny_onnx as _tiny_onnx
 from worker.backend_choice.select import (
     GPU_INSTALL_HINT,
     choose_backend,
@@ -49,6 +51,7 @@ from worker.backend_choice.select import (
     missing_gpu_packages,
     resolve_profile_name,
 )
+from worker.backends.base import Backend, InferenceContext
 from worker.backends.tensorrt_plan import (
     BufferPlan,
     buffer_plan,
@@ -59,9 +62,8 @@ from worker.backends.tensorrt_plan import (
     shared_memory_size,
     stage_batch,
 )
+from worker.core.errors import BackendError
 from worker.core.profiles import Bucket, Profile, ProfileError, load_profile
-from tests.fakes.gpu import DIM, FakeTrt, install_fakes
-from tests.fakes.gpu import tiny_onnx as _tiny_onnx
 from worker.deadline import Deadline
 from worker.settings.schema import Settings
 
@@ -295,13 +297,19 @@ def test_build_engine_adds_one_profile_per_bucket_and_writes_the_sidecar(
     plan, onnx_path = built_plan
     config = fake_gpu.built[0]["config"]
     assert [p.shapes["input_ids"] for p in config.profiles] == [(s.min, s.opt, s.max) for s in profile_shapes(gpu)]
-    assert config.flags == {"FP16", "OBEY_PRECISION_CONSTRAINTS"} and config.pools["WORKSPACE"] == 4 * (1 << 30)
+    # Strongly typed: no precision flag at all, the fp16 graph's types say what runs in FP16.
+    assert config.flags == set() and config.pools["WORKSPACE"] == 4 * (1 << 30)
+    network = fake_gpu.built[0]["network"]
+    assert network.strongly_typed and network.flags == 1 << 1  # STRONGLY_TYPED is 1 on TensorRT 10
     assert (tmp_path / "timing.cache").read_bytes() == b"+tuned"  # saved after the build
     sc = read_sidecar(plan)
     assert sc.gpu_name == "NVIDIA L40S" and sc.compute_capability == "8.9" and sc.tensorrt_version == "10.3.0"
+    # The hash the backend and --check compare is the source graph's; the fp16 one is beside the plan.
     assert sc.onnx_sha256 == sha256_file(onnx_path) and sc.fp16 is True
+    assert network.onnx_path == sc.extra["fp16_onnx"] == str(fp16_onnx_path(plan))
+    assert sc.extra["fp16_onnx_sha256"] == sha256_file(fp16_onnx_path(plan)) and sc.extra["strongly_typed"]
     assert sc.profile_name == "gpu" and sc.profile_table == profile_table(gpu)
-    assert sc.exporter_version == "keyword-embedder/0.1.0"
+    assert sc.exporter_version == f"keyword-embedder/{EXPORTER_VERSION}"
     assert sc.plan_sha256 == hashlib.sha256(plan.read_bytes()).hexdigest()
     assert not list(plan.parent.glob("*.tmp"))
 
@@ -312,16 +320,90 @@ def test_build_engine_refuses_unaligned_profile_before_touching_the_gpu(tmp_path
     assert fake_gpu.built == [] and not (tmp_path / "p.plan").exists()
 
 
-def test_build_engine_on_tensorrt_11_without_fp16_flag_says_what_to_do(tmp_path: Path, fake_gpu: FakeTrt,
-                                                                      gpu: Profile) -> None:
-    fake_gpu.BuilderFlag = types.SimpleNamespace()  # TensorRT 11: weak-typing flags removed
-    fake_gpu.__version__ = "11.4.0"
+@pytest.mark.parametrize("version", ["10.3.0", "11.4.0"])
+def test_one_strongly_typed_build_on_tensorrt_10_and_11(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         gpu: Profile, version: str) -> None:
+    """TensorRT 11 removed weak typing (BuilderFlag.FP16, OBEY_PRECISION_CONSTRAINTS, ILayer.precision,
+    set_output_type); 10 refuses them on a strongly typed network. The same build runs on both."""
+    trt = install_fakes(monkeypatch, version=version)
     onnx_path = _tiny_onnx(tmp_path / "m.onnx")
-    with pytest.raises(EngineBuildError, match=r"TensorRT 11\.4\.0 has no BuilderFlag\.FP16.*--no-fp16"):
-        build_engine(onnx_path, gpu, tmp_path / "p.plan", log=lambda _m: None)
+    for fp16 in (True, False):
+        sc = build_engine(onnx_path, gpu, tmp_path / f"p{fp16}.plan", fp16=fp16, log=lambda _m: None)
+        built = trt.built[-1]
+        flag = trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED
+        # The bit comes from the enum: 1 << 1 on 10, 1 << 0 on 11 (where 1 << 1 is PREFER_JIT_PYTHON_PLUGINS).
+        assert built["network"].flags == 1 << int(flag) == (2 if version.startswith("10") else 1)
+        assert built["network"].strongly_typed and built["network"].get_flag(flag)
+        assert built["config"].flags == set() and trt.errors == []
+        assert sc.fp16 is fp16 and sc.extra["strongly_typed"]
+        parsed = {t.name: t.dtype for t in built["network"].tensors.values()}
+        if fp16:  # the encoder HALF from the graph's types, the pooling region FLOAT (checked, counted)
+            assert parsed["hidden"] == "HALF" and parsed["pooled"] == parsed["sentence_embedding"] == "FLOAT"
+            assert sc.extra["fp32_layers"] == 14 and sc.extra["fp16_onnx"].endswith(".plan.fp16.onnx")
+        else:
+            assert "HALF" not in parsed.values() and "fp16_onnx" not in sc.extra
+            assert built["network"].onnx_path == str(onnx_path)
+
+
+def test_the_fakes_refuse_the_weak_typing_api_as_tensorrt_10_and_11_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the old build called: 10 raises on a strongly typed network (and builds no plan with a
+    precision flag), 11 has none of it."""
+    trt10 = install_fakes(monkeypatch, version="10.8.0")
+    builder = trt10.Builder(trt10.Logger(2))
+    strong = builder.create_network(1 << int(trt10.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    layer = strong.get_layer(0)
+    with pytest.raises(trt10.StronglyTypedError):
+        layer.precision = trt10.float32
+    with pytest.raises(trt10.StronglyTypedError):
+        layer.set_output_type(0, trt10.float32)
+    with pytest.raises(trt10.StronglyTypedError):
+        layer.get_output(0).dtype = trt10.float16
+    config = builder.create_builder_config()
+    config.set_flag(trt10.BuilderFlag.FP16)
+    ctx = trt10.cuda.Device(0).retain_primary_context()
+    ctx.push()  # a build needs a current CUDA context
+    try:
+        assert builder.build_serialized_network(strong, config) is None and "FP16" in trt10.errors[0]
+    finally:
+        trt10.cuda.Context.pop()
+    weak = builder.create_network(0)  # weak typing still works on 10, where nothing asks for it
+    weak.get_layer(0).precision = trt10.float32
+
+    trt11 = install_fakes(monkeypatch, version="11.1.0")
+    for name in ("FP16", "BF16", "INT8", "OBEY_PRECISION_CONSTRAINTS", "PREFER_PRECISION_CONSTRAINTS"):
+        assert not hasattr(trt11.BuilderFlag, name)
+    assert not hasattr(trt11.NetworkDefinitionCreationFlag, "EXPLICIT_BATCH")
+    network = trt11.Builder(trt11.Logger(2)).create_network(0)  # strongly typed whatever the flags
+    assert network.strongly_typed
+    layer = network.get_layer(0)
+    assert not hasattr(layer, "set_output_type") and not hasattr(layer, "precision")
+    with pytest.raises(AttributeError):
+        layer.get_output(0).dtype = trt11.float16
+    assert not hasattr(trt11.OnnxParser, "supports_model")
+
+
+def test_a_pooling_layer_parsed_as_fp16_stops_the_build(tmp_path: Path, fake_gpu: FakeTrt, gpu: Profile) -> None:
+    """check_fp32_region reads the parsed network back: a Cast lost in the fp16 graph shows at build time."""
+    fake_gpu.half_tensors = {"pooled"}
+    with pytest.raises(EngineBuildError, match="'pooled_94_node'.*FP16"):
+        build_engine(_tiny_onnx(tmp_path / "m.onnx"), gpu, tmp_path / "p.plan", log=lambda _m: None)
+    assert fake_gpu.built == [] and not (tmp_path / "p.plan").exists()
+
+
+def test_an_fp16_build_of_a_graph_not_from_the_exporter_says_to_build_fp32(tmp_path: Path, fake_gpu: FakeTrt,
+                                                                         gpu: Profile) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    foreign = tmp_path / "foreign.onnx"
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["input_ids"], ["sentence_embedding"])], "g",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
+        [helper.make_tensor_value_info("sentence_embedding", TensorProto.INT64, ["b", "s"])])
+    onnx.save(helper.make_model(graph), str(foreign))
+    with pytest.raises(EngineBuildError, match=r"fp16: no pooling/normalisation node.*--no-fp16"):
+        build_engine(foreign, gpu, tmp_path / "p.plan", log=lambda _m: None)
     assert fake_gpu.built == []
-    sc = build_engine(onnx_path, gpu, tmp_path / "p.plan", fp16=False, log=lambda _m: None)
-    assert sc.fp16 is False and fake_gpu.built[0]["config"].flags == set()
 
 
 # ============================================================================ backend (fake TensorRT + pycuda)
@@ -585,22 +667,24 @@ def test_the_plan_is_built_on_the_device_its_sidecar_names(tmp_path: Path, fake_
     assert fake_gpu.cuda.stack() == []  # popped after the build
 
 
-def test_fp16_keeps_pooling_and_normalisation_in_fp32(built_plan: tuple[Path, Path], fake_gpu: FakeTrt) -> None:
-    """Defect 7: the floors 1e-9 and 1e-12 are 0 in half precision; those layers are pinned to FP32."""
+def test_fp16_checks_the_pooling_and_normalisation_compute_in_fp32(built_plan: tuple[Path, Path],
+                                                                  fake_gpu: FakeTrt) -> None:
+    """Defect 7, strongly typed: the floors 1e-9 and 1e-12 are 0 in half precision; the fp16 graph keeps
+    those layers FP32 by Casts, and the build checks the parsed layers (no precision is set)."""
+    from engines.build_engine import fp32_region
     from engines.onnx_export.export import build_model
     from engines.onnx_export.head import FP32_NODE_PREFIXES
 
     built = fake_gpu.built[0]
-    assert "OBEY_PRECISION_CONSTRAINTS" in built["config"].flags
-    fp32 = {layer.name for layer in built["network"].layers if layer.precision == "FLOAT"}
+    network = built["network"]
+    region = {network.get_layer(i).name for i in fp32_region(network)}
     named = {"masked_states_90_node", "pool_sum_91_node", "pool_count_92_node", "pool_count_c_93_node",
              "pooled_94_node", "norm_95_node", "norm_c_96_node", "sentence_embedding_node"}
     # Fix 5: also the layers the parser names otherwise: ReduceL2's square and root, the
     # constants of the floors (named after their initializers) and the shuffles broadcasting them.
     unnamed = {"count_min", "(Unnamed Layer* 93) [Shuffle]", "(Unnamed Layer* 95) [ElementWise]",
                "(Unnamed Layer* 96) [Unary]", "norm_min", "(Unnamed Layer* 97) [Shuffle]"}
-    assert fp32 == named | unnamed  # the encoder's layers and the integer mask layers keep their types
-    assert all(layer.output_types == {0: "FLOAT"} for layer in built["network"].layers if layer.name in fp32)
+    assert region == named | unnamed  # the encoder's layers, its Cast and the integer mask layers are not in it
     assert read_sidecar(built_plan[0]).extra["fp32_layers"] == 14
     # The names come from the real exporter: exactly its float pooling/normalisation nodes match.
     names = [n.name for n in build_model().graph.node]
@@ -609,11 +693,12 @@ def test_fp16_keeps_pooling_and_normalisation_in_fp32(built_plan: tuple[Path, Pa
         "masked_states", "pool_sum", "pool_count", "pool_count_c", "pooled", "norm", "norm_c", "sentence_embedding"]
 
 
-def test_an_fp32_build_sets_no_precision_constraints(tmp_path: Path, fake_gpu: FakeTrt, gpu: Profile) -> None:
-    build_engine(_tiny_onnx(tmp_path / "m.onnx"), gpu, tmp_path / "p.plan", fp16=False, log=lambda _m: None)
+def test_an_fp32_build_parses_the_file_itself(tmp_path: Path, fake_gpu: FakeTrt, gpu: Profile) -> None:
+    onnx_path = _tiny_onnx(tmp_path / "m.onnx")
+    sc = build_engine(onnx_path, gpu, tmp_path / "p.plan", fp16=False, log=lambda _m: None)
     built = fake_gpu.built[0]
-    assert built["config"].flags == set()
-    assert {layer.precision for layer in built["network"].layers} == {"DEFAULT"}
+    assert built["config"].flags == set() and built["network"].onnx_path == str(onnx_path)
+    assert sc.extra["fp32_layers"] == 0 and not fp16_onnx_path(tmp_path / "p.plan").exists()
 
 
 def test_the_fake_detach_leaves_the_context_current_as_pycuda_does(fake_gpu: FakeTrt) -> None:

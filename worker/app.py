@@ -118,8 +118,10 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Ass
              output_encoding=codec.encoding)
     metrics = metrics if metrics is not None else Metrics()
     # Set once the choice is made: the metrics server (and /readyz) only starts after this returns.
+    # `reason`: why this backend (auto: what was passed over and measured); `device`: the GPU, where one runs.
     metrics.set_backend_info(backend.name, info.name, profile.name, precision=precision_label(loaded.settings),
-                             cpu=cpu_model())
+                             cpu=cpu_model(), device=str(getattr(backend, "device_name", "") or "cpu"),
+                             reason=loaded.reason)
     costs = cost_model(loaded.settings, info, backend) if loaded.settings.merge_buckets else None
     if costs is not None:
         metrics.watch_costs(costs)

@@ -67,9 +67,10 @@ class Embedder:
             raise EmbedderError(f"Embedder: token_budget must be >= 1, got {token_budget}")
         if precision not in get_args(Precision):
             raise EmbedderError(f"Embedder: precision must be one of {', '.join(get_args(Precision))}, got {precision!r}")
-        if backend == "tensorrt":
+        if backend in ("tensorrt", "torch"):
             raise EmbedderError("Embedder runs on CPU: backend must be 'auto', 'onnxruntime' or 'openvino' "
-                                "(TensorRT runs in the worker, with a plan and a bucket profile)")
+                                f"({'TensorRT' if backend == 'tensorrt' else 'torch'} runs in the worker, with a "
+                                "bucket profile)")
         if backend not in get_args(BackendSetting):
             raise EmbedderError(f"Embedder: backend must be one of auto, onnxruntime, openvino; got {backend!r}")
         if precision == "int8" and (onnx_path is not None or optimize):

@@ -10,9 +10,11 @@ from typing import Literal
 
 # The backends the worker can run on; the settings add "auto" (worker.settings.schema.BackendSetting).
 # worker/backends/base.py re-exports it beside the Backend protocol.
-BackendName = Literal["onnxruntime", "openvino", "tensorrt"]
+BackendName = Literal["onnxruntime", "openvino", "tensorrt", "torch"]
 # OpenVINO's arithmetic: bf16 on the CPU's bf16 matrix units (INFERENCE_PRECISION_HINT), or f32.
 OvPrecision = Literal["bf16", "f32"]
+# The torch backend's encoder arithmetic; "auto": the first of fp16, bf16, fp32 that passes the parity gate.
+TorchPrecision = Literal["auto", "fp16", "bf16", "fp32"]
 
 # The Schema Registry formats (worker/formats/schema_registry.py): confluent-kafka's serdes, the
 # registry's wire format (magic byte, schema ID, payload).

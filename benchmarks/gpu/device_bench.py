@@ -28,6 +28,28 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[2]
 OUT = Path(os.environ.get("OUT", "/tmp/out"))
 ONNX = ROOT / ".device" / "minilm-f16store.onnx"
+MODEL = ROOT / ".device" / "model"  # the model folder, weights stored as float16 (prepare_device.py)
+
+
+def onnx_path() -> Path:
+    """The carried f16-store export (prepare_device.py --onnx), else the export of .device/model, made here."""
+    if ONNX.is_file():
+        return ONNX
+    from engines.onnx_export.export import ensure_onnx
+    from worker.core.model import ModelInfo
+
+    return ensure_onnx(ModelInfo.from_dir(MODEL))
+
+
+def torch_backend(profile=None, *, graphs: bool = True):  # noqa: ANN001, ANN201
+    """The worker's torch backend on .device/model (fp16; one CUDA graph per bucket of `profile`, or eager)."""
+    from worker.backends.torch_cuda import TorchCudaBackend
+    from worker.core.model import ModelInfo
+    from worker.core.profiles import Bucket, Profile
+
+    profile = profile or Profile("any", (Bucket(256, 256, 256),), 256 * 256, "longest")
+    return TorchCudaBackend(ModelInfo.from_dir(MODEL), profile, precision=os.environ.get("TORCH_PRECISION", "fp16"),
+                            graphs=graphs)
 DATA = ROOT / "tests" / "data" / "queries" / "terabyte05-20k.tsv"
 
 
@@ -59,7 +81,7 @@ def tokenizer():  # noqa: ANN201
 def backend(providers: list[str], threads: int = 0):  # noqa: ANN201
     from worker.backends.onnxruntime import OnnxRuntimeBackend
 
-    return OnnxRuntimeBackend(ONNX, intra_op_threads=threads, providers=providers)
+    return OnnxRuntimeBackend(onnx_path(), intra_op_threads=threads, providers=providers)
 
 
 def golden_alone(ctx) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:  # noqa: ANN001
@@ -89,10 +111,9 @@ def parity(providers: list[str]) -> dict:
 
 @stage("parity-torch")
 def torch_parity() -> dict:
-    from benchmarks.gpu.torch_backend import TorchBertBackend
     from worker.batching.padding import pad_batch
 
-    be = TorchBertBackend(ONNX)
+    be = torch_backend(graphs=False)  # one eager context for every shape (a 256 x 256 bucket)
     ctx = be.create_context(0)
     enc, alone, ref, cos = golden_alone(ctx)
     short = [e for e in enc if len(e.ids) <= 64][:64]
@@ -105,26 +126,27 @@ def torch_parity() -> dict:
 
 def bench(name: str, providers: list[str], profile: str, compare: str, *, limit: int, rounds: int,
           latency_s: float, dispatchers: int = 1) -> dict:
-    from worker.core.profiles import load_profile
     from worker.benchmark.inputs import read_queries
     from worker.benchmark.policies import BucketerOptions
     from worker.benchmark.report import render_markdown
     from worker.benchmark.suite import BenchConfig, run_benchmark
+    from worker.core.profiles import load_profile
 
     tok = tokenizer()
     if providers == ["torch"]:
-        from benchmarks.gpu.torch_backend import TorchBertBackend
-
-        be = TorchBertBackend(ONNX, pin=os.environ.get("TORCH_PIN", "1") == "1")
+        # The worker's torch backend, CUDA graphs of the profile's buckets (pinned buffers always).
+        be = torch_backend(load_profile(profile, model_max_len=256))
     else:
         be = backend(providers)
     rows = read_queries(DATA, limit)
     encoded = tok.encode([t for _, t in rows])
     cfg = BenchConfig(dataset=DATA.name, profile=load_profile(profile, model_max_len=256),
-                      compare_profile=load_profile(compare, model_max_len=256), rounds=rounds,
+                      # A bucket-bound backend (torch: a graph per bucket) runs one profile only.
+                      compare_profile=None if providers == ["torch"] else load_profile(compare, model_max_len=256),
+                      rounds=rounds,
                       latency=latency_s > 0, latency_seconds=latency_s,
                       options=BucketerOptions(dispatchers=dispatchers),
-                      backend_desc={"name": "onnxruntime", "providers": be.providers, "onnx": ONNX.name})
+                      backend_desc={"name": be.name, "providers": be.providers})
     report = run_benchmark(encoded, be, cfg, log=lambda s: print(s, flush=True))
     cmd = f"benchmarks/gpu/device_run.sh ({name})"
     (OUT / f"{name}.md").write_text(render_markdown(report, cmd))

@@ -1,14 +1,23 @@
-"""Builds .device/ for benchmarks/gpu/device_run.sh (carried to the GPU machine, 64 MiB limit).
+"""Builds .device/ for the GPU scripts (carried to the GPU machine, 64 MiB limit).
 
-- minilm-f16store.onnx: the plain ONNX export with every large float32 initializer stored as
-  float16 plus a Cast back to float32 (computed in float32; 45 MB instead of 90 MB);
-- tokenizer.json of the model;
-- pylibs/: tokenizers (an abi3 wheel: any CPython >= 3.9) and tomli (pure Python), the only
-  runtime pieces the device image may lack; shim/tomllib.py for a Python older than 3.11.
+- model/: the default model's folder (config, modules, pooling, tokenizer, ...) with
+  model.safetensors stored as float16 (45 MB instead of 90 MB): what the worker's torch backend
+  (`--backend torch`, benchmarks/gpu/torch_graphs.py) and the ONNX export read there; weights are
+  widened to float32 when read, so only their storage is rounded (cos >= 0.9999994 to the
+  reference on the golden rows, measured on the ONNX of the same rounding);
+- tokenizer.json of the model (the scripts that take a tokenizer file);
+- with --onnx, minilm-f16store.onnx: the plain ONNX export with every large float32 initializer
+  stored as float16 plus a Cast back to float32 (45 MB; for the TensorRT check and ONNX Runtime's
+  CUDA provider; with model/ it no longer fits the limit, so it is left out by default);
+- pylibs/: what the lent machine's Python (3.12, PyTorch 2.11; benchmarks/results/device/2026-12-04/
+  host.txt) lacks: safetensors (an abi3 wheel), structlog and tomli (pure Python); pylibs-cp312/:
+  orjson (a cp312 wheel); shim/tomllib.py for a Python older than 3.11. Its tokenizers (0.23.2) is
+  used, not a copy (11 MB).
 """
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 import sys
@@ -18,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-import tokenizers
+import safetensors
+import structlog
 from onnx import TensorProto, helper, numpy_helper
 
 from engines.onnx_export.export import ensure_onnx
@@ -26,6 +36,7 @@ from worker.core.model import default_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 DEV = ROOT / ".device"
+DEVICE_PYTHON = "3.12"
 
 
 def f16_store(src: Path, dst: Path) -> None:
@@ -46,17 +57,41 @@ def f16_store(src: Path, dst: Path) -> None:
     onnx.save(m, str(dst))
 
 
+def f16_model_folder(src: Path, dst: Path) -> None:
+    """A copy of the model folder `src` whose model.safetensors stores its float32 tensors as float16."""
+    from safetensors.numpy import load_file, save_file
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.safetensors", "*.onnx"))
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()},
+              str(dst / "model.safetensors"))
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--onnx", action="store_true", help="also write minilm-f16store.onnx (over the 64 MiB "
+                                                            "limit together with model/)")
+    args = parser.parse_args()
     (DEV / "pylibs").mkdir(parents=True, exist_ok=True)
-    f16_store(ensure_onnx(optimize=False), DEV / "minilm-f16store.onnx")
+    f16_model_folder(default_model_dir(), DEV / "model")
+    if args.onnx:
+        f16_store(ensure_onnx(optimize=False), DEV / "minilm-f16store.onnx")
     shutil.copy(default_model_dir() / "tokenizer.json", DEV / "tokenizer.json")
-    shutil.copytree(Path(tokenizers.__file__).parent, DEV / "pylibs" / "tokenizers", dirs_exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                        "--platform", "any", "--python-version", "3.10", "--implementation", "py", "tomli",
-                        "-d", tmp], check=True)
-        for whl in Path(tmp).glob("*.whl"):
-            zipfile.ZipFile(whl).extractall(DEV / "pylibs")
+    for module in (safetensors, structlog):  # abi3 / pure Python: this machine's copies run there
+        shutil.copytree(Path(module.__file__).parent, DEV / "pylibs" / module.__name__, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    # orjson is built per CPython version: into pylibs-cp312, which device_env.sh puts on the path only
+    # for a 3.12 interpreter (this machine's own orjson must win here, e.g. in the scripts' dry runs).
+    tag = "cp" + DEVICE_PYTHON.replace(".", "")
+    for spec, implementation, folder in (("tomli", "py", "pylibs"), ("orjson", "cp", f"pylibs-{tag}")):
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                            "--platform", "manylinux2014_x86_64", "--platform", "any", "--python-version",
+                            DEVICE_PYTHON, "--implementation", implementation, spec, "-d", tmp], check=True)
+            for whl in Path(tmp).glob("*.whl"):
+                zipfile.ZipFile(whl).extractall(DEV / folder)
     (DEV / "shim").mkdir(exist_ok=True)
     (DEV / "shim" / "tomllib.py").write_text("from tomli import *  # noqa: F403  (Python < 3.11 on the device)\n"
                                              "from tomli import TOMLDecodeError, load, loads  # noqa: F401\n")

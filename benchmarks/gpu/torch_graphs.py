@@ -1,16 +1,19 @@
 """CUDA graphs vs eager PyTorch, bucketed vs monolithic, through the real bucketer (benchmarks/gpu/torch_graphs.sh).
 
-NOT YET RUN ON A GPU: written after the last device session. The design's claim is that on a
-GPU the batch's padded size, not kernel launches, is the cost, so bucketing pays; eager PyTorch
-measured launch-bound (2-3 ms per forward for any shape), which hides padding entirely. CUDA
-graphs (one per bucket shape, captured at start, static input buffers) take the launches out.
+First run on an H200 on 2026-12-04 (benchmarks/results/device/2026-12-04/), with the benchmark's
+own PyTorch backend; it now runs the worker's `--backend torch` (worker/backends/torch_cuda.py) in
+the precision GRAPHS_PRECISION (fp16), eager (graphs=False) or with one CUDA graph per bucket
+shape. The design's claim is that on a GPU the batch's padded size, not kernel launches, is the
+cost, so bucketing pays; eager PyTorch measured launch-bound (2-3 ms per forward for any shape),
+which hides padding entirely. CUDA graphs (one per bucket shape, captured at start, static input
+buffers) take the launches out.
 
 Configurations, each the worker's Bucketer fed through the 4,096-keyword window, in paired
 rounds with the order rotated: profiles `mono` (one bucket: 256 x 256, batches of 256, eager
 pads to the batch's longest, graphs to 256), `gpu` (8/16/32/64/256) and `cpu` (one bucket per
 length 3..12, then 14..256), each eager and with graphs. First, graphs vs eager parity on the
-golden rows. Writes $OUT/torch-graphs.json and .md. Needs .device/ (prepare_device.py): the
-tokenizer and the float16-stored ONNX export, as benchmarks/gpu/device_run.sh does.
+golden rows. Writes $OUT/torch-graphs.json and .md. Needs .device/model (prepare_device.py: the
+model folder with its weights stored as float16), or KWE_MODEL_DIR.
 """
 
 from __future__ import annotations
@@ -58,23 +61,26 @@ def render(report: dict[str, Any]) -> str:
 
 def main() -> int:
     import torch
-    from tokenizers import Tokenizer
 
-    from benchmarks.gpu.torch_backend import TorchBertBackend
+    from worker.backends.torch_cuda import TorchCudaBackend
+    from worker.backends.torch_plan import read_weights
     from worker.benchmark.inputs import read_queries
+    from worker.core.model import ModelInfo
     from worker.intake.tokenize import KeywordTokenizer
 
     out = Path(os.environ.get("OUT", "/tmp/kwe-torch-graphs"))
     out.mkdir(parents=True, exist_ok=True)
-    onnx = ROOT / ".device" / "minilm-f16store.onnx"
-    tok = KeywordTokenizer(Tokenizer.from_file(str(ROOT / ".device" / "tokenizer.json")), 256)
+    info = ModelInfo.from_dir(os.environ.get("KWE_MODEL_DIR") or ROOT / ".device" / "model")
+    tok = KeywordTokenizer.from_model(info)
     limit, rounds = int(os.environ.get("GRAPHS_LIMIT", "20000")), int(os.environ.get("GRAPHS_ROUNDS", "5"))
+    precision = os.environ.get("GRAPHS_PRECISION", "fp16")
     profiles = {"mono": MONO, "gpu": load_profile("gpu", model_max_len=256), "cpu": load_profile("cpu", model_max_len=256)}
     t0 = time.monotonic()
-    eager = TorchBertBackend(onnx)
-    backends = {f"{p}-eager": (eager, prof) for p, prof in profiles.items()}
-    backends |= {f"{p}-graphs": (eager.graphs(prof), prof) for p, prof in profiles.items()}
-    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rounds": rounds}
+    weights = read_weights(info)  # once, for the six backends
+    backends = {f"{p}-{m}": (TorchCudaBackend(info, prof, precision=precision, graphs=m == "graphs", weights=weights),
+                             prof) for m in MODES for p, prof in profiles.items()}
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rounds": rounds,
+                              "precision": precision}
 
     golden = [json.loads(line) for line in (ROOT / "tests/data/golden/dev.jsonl").read_text().splitlines()]
     rows = [e.ids for e in tok.encode([g["text"] for g in golden])]
@@ -93,6 +99,8 @@ def main() -> int:
     (out / "torch-graphs.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "torch-graphs.md").write_text(render(report))
     print(render(report), flush=True)
+    for backend, _ in backends.values():
+        backend.close()
     return 0
 
 

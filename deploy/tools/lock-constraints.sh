@@ -4,7 +4,8 @@
 # backend and the model package, and `pip freeze` of it becomes the constraints file. The gpu
 # extra's pycuda is resolved too (pip --dry-run --report; it builds from source only on a CUDA
 # machine). tensorrt is deliberately absent: the GPU image takes the one its base image ships
-# (deploy/docker/Dockerfile.gpu).
+# (deploy/docker/Dockerfile.gpu); so is torch (the torch extra): a GPU host brings the CUDA build
+# of torch its driver runs.
 #
 #   make constraints          # or: bash deploy/tools/lock-constraints.sh [PYTHON]
 #

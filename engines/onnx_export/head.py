@@ -17,8 +17,9 @@ from worker.core.st_pipeline import Dense
 
 # Node-name prefixes of the float layers of the pooling (pooling.py) and of the normalisation
 # below (not the integer mask's Unsqueeze/Cast, nor the pool_index_* integer and boolean nodes):
-# an FP16 TensorRT build keeps these, and everything downstream of them (Dense layers included),
-# in FP32 (engines.build_engine.keep_pooling_in_fp32), so keep them in step with those names.
+# the fp16 graph for TensorRT keeps these, and everything downstream of them (Dense layers
+# included), in FP32 by Casts (engines/fp16_onnx.py; the build checks it, engines.build_engine.
+# fp32_region), so keep them in step with those names.
 FP32_NODE_PREFIXES: tuple[str, ...] = ("masked_states", "pool_sum", "pool_count", "pooled", "norm_", OUTPUT_NAME)
 
 

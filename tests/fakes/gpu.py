@@ -1,4 +1,4 @@
-"""Fake tensorrt and pycuda.driver: the part of TensorRT 10's and pycuda's Python API the project uses.
+"""Fake tensorrt and pycuda.driver: the part of TensorRT 10's or 11's and pycuda's Python API the project uses.
 
 They check the calls the way the real bindings fail: CUDA calls need the context pushed on the
 calling thread, input shapes must lie inside the selected optimisation profile, the output is
@@ -209,6 +209,14 @@ class FakeEngine:
     def get_device_memory_size_for_profile_v2(self, i: int) -> int:
         return 1000 * (i + 1)
 
+    def __getattr__(self, name: str) -> Any:
+        # TensorRT 10 still has these (deprecated); 11 removed them: the project uses none.
+        if self.trt.major < 11 and name in ("device_memory_size", "get_device_memory_size_for_profile",
+                                            "create_execution_context_without_device_memory"):
+            raise AssertionError(f"ICudaEngine.{name}: deprecated in 10, removed in 11; use the _v2 / "
+                                 "USER_MANAGED forms")
+        raise AttributeError(f"'tensorrt.ICudaEngine' object has no attribute {name!r}")
+
     def create_execution_context(self, strategy: str = "STATIC") -> FakeExecContext:
         self.trt.cuda.need_context()
         with self.trt.lock:
@@ -300,6 +308,10 @@ class FakeTrt(types.ModuleType):
         self.nan_profiles: set[int] = set()
         self.deserialize_sleep_s = 0.0
         self.__version__ = version
+        self.major = int(version.split(".")[0])
+        self.networks: list[Any] = []
+        self.errors: list[str] = []  # what the builder would log (a refused build)
+        self.half_tensors: set[str] = set()  # tensors a test makes HALF after parsing
         self.lock = threading.Lock()
         self.refuse_profiles: set[int] = set()
         self.refuse_addresses: set[str] = set()
@@ -334,20 +346,63 @@ class FakeTrt(types.ModuleType):
         self._install_builder()
 
     def _install_builder(self) -> None:
+        """The builder API of TensorRT 10 (10.1+) or 11, as the version says.
+
+        10: strong typing is opt-in (NetworkDefinitionCreationFlag.STRONGLY_TYPED = 1); on a
+        strongly typed network, setting a layer's precision or output type, or a tensor's dtype,
+        raises, and a build with a precision flag (FP16, OBEY_PRECISION_CONSTRAINTS, ...) fails.
+        11: every network is strongly typed; the flag is kept at value 0 and ignored (1 is
+        PREFER_JIT_PYTHON_PLUGINS, 2 PREFER_AOT_PYTHON_PLUGINS); the precision flags, ILayer's
+        precision/set_output_type, a writable ITensor.dtype and EXPLICIT_BATCH are gone (an
+        AttributeError, as pybind gives for a missing attribute).
+        """
+        import enum
+
         trt = self
+        major = self.major
         self.MemoryPoolType = types.SimpleNamespace(WORKSPACE="WORKSPACE")
-        self.BuilderFlag = types.SimpleNamespace(FP16="FP16", OBEY_PRECISION_CONSTRAINTS="OBEY_PRECISION_CONSTRAINTS")
+        if major >= 11:
+            self.NetworkDefinitionCreationFlag = enum.IntEnum(
+                "NetworkDefinitionCreationFlag", {"STRONGLY_TYPED": 0, "PREFER_JIT_PYTHON_PLUGINS": 1,
+                                                  "PREFER_AOT_PYTHON_PLUGINS": 2})
+            self.BuilderFlag = types.SimpleNamespace(TF32="TF32", STRIP_PLAN="STRIP_PLAN", DEBUG="DEBUG",
+                                                     DIRECT_IO="DIRECT_IO", REFIT="REFIT")
+        else:
+            self.NetworkDefinitionCreationFlag = enum.IntEnum(
+                "NetworkDefinitionCreationFlag", {"EXPLICIT_BATCH": 0, "STRONGLY_TYPED": 1,
+                                                  "PREFER_JIT_PYTHON_PLUGINS": 2, "PREFER_AOT_PYTHON_PLUGINS": 3})
+            self.BuilderFlag = types.SimpleNamespace(
+                FP16="FP16", BF16="BF16", INT8="INT8", FP8="FP8", TF32="TF32", STRIP_PLAN="STRIP_PLAN",
+                OBEY_PRECISION_CONSTRAINTS="OBEY_PRECISION_CONSTRAINTS",
+                PREFER_PRECISION_CONSTRAINTS="PREFER_PRECISION_CONSTRAINTS")
+        precision_flags = {"FP16", "BF16", "INT8", "FP8", "OBEY_PRECISION_CONSTRAINTS", "PREFER_PRECISION_CONSTRAINTS"}
+
+        class StronglyTypedError(RuntimeError):
+            pass
 
         class Tensor:
             def __init__(self, name: str, shape: tuple[int, ...] = (), dtype: str = "FLOAT") -> None:
-                self.name, self.shape, self.dtype = name, shape, dtype
+                self.name, self.shape, self._dtype = name, shape, dtype
+                self.network: Any = None
+
+            @property
+            def dtype(self) -> str:
+                return self._dtype
+
+            if major < 11:  # 11: read-only (def_property_readonly)
+                @dtype.setter
+                def dtype(self, value: str) -> None:
+                    if self.network is not None and self.network.strongly_typed:
+                        raise StronglyTypedError("ITensor::setType: not allowed on a strongly typed network")
+                    self._dtype = value
 
         class Layer:
             def __init__(self, name: str, inputs: list[Tensor], outputs: list[Tensor]) -> None:
-                self.name, self.precision = name, "DEFAULT"
+                self.name = name
                 self.inputs, self.outputs = inputs, outputs
                 self.num_inputs, self.num_outputs = len(inputs), len(outputs)
-                self.output_types: dict[int, str] = {}
+                self.network: Any = None
+                self._precision = "DEFAULT"
 
             def get_input(self, i: int) -> Tensor:
                 return self.inputs[i]
@@ -355,26 +410,47 @@ class FakeTrt(types.ModuleType):
             def get_output(self, i: int) -> Tensor:
                 return self.outputs[i]
 
-            def set_output_type(self, i: int, dtype: str) -> None:
-                self.output_types[i] = dtype
+            def get_output_type(self, i: int) -> str:  # kept in 11
+                return self.outputs[i].dtype
+
+        if major < 11:
+            def _get_precision(layer: Any) -> str:
+                return layer._precision
+
+            def _set_precision(layer: Any, value: str) -> None:
+                if layer.network.strongly_typed:
+                    raise StronglyTypedError("ILayer::setPrecision: setting layer precision is not allowed on a "
+                                             "strongly typed network")
+                layer._precision = value
+
+            def _set_output_type(layer: Any, i: int, dtype: str) -> None:
+                if layer.network.strongly_typed:
+                    raise StronglyTypedError("ILayer::setOutputType: setting layer output types is not allowed on "
+                                             "a strongly typed network")
+                layer.outputs[i]._dtype = dtype
+
+            Layer.precision = property(_get_precision, _set_precision)  # type: ignore[attr-defined]
+            Layer.set_output_type = _set_output_type  # type: ignore[attr-defined]
 
         class Network:
-            """The parsed graph's tail, named as TensorRT 10's ONNX parser names layers.
+            """The parsed graph's tail, named as TensorRT's ONNX parser names layers.
 
             Only the first layer a node adds gets the node's name; the others keep TensorRT's
             "(Unnamed Layer* N) [Type]" (ReduceL2's squaring, the shuffles that broadcast a
             scalar to the other operand's rank); an initializer becomes a constant layer named
             after the initializer ("count_min", "norm_min"). (layer, inputs, outputs): a tensor
-            is FLOAT unless it ends in ":i" (INT32).
+            is FLOAT unless it ends in ":i" (INT32); parsing an fp16 graph makes the encoder's
+            tensors (":h") HALF, as a strongly typed network types them from the graph.
             """
 
             LAYERS = (
-                ("embeddings_1_node", ["input_ids:i"], ["emb"]),
-                ("(Unnamed Layer* 2) [Shuffle]", ["emb"], ["emb_heads"]),  # encoder: stays FP16
-                ("layer0_attn_5_node", ["emb_heads", "attention_mask:i"], ["hidden"]),
+                ("embeddings_1_node", ["input_ids:i"], ["emb:h"]),
+                ("(Unnamed Layer* 2) [Shuffle]", ["emb:h"], ["emb_heads:h"]),  # encoder: FP16 in an fp16 graph
+                ("layer0_attn_5_node", ["emb_heads:h", "attention_mask:i"], ["hidden:h"]),
                 ("pool_mask_u_88_node", ["attention_mask:i"], ["mask_u:i"]),
                 ("pool_mask_89_node", ["mask_u:i"], ["mask_f"]),
-                ("masked_states_90_node", ["hidden", "mask_f"], ["masked"]),
+                ("hidden_fp32_cast", ["hidden:h"], ["hidden32"]),
+                ("masked_states_90_node", ["hidden32", "mask_f"], ["masked"]),
                 ("pool_sum_91_node", ["masked"], ["summed"]),
                 ("pool_count_92_node", ["mask_f"], ["count"]),
                 ("count_min", [], ["count_min_w"]),
@@ -390,21 +466,44 @@ class FakeTrt(types.ModuleType):
                 ("sentence_embedding_node", ["pooled", "norm_c"], ["sentence_embedding"]),
             )
 
-            def __init__(self) -> None:
+            def __init__(self, flags: int, strongly_typed: bool) -> None:
+                self.flags, self.strongly_typed = flags, strongly_typed
                 self.onnx_path = ""
-                tensors: dict[str, Tensor] = {}
+                self.tensors: dict[str, Tensor] = {}
+                self.half: set[str] = set()
 
                 def tensor(spec: str) -> Tensor:
                     name, _, kind = spec.partition(":")
-                    return tensors.setdefault(name, Tensor(name, (-1, -1), "INT32" if kind == "i" else "FLOAT"))
+                    if kind == "h":
+                        self.half.add(name)
+                    t = self.tensors.setdefault(name, Tensor(name, (-1, -1), "INT32" if kind == "i" else "FLOAT"))
+                    t.network = self
+                    return t
 
                 self.inputs = [tensor("input_ids:i"), tensor("attention_mask:i")]
                 self.layers = [Layer(n, [tensor(t) for t in ins], [tensor(t) for t in outs])
                                for n, ins, outs in self.LAYERS]
-                self.outputs = [tensors["sentence_embedding"]]
+                for layer in self.layers:
+                    layer.network = self
+                self.outputs = [self.tensors["sentence_embedding"]]
                 self.outputs[0].shape = (-1, DIM)
                 self.num_inputs, self.num_outputs = 2, 1
                 self.num_layers = len(self.layers)
+
+            def typed_from(self, onnx_path: str) -> None:
+                """What parsing sets: a graph with float16 initializers makes the encoder's tensors HALF
+                (and `trt.half_tensors`, for a test, any other tensor)."""
+                import onnx
+
+                model = onnx.load(onnx_path, load_external_data=False)
+                if any(init.data_type == onnx.TensorProto.FLOAT16 for init in model.graph.initializer):
+                    for name in self.half:
+                        self.tensors[name]._dtype = "HALF"
+                for name in trt.half_tensors:
+                    self.tensors[name]._dtype = "HALF"
+
+            def get_flag(self, flag: int) -> bool:
+                return bool(self.flags & (1 << int(flag))) or (major >= 11 and int(flag) == 0)
 
             def get_layer(self, i: int) -> Layer:
                 return self.layers[i]
@@ -442,6 +541,9 @@ class FakeTrt(types.ModuleType):
             def set_flag(self, flag: str) -> None:
                 self.flags.add(flag)
 
+            def clear_flag(self, flag: str) -> None:
+                self.flags.discard(flag)
+
             def add_optimization_profile(self, p: OptProfile) -> int:
                 self.profiles.append(p)
                 return len(self.profiles) - 1
@@ -463,9 +565,16 @@ class FakeTrt(types.ModuleType):
             def __init__(self, logger: Any) -> None:
                 pass
 
-            def create_network(self, flags: int) -> Network:
-                assert flags == 0
-                return Network()
+            def create_network(self, flags: int = 0) -> Network:
+                known = 0
+                for flag in trt.NetworkDefinitionCreationFlag:
+                    known |= 1 << int(flag)
+                if flags & ~known:
+                    raise TypeError(f"create_network(): unknown NetworkDefinitionCreationFlag bits {flags:#x}")
+                strong = major >= 11 or bool(flags & (1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)))
+                network = Network(flags, strong)
+                trt.networks.append(network)
+                return network
 
             def create_builder_config(self) -> Config:
                 return Config()
@@ -475,6 +584,12 @@ class FakeTrt(types.ModuleType):
 
             def build_serialized_network(self, network: Network, config: Config) -> bytes | None:
                 trt.built.append({"config": config, "network": network, "device": trt.cuda.current_device()})
+                bad = sorted(config.flags & precision_flags)
+                if network.strongly_typed and bad:
+                    # TensorRT 10 logs "BuilderFlag::kFP16 is not compatible with a strongly typed network"
+                    # and returns no plan.
+                    trt.errors.append(f"{', '.join(bad)} not compatible with a strongly typed network")
+                    return None
                 if trt.fail_build:
                     return None
                 profiles = []
@@ -491,34 +606,74 @@ class FakeTrt(types.ModuleType):
                 self.network = network
 
             def parse_from_file(self, path: str) -> bool:
+                if not Path(path).is_file():
+                    return False
                 self.network.onnx_path = path
-                return Path(path).is_file()
+                self.network.typed_from(path)
+                return True
+
+        if major < 11:
+            def supports_model(parser: Any, model: bytes) -> tuple[bool, list[Any]]:  # removed in 11
+                return True, []
+
+            OnnxParser.supports_model = supports_model  # type: ignore[attr-defined]
 
         self.Builder, self.OnnxParser = Builder, OnnxParser
+        self.StronglyTypedError = StronglyTypedError
+
+
+FAMILIES = Path(__file__).resolve().parents[1] / "data" / "families"
 
 
 def tiny_onnx(path: Path) -> Path:
+    """The exporter's graph of the tiny BERT fixture (tests/data/families/bert): small, and named as
+    the exporter names its pooling and normalisation, so that an fp16 build can convert it."""
     import onnx
-    from onnx import TensorProto, helper
 
-    graph = helper.make_graph(
-        [helper.make_node("Identity", ["input_ids"], ["sentence_embedding"])], "g",
-        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"])],
-        [helper.make_tensor_value_info("sentence_embedding", TensorProto.INT64, ["b", "s"])])
-    model = helper.make_model(graph, producer_name="keyword-embedder", producer_version="0.1.0")
-    onnx.save(model, str(path))
+    from engines.onnx_export.export import build_model
+
+    onnx.save(build_model(FAMILIES / "bert"), str(path))
     return path
 
 
-def install_fakes(monkeypatch: Any, *, compute: str = "token-sums") -> FakeTrt:
-    """A new FakeCuda and FakeTrt as `tensorrt`, `pycuda` and `pycuda.driver` for one test (pytest's monkeypatch)."""
+def install_fakes(monkeypatch: Any, *, compute: str = "token-sums", version: str = "10.3.0") -> FakeTrt:
+    """A new FakeCuda and FakeTrt (TensorRT `version`: 10.x or 11.x) as `tensorrt`, `pycuda` and
+    `pycuda.driver` for one test (pytest's monkeypatch)."""
     import sys
 
     cuda = FakeCuda()
-    trt = FakeTrt(cuda, compute=compute)
+    trt = FakeTrt(cuda, version, compute=compute)
     pycuda = types.ModuleType("pycuda")
     pycuda.driver = cuda  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setitem(sys.modules, "pycuda", pycuda)
     monkeypatch.setitem(sys.modules, "pycuda.driver", cuda)
     return trt
+
+
+FAKE_TORCH = Path(__file__).resolve().parent / "gpu_modules" / "torch" / "__init__.py"
+
+
+def install_fake_torch(monkeypatch: Any, *, cuda: bool = True, capability: tuple[int, int] = (9, 0),
+                       cuda_version: str | None = "13.0", warning: str = "",
+                       perturb: dict[str, float] | None = None) -> Any:
+    """A fresh numpy-backed fake `torch` (tests/fakes/gpu_modules/torch) as `torch` and its submodules
+    for one test; its knobs (`torch._fake`) set as given. Restored by pytest's monkeypatch."""
+    import importlib.util
+    import sys
+
+    names = ["torch", "torch.cuda", "torch.nn", "torch.nn.functional", "torch.version"]
+    for name in names:  # recorded as they are now, so that the undo removes what the load adds
+        monkeypatch.setitem(sys.modules, name, None)
+    spec = importlib.util.spec_from_file_location("torch", FAKE_TORCH, submodule_search_locations=[])
+    assert spec is not None and spec.loader is not None
+    torch = importlib.util.module_from_spec(spec)
+    sys.modules["torch"] = torch
+    spec.loader.exec_module(torch)
+    for name, module in {"torch": torch, **torch.SUBMODULES}.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    state = torch._fake
+    state.cuda_available, state.capability, state.warning = cuda, capability, warning
+    state.perturb = dict(perturb or {})
+    torch.version.cuda = state.cuda_version = cuda_version
+    return torch

@@ -1,18 +1,26 @@
 """Choose and load the inference backend and its bucket profile from the settings.
 
-backend = auto | onnxruntime | openvino | tensorrt:
+backend = auto | onnxruntime | openvino | tensorrt | torch:
 - tensorrt: needs the gpu extra (tensorrt, pycuda), a visible NVIDIA GPU and a plan
   (engine_path); anything missing is one BackendError that names it and how to get it.
+- torch: needs the torch extra, a visible NVIDIA GPU and a CUDA build of torch that finds it,
+  and a model it runs exactly (BERT, mean or CLS pooling); its precision is the first candidate
+  that passes the parity gate (worker/backend_choice/torch_choice.py). Anything missing is one
+  BackendError (exit 2 at start).
 - openvino: needs the openvino extra (one BackendError leading with its install line).
-- auto: TensorRT when all of those are present, otherwise the CPU backend measured fastest on
-  this machine among those that pass the fp32 parity gate (worker/backend_choice/auto.py; cached),
-  ONNX Runtime where the openvino extra is missing (the reason is logged).
-Whether the gpu extra is there is decided with importlib.util.find_spec, which locates a
-package without importing it, and whether a GPU is there from the driver's device nodes, so
-choosing never loads CUDA; only the TensorRT backend itself imports tensorrt and pycuda.
+- auto: TensorRT when all of its needs are present; else torch when the torch extra and a GPU
+  are (and torch then finds CUDA and runs the model: otherwise the reason is logged and auto
+  goes on); otherwise the CPU backend measured fastest on this machine among those that pass
+  the fp32 parity gate (worker/backend_choice/auto.py; cached), ONNX Runtime where the openvino
+  extra is missing. The log line "backend chosen" and kwe_backend_info's `reason` say why.
+Whether an extra is there is decided with importlib.util.find_spec, which locates a package
+without importing it, and whether a GPU is there from the driver's device nodes, so choosing
+never loads CUDA: torch is imported only where a GPU is visible, and only the backends themselves
+import tensorrt, pycuda and torch.
 
-profile = auto -> "gpu" for TensorRT, "cpu" for ONNX Runtime; the profile must reach the
-model's max sequence length (load_profile checks it). pad_to = auto -> the profile's pad_to.
+profile = auto -> "gpu" for TensorRT and torch, "cpu" for ONNX Runtime and OpenVINO; the profile
+must reach the model's max sequence length (load_profile checks it). pad_to = auto -> the
+profile's pad_to.
 Every "auto" is resolved here, where the settings are read (`Loaded.settings`).
 
 `open_backend` is the one place a backend is assembled: the worker (through load_backend),
@@ -28,22 +36,27 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from worker.backend_choice.auto import Candidate, CpuChoice
 from worker.backends.base import Backend, BackendName, OvPrecision
+from worker.names import TorchPrecision
 from worker.core.errors import BackendError, extra_missing
 from worker.core.model import ModelInfo, default_model_dir
 from worker.core.profiles import PadPolicy, Profile, load_profile
 from worker.settings.schema import Precision, Settings
 
+if TYPE_CHECKING:
+    from worker.backend_choice.torch_choice import TorchChoice
+
 log = structlog.get_logger(__name__)
 
 GPU_PACKAGES: tuple[str, ...] = ("tensorrt", "pycuda")
 GPU_INSTALL_HINT = "pip install 'keyword-embedder[gpu]'"
-DEFAULT_PROFILE: dict[BackendName, str] = {"tensorrt": "gpu", "onnxruntime": "cpu", "openvino": "cpu"}
+DEFAULT_PROFILE: dict[BackendName, str] = {"tensorrt": "gpu", "torch": "gpu", "onnxruntime": "cpu", "openvino": "cpu"}
+NO_GPU = "no NVIDIA GPU is visible (no /dev/nvidia* device, or CUDA_VISIBLE_DEVICES hides them)"
 
 FindSpec = Callable[[str], Any]
 
@@ -91,6 +104,12 @@ def choose_backend(settings: Settings, *, find_spec: FindSpec = importlib.util.f
         if not _found(find_spec, "openvino"):
             raise BackendError(extra_missing("openvino", "backend 'openvino'", "openvino"))
         return Choice("openvino", f"backend = openvino ({settings.openvino_precision})")
+    if settings.backend == "torch":
+        if not _found(find_spec, "torch"):
+            raise BackendError(extra_missing("torch", "backend 'torch'", "torch"))
+        if not has_gpu():
+            raise BackendError(f"backend 'torch': {NO_GPU}; use --backend onnxruntime on CPU")
+        return Choice("torch", "backend = torch")
     missing = missing_gpu_packages(find_spec)
     gpu = has_gpu()
     engine = Path(settings.engine_path) if settings.engine_path else None
@@ -100,8 +119,7 @@ def choose_backend(settings: Settings, *, find_spec: FindSpec = importlib.util.f
                 f"backend 'tensorrt' needs the gpu extra; missing: {', '.join(missing)}. "
                 f"Install it on the GPU machine: {GPU_INSTALL_HINT}")
         if not gpu:
-            raise BackendError("backend 'tensorrt': no NVIDIA GPU is visible (no /dev/nvidia* device, or "
-                               "CUDA_VISIBLE_DEVICES hides them); use --backend onnxruntime on CPU")
+            raise BackendError(f"backend 'tensorrt': {NO_GPU}; use --backend onnxruntime on CPU")
         if engine is None:
             raise BackendError("backend 'tensorrt' needs a plan: set --engine-path (KWE_ENGINE_PATH); build it "
                                "with: keyword-embedder build-engine --output PLAN")
@@ -109,16 +127,20 @@ def choose_backend(settings: Settings, *, find_spec: FindSpec = importlib.util.f
             raise BackendError(f"backend 'tensorrt': engine_path {engine} does not exist; build it with: "
                                f"keyword-embedder build-engine --output {engine}")
         return Choice("tensorrt", "backend = tensorrt")
-    # auto
-    if missing:
-        return Choice("onnxruntime", f"gpu extra not installed (missing {', '.join(missing)})", True)
+    # auto: TensorRT, else torch, else the CPU choice; each step says why the one before it was passed over.
     if not gpu:
         return Choice("onnxruntime", "no NVIDIA GPU visible", True)
-    if engine is None:
-        return Choice("onnxruntime", "no engine_path set (build a plan with keyword-embedder build-engine)", True)
-    if not engine.is_file():
-        return Choice("onnxruntime", f"engine_path {engine} does not exist", True)
-    return Choice("tensorrt", f"gpu extra, a GPU and the plan {engine} are present")
+    if missing:
+        no_trt = f"no TensorRT: gpu extra not installed (missing {', '.join(missing)})"
+    elif engine is None:
+        no_trt = "no TensorRT: no engine_path set (build a plan with keyword-embedder build-engine)"
+    elif not engine.is_file():
+        no_trt = f"no TensorRT: engine_path {engine} does not exist"
+    else:
+        return Choice("tensorrt", f"gpu extra, a GPU and the plan {engine} are present")
+    if _found(find_spec, "torch"):
+        return Choice("torch", f"{no_trt}; torch and a GPU are present")
+    return Choice("onnxruntime", f"{no_trt}; torch extra not installed", True)
 
 
 def resolve_profile_name(settings: Settings, backend: BackendName) -> str:
@@ -126,23 +148,28 @@ def resolve_profile_name(settings: Settings, backend: BackendName) -> str:
 
 
 def resolve_settings(settings: Settings, backend: BackendName, profile: Profile,
-                     openvino_precision: OvPrecision | None = None) -> Settings:
+                     openvino_precision: OvPrecision | None = None,
+                     torch_precision: TorchPrecision | None = None) -> Settings:
     """The settings with every "auto" replaced by what it stands for here.
 
-    backend: the one chosen (and, for OpenVINO, its precision); profile: the profile's name;
+    backend: the one chosen (and, for OpenVINO and torch, its precision); profile: the profile's name;
     pad_to: the profile's pad_to. What runs after this (the pipeline, the bucketer) never sees
     the word "auto".
     """
     pad_to: PadPolicy = profile.pad_to if settings.pad_to == "auto" else settings.pad_to
     return dataclasses.replace(settings, backend=backend, profile=profile.name, pad_to=pad_to,
                                intra_op_threads=intra_op_threads(settings),
-                               openvino_precision=openvino_precision or settings.openvino_precision)
+                               openvino_precision=openvino_precision or settings.openvino_precision,
+                               torch_precision=torch_precision or settings.torch_precision)
 
 
 def precision_label(settings: Settings) -> str:
-    """The arithmetic the resolved settings run: fp32/int8 (ONNX Runtime), bf16/f32 (OpenVINO), plan (TensorRT)."""
+    """The arithmetic the resolved settings run: fp32/int8 (ONNX Runtime), bf16/f32 (OpenVINO), plan (TensorRT),
+    fp16/bf16/fp32 (torch's encoder; its pooling is fp32)."""
     if settings.backend == "openvino":
         return settings.openvino_precision
+    if settings.backend == "torch":
+        return settings.torch_precision
     if settings.backend == "tensorrt":
         return "plan"
     return settings.precision
@@ -188,16 +215,26 @@ def model_info(settings: Settings) -> ModelInfo:
 def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = None, *, onnx_path: str | Path | None = None,
                  engine_path: str | Path | None = None, intra_op_threads: int = 0, fused: bool = False,
                  share_device_memory: bool = False, precision: Precision = "fp32",
-                 allow_spinning: bool = True, openvino_precision: OvPrecision = "bf16") -> Backend:
+                 allow_spinning: bool = True, openvino_precision: OvPrecision = "bf16",
+                 torch_precision: TorchPrecision = "auto") -> Backend:
     """The one place a backend is assembled (the worker, Embedder and the benchmark all come here).
 
     onnxruntime: `onnx_path`, or the cached export of `model` (`fused`: the offline-fused
     graph; precision "int8": the quantized graph, cached beside it); openvino: the same ONNX file compiled with `openvino_precision`,
     `intra_op_threads` threads per context (0: the usable cores);
-    tensorrt: the plan at `engine_path`, checked against `profile` and the ONNX file.
+    tensorrt: the plan at `engine_path`, checked against `profile` and the ONNX file;
+    torch: `model`'s weights with one CUDA graph per bucket of `profile`, in the first of
+    `torch_precision`'s candidates that passes the parity gate (onnx_path is not used).
     The backend's embedding size must be the model's.
     """
     backend: Backend
+    if kind == "torch":
+        if precision != "fp32":
+            raise BackendError(f"setting 'precision': {precision!r} is for the onnxruntime backend; the torch "
+                               "backend's is torch_precision (auto, fp16, bf16, fp32)")
+        if profile is None:
+            raise BackendError("backend 'torch' needs the bucket profile its CUDA graphs are captured for")
+        return open_torch(model, profile, torch_precision)[0]
     excluded = model.pipeline.prompt_tokens_excluded
     if excluded and (kind == "tensorrt" or onnx_path):
         # The graph built for a prompt leaves its tokens out of the pooling; a plan or a given
@@ -271,9 +308,15 @@ def load_backend(settings: Settings, *, model: ModelInfo | None = None,
     """
     model = model or model_info(settings)
     choice = choose_backend(settings, find_spec=find_spec, has_gpu=has_gpu)
+    threads = intra_op_threads(settings)
+    if choice.backend == "torch":
+        loaded, why_not = _load_torch(settings, model, choice)
+        if loaded is not None:
+            return loaded
+        # auto only (an explicit torch raised): torch cannot serve here; the CPU choice, saying why.
+        choice = Choice("onnxruntime", f"{choice.reason}; torch not used: {why_not}", True)
     profile = load_profile(resolve_profile_name(settings, choice.backend), settings.profiles_file or None,
                            model_max_len=model.max_seq_length)
-    threads = intra_op_threads(settings)
     if choice.measure_cpu:
         cpu, backend = choose_cpu(settings, model, threads=threads,
                                   ov_available=_found(find_spec, "openvino"))
@@ -291,6 +334,51 @@ def load_backend(settings: Settings, *, model: ModelInfo | None = None,
                            precision=settings.precision, allow_spinning=settings.ort_allow_spinning,
                            openvino_precision=settings.openvino_precision)
     return Loaded(resolve_settings(settings, choice.backend, profile), model, backend, profile, choice.reason)
+
+
+def _load_torch(settings: Settings, model: ModelInfo, choice: Choice) -> tuple[Loaded | None, str]:
+    """The torch backend gated in its best precision, or (auto only) None and why torch cannot serve.
+
+    An explicit `backend = torch` raises instead: one BackendError line, exit 2 at start.
+    """
+    from worker.backends.torch_plan import refusal
+
+    explicit = settings.backend == "torch"
+    if settings.precision != "fp32":
+        if explicit:
+            raise BackendError(f"setting 'precision': {settings.precision!r} is for the onnxruntime backend; the torch "
+                               "backend's is torch_precision (auto, fp16, bf16, fp32)")
+        return None, f"precision {settings.precision} is ONNX Runtime's"
+    why = refusal(model)
+    if why is not None:  # before torch is imported: the model alone says no
+        if explicit:
+            raise BackendError(why)
+        return None, why
+    profile = load_profile(resolve_profile_name(settings, "torch"), settings.profiles_file or None,
+                           model_max_len=model.max_seq_length)
+    try:
+        backend, torch_choice = open_torch(model, profile, settings.torch_precision)
+    except BackendError as exc:  # no CUDA in this torch, no precision passes the gate, out of GPU memory
+        if explicit:
+            raise
+        return None, str(exc)
+    reason = f"{choice.reason}; {torch_choice.reason}"
+    log.info("backend chosen", backend="torch", precision=torch_choice.precision, reason=reason,
+             profile=profile.name, device=torch_choice.device, seconds=round(torch_choice.seconds, 2))
+    resolved = resolve_settings(settings, "torch", profile, torch_precision=torch_choice.precision)
+    return Loaded(resolved, model, backend, profile, reason), ""
+
+
+def open_torch(model: ModelInfo, profile: Profile, requested: TorchPrecision = "auto") -> tuple[Backend, TorchChoice]:
+    """The torch backend in the best precision that passes the parity gate, and its TorchChoice."""
+    from worker.backend_choice.torch_choice import choose_torch
+
+    torch_choice, backend = choose_torch(model, profile, requested=requested)
+    if backend.dim != model.dim:
+        backend.close()
+        raise BackendError(f"torch: the backend gives {backend.dim}-d vectors but the model in {model.model_dir} "
+                           f"gives {model.dim}")
+    return backend, torch_choice
 
 
 def choose_cpu(settings: Settings, model: ModelInfo, *, threads: int, ov_available: bool | None = None,

