@@ -1,6 +1,6 @@
 """The CUDA-graph shapes of the PyTorch backend: now the worker's own (worker/backends/torch_plan.py).
 
-benchmarks/gpu/torch_backend.py became the worker backend `--backend torch`
+The benchmark's own torch_backend module became the worker backend `--backend torch`
 (worker/backends/torch_cuda.py); its shape and staging logic moved with it. Kept as an import path
 for the GPU scripts.
 """
