@@ -17,6 +17,7 @@ from worker.backends.base import Backend
 from worker.backends.isolating import IsolatingBackend
 from worker.batching.cost_model import CostModel
 from worker.core.errors import BackendError, extra_missing
+from worker.core.fingerprint import VectorSettings, model_fingerprint
 from worker.core.model import ModelError, ModelInfo, Prompt
 from worker.core.vectors import check_truncate_dim, default_int8_range
 from worker.delivery.acks import Acknowledger
@@ -115,16 +116,22 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Ass
              pipeline=info.pipeline.describe(),
              buckets=list(profile.bounds), max_len=tokenizer.max_len, pad_to=loaded.settings.pad_to,
              prompt_name=prompt.name, prompt=prompt.text or None, output_dim=codec.dim,
-             output_encoding=codec.encoding)
+             output_encoding=codec.encoding, fingerprint=codec.fingerprint,
+             precision=precision_label(loaded.settings))
     metrics = metrics if metrics is not None else Metrics()
     # Set once the choice is made: the metrics server (and /readyz) only starts after this returns.
     metrics.set_backend_info(backend.name, info.name, profile.name, precision=precision_label(loaded.settings),
                              cpu=cpu_model())
+    # Which vectors this worker writes: the fingerprint, with the precision stated beside it.
+    metrics.set_model_info(codec.fingerprint, info.name, precision=precision_label(loaded.settings),
+                           encoding=codec.encoding, dim=str(codec.dim))
     costs = cost_model(loaded.settings, info, backend) if loaded.settings.merge_buckets else None
     if costs is not None:
         metrics.watch_costs(costs)
     pipeline = wire_pipeline(loaded.settings, tokenizer=tokenizer, backend=backend, profile=profile,
                              model_name=info.name, metrics=metrics, costs=costs, codec=encoder, decode=decode)
+    pipeline.identity = {"model": info.name, "fingerprint": codec.fingerprint,
+                         "precision": precision_label(loaded.settings)}
     return Assembled(pipeline, backend)
 
 
@@ -187,7 +194,8 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
 
 
 def output_codec(settings: Settings, info: ModelInfo, prompt: Prompt) -> OutputCodec:
-    """The output records' codec: width (truncate_dim), encoding with its int8 range, the prompt."""
+    """The output records' codec: width (truncate_dim), encoding with its int8 range, the prompt, and
+    the model fingerprint of all of them (worker/core/fingerprint.py)."""
     try:
         check_truncate_dim(settings.truncate_dim, info.dim, source="setting 'truncate_dim'")
     except ValueError as exc:
@@ -201,10 +209,13 @@ def output_codec(settings: Settings, info: ModelInfo, prompt: Prompt) -> OutputC
                                 f"unit vectors, does not fit them; set int8_range to the range of its components")
         r = settings.int8_range or default_int8_range(dim)
         int8_range = (-r, r)
+    # Once per start: the codec writes it on every record as a constant.
+    fingerprint = model_fingerprint(info, VectorSettings(prompt=prompt.text, truncate_dim=settings.truncate_dim,
+                                                         encoding=settings.output_encoding, int8_range=int8_range))
     return OutputCodec(model=info.name, dim=dim, encoding=settings.output_encoding,  # type: ignore[arg-type]
                        truncate_dim=settings.truncate_dim, prompt_name=prompt.name, prompt=prompt.text,
                        int8_range=int8_range, fields=parse_output_fields(settings.output_fields),
-                       normalized=info.normalized)
+                       normalized=info.normalized, fingerprint=fingerprint.value)
 
 
 def registry_formats(settings: Settings, codec: OutputCodec) -> tuple[ValueEncoder, Decode | None]:

@@ -116,6 +116,9 @@ class Pipeline:
         self._delivery, self._output, self._bucketer = stages.delivery, stages.output, stages.bucketer
         self._intake, self._spans = stages.intake, stages.spans
         self.liveness = stages.liveness
+        # What the start log states beside the settings (the model, its fingerprint and precision),
+        # set by the assembly (worker.app.build_pipeline).
+        self.identity: dict[str, str] = {}
 
     # ------------------------------------------------------------------ state for probes
     def ready(self) -> tuple[bool, dict[str, bool]]:
@@ -156,7 +159,7 @@ class Pipeline:
             self._producer.start()
             log.info("worker started", processing_guarantee=s.processing_guarantee, group=s.group_id,
                      input_topic=s.input_topic, output_topic=s.output_topic, dead_letter_topic=s.dead_letter_topic,
-                     max_in_flight=s.max_in_flight, max_in_flight_bytes=s.max_in_flight_bytes)
+                     max_in_flight=s.max_in_flight, max_in_flight_bytes=s.max_in_flight_bytes, **self.identity)
             self._delivery.start()
             self._member.subscribe(s.input_topic, self._delivery)
             while not self._stop.is_set() and not self.latch.is_set():
