@@ -40,11 +40,15 @@ from worker.operations.metrics import Metrics
 from worker.output.dead_letters import DeadLetters
 from worker.output.stage import OutputStage
 from worker.output.tracing import BatchSpans
-from worker.pipeline import Pipeline, Shutdown, Stages
+from worker.kafka.offsets import OffsetTracker
+from worker.pipeline import Pipeline, PollGate, Shutdown, Stages
 from worker.settings.output_fields import parse_output_fields
 from worker.settings.schema import Settings, SettingsError
 
 log = structlog.get_logger(__name__)
+
+# A bounded run's poll gate, made from the group member's consumer and the offset tracker.
+GateFactory = Callable[[Any, OffsetTracker], PollGate]
 
 # A known-good input for telling a poison keyword from a broken backend (see IsolatingBackend).
 CANARY_TEXT = "keyword embedder canary"
@@ -91,11 +95,12 @@ def cost_model(settings: Settings, info: ModelInfo, backend: Backend) -> CostMod
     return cost_model_for(backend, calibration_key(settings, info))
 
 
-def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Assembled:
+def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: GateFactory | None = None) -> Assembled:
     """Loads the model's tokenizer and the backend the settings ask for, and wires the pipeline.
 
     The model folder is read once, and the pipeline gets the settings with every "auto"
-    resolved (backend, profile, pad_to). Raises ModelError / BackendError / ProfileError with
+    resolved (backend, profile, pad_to). `gate` makes a bounded run's poll gate (a backfill's) from
+    the group member's consumer and the offset tracker; None for `run`. Raises ModelError / BackendError / ProfileError with
     messages that name the file or setting.
     """
     from worker.backend_choice.select import load_backend, model_info, precision_label
@@ -129,7 +134,8 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Ass
     if costs is not None:
         metrics.watch_costs(costs)
     pipeline = wire_pipeline(loaded.settings, tokenizer=tokenizer, backend=backend, profile=profile,
-                             model_name=info.name, metrics=metrics, costs=costs, codec=encoder, decode=decode)
+                             model_name=info.name, metrics=metrics, costs=costs, codec=encoder, decode=decode,
+                             gate=gate)
     pipeline.identity = {"model": info.name, "fingerprint": codec.fingerprint,
                          "precision": precision_label(loaded.settings)}
     return Assembled(pipeline, backend)
@@ -140,7 +146,7 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
                   consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
                   producer_factory: Callable[[dict[str, Any]], Any] = Producer,
                   codec: ValueEncoder | None = None, decode: Decode | None = None,
-                  spans: BatchSpans | None = None) -> Pipeline:
+                  spans: BatchSpans | None = None, gate: GateFactory | None = None) -> Pipeline:
     """The stages around a loaded tokenizer and backend, wired into a Pipeline.
 
     The factories are the tests' seams (fake clients, a fake bucketer). `codec` is the output
@@ -189,7 +195,7 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
                         committer.stalled_for, settings.stall_timeout_s)
     stages = Stages(inflight=inflight, flow=flow, producer=producer, acks=acks, committer=committer, member=member,
                     delivery=delivery, output=output, bucketer=bucketer, intake=intake, liveness=liveness,
-                    spans=spans)
+                    spans=spans, gate=gate(member.client, committer.tracker) if gate is not None else None)
     return Pipeline(settings, shutdown, stages, metrics)
 
 
