@@ -152,6 +152,21 @@ def test_the_range_is_kept_in_a_group_of_its_own_and_read_back_on_a_restart() ->
         open_range(admin, "g", TOPIC, FromSpec.parse("10"))  # type: ignore[arg-type]
 
 
+def test_the_new_live_group_takes_over_where_the_range_ends() -> None:
+    admin = _admin()
+    # A new live group without offsets: it starts at the ends, which stay the range's.
+    r, _ = open_range(admin, "g", TOPIC, FromSpec.parse("beginning"), live_group="v2")  # type: ignore[arg-type]
+    assert [p.end for p in r.parts] == [100, 50, 0]
+    assert {p: off for p, (off, _) in admin.groups["v2"].items()} == {0: 100, 1: 50, 2: 0}
+    # A live group that already committed (it ran first): the range ends where it stands instead.
+    admin = _admin()
+    admin.groups["v2"] = {0: (80, None)}
+    r, _ = open_range(admin, "g", TOPIC, FromSpec.parse("beginning"), live_group="v2")  # type: ignore[arg-type]
+    assert [(p.start, p.end) for p in r.parts] == [(0, 80), (10, 50), (0, 0)]
+    assert admin.groups["v2"][0][0] == 80 and admin.groups["v2"][1][0] == 50
+    assert admin.groups[range_group("g")][0][0] == 80  # kept as such: a restart ends there too
+
+
 def test_a_group_that_holds_something_else_is_refused() -> None:
     admin = _admin()
     admin.groups[range_group("g")] = {0: (5, "not json")}

@@ -68,7 +68,7 @@ class Outcome:
     past_end: int  # records read past their partition's end, left to the live group
     seconds: float
     left: Mapping[int, int]  # partition -> offsets not done
-    stopped_by: str | None  # the signal that stopped it, or None
+    stopped_by: str | None  # what stopped it before the end (a stop signal, --capture-only), or None
 
 
 def summary(outcome: Outcome, *, group: str, output_topic: str, stream: TextIO = sys.stdout) -> None:
@@ -77,7 +77,12 @@ def summary(outcome: Outcome, *, group: str, output_topic: str, stream: TextIO =
     this_run = outcome.embedded + outcome.dead_lettered
     rate = this_run / outcome.seconds if outcome.seconds > 0 else 0.0
     left = sum(outcome.left.values())
-    state = "complete" if not left else f"stopped{f' by {outcome.stopped_by}' if outcome.stopped_by else ''}"
+    if not left:
+        state = "complete"
+    elif outcome.stopped_by == "--capture-only":
+        state = "range captured and kept (--capture-only); the same command without it embeds it"
+    else:
+        state = f"stopped{f' by {outcome.stopped_by}' if outcome.stopped_by else ''}"
     lines = [
         f"backfill {rng.topic} -> {output_topic} (group {group}): {state}",
         f"  range        {rng.total:,} offsets in {len(rng.parts)} partitions, from {rng.origin}, to the ends "
@@ -89,7 +94,9 @@ def summary(outcome: Outcome, *, group: str, output_topic: str, stream: TextIO =
     ]
     if left:
         parts = ", ".join(f"{p}: {n:,}" for p, n in sorted(outcome.left.items()))
-        lines.append(f"  left         {left:,} offsets (partition {parts}); rerun the same command to resume")
+        again = "run the same command without --capture-only" if outcome.stopped_by == "--capture-only" else \
+            "rerun the same command to resume"
+        lines.append(f"  left         {left:,} offsets (partition {parts}); {again}")
     else:
         lines.append("  left         0")
     print("\n".join(lines), file=stream, flush=True)

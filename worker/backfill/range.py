@@ -289,9 +289,15 @@ def load_range(admin: AdminClient, group: str, topic: str, partitions: Sequence[
     return Range(topic, origin, captured, tuple(parts))
 
 
-def open_range(admin: AdminClient, group: str, topic: str, origin: FromSpec) -> tuple[Range, bool]:
+def open_range(admin: AdminClient, group: str, topic: str, origin: FromSpec, *,
+               live_group: str = "") -> tuple[Range, bool]:
     """The kept range of `group` (refused when it began at another `--from`), or a new one captured
-    and kept now. Returns (range, kept: it was there before)."""
+    and kept now. Returns (range, kept: it was there before).
+
+    `live_group`, the new model's live group, takes over where the range ends: a partition it has
+    an offset for already ends the range there (it embeds from there on); one it has none for gets
+    the range's end committed as its start. No record is embedded by both, none by neither.
+    """
     partitions = partitions_of(admin, topic)
     kept = load_range(admin, group, topic, partitions)
     if kept is not None:
@@ -299,13 +305,43 @@ def open_range(admin: AdminClient, group: str, topic: str, origin: FromSpec) -> 
             raise SettingsError(f"group {group!r} already holds a range of {topic} from {kept.origin} (captured "
                                 f"{_when(kept.captured_ms)}), not from {origin.text}: rerun with that --from to "
                                 f"resume it, or give another --group-id for another range")
+        if live_group:
+            hand_off(admin, live_group, kept)
         return kept, True
     rng = capture(admin, topic, origin)
+    if live_group:
+        rng = hand_off(admin, live_group, rng)
     commit(admin, range_group(group), topic, {p.partition: p.end for p in rng.parts},
            {p.partition: rng.metadata(p) for p in rng.parts})
-    log.info("backfill range captured", topic=topic, origin=rng.origin, offsets=rng.total,
+    log.info("backfill range captured", topic=topic, origin=rng.origin, offsets=rng.total, live_group=live_group or None,
              partitions={p.partition: [p.start, p.end] for p in rng.parts})
     return rng, False
+
+
+def hand_off(admin: AdminClient, live_group: str, rng: Range) -> Range:
+    """The range ended where `live_group` begins: its committed offsets end the range where it has
+    them (at capture they are at most the ends: it reads read_committed too); where it has none, the
+    range's end is committed for it (it must not run yet: its offsets can only be set while it is
+    empty)."""
+    have = committed_offsets(admin, live_group, rng.topic, [p.partition for p in rng.parts])
+    parts, missing = [], {}
+    for p in rng.parts:
+        at = have.get(p.partition, (None, None))[0]
+        if at is None:
+            missing[p.partition] = p.end
+            parts.append(p)
+        else:
+            end = min(at, p.end)
+            parts.append(PartitionRange(p.partition, min(p.start, end), end))
+    if missing:
+        try:
+            commit(admin, live_group, rng.topic, missing, wait_empty_s=0.0)
+        except BackfillError as exc:
+            raise BackfillError(f"--live-group {live_group!r} runs already but has no offsets for "
+                                f"{rng.topic}[{', '.join(map(str, sorted(missing)))}] to hand off at: stop it, run "
+                                f"the backfill with --capture-only first, then start it ({exc})") from None
+        log.info("live group starts where the range ends", live_group=live_group, offsets=missing)
+    return Range(rng.topic, rng.origin, rng.captured_ms, tuple(parts))
 
 
 def prepare(admin: AdminClient, group: str, rng: Range) -> Plan:

@@ -49,6 +49,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-rate", type=float, default=0.0, metavar="R",
                         help="Read at most R keywords per second (a token bucket on consumption), to leave room "
                              "for the live group; 0: as fast as the worker embeds.")
+    parser.add_argument("--live-group", default="", metavar="GROUP",
+                        help="The new model's live group: the range ends where it begins (its committed offsets), "
+                             "and where it has none yet it gets the range's end as its start, so no record is "
+                             "embedded by both and none by neither. Give it at the first start, before GROUP runs "
+                             "(docs/cutover.md).")
+    parser.add_argument("--capture-only", action="store_true",
+                        help="Capture and keep the range (and hand its end to --live-group), print it, and exit 0 "
+                             "without embedding; the same command without it then embeds the range.")
     parser.add_argument("--no-progress", action="store_true", help="No progress bar (or progress log lines).")
 
 
@@ -85,9 +93,10 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
         return 2
     from worker.backfill.progress import Outcome, summary
 
-    if plan.complete:
-        summary(Outcome(plan, plan.range.total, 0, 0, 0, 0.0, {}, None), group=settings.group_id,
-                output_topic=settings.output_topic)
+    if plan.complete or args.capture_only:
+        summary(Outcome(plan, plan.range.total - sum(plan.left.values()), 0, 0, 0, 0.0, plan.left,
+                        "--capture-only" if args.capture_only else None),
+                group=settings.group_id, output_topic=settings.output_topic)
         return 0
     return _run(args, settings, plan, metrics, signals)
 
@@ -114,7 +123,9 @@ def _start(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from confluent_kafka.admin import AdminClient
 
     admin = AdminClient(admin_config(settings))
-    rng, kept = open_range(admin, group, settings.input_topic, origin)
+    if args.live_group == group:
+        raise SettingsError(f"--live-group {args.live_group!r} is the backfill's own group")
+    rng, kept = open_range(admin, group, settings.input_topic, origin, live_group=args.live_group)
     plan = prepare(admin, group, rng)
     structlog.get_logger("worker.backfill").info(
         "backfill range", topic=rng.topic, group=group, origin=rng.origin, kept=kept, offsets=rng.total,
