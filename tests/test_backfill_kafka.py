@@ -4,18 +4,19 @@
   present at its start (by partition and offset, read back from the input), none after; exit 0; with
   exactly-once (and an input written in transactions, so the ends fall after commit markers) each
   of them once.
-- SIGKILL half way, more records arrive, then a restart with the same arguments: it resumes where
-  the group committed (nothing finished is redone), keeps the range captured first, and completes
-  it with nothing lost.
+- SIGTERM a third of the way (exit 130, what is left said), SIGKILL two thirds of the way, more
+  records arrive, then the same command again: each run resumes where the group committed (nothing
+  finished is redone), keeps the range captured first, and the last completes it with nothing lost.
 - `--max-rate R` holds the output rate within 10% of R.
 
-A few thousand keywords, and the rate check at 200/s for 6 s: about 75 s on a 2-core box, most of it
-the five process starts (the model and its backend load each time).
+A few thousand keywords, and the rate check at 200/s for 6 s: about 70 s on a 2-core box, most of it
+the six process starts (the model and its backend load each time).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -170,29 +171,45 @@ def test_a_growing_topic_gets_exactly_the_records_present_at_the_start(
                                                                           for r in reader.records[:1]}
 
 
-def test_killed_half_way_a_restart_with_the_same_arguments_completes_the_range(
+def _stop_after(run: Backfill, out: str, bootstrap: str, outputs: int, sig: int) -> None:
+    """Sends `sig` once the output topic holds `outputs` distinct keywords, and waits for the exit."""
+    watcher = TopicReader(bootstrap, out, f"watch-{uuid.uuid4().hex[:8]}")
+    deadline = time.monotonic() + 120
+    while len(watcher.ids()) < outputs:
+        watcher.poll(0.2)
+        assert run.proc is not None and run.proc.poll() is None, run.log()[-3000:]
+        assert time.monotonic() < deadline, "no progress"
+    watcher.close()
+    assert run.proc is not None
+    run.proc.send_signal(sig)
+
+
+def test_stopped_then_killed_half_way_a_restart_with_the_same_arguments_completes_the_range(
         kafka_bootstrap: str, make_topic: Callable[..., str], tmp_path: Path) -> None:
     topics = _topics(make_topic)
     inp, out, _ = topics
     produce_queries(kafka_bootstrap, inp, load_queries(0, 2400))
     run = Backfill(kafka_bootstrap, topics, tmp_path, ["--max-rate", "400"]).start()
-    watcher = TopicReader(kafka_bootstrap, out, f"watch-{uuid.uuid4().hex[:8]}")
-    deadline = time.monotonic() + 120
-    while len(watcher.ids()) < 800:
-        watcher.poll(0.2)
-        assert run.proc is not None and run.proc.poll() is None, run.log()[-3000:]
-        assert time.monotonic() < deadline, "no progress"
-    run.proc.kill()  # SIGKILL: no drain, no commit
-    run.proc.wait()
-    watcher.close()
-    done_at_kill = committed_offsets(kafka_bootstrap, f"{out}-backfill", inp, PARTITIONS)
+    # SIGTERM: it drains, commits everything it finished, says what is left and exits 130.
+    _stop_after(run, out, kafka_bootstrap, 600, signal.SIGTERM)
+    assert run.wait(60) == 130, run.log()[-3000:]
+    done = committed_offsets(kafka_bootstrap, f"{out}-backfill", inp, PARTITIONS)
     ends = committed_offsets(kafka_bootstrap, f"{out}-backfill-range", inp, PARTITIONS)
-    assert 0 < sum(done_at_kill.values()) < sum(ends.values()) == 2400
+    assert "stopped by a stop signal" in run.summary()
+    assert f"left         {sum(ends.values()) - sum(done.values()):,} offsets" in run.summary(), run.summary()
+
+    # The same command again, SIGKILLed half way: no drain, no commit.
+    run.start()
+    _stop_after(run, out, kafka_bootstrap, 1400, signal.SIGKILL)
+    run.wait(30)
+    assert run.event("backfill range")["done_before"] == sum(done.values())  # resumed, nothing redone
+    done_at_kill = committed_offsets(kafka_bootstrap, f"{out}-backfill", inp, PARTITIONS)
+    assert sum(done.values()) < sum(done_at_kill.values()) < sum(ends.values()) == 2400
     produce_queries(kafka_bootstrap, inp, [(f"after-kill-{i}", "weather tomorrow") for i in range(150)])
 
     assert run.start().wait() == 0, run.log()[-3000:]
     resumed = run.event("backfill range")
-    assert resumed["kept"] is True and resumed["done_before"] == sum(done_at_kill.values())  # nothing redone
+    assert resumed["kept"] is True and resumed["done_before"] == sum(done_at_kill.values())
     assert committed_offsets(kafka_bootstrap, f"{out}-backfill-range", inp, PARTITIONS) == ends  # the first range
     where = _positions(kafka_bootstrap, inp)
     present = {qid for qid, (p, off) in where.items() if off < ends[p]}
@@ -201,7 +218,7 @@ def test_killed_half_way_a_restart_with_the_same_arguments_completes_the_range(
     assert set(counts) == present  # 0 lost, nothing past the range
     duplicates = sum(counts.values()) - len(counts)
     assert duplicates <= 4096, duplicates  # at least once: at most what was in flight (max_in_flight)
-    print(f"backfill kill/restart: {duplicates} duplicates of {len(counts)}")
+    print(f"backfill stop/kill/restart: {duplicates} duplicates of {len(counts)}")
 
 
 def test_max_rate_holds_the_rate_within_ten_percent(kafka_bootstrap: str, make_topic: Callable[..., str],

@@ -83,7 +83,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
         print(f"{PROG}: --max-rate must be >= 0", file=sys.stderr)
         return 2
     try:
-        settings, plan, metrics = _start(args)
+        settings, plan, admin = _start(args)
     except KeywordEmbedderError as exc:
         if signals.stopped_during_startup():
             raise StopDuringStartup(signals.requested) from None
@@ -98,7 +98,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
                         "--capture-only" if args.capture_only else None),
                 group=settings.group_id, output_topic=settings.output_topic)
         return 0
-    return _run(args, settings, plan, metrics, signals)
+    return _run(args, settings, plan, admin, signals)
 
 
 def _start(args: argparse.Namespace) -> tuple[Any, Any, Any]:
@@ -106,7 +106,6 @@ def _start(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     from worker.backfill.range import FromSpec, open_range, prepare
     from worker.kafka.client_config import admin_config, client_config, secret_values
     from worker.kafka.preflight import check_topics
-    from worker.operations.metrics import Metrics
     from worker.settings.schema import SettingsError
 
     origin = FromSpec.parse(args.origin)
@@ -134,18 +133,20 @@ def _start(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if origin.kind == "offset" and rng.total == 0 and rng.parts and origin.value >= max(p.end for p in rng.parts) > 0:
         print(f"{PROG}: --from {args.origin} is past every partition's end: nothing to embed (epoch milliseconds "
               f"are written {args.origin}ms)", file=sys.stderr)
-    return settings, plan, Metrics()
+    return settings, plan, admin
 
 
-def _run(args: argparse.Namespace, settings: Any, plan: Any, metrics: Any, signals: StopSignals) -> int:
+def _run(args: argparse.Namespace, settings: Any, plan: Any, admin: Any, signals: StopSignals) -> int:
     from worker.app import build_pipeline
     from worker.backfill.gate import RangeGate
     from worker.backfill.progress import Outcome, Progress, summary
     from worker.backfill.rate import TokenBucket
     from worker.core.errors import KeywordEmbedderError
+    from worker.operations.metrics import Metrics
     from worker.operations.probes import MetricsServer
 
     log = structlog.get_logger("worker.backfill")
+    metrics = Metrics()
     progress = Progress(plan, enabled=not args.no_progress)
     limiter = TokenBucket(args.max_rate) if args.max_rate else None
     gates: list[RangeGate] = []
@@ -187,8 +188,9 @@ def _run(args: argparse.Namespace, settings: Any, plan: Any, metrics: Any, signa
         progress.close()
     [range_gate] = gates
     embedded, dead_lettered = pipeline.outcomes()
-    summary(Outcome(plan, range_gate.progress(), embedded, dead_lettered, range_gate.dropped,
-                    time.monotonic() - started, range_gate.left(), "a stop signal" if stopped else None),
+    left = {} if range_gate.complete else _left(admin, settings.group_id, plan, range_gate.left())
+    summary(Outcome(plan, plan.range.total - sum(left.values()), embedded, dead_lettered, range_gate.dropped,
+                    time.monotonic() - started, left, "a stop signal" if stopped else None),
             group=settings.group_id, output_topic=settings.output_topic)
     if code == 1 and pipeline.latch.error is not None:
         print(f"{PROG}: {pipeline.latch.error}", file=sys.stderr)
@@ -204,3 +206,17 @@ def _run(args: argparse.Namespace, settings: Any, plan: Any, metrics: Any, signa
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def _left(admin: Any, group: str, plan: Any, seen: dict[int, int]) -> dict[int, int]:
+    """What is left of the range by the group's committed offsets: what the next run resumes from
+    (what the gate saw last is a fallback when the cluster does not answer)."""
+    from worker.backfill.range import BackfillError, committed_offsets
+    from worker.backfill.range import plan as resume_plan
+
+    try:
+        committed = committed_offsets(admin, group, plan.range.topic, [p.partition for p in plan.range.parts])
+    except BackfillError as exc:
+        structlog.get_logger("worker.backfill").warning("cannot read what is left; as last seen", error=str(exc))
+        return seen
+    return dict(resume_plan(plan.range, {p: off for p, (off, _) in committed.items()}).left)
