@@ -187,3 +187,15 @@ def test_metrics_state_it_with_the_precision_beside_it() -> None:
                            dim="384")
     line = next(x for x in metrics.render().decode().splitlines() if x.startswith("kwe_model_info{"))
     assert line.endswith(" 1.0") and 'fingerprint="v1-0123456789abcdef"' in line and 'precision="bf16"' in line
+
+
+def test_the_offline_embedder_states_the_fingerprint_a_worker_with_its_settings_writes() -> None:
+    from worker.embedder import Embedder
+
+    info = ModelInfo.from_dir(default_model_dir())
+    with Embedder(backend="onnxruntime", cache_bytes=0) as plain:
+        assert plain.fingerprint() == output_codec(Settings(), info, Prompt()).fingerprint
+        assert plain.fingerprint("int8") == output_codec(Settings(output_encoding="int8"), info, Prompt()).fingerprint
+    with Embedder(backend="onnxruntime", cache_bytes=0, truncate_dim=128, prompt="query: ") as short:
+        assert short.fingerprint() == output_codec(Settings(truncate_dim=128, prompt="query: "), info,
+                                                   Prompt("query: ")).fingerprint
