@@ -211,12 +211,13 @@ def _run(args: argparse.Namespace, settings: Any, plan: Any, admin: Any, signals
 def _left(admin: Any, group: str, plan: Any, seen: dict[int, int]) -> dict[int, int]:
     """What is left of the range by the group's committed offsets: what the next run resumes from
     (what the gate saw last is a fallback when the cluster does not answer)."""
-    from worker.backfill.range import BackfillError, committed_offsets
+    from worker.backfill.range import committed_offsets
     from worker.backfill.range import plan as resume_plan
+    from worker.core.errors import KeywordEmbedderError
 
     try:
         committed = committed_offsets(admin, group, plan.range.topic, [p.partition for p in plan.range.parts])
-    except BackfillError as exc:
+    except KeywordEmbedderError as exc:  # BackfillError: the cluster did not answer
         structlog.get_logger("worker.backfill").warning("cannot read what is left; as last seen", error=str(exc))
         return seen
     return dict(resume_plan(plan.range, {p: off for p, (off, _) in committed.items()}).left)
