@@ -9,7 +9,7 @@
   finished is redone), keeps the range captured first, and the last completes it with nothing lost.
 - `--max-rate R` holds the output rate within 10% of R.
 
-A few thousand keywords, and the rate check at 200/s for 6 s: about 70 s on a 2-core box, most of it
+A few thousand keywords, and the rate check at 200/s for 6 s: about 60 s on a 2-core box, most of it
 the six process starts (the model and its backend load each time).
 """
 

@@ -63,6 +63,10 @@ class RangeGate:
         self._next_check = 0.0
         self._next_group_check = 0.0
         self._next_progress = 0.0
+        # When the first record of the range came and the last partition was done: the run's own
+        # time, for its rate (not the model load, the join or the shutdown).
+        self._first_at: float | None = None
+        self._done_at: float | None = None
 
     # ------------------------------------------------------------------ the poll loop's hooks
     def room(self, want: int) -> int:
@@ -79,6 +83,8 @@ class RangeGate:
             end = self._ends.get(p) if msg.topic() == self._topic else None
             if end is not None and msg.offset() < end:
                 kept.append(msg)
+                if self._first_at is None:
+                    self._first_at = self._clock()
                 continue
             self.dropped += 1
             self._hold(p, msg.topic(), why="a record past the end of the range")
@@ -97,6 +103,7 @@ class RangeGate:
             if p not in self._done:
                 self._look_at(p, end)
         if len(self._done) == len(self._ends):
+            self._done_at = self._done_at or now
             return True
         if now >= self._next_group_check and all(self._tracker.get(self._topic, p) is None
                                                  for p in self._ends if p not in self._done):
@@ -129,6 +136,12 @@ class RangeGate:
     @property
     def complete(self) -> bool:
         return len(self._done) == len(self._ends)
+
+    def busy_seconds(self) -> float:
+        """From the first record of the range to the end of the work (or now, when stopped first)."""
+        if self._first_at is None:
+            return 0.0
+        return max(0.0, (self._done_at or self._clock()) - self._first_at)
 
     # ------------------------------------------------------------------ partitions
     def _hold(self, partition: int, topic: str, *, why: str) -> None:

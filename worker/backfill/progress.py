@@ -66,7 +66,7 @@ class Outcome:
     embedded: int
     dead_lettered: int
     past_end: int  # records read past their partition's end, left to the live group
-    seconds: float
+    seconds: float  # from the first record of the range to the end of the work
     left: Mapping[int, int]  # partition -> offsets not done
     stopped_by: str | None  # what stopped it before the end (a stop signal, --capture-only), or None
 

@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
 from typing import Any
 
 import structlog
@@ -178,7 +177,6 @@ def _run(args: argparse.Namespace, settings: Any, plan: Any, admin: Any, signals
                                pipeline.liveness)
         server.start()
         log.info("metrics served", url=f"http://{settings.metrics_host}:{server.port}/metrics")
-    started = time.monotonic()
     try:
         code = pipeline.run()
     finally:
@@ -190,7 +188,7 @@ def _run(args: argparse.Namespace, settings: Any, plan: Any, admin: Any, signals
     embedded, dead_lettered = pipeline.outcomes()
     left = {} if range_gate.complete else _left(admin, settings.group_id, plan, range_gate.left())
     summary(Outcome(plan, plan.range.total - sum(left.values()), embedded, dead_lettered, range_gate.dropped,
-                    time.monotonic() - started, left, "a stop signal" if stopped else None),
+                    range_gate.busy_seconds(), left, "a stop signal" if stopped else None),
             group=settings.group_id, output_topic=settings.output_topic)
     if code == 1 and pipeline.latch.error is not None:
         print(f"{PROG}: {pipeline.latch.error}", file=sys.stderr)
