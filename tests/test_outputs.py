@@ -136,11 +136,11 @@ def test_codec_records_validate_and_read_back(encoding: str) -> None:
         assert bits.tolist() == (short > 0).astype(np.uint8).tolist()
 
 
-def test_default_record_has_no_new_fields_or_headers() -> None:
+def test_default_record_has_only_the_fingerprint_besides_the_original_fields_and_headers() -> None:
     codec = output_codec(Settings(), ModelInfo.from_dir(default_model_dir()), Prompt())
     obj = orjson.loads(codec.value("q", _unit_rows(1, 384)[0], 3, False))
-    assert set(obj) == {"id", "embedding", "encoding", "dim", "model", "tokens", "truncated"}
-    assert [name for name, _ in codec.headers] == ["kwe-model", "kwe-encoding", "kwe-dim"]
+    assert set(obj) == {"id", "embedding", "encoding", "dim", "model", "tokens", "truncated", "fingerprint"}
+    assert [name for name, _ in codec.headers] == ["kwe-model", "kwe-encoding", "kwe-dim", "kwe-fingerprint"]
 
 
 def test_int8_needs_its_range() -> None:

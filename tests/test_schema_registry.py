@@ -238,3 +238,80 @@ def test_protobuf_output_and_input_round_trip(schema_registry: str, encoding: st
     assert decode(topic, None, ProtobufSerializer(keyword, SchemaRegistryClient({"url": schema_registry}))(
         keyword(id="p-2"), _ctx(topic + "-in")), [], 0).reason == "empty_text"  # type: ignore[union-attr]
     assert decode(topic, None, b"\x00\x00\x00\x00\x01\xff\xff", [], 0).reason == "schema_error"  # type: ignore[union-attr]
+
+
+# ------------------------------------------------------------------ the fingerprint field
+
+
+def _previous(fmt: str, encoding: str, *, as_the_worker_registered: bool = False) -> Schema:
+    """The output schema as registered before the fingerprint field (what existing subjects hold).
+    Protobuf: the .proto text a user registers, or the descriptor an auto-registering worker did."""
+    from worker.formats.protobuf_schemas import ADDED_FIELDS, file_descriptor_proto, proto_source
+    from worker.formats.schema_registry import PREVIOUS_DIR
+
+    stem = schema_file(fmt, encoding).stem
+    if fmt == "protobuf" and as_the_worker_registered:
+        from confluent_kafka.schema_registry.protobuf import _schema_to_str
+        from google.protobuf import descriptor_pool
+
+        pool = descriptor_pool.DescriptorPool()
+        fdp = file_descriptor_proto(stem, without=ADDED_FIELDS)
+        pool.Add(fdp)
+        return Schema(_schema_to_str(pool.FindFileByName(fdp.name)), "PROTOBUF")
+    if fmt == "protobuf":
+        return Schema(proto_source(stem, without=ADDED_FIELDS), "PROTOBUF")
+    if fmt == "json-schema":  # unchanged: the field is allowed by its open content model, not declared
+        return Schema(schema_file(fmt, encoding).read_text(), "JSON")
+    return Schema((PREVIOUS_DIR / schema_file(fmt, encoding).name).read_text(), "AVRO")
+
+
+def _read(fmt: str, encoding: str, url: str, value: bytes, topic: str) -> dict[str, object]:
+    client = SchemaRegistryClient({"url": url})
+    if fmt == "avro":
+        return AvroDeserializer(client)(value, _ctx(topic))  # type: ignore[no-any-return]
+    if fmt == "json-schema":
+        return JSONDeserializer(None, schema_registry_client=client)(value, _ctx(topic))  # type: ignore[no-any-return]
+    from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer
+    from google.protobuf.json_format import MessageToDict
+
+    from worker.formats.protobuf_schemas import message_class
+
+    got = ProtobufDeserializer(message_class(schema_file(fmt, encoding).stem), {}, client)(value, _ctx(topic))
+    return MessageToDict(got, preserving_proto_field_name=True)
+
+
+@pytest.mark.parametrize("fmt", ["avro", "json-schema", "protobuf"])
+def test_the_fingerprint_field_is_a_compatible_new_version_of_a_registered_subject(schema_registry: str,
+                                                                                  fmt: str) -> None:
+    topic = _topic()
+    client = SchemaRegistryClient({"url": schema_registry})
+    client.register_schema(f"{topic}-value", _previous(fmt, "float-list"))
+    client.set_compatibility(f"{topic}-value", "BACKWARD")
+    codec = OutputCodec(model="m", dim=DIM, encoding="float-list", fingerprint="v1-0123456789abcdef")
+    settings = _settings(schema_registry, topic, output_format=fmt, schema_auto_register=True)
+    out = RegistryOutput(settings, codec, registry_client(settings))
+    out.check(DIM)  # registered as version 2, not refused (409) as incompatible
+    # JSON Schema's file is unchanged (the open content model allows the field): no new version.
+    assert len(client.get_versions(f"{topic}-value")) == (1 if fmt == "json-schema" else 2)
+    assert _read(fmt, "float-list", schema_registry, out.value("q-1", _vec(), 4, False), topic)["fingerprint"] == \
+        "v1-0123456789abcdef"
+
+
+@pytest.mark.parametrize(("fmt", "encoding"), [("avro", "float-list"), ("avro", "int8"), ("json-schema", "base64-f32"),
+                                               ("protobuf", "binary")])
+def test_without_auto_register_the_previous_version_is_used_and_the_header_carries_it(
+        schema_registry: str, fmt: str, encoding: str) -> None:
+    topic = _topic()
+    client = SchemaRegistryClient({"url": schema_registry})
+    client.register_schema(f"{topic}-value", _previous(fmt, encoding, as_the_worker_registered=True))
+    r = default_int8_range(DIM)
+    codec = OutputCodec(model="m", dim=DIM, encoding=encoding, fingerprint="v1-0123456789abcdef",  # type: ignore[arg-type]
+                        int8_range=(-r, r) if encoding == "int8" else None)
+    settings = _settings(schema_registry, topic, output_format=fmt, output_encoding=encoding)  # auto-register off
+    out = RegistryOutput(settings, codec, registry_client(settings))
+    out.check(DIM)  # the worker starts: the subject's (previous) schema is used
+    got = _read(fmt, encoding, schema_registry, out.value("q-2", _vec(), 4, False), topic)
+    # JSON Schema's registered schema is the current one and takes the field; the others' previous do not.
+    assert got["id"] == "q-2" and got.get("fingerprint") == ("v1-0123456789abcdef" if fmt == "json-schema" else None)
+    assert dict(out.headers)["kwe-fingerprint"] == b"v1-0123456789abcdef"
+    assert len(client.get_versions(f"{topic}-value")) == 1  # nothing registered behind the user's back

@@ -49,7 +49,8 @@ def test_renamed_fields_passed_headers_and_trace_context_reach_embeddings_and_de
         dead.close()
     by_id = {r.key: r for r in reader.records}
     with_headers, without = by_id[queries[1][0]], by_id[queries[0][0]]
-    assert set(with_headers.value) == {"query_id", "vector", "dim", "tokens", "truncated", "id", "collection_name"}
+    assert set(with_headers.value) == {"query_id", "vector", "dim", "tokens", "truncated", "id", "collection_name",
+                                       "fingerprint"}
     assert with_headers.value["query_id"] == with_headers.key == queries[1][0]
     assert with_headers.value["id"] == str(uuid.uuid5(uuid.NAMESPACE_URL, queries[1][0]))
     assert with_headers.value["collection_name"] == "keywords"
@@ -59,7 +60,7 @@ def test_renamed_fields_passed_headers_and_trace_context_reach_embeddings_and_de
     assert "other" not in with_headers.headers and with_headers.headers["kwe-dim"] == b"384"
     trace = with_headers.headers["traceparent"].decode().split("-")
     assert trace[1] == "0af7651916cd43dd8448eb211c80319c" and trace[2] != "b7ad6b7169203331"
-    assert set(without.headers) == {"kwe-model", "kwe-encoding", "kwe-dim"}  # nothing to pass, nothing added
+    assert set(without.headers) == {"kwe-model", "kwe-encoding", "kwe-dim", "kwe-fingerprint"}  # nothing to pass, nothing added
     letter = dead.records[0]
     assert letter.headers["kwe-dlq-reason"] == b"empty_text" and letter.headers["tenant"] == b"acme"
     assert "kwe-dim" not in letter.headers  # an input kwe-* header stays in the value only

@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+import types
 from pathlib import Path
 from typing import Any
 
@@ -555,7 +556,7 @@ def test_kwe_backend_info_says_which_backend_and_why(fake_torch: Any, tmp_path: 
     monkeypatch.setenv("KWE_CACHE_DIR", str(tmp_path))
     (tmp_path / "nvidia0").touch()  # a GPU's device node, as the driver makes it
     monkeypatch.setattr(select.gpu_present, "__defaults__", (None, str(tmp_path / "nvidia[0-9]*")))
-    monkeypatch.setattr(app, "wire_pipeline", lambda settings, **kw: settings)
+    monkeypatch.setattr(app, "wire_pipeline", lambda settings, **kw: types.SimpleNamespace())  # no pipeline: the info only
     metrics = Metrics()
     assembled = app.build_pipeline(Settings(model_dir=str(TINY)), metrics=metrics)
     try:

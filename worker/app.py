@@ -17,6 +17,7 @@ from worker.backends.base import Backend
 from worker.backends.isolating import IsolatingBackend
 from worker.batching.cost_model import CostModel
 from worker.core.errors import BackendError, extra_missing
+from worker.core.fingerprint import VectorSettings, model_fingerprint
 from worker.core.model import ModelError, ModelInfo, Prompt
 from worker.core.vectors import check_truncate_dim, default_int8_range
 from worker.delivery.acks import Acknowledger
@@ -31,6 +32,7 @@ from worker.intake.tokenize import KeywordTokenizer
 from worker.kafka.committer import Committer
 from worker.kafka.consumer import GroupMember, consumer_config
 from worker.kafka.errors import FailurePolicy
+from worker.kafka.offsets import OffsetTracker
 from worker.kafka.producer import OutputProducer, producer_config
 from worker.latch import guarded
 from worker.names import REGISTRY_FORMATS
@@ -39,11 +41,14 @@ from worker.operations.metrics import Metrics
 from worker.output.dead_letters import DeadLetters
 from worker.output.stage import OutputStage
 from worker.output.tracing import BatchSpans
-from worker.pipeline import Pipeline, Shutdown, Stages
+from worker.pipeline import Pipeline, PollGate, Shutdown, Stages
 from worker.settings.output_fields import parse_output_fields
 from worker.settings.schema import Settings, SettingsError
 
 log = structlog.get_logger(__name__)
+
+# A bounded run's poll gate, made from the group member's consumer and the offset tracker.
+GateFactory = Callable[[Any, OffsetTracker], PollGate]
 
 # A known-good input for telling a poison keyword from a broken backend (see IsolatingBackend).
 CANARY_TEXT = "keyword embedder canary"
@@ -90,11 +95,12 @@ def cost_model(settings: Settings, info: ModelInfo, backend: Backend) -> CostMod
     return cost_model_for(backend, calibration_key(settings, info))
 
 
-def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Assembled:
+def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: GateFactory | None = None) -> Assembled:
     """Loads the model's tokenizer and the backend the settings ask for, and wires the pipeline.
 
     The model folder is read once, and the pipeline gets the settings with every "auto"
-    resolved (backend, profile, pad_to). Raises ModelError / BackendError / ProfileError with
+    resolved (backend, profile, pad_to). `gate` makes a bounded run's poll gate (a backfill's) from
+    the group member's consumer and the offset tracker; None for `run`. Raises ModelError / BackendError / ProfileError with
     messages that name the file or setting.
     """
     from worker.backend_choice.select import load_backend, model_info, precision_label
@@ -115,18 +121,25 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None) -> Ass
              pipeline=info.pipeline.describe(),
              buckets=list(profile.bounds), max_len=tokenizer.max_len, pad_to=loaded.settings.pad_to,
              prompt_name=prompt.name, prompt=prompt.text or None, output_dim=codec.dim,
-             output_encoding=codec.encoding)
+             output_encoding=codec.encoding, fingerprint=codec.fingerprint,
+             precision=precision_label(loaded.settings))
     metrics = metrics if metrics is not None else Metrics()
     # Set once the choice is made: the metrics server (and /readyz) only starts after this returns.
     # `reason`: why this backend (auto: what was passed over and measured); `device`: the GPU, where one runs.
     metrics.set_backend_info(backend.name, info.name, profile.name, precision=precision_label(loaded.settings),
                              cpu=cpu_model(), device=str(getattr(backend, "device_name", "") or "cpu"),
                              reason=loaded.reason)
+    # Which vectors this worker writes: the fingerprint, with the precision stated beside it.
+    metrics.set_model_info(codec.fingerprint, info.name, precision=precision_label(loaded.settings),
+                           encoding=codec.encoding, dim=str(codec.dim))
     costs = cost_model(loaded.settings, info, backend) if loaded.settings.merge_buckets else None
     if costs is not None:
         metrics.watch_costs(costs)
     pipeline = wire_pipeline(loaded.settings, tokenizer=tokenizer, backend=backend, profile=profile,
-                             model_name=info.name, metrics=metrics, costs=costs, codec=encoder, decode=decode)
+                             model_name=info.name, metrics=metrics, costs=costs, codec=encoder, decode=decode,
+                             gate=gate)
+    pipeline.identity = {"model": info.name, "fingerprint": codec.fingerprint,
+                         "precision": precision_label(loaded.settings)}
     return Assembled(pipeline, backend)
 
 
@@ -135,7 +148,7 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
                   consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
                   producer_factory: Callable[[dict[str, Any]], Any] = Producer,
                   codec: ValueEncoder | None = None, decode: Decode | None = None,
-                  spans: BatchSpans | None = None) -> Pipeline:
+                  spans: BatchSpans | None = None, gate: GateFactory | None = None) -> Pipeline:
     """The stages around a loaded tokenizer and backend, wired into a Pipeline.
 
     The factories are the tests' seams (fake clients, a fake bucketer). `codec` is the output
@@ -185,12 +198,13 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
                         committer.stalled_for, settings.stall_timeout_s)
     stages = Stages(inflight=inflight, flow=flow, producer=producer, acks=acks, committer=committer, member=member,
                     delivery=delivery, output=output, bucketer=bucketer, intake=intake, liveness=liveness,
-                    spans=spans)
+                    spans=spans, gate=gate(member.client, committer.tracker) if gate is not None else None)
     return Pipeline(settings, shutdown, stages, metrics)
 
 
 def output_codec(settings: Settings, info: ModelInfo, prompt: Prompt) -> OutputCodec:
-    """The output records' codec: width (truncate_dim), encoding with its int8 range, the prompt."""
+    """The output records' codec: width (truncate_dim), encoding with its int8 range, the prompt, and
+    the model fingerprint of all of them (worker/core/fingerprint.py)."""
     try:
         check_truncate_dim(settings.truncate_dim, info.dim, source="setting 'truncate_dim'")
     except ValueError as exc:
@@ -204,10 +218,13 @@ def output_codec(settings: Settings, info: ModelInfo, prompt: Prompt) -> OutputC
                                 f"unit vectors, does not fit them; set int8_range to the range of its components")
         r = settings.int8_range or default_int8_range(dim)
         int8_range = (-r, r)
+    # Once per start: the codec writes it on every record as a constant.
+    fingerprint = model_fingerprint(info, VectorSettings(prompt=prompt.text, truncate_dim=settings.truncate_dim,
+                                                         encoding=settings.output_encoding, int8_range=int8_range))
     return OutputCodec(model=info.name, dim=dim, encoding=settings.output_encoding,  # type: ignore[arg-type]
                        truncate_dim=settings.truncate_dim, prompt_name=prompt.name, prompt=prompt.text,
                        int8_range=int8_range, fields=parse_output_fields(settings.output_fields),
-                       normalized=info.normalized)
+                       normalized=info.normalized, fingerprint=fingerprint.value)
 
 
 def registry_formats(settings: Settings, codec: OutputCodec) -> tuple[ValueEncoder, Decode | None]:

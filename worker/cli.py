@@ -25,9 +25,15 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "export-onnx": ("export_onnx", "Export a model folder (bert, roberta, xlm-roberta, distilbert, mpnet) to ONNX without torch."),
     "models": ("models", "List the encoder families and what was verified for each (--check reruns the checks)."),
     "build-engine": ("build_engine", "Build a multi-profile TensorRT plan from the ONNX export (needs a GPU)."),
+    "backfill": ("backfill", "Embed a range of the input topic's history into an output topic, then exit "
+                             "(resumable; for a model change: docs/cutover.md)."),
     "demo": ("demo", "End-to-end demo against a running broker: topics, two workers, publish, read back, summary."),
     "settings": ("settings", "Print the settings reference or the effective settings."),
 }
+
+
+# Commands that run the pipeline: their stop signals are handled from the first line.
+SIGNALLED = ("run", "backfill")
 
 
 def _available() -> dict[str, tuple[str, str]]:
@@ -61,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.parse_args(argv)  # prints --help/--version or the error for an unknown command
         return 2
     name, rest = argv[0], argv[1:]
-    if name == "run":
+    if name in SIGNALLED:
         # Before the command's heavy imports: as PID 1 a signal without a handler is dropped.
         from worker.operations.stop_signals import StopDuringStartup, StopSignals, startup_stopped_message
 
@@ -69,6 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return _command(name, available[name], rest, signals)
         except StopDuringStartup as stop:
+            if name != "run":  # a backfill stopped before it began is not done: not 0
+                print(f"keyword-embedder {name}: stopped by {stop} during start-up", file=sys.stderr)
+                return 130
             print(startup_stopped_message(str(stop)), file=sys.stderr)
             return 0
     return _command(name, available[name], rest, None)

@@ -43,10 +43,12 @@ from worker.backends.onnxruntime import OnnxRuntimeBackend
 from worker.backends.openvino import OpenVinoBackend
 from worker.batching.padding import length_batches, pad_batch
 from worker.core.errors import KeywordEmbedderError
+from worker.core.fingerprint import VectorSettings, model_fingerprint
 from worker.core.model import PROMPT_AUTO, ModelInfo, Prompt, default_model_dir
 from worker.core.vectors import check_truncate_dim, default_int8_range, pack_binary, quantize_int8, truncate
 from worker.embedding_cache import EmbeddingCache, key
 from worker.intake.tokenize import Encoded, KeywordTokenizer
+from worker.names import OutputEncoding
 from worker.settings.schema import DEFAULT_CACHE_BYTES, BackendSetting, Precision, Settings
 
 
@@ -134,6 +136,16 @@ class Embedder:
                              f"quantize(..., int8_range=(lo, hi))")
         r = default_int8_range(self.dim)
         return (-r, r)
+
+    def fingerprint(self, encoding: OutputEncoding = "float-list", *,
+                    int8_range: tuple[float, float] | None = None) -> str:
+        """The model fingerprint of these vectors written with `encoding` (worker/core/fingerprint.py):
+        what a worker with the same model, prompt and truncate_dim writes on its records, so a query
+        embedded here can be checked against the documents it searches (docs/cutover.md)."""
+        if encoding == "int8":
+            int8_range = int8_range or self.int8_range
+        return model_fingerprint(self.info, VectorSettings(prompt=self.prompt.text, truncate_dim=self.truncate_dim,
+                                                           encoding=encoding, int8_range=int8_range)).value
 
     def quantize(self, vectors: np.ndarray, encoding: Literal["int8", "binary"], *,
                  int8_range: tuple[float, float] | None = None) -> np.ndarray:

@@ -20,14 +20,19 @@ A fatal error anywhere stops the worker with that error and exit code 1; nothing
 failed record is committed. Shutdown (SIGTERM) drains, flushes, commits and leaves the group
 within one `Deadline` (shutdown_timeout_s), which every step re-reads; a second signal aborts
 and shortens it to 2 s for all of them.
+
+A bounded run (`keyword-embedder backfill`) adds a `PollGate` (worker/backfill/gate.py), on the poll
+thread: how many records a turn may take (its rate limit), which consumed records are processed
+(those within its range), and when its work is done, which stops the pipeline as a SIGTERM does.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
@@ -49,6 +54,8 @@ from worker.output.tracing import BatchSpans
 from worker.settings.schema import Settings
 
 if TYPE_CHECKING:
+    from confluent_kafka import Message
+
     from worker.batching.bucketer import Bucketer
 
 log = structlog.get_logger(__name__)
@@ -59,6 +66,22 @@ AFTER_DRAIN_S = 6.0
 LEAVE_S = 3.0
 # A second stop request: everything still running gets at most this long.
 ABORT_S = 2.0
+
+
+class PollGate(Protocol):
+    """What a bounded run adds to the poll loop (a backfill: worker/backfill/gate.py); `run` has none."""
+
+    def room(self, want: int) -> int:
+        """How many records this turn may consume, at most `want` (0: none this turn)."""
+        ...
+
+    def admit(self, msgs: Sequence[Message]) -> list[Message]:
+        """The consumed records to process; the rest are dropped before intake (never tracked)."""
+        ...
+
+    def finished(self) -> bool:
+        """True once the run's work is done and committed: the pipeline then stops as on SIGTERM."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -77,6 +100,7 @@ class Stages:
     intake: Intake
     liveness: Liveness
     spans: BatchSpans | None
+    gate: PollGate | None = None
 
 
 class Shutdown:
@@ -115,7 +139,11 @@ class Pipeline:
         self._producer, self._committer, self._member = stages.producer, stages.committer, stages.member
         self._delivery, self._output, self._bucketer = stages.delivery, stages.output, stages.bucketer
         self._intake, self._spans = stages.intake, stages.spans
+        self._gate = stages.gate
         self.liveness = stages.liveness
+        # What the start log states beside the settings (the model, its fingerprint and precision),
+        # set by the assembly (worker.app.build_pipeline).
+        self.identity: dict[str, str] = {}
 
     # ------------------------------------------------------------------ state for probes
     def ready(self) -> tuple[bool, dict[str, bool]]:
@@ -132,6 +160,10 @@ class Pipeline:
 
     def uncommitted(self) -> int:
         return self._committer.uncommitted()
+
+    def outcomes(self) -> tuple[int, int]:
+        """(embedded, dead-lettered): inputs acknowledged so far."""
+        return self._acks.embedded_count, self._acks.dead_lettered_count
 
     def request_stop(self) -> None:
         """First call: drain, commit and leave within shutdown_timeout_s. Second call: abort now."""
@@ -156,7 +188,7 @@ class Pipeline:
             self._producer.start()
             log.info("worker started", processing_guarantee=s.processing_guarantee, group=s.group_id,
                      input_topic=s.input_topic, output_topic=s.output_topic, dead_letter_topic=s.dead_letter_topic,
-                     max_in_flight=s.max_in_flight, max_in_flight_bytes=s.max_in_flight_bytes)
+                     max_in_flight=s.max_in_flight, max_in_flight_bytes=s.max_in_flight_bytes, **self.identity)
             self._delivery.start()
             self._member.subscribe(s.input_topic, self._delivery)
             while not self._stop.is_set() and not self.latch.is_set():
@@ -188,10 +220,18 @@ class Pipeline:
         else:
             self._member.set_paused(False)
         self.metrics.set_in_flight(pending)
-        msgs = self._member.consume(self._flow.room(pending) if pause is None else 1, 0.05)
+        room = self._flow.room(pending) if pause is None else 1
+        if self._gate is not None and (room := self._gate.room(room)) == 0:
+            return  # over the rate limit this turn (room waited for a token already)
+        msgs = self._member.consume(room, 0.05)
+        if self._gate is not None:
+            msgs = self._gate.admit(msgs)
         if msgs:
             self._delivery.before_intake()
             self._intake.handle(msgs)
+        if self._gate is not None and self._gate.finished() and not self._stop.is_set():
+            log.info("the run's work is done: stopping")
+            self.request_stop()
 
     # ------------------------------------------------------------------ shutdown
     def _drain(self) -> None:

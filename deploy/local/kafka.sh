@@ -15,6 +15,10 @@
 #                                  those jars, for a machine without a Kafka distribution, e.g.
 #                                  topics --bootstrap-server HOST:PORT --create --topic T --partitions 6
 #                                  (and --describe, --delete, --list: the same arguments as kafka-topics.sh)
+#   deploy/local/kafka.sh groups ARGS...
+#                                  Kafka's own kafka-consumer-groups.sh (ConsumerGroupCommand), the same way, e.g.
+#                                  groups --bootstrap-server HOST:PORT --describe --group G (LAG per partition),
+#                                  --delete --group G, --list
 #
 #   --brokers N (with start): a cluster of N KRaft nodes (combined broker+controller, node ids 1..N,
 #   one static controller quorum) in $KWE_KAFKA_RUN/node-I, with default.replication.factor=N
@@ -652,6 +656,8 @@ case "${1:-}" in
   restart) need_java; shift; if is_cluster; then cluster_restart "$@"; else cmd_restart "$@"; fi ;;
   libs) need_java; resolve_libs ;;
   topics) need_java; shift; libs="$(resolve_libs)"; exec java -cp "$libs/*" org.apache.kafka.tools.TopicCommand "$@" ;;
-  *) echo "usage: $0 start [--brokers N]|stop|status|restart [--node I] [--hard] [--down-for S]|libs|topics ARGS [--secure]" >&2
+  groups) need_java; shift; libs="$(resolve_libs)"
+          exec java -cp "$libs/*" org.apache.kafka.tools.consumer.group.ConsumerGroupCommand "$@" ;;
+  *) echo "usage: $0 start [--brokers N]|stop|status|restart [--node I] [--hard] [--down-for S]|libs|topics ARGS|groups ARGS [--secure]" >&2
      exit 2 ;;
 esac

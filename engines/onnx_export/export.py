@@ -17,7 +17,6 @@ contents depend on the optimizer), and written atomically.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from engines.onnx_export.fusion import check_fused, fuse
 from engines.onnx_export.graph import INPUT_NAMES, OPSET, OUTPUT_NAME, ExportError, Graph
 from engines.onnx_export.head import head, load_dense
 from worker.core.disk_cache import cache_dir, locked, write_atomic
+from worker.core.fingerprint import file_sha256, hash_file_into
 from worker.core.model import FAMILIES, ModelError, ModelInfo, default_model_dir
 
 # Bump whenever the emitted graph changes (any module of this package): it is part of the cache key.
@@ -77,25 +77,10 @@ def model_info(model_dir: str | Path | ModelInfo | None) -> ModelInfo:
         raise ExportError(str(exc)) from exc
 
 
-def _hash_file(path: Path, digest: hashlib._Hash) -> None:
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-
-
 def weights_hash(info: ModelInfo) -> str:
-    st = info.weights_path.stat()
-    return _weights_hash(str(info.weights_path), st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=16)
-def _weights_hash(path: str, size: int, mtime_ns: int) -> str:
-    # Keyed by size and mtime too, so a rewritten file is hashed again (cache key, metadata and
-    # ensure_onnx each ask for it; hashing 90 MB three times would be wasted).
-    del size, mtime_ns
-    digest = hashlib.sha256()
-    _hash_file(Path(path), digest)
-    return digest.hexdigest()
+    # The one file hash (worker/core/fingerprint.py): the fingerprint, this cache key and the
+    # metadata share it, so a start hashes the weights once.
+    return file_sha256(info.weights_path)
 
 
 def cache_key(info: ModelInfo, *, optimize: bool) -> str:
@@ -113,7 +98,7 @@ def cache_key(info: ModelInfo, *, optimize: bool) -> str:
                   *info.pipeline.files()):
         digest.update(extra.name.encode())
         if extra.is_file():
-            _hash_file(extra, digest)
+            hash_file_into(extra, digest)
     # What the folder alone does not say: the prompt tokens a pooling leaves out (a setting).
     digest.update(f"prompt_tokens_excluded={info.pipeline.prompt_tokens_excluded};".encode())
     return digest.hexdigest()

@@ -14,6 +14,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worker.core.model import ModelInfo
 
 PROG = "keyword-embedder models"
 # The fixtures ship with a source checkout, not with the package: looked up from the current folder.
@@ -60,6 +64,8 @@ def main(args: argparse.Namespace) -> int:
     print("\nInstalled real models (read from their folders)")
     for name, folder, line in _installed():
         print(f"  {name:<38} {line}" + (f"\n  {'':<38} {folder}" if folder else ""))
+    print("\nModel fingerprint (the default model, default settings; docs/cutover.md)")
+    print(f"  {_default_fingerprint()}")
     if not args.check:
         print("\nRerun the checks: keyword-embedder models --check; one folder: keyword-embedder models --model DIR")
         return 0
@@ -105,8 +111,28 @@ def _describe(folder: Path) -> int:
           f"  pipeline:   {info.pipeline.describe()}\n"
           f"  vectors:    {info.dim}-d, {'unit length (L2-normalised)' if info.normalized else 'not normalised'}"
           + (f"; similarity_fn_name {info.similarity}" if info.similarity else "") + "\n"
-          f"  prompts:    {prompts}" + (f" (default {info.default_prompt_name!r})" if info.default_prompt_name else ""))
+          f"  prompts:    {prompts}" + (f" (default {info.default_prompt_name!r})" if info.default_prompt_name else "")
+          + f"\n  fingerprint: {fingerprint(info)} (default settings: its default prompt, full width, float-list)")
     return 0
+
+
+def fingerprint(info: ModelInfo) -> str:
+    """The fingerprint a worker with the default settings writes for this model (the codec's own)."""
+    from worker.app import output_codec
+    from worker.core.model import Prompt
+    from worker.settings.schema import Settings
+
+    return output_codec(Settings(), info, Prompt.resolve(info)).fingerprint
+
+
+def _default_fingerprint() -> str:
+    from worker.core.model import ModelError, ModelInfo, default_model_dir
+
+    try:
+        info = ModelInfo.from_dir(default_model_dir())
+    except ModelError as exc:
+        return f"not available: {exc}"
+    return f"{fingerprint(info)}  {info.name} ({info.model_dir})"
 
 
 def _check(fixtures: Path) -> int:

@@ -31,6 +31,8 @@ OWN_HEADER_PREFIX = "kwe-"
 H_MODEL = "kwe-model"
 H_ENCODING = "kwe-encoding"
 H_DIM = "kwe-dim"
+# The model fingerprint (worker/core/fingerprint.py): equal values, comparable vectors.
+H_FINGERPRINT = "kwe-fingerprint"
 H_INT8_RANGE = "kwe-int8-range"
 H_PROMPT_NAME = "kwe-prompt-name"
 H_PROMPT = "kwe-prompt"
@@ -226,8 +228,9 @@ class OutputCodec:
     model's width and are truncated here (and renormalised, for a model that normalises), after
     the cache, so cached rows stay full-width. The optional fields (prompt_name, int8_range, and
     normalized: false with its kwe-normalized header for a model without a Normalize module) are
-    written only when they apply, so the default record is unchanged. The registry formats carry
-    the header, not the field: their registered schemas stay as they are.
+    written only when they apply. The registry formats carry normalized as the header, not the
+    field: their registered schemas stay as they are. `fingerprint` (set by the worker on every
+    record: field and kwe-fingerprint header) is an optional field of the registry schemas too.
     """
 
     model: str
@@ -239,6 +242,8 @@ class OutputCodec:
     int8_range: tuple[float, float] | None = None  # required by (and only written for) int8
     fields: FieldMap = field(default_factory=lambda: FieldMap())  # output_fields (JSON only)
     normalized: bool = True  # the model's vectors are unit length (its pipeline ends in Normalize)
+    # The model fingerprint, computed once at start (worker.app.output_codec); "": none written.
+    fingerprint: str = ""
     _headers: Headers = field(init=False, repr=False, compare=False)
     _extra: dict[str, object] = field(init=False, repr=False, compare=False)
     _shaped: bool = field(init=False, repr=False, compare=False)  # output_fields set (read per record)
@@ -252,6 +257,11 @@ class OutputCodec:
         headers: Headers = [(H_MODEL, self.model.encode()), (H_ENCODING, self.encoding.encode()),
                             (H_DIM, str(self.dim).encode())]
         extra: dict[str, object] = {}
+        if self.fingerprint:
+            # A constant of the codec: the header list is shared and the field added with the
+            # other constant fields, so it costs a record nothing to compute.
+            headers.append((H_FINGERPRINT, self.fingerprint.encode("ascii")))
+            extra["fingerprint"] = self.fingerprint
         if self.int8_range is not None:
             lo, hi = self.int8_range
             headers.append((H_INT8_RANGE, f"{lo!r},{hi!r}".encode()))

@@ -21,7 +21,10 @@ Field = tuple[str, int, int, bool]
 _TAIL: list[Field] = [("encoding", 3, _F.TYPE_STRING, False), ("dim", 4, _F.TYPE_INT32, False),
                       ("model", 5, _F.TYPE_STRING, False), ("tokens", 6, _F.TYPE_INT32, False),
                       ("truncated", 7, _F.TYPE_BOOL, False), ("int8_range", 8, _F.TYPE_DOUBLE, True),
-                      ("prompt_name", 9, _F.TYPE_STRING, False)]
+                      ("prompt_name", 9, _F.TYPE_STRING, False), ("fingerprint", 10, _F.TYPE_STRING, False)]
+# Fields added after a schema's first registered version: a message without them is that version
+# (what a registry that has only it matches; worker/formats/schema_registry.py falls back to it).
+ADDED_FIELDS = ("fingerprint",)
 MESSAGES: dict[str, tuple[str, list[Field]]] = {
     "keyword": ("Keyword", [("id", 1, _F.TYPE_STRING, False), ("text", 2, _F.TYPE_STRING, False)]),
     "embedding-floats": ("Embedding", [("id", 1, _F.TYPE_STRING, False), ("embedding", 2, _F.TYPE_FLOAT, True),
@@ -33,8 +36,9 @@ _TYPE_NAMES = {_F.TYPE_STRING: "string", _F.TYPE_FLOAT: "float", _F.TYPE_DOUBLE:
                _F.TYPE_INT32: "int32", _F.TYPE_BOOL: "bool"}
 
 
-def file_descriptor_proto(schema: str) -> descriptor_pb2.FileDescriptorProto:
+def file_descriptor_proto(schema: str, *, without: tuple[str, ...] = ()) -> descriptor_pb2.FileDescriptorProto:
     message, fields = MESSAGES[schema]
+    fields = [f for f in fields if f[0] not in without]
     fdp = descriptor_pb2.FileDescriptorProto(name=f"keyword_embedder/{schema}.proto", package=PACKAGE,
                                              syntax="proto3")
     msg = fdp.message_type.add(name=message)
@@ -44,16 +48,19 @@ def file_descriptor_proto(schema: str) -> descriptor_pb2.FileDescriptorProto:
     return fdp
 
 
-def message_class(schema: str) -> Any:
-    """The generated-at-run-time message class of one schema (a pool of its own per call)."""
+def message_class(schema: str, *, without: tuple[str, ...] = ()) -> Any:
+    """The generated-at-run-time message class of one schema (a pool of its own per call);
+    `without` leaves fields out (ADDED_FIELDS: the schema's previous version)."""
     pool = descriptor_pool.DescriptorPool()
-    pool.Add(file_descriptor_proto(schema))
+    pool.Add(file_descriptor_proto(schema, without=without))
     return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{PACKAGE}.{MESSAGES[schema][0]}"))
 
 
-def proto_source(schema: str) -> str:
-    """The .proto text of a schema (what worker/formats/registry_schemas/<schema>.proto holds)."""
+def proto_source(schema: str, *, without: tuple[str, ...] = ()) -> str:
+    """The .proto text of a schema (what worker/formats/registry_schemas/<schema>.proto holds);
+    `without` as in message_class."""
     message, fields = MESSAGES[schema]
+    fields = [f for f in fields if f[0] not in without]
     lines = ['syntax = "proto3";', "", f"package {PACKAGE};", "", f"message {message} {{"]
     for name, number, kind, repeated in fields:
         lines.append(f"  {'repeated ' if repeated else ''}{_TYPE_NAMES[kind]} {name} = {number};")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import structlog
 from confluent_kafka.schema_registry import (
     SchemaRegistryClient,
     record_subject_name_strategy,
@@ -41,9 +42,16 @@ from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer, Proto
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from worker.errors import SchemaRegistryFailure
-from worker.formats.messages import (Headers, Keyword, OutputCodec, Rejection, check_size, keyword_from_object,
-                                     values_one_by_one)
-from worker.formats.protobuf_schemas import message_class
+from worker.formats.messages import (
+    Headers,
+    Keyword,
+    OutputCodec,
+    Rejection,
+    check_size,
+    keyword_from_object,
+    values_one_by_one,
+)
+from worker.formats.protobuf_schemas import ADDED_FIELDS, message_class
 from worker.settings.schema import Settings
 
 try:  # confluent-kafka's registry client speaks HTTP through httpx2 (Python 3.10+) or httpx
@@ -51,7 +59,13 @@ try:  # confluent-kafka's registry client speaks HTTP through httpx2 (Python 3.1
 except ImportError:  # pragma: no cover - older confluent-kafka
     from httpx import TransportError  # type: ignore[no-redef]
 
+log = structlog.get_logger(__name__)
+
 SCHEMA_DIR = Path(__file__).resolve().parent / "registry_schemas"
+# The output schemas as first registered, before the optional `fingerprint` field was added
+# (Avro; Protobuf's is the message without the field; JSON Schema's file is unchanged, its open
+# content model allows the field): RegistryOutput's fallback.
+PREVIOUS_DIR = SCHEMA_DIR / "previous"
 
 STRATEGIES: dict[str, Callable[..., Any]] = {
     "topic": topic_subject_name_strategy,
@@ -160,30 +174,50 @@ class RegistryInput:
 
 
 class RegistryOutput:
-    """Encodes embeddings with a registry format: the OutputCodec's record through the serialiser."""
+    """Encodes embeddings with a registry format: the OutputCodec's record through the serialiser.
+
+    The shipped schemas carry `fingerprint`, an optional field (a default of null in Avro; proto3
+    fields are optional), so a registry that holds the version before it takes them as a compatible
+    new version. JSON Schema's is unchanged: its open content model admits the field, and declaring
+    it would be refused as narrowing that model. With
+    schema_auto_register off and only that previous version registered, the start check falls back
+    to it (PREVIOUS_DIR; Protobuf: the message without the field) rather than refuse to start:
+    the records then carry the fingerprint in the kwe-fingerprint header only, and a warning says
+    which schema to register.
+    """
 
     def __init__(self, settings: Settings, codec: OutputCodec, client: SchemaRegistryClient) -> None:
         self._codec = codec
         self._fmt = settings.output_format
         self._url = settings.schema_registry_url
-        self.schema_path = schema_file(self._fmt, codec.encoding)
-        schema_str = self.schema_path.read_text(encoding="utf-8")
+        self._client = client
+        self._auto_register = settings.schema_auto_register
         # normalize.schemas: the lookup (auto-register off) matches the registered schema by its
         # canonical form, not its text, so a copy registered compact or re-indented is found.
-        conf = {**_serdes_conf(settings), "auto.register.schemas": settings.schema_auto_register,
-                "normalize.schemas": True}
-        self._serialize: Callable[[dict[str, object], SerializationContext], bytes | None]
-        if self._fmt == "avro":
-            self._serialize = AvroSerializer(client, schema_str, conf=conf)
-        elif self._fmt == "protobuf":
-            embedding = message_class(self.schema_path.stem)
-            proto = ProtobufSerializer(embedding, client, conf)
-            self._serialize = lambda record, ctx: proto(
-                embedding(**{k: v for k, v in record.items() if v is not None}), ctx)
-        else:
-            self._serialize = JSONSerializer(schema_str, client, conf=conf)
+        self._conf = {**_serdes_conf(settings), "auto.register.schemas": settings.schema_auto_register,
+                      "normalize.schemas": True}
+        self.schema_path = schema_file(self._fmt, codec.encoding)
+        self._serialize = self._serializer(self.schema_path, previous=False)
         self._ctx = SerializationContext(settings.output_topic, MessageField.VALUE)
         self._bytes = self._fmt != "json-schema"  # JSON has no bytes: base64 as in the JSON output
+
+    def _serializer(self, path: Path, *, previous: bool) -> Callable[[dict[str, object], SerializationContext],
+                                                                      bytes | None]:
+        without = ADDED_FIELDS if previous else ()
+        serialize: Callable[[dict[str, object], SerializationContext], bytes | None]
+        if self._fmt == "protobuf":
+            embedding = message_class(path.stem, without=without)
+            proto = ProtobufSerializer(embedding, self._client, self._conf)
+            return lambda record, ctx: proto(
+                embedding(**{k: v for k, v in record.items() if v is not None and k not in without}), ctx)
+        schema_str = path.read_text(encoding="utf-8")
+        if self._fmt == "avro":
+            serialize = AvroSerializer(self._client, schema_str, conf=self._conf)
+        else:
+            serialize = JSONSerializer(schema_str, self._client, conf=self._conf)
+        if not without:
+            return serialize
+        return lambda record, ctx: serialize({k: v for k, v in record.items() if k not in without}, ctx)
 
     @property
     def headers(self) -> Headers:
@@ -213,11 +247,13 @@ class RegistryOutput:
     def check(self, dim: int) -> None:
         """At start: resolves the output schema's ID (registering it when schema_auto_register is
         on) by encoding one record, so a missing schema or registry stops the worker now."""
-        sample = np.full(dim, 1.0 / np.sqrt(dim), np.float32)
+        sample = self._record("kwe-start-check", np.full(dim, 1.0 / np.sqrt(dim), np.float32), 2, False)
         try:
-            self._serialize(self._record("kwe-start-check", sample, 2, False), self._ctx)
+            self._serialize(sample, self._ctx)
         except Exception as exc:  # noqa: BLE001
             if isinstance(exc, SchemaRegistryError) and exc.http_status_code == 404:
+                if not self._auto_register and self._use_previous(sample):
+                    return
                 raise SchemaRegistryFailure(
                     f"output_format={self._fmt}: the schema {self.schema_path.name} is not registered under the "
                     f"output subject at {self._url} ({describe(exc)}); register it (docs/formats.md, Schema Registry formats) or "
@@ -228,6 +264,22 @@ class RegistryOutput:
                     f"incompatible with the output subject's schema ({describe(exc)})") from None
             raise SchemaRegistryFailure(f"output_format={self._fmt}: cannot reach the Schema Registry at "
                                         f"{self._url} ({describe(exc)})") from None
+
+    def _use_previous(self, sample: dict[str, object]) -> bool:
+        """The subject has the schema's previous version (before `fingerprint`): write with it."""
+        previous = PREVIOUS_DIR / self.schema_path.name
+        if self._fmt != "protobuf" and not previous.is_file():
+            return False  # JSON Schema: the schema did not change
+        serialize = self._serializer(previous, previous=True)
+        try:
+            serialize(sample, self._ctx)
+        except Exception:  # noqa: BLE001 - not registered either: the caller reports the current one
+            return False
+        log.warning("the output subject has the schema version before the fingerprint field; the records carry "
+                    "the fingerprint in the kwe-fingerprint header only. Register the current schema (a compatible "
+                    "new version) to write the field too", schema=self.schema_path.name, url=self._url)
+        self._serialize = serialize
+        return True
 
 
 def _proto_dict(message: Any) -> dict[str, object] | None:

@@ -126,6 +126,8 @@ class Metrics:
                                   "transaction out, as after a coordinator outage).", ["reason"], registry=r)
         self.backend_info = Info(f"{PREFIX}backend", "Inference backend, model and bucket profile in use.",
                                  registry=r)
+        self.model_info = Info(f"{PREFIX}model", "The model fingerprint of the vectors written (equal: comparable), "
+                                                 "with the model, its precision, encoding and width.", registry=r)
         # What /healthz answers, as a series (read at scrape time), so an alert sees a worker that is
         # up but failing its liveness check; and process_start_time_seconds, whose changes count
         # restarts where kube-state-metrics is not there (deploy/prometheus/alerts.yml).
@@ -258,6 +260,10 @@ class Metrics:
         """Identity labels on `kwe_backend_info` (value 1); `extra` adds e.g. device=... ."""
         self.backend_info.info({"backend": backend, "model": model, "profile": profile,
                                 **{k: str(v) for k, v in extra.items()}})
+
+    def set_model_info(self, fingerprint: str, model: str, **extra: str) -> None:
+        """`kwe_model_info{fingerprint,model,...} 1`: which vectors this worker writes."""
+        self.model_info.info({"fingerprint": fingerprint, "model": model, **{k: str(v) for k, v in extra.items()}})
 
     def render(self) -> bytes:
         """The registry in the Prometheus text exposition format."""

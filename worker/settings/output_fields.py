@@ -12,7 +12,7 @@ from dataclasses import dataclass
 # is written only when output_fields names it: the query ID as a UUID (uuid5 in UUID_NAMESPACE),
 # for stores whose point IDs must be UUIDs (Qdrant, Weaviate).
 OUTPUT_FIELDS = ("id", "embedding", "encoding", "dim", "model", "tokens", "truncated", "int8_range", "prompt_name",
-                 "normalized")
+                 "normalized", "fingerprint")
 UUID_FIELD = "uuid"
 UUID_NAMESPACE = uuid.NAMESPACE_URL  # uuid.uuid5(uuid.NAMESPACE_URL, query_id)
 
