@@ -80,11 +80,11 @@ def gpu() -> Profile:
 def test_profile_shapes_from_the_real_gpu_profile(gpu: Profile) -> None:
     shapes = profile_shapes(gpu)
     assert [(s.index, s.min, s.opt, s.max) for s in shapes] == [
-        (0, (1, 8), (256, 8), (256, 8)),
-        (1, (1, 16), (128, 16), (128, 16)),
-        (2, (1, 32), (64, 32), (64, 32)),
-        (3, (1, 64), (32, 64), (32, 64)),
-        (4, (1, 256), (4, 256), (8, 256)),  # the overflow bucket: opt 4, max 8, aligned
+        (0, (1, 8), (1024, 8), (2048, 8)),
+        (1, (1, 16), (512, 16), (1024, 16)),
+        (2, (1, 32), (256, 32), (512, 32)),
+        (3, (1, 64), (128, 64), (256, 64)),
+        (4, (1, 256), (32, 256), (64, 256)),  # the overflow bucket: opt 32, max 64, aligned
     ]
     # Every batch the bucketer can send to bucket i fits profile i.
     for i, s in enumerate(shapes):
@@ -129,7 +129,7 @@ def test_sidecar_round_trip_next_to_the_plan(tmp_path: Path, gpu: Profile) -> No
     assert write_sidecar(plan, sc) == tmp_path / "minilm.plan.json" == sidecar_path(plan)
     assert read_sidecar(plan) == sc
     raw = json.loads((tmp_path / "minilm.plan.json").read_text())
-    assert raw["profile_table"][4] == {"max_len": 256, "max_batch": 8, "opt_batch": 4}
+    assert raw["profile_table"][4] == {"max_len": 256, "max_batch": 64, "opt_batch": 32}
     assert {"tensorrt_version", "gpu_name", "compute_capability", "onnx_sha256", "fp16", "exporter_version",
             "created", "profile_name"} <= set(raw)
 
@@ -182,7 +182,7 @@ def test_mismatched_profile_is_refused_and_all_problems_are_listed(gpu: Profile)
         validate_sidecar(_sidecar(gpu), plan_path="p.plan", profile=other, gpu_name="Other GPU",
                          onnx_sha256="c" * 64)
     msg = str(exc.value)
-    assert "profile mismatch" in msg and "256x8" in msg and "256x16" in msg
+    assert "profile mismatch" in msg and "256x64" in msg and "256x16" in msg
     assert "stale" in msg and "foreign" in msg  # one message, every reason
     # Same buckets under another name are the same plan.
     validate_sidecar(_sidecar(gpu), plan_path="p.plan", profile=replace(gpu, name="renamed"))
@@ -201,13 +201,13 @@ def _plan(gpu: Profile, index: int, ids_dtype: Any = np.int64) -> BufferPlan:
 
 def test_buffer_sizing_follows_the_bucket_and_the_engine_dtypes(gpu: Profile) -> None:
     p0 = _plan(gpu, 0)
-    assert p0.input_shape == (256, 8) and p0.output_shape == (256, DIM)
-    assert p0.input_nbytes("input_ids") == 256 * 8 * 8  # int64
-    assert p0.output_nbytes == 256 * DIM * 4
-    assert p0.total_nbytes == 2 * 256 * 8 * 8 + 256 * DIM * 4
+    assert p0.input_shape == (2048, 8) and p0.output_shape == (2048, DIM)
+    assert p0.input_nbytes("input_ids") == 2048 * 8 * 8  # int64
+    assert p0.output_nbytes == 2048 * DIM * 4
+    assert p0.total_nbytes == 2 * 2048 * 8 * 8 + 2048 * DIM * 4
     p4 = _plan(gpu, 4, np.int32)  # a plan whose inputs TensorRT narrowed to int32
-    assert p4.input_shape == (8, 256) and p4.input_nbytes("attention_mask") == 8 * 256 * 4
-    assert p4.output_nbytes == 8 * DIM * 4
+    assert p4.input_shape == (64, 256) and p4.input_nbytes("attention_mask") == 64 * 256 * 4
+    assert p4.output_nbytes == 64 * DIM * 4
     with pytest.raises(BackendError, match="integer"):
         buffer_plan(gpu, 0, input_dtypes={"input_ids": np.float32, "attention_mask": np.int64},
                     output_name="o", output_dtype=np.float32, dim=DIM)
@@ -263,8 +263,8 @@ def test_batch_checks_and_staging_pad_to_the_bound(gpu: Profile) -> None:
 
     with pytest.raises(BackendError, match="exceeds profile 1's bound 16"):
         check_batch(plan, np.zeros((2, 17), np.int64), np.zeros((2, 17), np.int64))
-    with pytest.raises(BackendError, match="batch of 129 exceeds profile 1's max batch 128"):
-        check_batch(plan, np.zeros((129, 16), np.int64), np.zeros((129, 16), np.int64))
+    with pytest.raises(BackendError, match="batch of 1025 exceeds profile 1's max batch 1024"):
+        check_batch(plan, np.zeros((1025, 16), np.int64), np.zeros((1025, 16), np.int64))
     with pytest.raises(BackendError, match="same"):
         check_batch(plan, np.zeros((2, 16), np.int64), np.zeros((2, 15), np.int64))
     with pytest.raises(BackendError, match="empty"):
@@ -478,11 +478,11 @@ def test_context_refuses_batches_that_do_not_fit_and_foreign_threads(
     from worker.backends.tensorrt import TensorRTBackend
 
     backend = TensorRTBackend(built_plan[0], gpu)
-    ctx = backend.create_context(1)  # bound 16, max batch 128
+    ctx = backend.create_context(1)  # bound 16, max batch 1024
     with pytest.raises(BackendError, match="bound 16"):
         ctx.run(np.ones((2, 17), np.int64), np.ones((2, 17), np.int64))
-    with pytest.raises(BackendError, match="max batch 128"):
-        ctx.run(np.ones((129, 16), np.int64), np.ones((129, 16), np.int64))
+    with pytest.raises(BackendError, match="max batch 1024"):
+        ctx.run(np.ones((1025, 16), np.int64), np.ones((1025, 16), np.int64))
     with pytest.raises(BackendError, match="thread other than"):
         _run_in_thread(lambda: ctx.run(np.ones((1, 16), np.int64), np.ones((1, 16), np.int64)))
     with pytest.raises(BackendError, match="still open"):

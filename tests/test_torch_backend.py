@@ -26,11 +26,14 @@ from tests.fakes.gpu import FAKE_TORCH, install_fake_torch
 from worker.backends import torch_plan
 from worker.backends.torch_plan import (
     GraphShape,
+    batch_tiers,
+    bucket_graphs,
     graph_shapes,
     precision_candidates,
     refusal,
     shape_for,
     stage_rows,
+    tier_for,
     trim_padding,
 )
 from worker.core.errors import BackendError
@@ -67,9 +70,9 @@ def _batch(info: ModelInfo, texts: list[str], pad_to: int | None = None) -> tupl
 def test_one_graph_shape_per_bucket_at_its_max_batch_and_bound() -> None:
     gpu = load_profile("gpu")
     assert [(s.bucket, s.batch, s.length) for s in graph_shapes(gpu)] == [
-        (0, 256, 8), (1, 128, 16), (2, 64, 32), (3, 32, 64), (4, 8, 256)]  # the overflow bucket: 8 x 256
+        (0, 2048, 8), (1, 1024, 16), (2, 512, 32), (3, 256, 64), (4, 64, 256)]  # the overflow bucket: 64 x 256
     # A model of 128 positions: the overflow bucket's graph stops at 128 (no position row past it).
-    assert graph_shapes(gpu, 128)[-1] == GraphShape(4, 8, 128) and graph_shapes(gpu, 128)[0] == GraphShape(0, 256, 8)
+    assert graph_shapes(gpu, 128)[-1] == GraphShape(4, 64, 128) and graph_shapes(gpu, 128)[0] == GraphShape(0, 2048, 8)
     cpu = load_profile("cpu")
     assert len(graph_shapes(cpu)) == len(cpu.buckets) and graph_shapes(cpu)[0].length == cpu.buckets[0].max_len
     from benchmarks.gpu import graph_shapes as benchmark_shapes  # the GPU scripts' import path, kept
@@ -83,8 +86,20 @@ def test_a_batch_runs_in_the_graph_of_the_bucket_covering_its_length() -> None:
     assert shape_for(shapes, gpu, 100, 5).length == 8
     assert shape_for(shapes, gpu, 3, 9).length == 16  # pad-to-longest batches land in the covering bucket
     assert shape_for(shapes, gpu, 8, 256).bucket == 4  # the overflow bucket
-    with pytest.raises(BackendError, match=r"\[9, 200\] batch fits no captured graph of bucket 4 \(\[8, 256\]\)"):
-        shape_for(shapes, gpu, 9, 200)
+    with pytest.raises(BackendError, match=r"\[65, 200\] batch fits no captured graph of bucket 4 \(\[64, 256\]\)"):
+        shape_for(shapes, gpu, 65, 200)
+
+
+def test_each_bucket_has_a_graph_per_halving_of_its_batch_and_a_batch_takes_the_smallest_that_holds_it() -> None:
+    assert batch_tiers(2048) == [64, 128, 256, 512, 1024, 2048]
+    assert batch_tiers(64) == [64] and batch_tiers(8) == [8] and batch_tiers(96) == [96]
+    assert batch_tiers(100) == [100] and batch_tiers(200) == [100, 200]  # halves that stay whole
+    graphs = bucket_graphs(GraphShape(0, 2048, 8))
+    assert [g.batch for g in graphs] == [64, 128, 256, 512, 1024, 2048] and {g.length for g in graphs} == {8}
+    assert [graphs[tier_for(graphs, n)].batch for n in (1, 64, 65, 600, 1024, 1025, 2048)] == \
+        [64, 64, 128, 1024, 1024, 2048, 2048]
+    # Never more than twice the rows of the batch, once it is past the smallest graph.
+    assert all(graphs[tier_for(graphs, n)].batch < 2 * n for n in range(65, 2049))
 
 
 def test_staging_pads_and_gives_unused_rows_one_visible_token() -> None:
@@ -200,25 +215,25 @@ def test_a_batch_is_padded_to_its_buckets_graph_and_rows_come_back_in_order(fake
     gpu = load_profile("gpu", model_max_len=info.max_seq_length)
     backend = _backend(info, gpu, precision="fp32")
     pinned = fake_torch._fake.counts["pinned_allocations"]
-    ctx = backend.create_context(1)  # bucket 1: [128, 16]
+    ctx = backend.create_context(1)  # bucket 1: graphs of [64..1024, 16]
     ids, mask = _batch(info, ["red bike", "a longer query", "x"])
     assert 8 < ids.shape[1] <= 16
     out = ctx.run(ids, mask)
-    slot = backend._slots[1]
-    assert slot.host_ids_np.shape == (128, 16) and slot.host_mask_np[3:, 0].all() and not slot.host_mask_np[3:, 1:].any()
+    slot = backend._slots[1][0]  # the smallest of bucket 1's graphs holds 3 rows
+    assert slot.host_ids_np.shape == (64, 16) and slot.host_mask_np[3:, 0].all() and not slot.host_mask_np[3:, 1:].any()
     assert out.shape == (3, info.dim) and out.dtype == np.float32
     np.testing.assert_allclose(out, _ort(info, ids, mask), atol=2e-5)
     # The same rows padded to the bound by the bucketer give the same vectors.
     np.testing.assert_allclose(ctx.run(*_batch(info, ["red bike", "a longer query", "x"], 16)), out,
                                atol=1e-6)
-    # The overflow bucket: a long row, in the graph of [8, 128] (this model's 128 positions), from a
+    # The overflow bucket: a long row, in the graph of [64, 128] (this model's 128 positions), from a
     # batch the bucketer padded to the bucket's bound of 256.
     last = backend.create_context(4)
     long_ids, long_mask = _batch(info, [" ".join(["bicycle repair"] * 40), "y"], 256)
     np.testing.assert_allclose(last.run(long_ids, long_mask), _ort(info, long_ids[:, :128], long_mask[:, :128]),
                                atol=2e-5)
     with pytest.raises(BackendError, match="batch fits no captured graph of bucket 1"):
-        ctx.run(np.ones((129, 4), np.int64), np.ones((129, 4), np.int64))
+        ctx.run(np.ones((1025, 4), np.int64), np.ones((1025, 4), np.int64))  # past the largest graph
     with pytest.raises(BackendError, match="already open"):
         backend.create_context(1)
     with pytest.raises(BackendError, match="context 5 requested"):

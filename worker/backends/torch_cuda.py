@@ -9,9 +9,11 @@ ONNX Runtime); the pooling and the normalisation always run in fp32.
 
 Layout, as TensorRT's: `max_contexts = len(profile.buckets)`, context i serves bucket i only
 (worker/batching/bucket_queues.py plan_layout: one lane, one dispatcher thread per bucket). Per
-bucket, a *slot* built at start:
-- static device inputs [max_batch_i, L_i] (int64 ids and mask) and, with graphs, one CUDA graph of
-  the forward at that shape and its static [max_batch_i, dim] fp32 output;
+bucket, *slots* built at start, one per batch tier (torch_plan.batch_tiers: the bucket's max batch
+and each half of it down to 64, so that a partial batch the deadline flushed replays a graph at
+most twice its size, not the max batch's):
+- static device inputs [tier, L_i] (int64 ids and mask) and, with graphs, one CUDA graph of the
+  forward at that shape and its static [tier, dim] fp32 output;
 - its own CUDA stream, pinned host buffers for the inputs and the output (allocated once: a
   per-call pin_memory() is the slow pattern), and an event for the device->host copy.
 Per batch: stage into the pinned buffers (padded to the bucket's shape, rows past the batch given
@@ -53,11 +55,13 @@ from worker.backends.torch_plan import (
     EncoderWeights,
     GraphShape,
     TorchDtype,
+    bucket_graphs,
     check_fits,
     check_model,
     graph_shapes,
     read_weights,
     stage_rows,
+    tier_for,
     trim_padding,
 )
 from worker.core.errors import BackendError, extra_missing
@@ -141,7 +145,6 @@ class _Slot:
     host_out_np: np.ndarray
     graph: Any = None
     out: Any = None  # the graph's static output
-    claimed: bool = False
 
 
 class TorchContext:
@@ -150,7 +153,8 @@ class TorchContext:
     def __init__(self, backend: TorchCudaBackend, index: int) -> None:
         self._backend = backend
         self.index = index
-        self._slot = backend._slots[index]
+        self._tiers = backend._slots[index]
+        self._shapes = [slot.shape for slot in self._tiers]
         self._closed = False
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
@@ -159,7 +163,7 @@ class TorchContext:
         if input_ids.ndim != 2 or input_ids.shape != attention_mask.shape:
             raise BackendError(f"torch: input_ids {input_ids.shape} and attention_mask {attention_mask.shape} "
                                "must be the same [batch, length] shape")
-        slot = self._slot
+        slot = self._tiers[tier_for(self._shapes, input_ids.shape[0])]
         input_ids, attention_mask = trim_padding(slot.shape, input_ids, attention_mask)
         check_fits(slot.shape, *input_ids.shape)
         b = self._backend
@@ -200,7 +204,8 @@ class TorchCudaBackend:
         self._mode = model.pipeline.pooling.modes[0]
         self._normalize = model.normalized
         self._lock = threading.Lock()  # slot claims: contexts are created from several threads
-        self._slots: list[_Slot] = []
+        self._slots: list[list[_Slot]] = []  # per bucket, its tiers ascending (eager: the max one)
+        self._claimed: list[bool] = []
         self.device_name = self.device.describe()
         self.providers = [f"torch {self.device.torch_version} (CUDA {self.device.cuda_version})", self.device_name,
                           precision, "CUDA graph per bucket" if graphs else "eager"]
@@ -208,10 +213,12 @@ class TorchCudaBackend:
             with torch.inference_mode(), torch.cuda.device(self._dev):
                 self._w = self._to_device(weights if weights is not None else read_weights(model))
                 for shape in self.shapes:
-                    self._slots.append(self._make_slot(shape))
+                    tiers = bucket_graphs(shape) if graphs else [shape]
+                    self._slots.append([self._make_slot(tier) for tier in tiers])
+                    self._claimed.append(False)
                 if graphs:
                     # All captures on this thread, before any context (and so any replay) exists.
-                    for slot in self._slots:
+                    for slot in (slot for tiers in self._slots for slot in tiers):
                         self._capture(slot)
                 torch.cuda.synchronize(self._dev)
         except BackendError:
@@ -222,7 +229,8 @@ class TorchCudaBackend:
             raise BackendError(f"torch: cannot set up {model.name} in {precision} on {self.device_name} for "
                                f"profile {profile.name!r}: {str(exc).strip().splitlines()[0]}") from exc
         log.info("torch backend ready", device=self.device_name, precision=precision, graphs=graphs,
-                 shapes=[f"{s.batch}x{s.length}" for s in self.shapes])
+                 shapes=[f"{s.batch}x{s.length}" for s in self.shapes],
+                 graphs_per_bucket=[len(tiers) for tiers in self._slots])
 
     # ------------------------------------------------------------------ setup
     def _to_device(self, w: EncoderWeights) -> dict[str, Any]:
@@ -332,34 +340,35 @@ class TorchCudaBackend:
         with self._lock:
             if not self._slots:
                 raise BackendError("the torch backend is closed")
-            slot = self._slots[index]
-            if slot.claimed:
-                raise BackendError(f"torch context {index} is already open: bucket {index} has one graph, one "
-                                   "stream and one set of buffers, run by one dispatcher")
-            slot.claimed = True
+            if self._claimed[index]:
+                raise BackendError(f"torch context {index} is already open: bucket {index}'s graphs, streams and "
+                                   "buffers are run by one dispatcher")
+            self._claimed[index] = True
         return TorchContext(self, index)
 
     def _release(self, index: int) -> None:
         with self._lock:
             if self._slots:
-                self._slots[index].claimed = False
+                self._claimed[index] = False
 
     def close(self) -> None:
         """Frees the graphs, buffers and weights; every context must be closed first."""
         with self._lock:
             if not self._slots:
                 return
-            open_ = [i for i, s in enumerate(self._slots) if s.claimed]
+            open_ = [i for i, claimed in enumerate(self._claimed) if claimed]
             if open_:
                 raise BackendError(f"torch context(s) {open_} still open; close them before the backend")
         self._free()
 
     def _free(self) -> None:
         torch = self._torch if hasattr(self, "_torch") else None
-        for slot in getattr(self, "_slots", []):
-            if slot.graph is not None:
-                slot.graph.reset()
+        for tiers in getattr(self, "_slots", []):
+            for slot in tiers:
+                if slot.graph is not None:
+                    slot.graph.reset()
         self._slots = []
+        self._claimed = []
         self._w = {}
         if torch is not None:
             torch.cuda.synchronize(self._dev)

@@ -79,6 +79,35 @@ def graph_shapes(profile: Profile, max_len: int | None = None) -> list[GraphShap
     return [GraphShape(i, b.max_batch, min(b.max_len, max_len or b.max_len)) for i, b in enumerate(profile.buckets)]
 
 
+# The smallest graph a bucket gets: below it a replay is launch-bound (on the H200, 32x8 0.35 ms and
+# 256x8 0.94 ms against 1024x8 2.8 ms, benchmarks/results/device/2026-12-04/probe.json), so a
+# smaller graph would save little GPU time and cost a capture and a memory pool.
+SMALLEST_GRAPH = 64
+
+
+def batch_tiers(max_batch: int, smallest: int = SMALLEST_GRAPH) -> list[int]:
+    """The batch sizes one bucket's graphs are captured at, ascending: its max batch, and each half
+    of it down to `smallest`. A partial batch (the deadline flushed it) replays the smallest graph
+    that holds it, so a large max batch costs a partial batch no padded rows beyond 2x."""
+    tiers = [max_batch]
+    while tiers[-1] % 2 == 0 and tiers[-1] // 2 >= smallest:
+        tiers.append(tiers[-1] // 2)
+    return sorted(tiers)
+
+
+def bucket_graphs(shape: GraphShape, smallest: int = SMALLEST_GRAPH) -> list[GraphShape]:
+    """The graphs of `shape`'s bucket (its max batch at its bound), one per batch tier, ascending."""
+    return [GraphShape(shape.bucket, b, shape.length) for b in batch_tiers(shape.batch, smallest)]
+
+
+def tier_for(graphs: Sequence[GraphShape], batch: int) -> int:
+    """The index of the smallest of a bucket's graphs (ascending) that holds `batch` rows."""
+    for i, g in enumerate(graphs):
+        if batch <= g.batch:
+            return i
+    return len(graphs) - 1  # too large for every one: check_fits says so against the largest
+
+
 def trim_padding(shape: GraphShape, input_ids: np.ndarray, attention_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The batch without the columns past the graph's length, when those are all padding (a batch
     padded to a bucket bound beyond the model's max length); otherwise as it is."""
