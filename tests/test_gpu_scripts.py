@@ -317,3 +317,51 @@ def test_dry_run_of_a_stage_past_its_deadline_still_writes_the_json(
     assert all(summary["stages"][n]["status"] == "not_run" for n in STAGES[3:])
     stacks = json.loads((tmp_path / "out" / "trt-load.json").read_text())["error"]["traceback"]
     assert "deserialize_cuda_engine" in stacks  # where it was stuck
+
+
+# ============================================================================ device_run.sh on the fakes, in a subprocess
+FAKE_NVIDIA_SMI = """#!/usr/bin/env bash
+# nvidia-smi as device_run.sh calls it: the sampler (-lms) prints a CSV row every 0.1 s; anything else, a name.
+case " $* " in
+  *" -lms "*) while true; do printf '%s.%03d, 37, 1024\\n' "$(date '+%Y/%m/%d %H:%M:%S')" 0; sleep 0.1; done;;
+  *) echo "name, driver_version, memory.total [MiB]"; echo "NVIDIA H200 (fake), 580.0, 143771 MiB";;
+esac
+"""
+
+
+def test_dry_run_of_the_device_run_on_the_fake_torch(tmp_path: Path) -> None:
+    """The one prepared GPU run, end to end on the numpy fake of torch and a fake nvidia-smi, with the
+    tiny BERT fixture and small profiles so it takes seconds: every stage runs and writes its files
+    (the CUDA-graphs comparison is left to the GPU: it runs the shipped profiles)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_NVIDIA_SMI)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    profiles = tmp_path / "profiles.toml"
+    profiles.write_text(SMALL_PROFILES)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "PYTHONPATH": f"{ROOT / 'tests' / 'fakes' / 'gpu_modules'}:{ROOT}",
+           "KWE_MODEL_DIR": str(ROOT / "tests" / "data" / "families" / "bert"), "KWE_PROFILES_FILE": str(profiles),
+           "KWE_CACHE_DIR": str(tmp_path / "cache"), "DEVICE_SKIP": "torch-graphs", "DEVICE_HOST_PROCESSES": "1 2",
+           "DEVICE_HOST_ROUNDS": "1", "DEVICE_HOST_N": "120", "DEVICE_HOST_WARMUP": "40", "DEVICE_DRY_RUN": "1",
+           "DEVICE_SHAPE_CALLS": "2"}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "device_run.sh")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=400)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    opened = json.loads((out / "open.json").read_text())
+    assert opened["profile"] == "gpu" and opened["precision"] in ("fp16", "bf16", "fp32"), opened
+    parity = json.loads((out / "parity.json").read_text())
+    # The tiny model is no MiniLM: against its own fp32 ONNX export, as the gate is.
+    assert parity["rows"] == 224 and parity["passed"] and "ONNX Runtime" in parity["reference"], parity
+    shapes = json.loads((out / "shapes.json").read_text())["shapes"]
+    assert [(s["batch"], s["len"]) for s in shapes][:4] == [(16, 8), (8, 16), (8, 32), (4, 64)]
+    assert shapes[-1]["batch"] == 2 and all(s["ms"] > 0 and s["rows_per_s"] > 0 for s in shapes)
+    host = json.loads((out / "host-path.json").read_text())
+    assert set(host["sides"]) == {"new-p1", "new-p2"} and host["backend"] == "torch"
+    assert all(s["keywords_per_s"]["median"] > 0 for s in host["sides"].values())
+    summary = (out / "summary.md").read_text()
+    for stage in ("open", "parity", "shapes", "host-path"):
+        assert f"| {stage} |" in summary, summary
+    assert "37%" in summary, "the sampler's utilisation is attributed to the stages"

@@ -12,7 +12,9 @@
 - pylibs/: what the lent machine's Python (3.12, PyTorch 2.11; benchmarks/results/device/2026-12-04/
   host.txt) lacks: safetensors (an abi3 wheel), structlog and tomli (pure Python); pylibs-cp312/:
   orjson (a cp312 wheel); shim/tomllib.py for a Python older than 3.11. Its tokenizers (0.23.2) is
-  used, not a copy (11 MB).
+  used, not a copy (11 MB);
+- wheels/: confluent-kafka, prometheus-client and tqdm at the pinned versions (cp312), which
+  benchmarks/gpu/device_run.sh installs there for the broker-free host path.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from worker.core.model import default_model_dir
 ROOT = Path(__file__).resolve().parents[2]
 DEV = ROOT / ".device"
 DEVICE_PYTHON = "3.12"
+# Installed from wheels there (device_run.sh): what the worker's pipeline imports and that machine
+# lacks (benchmarks/results/device/2026-12-04/host.txt).
+DEVICE_WHEELS = ("confluent-kafka", "prometheus-client", "tqdm")
 
 
 def f16_store(src: Path, dst: Path) -> None:
@@ -92,6 +97,20 @@ def main() -> int:
                             DEVICE_PYTHON, "--implementation", implementation, spec, "-d", tmp], check=True)
             for whl in Path(tmp).glob("*.whl"):
                 zipfile.ZipFile(whl).extractall(DEV / folder)
+    # The pipeline's own dependencies that machine lacks (benchmarks/host/ runs the whole pipeline
+    # there, without a broker), as wheels at the versions constraints.txt pins: device_run.sh
+    # installs them out of tree (confluent-kafka is 5 MB as a wheel, 15 MB unpacked).
+    wheels = DEV / "wheels"
+    shutil.rmtree(wheels, ignore_errors=True)
+    wheels.mkdir()
+    pins = dict(line.split("==", 1) for line in (ROOT / "constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    lower = {k.lower().replace("_", "-"): v for k, v in pins.items()}  # as PEP 503 normalises names
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", DEVICE_PYTHON, "--implementation", "cp",
+                    *(f"--platform={p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64",
+                                                  "manylinux2014_x86_64", "any")),
+                    *(f"{name}=={lower[name]}" for name in DEVICE_WHEELS), "-d", str(wheels)], check=True)
     (DEV / "shim").mkdir(exist_ok=True)
     (DEV / "shim" / "tomllib.py").write_text("from tomli import *  # noqa: F403  (Python < 3.11 on the device)\n"
                                              "from tomli import TOMLDecodeError, load, loads  # noqa: F401\n")

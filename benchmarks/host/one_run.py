@@ -98,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     logs = partitioned(TOPIC, records, args.partitions)
     clients: dict[str, Any] = {}
 
+    if os.environ.get("DEVICE_DRY_RUN"):  # a fake GPU library on a machine without /dev/nvidia* (the dry run)
+        load_backend = select.load_backend
+
+        def with_gpu(*a: Any, **kw: Any) -> Any:
+            return load_backend(*a, **{**kw, "has_gpu": lambda: True})
+        select.load_backend = with_gpu  # type: ignore[assignment]
     if args.backend == "null":
         def null_backend(kind: Any, model: Any, profile: Any = None, **_: Any) -> NullBackend:
             return NullBackend(model.dim)

@@ -55,7 +55,8 @@ def runner_dir(tmp: Path) -> Path:
 def run_side(root: Path, pythonpath: Path, args: argparse.Namespace, processes: int,
              settings: list[str]) -> list[dict[str, Any]]:
     """`processes` one_run processes at once in checkout `root`; their JSON results."""
-    env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+    # The runner first; what the caller's path holds (a lent GPU machine's libraries) after it.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(pythonpath), os.environ.get("PYTHONPATH")]))}
     procs = []
     per = args.n + args.warmup
     for i in range(processes):
