@@ -36,6 +36,9 @@ FETCH_MIN_BYTES = FETCH_PARTITION_BYTES
 FETCH_WAIT_MS = 10
 # How soon a partition whose prefetch queue is full is looked at again: consumer_config says why.
 FETCH_QUEUE_BACKOFF_MS = 10
+# The group session and heartbeat: consumer_config says why.
+SESSION_TIMEOUT_MS = 30_000
+HEARTBEAT_INTERVAL_MS = 1000
 
 
 def consumer_config(settings: Settings) -> dict[str, Any]:
@@ -49,8 +52,19 @@ def consumer_config(settings: Settings) -> dict[str, Any]:
         "enable.auto.offset.store": False,
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
-        "session.timeout.ms": 10000,
-        "heartbeat.interval.ms": 1000,
+        # A session must outlive the group's coordinator failing over: librdkafka drops every
+        # partition as lost (nothing committed, the new owners redo the uncommitted window) once no
+        # heartbeat was answered for session.timeout.ms, and a SIGKILLed coordinator's group had
+        # none for 8.8-13.6 s on the three-node cluster (9 s until KRaft fences the dead broker, 2-4 s
+        # more when it was the active controller too: benchmarks/results/coordinator_outage.json).
+        # 10 s lost both members' partitions in one such failover in three under a backlog
+        # (issue 46: 29% of a stream duplicated). The price: a member that dies without leaving
+        # (SIGKILL, OOM, a lost node) holds its partitions until this expires before the others take
+        # them; a stop (SIGTERM) leaves the group at once and costs nothing. docs/faults.md, "Sessions".
+        "session.timeout.ms": SESSION_TIMEOUT_MS,
+        # A member hears of a rebalance at its next heartbeat: 1 s keeps joins and leaves as quick
+        # as before (Kafka's 3 s default would add up to 2 s to each).
+        "heartbeat.interval.ms": HEARTBEAT_INTERVAL_MS,
         "max.poll.interval.ms": 300000,
         # Transactional output is visible only once committed; at-least-once ignores aborted
         # writes of an upstream transactional producer too.
