@@ -9,6 +9,12 @@ broker gone) cannot hold a revoke or a shutdown past its deadline.
 What is committed: per partition, the lowest unfinished offset (everything below it has its
 output acknowledged), and only while this assignment is the partition's owner. Each commit is
 tagged with the assignment it was made for, so a late answer never confirms a newer one.
+
+Lost partitions (at-least-once): what each had finished is remembered (`remember_lost`), and when
+the group gives the partition back to this member with its committed offset where this member
+left it (nobody committed meanwhile), that finished offset is committed before fetching starts
+(`resume_lost`), instead of redoing the finished window. Safe whoever held the partition
+in between: everything below that offset has its output acknowledged.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ class Committer:
         # When the commit point last moved, or nothing was waiting to be committed. Written on
         # the poll thread only; the liveness probe reads it (a float read is atomic).
         self._progress_at = clock()
+        # Partitions lost with finished work: (topic, partition) -> (the group's offset as this member
+        # last knew it, its lowest unfinished offset then). Poll thread only.
+        self._lost: dict[tuple[str, int], tuple[int, int]] = {}
 
     def bind(self, consumer: Any) -> None:
         """The consumer is built after the committer (its commit callback is ours)."""
@@ -165,6 +174,44 @@ class Committer:
             if deadline.left() <= 0.2:
                 return False
             serve(0.1)
+
+    # ------------------------------------------------------------------ lost and given back
+    def remember_lost(self, partitions: Sequence[TopicPartition]) -> None:
+        """Partitions lost (poll thread, inside the lost callback, before `forget`): where the group's
+        offset stood as far as this member knows, and what it had finished beyond it. Records still in
+        flight finish on the old state and are dropped, so this never grows after the loss."""
+        for part in self.owned(partitions):
+            base = part.committed if part.committed is not None else part.first
+            finished = part.committable()
+            if base is not None and finished is not None and finished > base:
+                self._lost[(part.topic, part.partition)] = (base, finished)
+
+    def resume_lost(self, partitions: Sequence[TopicPartition], timeout_s: float) -> list[str]:
+        """Inside the assign callback, before the partitions are assigned: for those this member lost
+        with finished work, reads the group's committed offsets and, where they have not moved since,
+        commits the finished offset (this generation owns them), so fetching starts there. Returns
+        the partitions resumed so. Any failure leaves the group's offset as it is (the work is redone)."""
+        remembered = {(tp.topic, tp.partition): self._lost.pop((tp.topic, tp.partition), None) for tp in partitions}
+        wanted = {key: memo for key, memo in remembered.items() if memo is not None}
+        if not wanted:
+            return []
+        try:
+            now = self._consumer.committed([TopicPartition(t, p) for t, p in wanted], timeout=timeout_s)
+            unmoved = [TopicPartition(tp.topic, tp.partition, wanted[(tp.topic, tp.partition)][1]) for tp in now
+                       if tp.error is None and tp.offset == wanted[(tp.topic, tp.partition)][0]]
+            if unmoved:
+                answer = self._consumer.commit(offsets=unmoved, asynchronous=False) or []
+                unmoved = [tp for tp in answer if tp.error is None and tp.offset >= 0]
+        except KafkaException as exc:
+            log.warning("lost partitions given back: the group's offsets could not be read or committed; "
+                        "their finished work is redone", error=str(exc))
+            return []
+        back = {(tp.topic, tp.partition) for tp in unmoved}
+        resumed = [f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in unmoved]
+        log.info("lost partitions given back: resumed from what this member had finished", resumed=resumed,
+                 not_redone=sum(wanted[key][1] - wanted[key][0] for key in back),
+                 moved_meanwhile=sorted(f"{t}[{p}]" for t, p in wanted if (t, p) not in back))
+        return resumed
 
     # ------------------------------------------------------------------ assignment bookkeeping
     def assign(self, partitions: Sequence[TopicPartition]) -> None:

@@ -36,6 +36,9 @@ FETCH_MIN_BYTES = FETCH_PARTITION_BYTES
 FETCH_WAIT_MS = 10
 # How soon a partition whose prefetch queue is full is looked at again: consumer_config says why.
 FETCH_QUEUE_BACKOFF_MS = 10
+# How long an assignment waits for the group's committed offsets of partitions this member lost and
+# gets back (one OffsetFetch; Committer.resume_lost): past it they start from the group's offset.
+RESUME_CHECK_S = 5.0
 # The group session and heartbeat: consumer_config says why.
 SESSION_TIMEOUT_MS = 30_000
 HEARTBEAT_INTERVAL_MS = 1000
@@ -129,7 +132,10 @@ class Rebalances(Protocol):
         wait_s for more to finish); True when committed or nothing was left to commit."""
         ...
 
-    def on_lost(self) -> None: ...
+    def on_lost(self) -> bool:
+        """Inside the lost callback: commit nothing; True when what the lost partitions finished
+        stays written (at-least-once), so the member may resume after it if they come back."""
+        ...
 
 
 class GroupMember:
@@ -227,6 +233,10 @@ class GroupMember:
     # ------------------------------------------------------------------ rebalances
     def _on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         self._failures.connected()
+        if not self._latch.is_set():
+            # Before the fetch starts from the group's offset: a partition lost and given back unmoved
+            # starts from what this member had finished instead (Committer.resume_lost).
+            self._committer.resume_lost(partitions, RESUME_CHECK_S)
         self._committer.assign(partitions)
         log.info("partitions assigned", partitions=_names(partitions))
         self._metrics.count_rebalance("assign")
@@ -267,8 +277,8 @@ class GroupMember:
 
     def _on_lost(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         # Lost, not revoked: another member may already own them, so commit nothing.
-        if self._rebalances is not None:
-            self._rebalances.on_lost()
+        if self._rebalances is not None and self._rebalances.on_lost() and not self._latch.is_set():
+            self._committer.remember_lost(partitions)
         self._committer.forget(partitions)
         for tp in partitions:
             self._metrics.forget_partition(tp.topic, tp.partition)
