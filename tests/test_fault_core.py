@@ -584,6 +584,18 @@ def test_a_lost_partition_given_back_unmoved_resumes_from_what_the_member_had_fi
     assert fake.commits == []
 
 
+def test_outputs_acknowledged_after_the_loss_count_as_finished_when_the_partition_comes_back() -> None:
+    """A broker's loss holds acks=all writes until it is fenced: the session can end with outputs still in
+    the producer. Acknowledged afterwards, they finish on the lost state, and resuming reads it then."""
+    member, committer, fake, _ = _member(wait_s=0.0)
+    _lose_with_work(member, committer, fake)
+    lost = committer._lost[("t", 0)][1]  # noqa: SLF001 - the state the delivery thread still finishes
+    for off in range(150, 160):
+        lost.done(off)
+    member._on_assign(fake, [TopicPartition("t", 0)])
+    assert fake.commits == [([(0, 170)], False)]
+
+
 def test_a_lost_partition_whose_group_offset_moved_starts_from_the_group_offset() -> None:
     member, committer, fake, _ = _member(wait_s=0.0)
     _lose_with_work(member, committer, fake)

@@ -45,9 +45,9 @@ class Committer:
         # When the commit point last moved, or nothing was waiting to be committed. Written on
         # the poll thread only; the liveness probe reads it (a float read is atomic).
         self._progress_at = clock()
-        # Partitions lost with finished work: (topic, partition) -> (the group's offset as this member
-        # last knew it, its lowest unfinished offset then). Poll thread only.
-        self._lost: dict[tuple[str, int], tuple[int, int]] = {}
+        # Lost partitions: (topic, partition) -> (the group's offset as this member last knew it, the
+        # lost state, whose records already written still finish on it). Poll thread only.
+        self._lost: dict[tuple[str, int], tuple[int, PartitionOffsets]] = {}
 
     def bind(self, consumer: Any) -> None:
         """The consumer is built after the committer (its commit callback is ours)."""
@@ -178,21 +178,27 @@ class Committer:
     # ------------------------------------------------------------------ lost and given back
     def remember_lost(self, partitions: Sequence[TopicPartition]) -> None:
         """Partitions lost (poll thread, inside the lost callback, before `forget`): where the group's
-        offset stood as far as this member knows, and what it had finished beyond it. Records still in
-        flight finish on the old state and are dropped, so this never grows after the loss."""
+        offset stood as far as this member knows, and the lost state itself. What it finished is read
+        when the partition comes back, not now: a loss comes while outputs wait in the producer (a
+        dead broker still in the ISR holds every acks=all write until it is fenced), and those still
+        finish on this state afterwards; records not produced yet are dropped (the output stage drops
+        a revoked state's records), so its lowest unfinished offset never passes one of them."""
         for part in self.owned(partitions):
             base = part.committed if part.committed is not None else part.first
-            finished = part.committable()
-            if base is not None and finished is not None and finished > base:
-                self._lost[(part.topic, part.partition)] = (base, finished)
+            if base is not None:
+                self._lost[(part.topic, part.partition)] = (base, part)
 
     def resume_lost(self, partitions: Sequence[TopicPartition], timeout_s: float) -> list[str]:
         """Inside the assign callback, before the partitions are assigned: for those this member lost
         with finished work, reads the group's committed offsets and, where they have not moved since,
         commits the finished offset (this generation owns them), so fetching starts there. Returns
         the partitions resumed so. Any failure leaves the group's offset as it is (the work is redone)."""
-        remembered = {(tp.topic, tp.partition): self._lost.pop((tp.topic, tp.partition), None) for tp in partitions}
-        wanted = {key: memo for key, memo in remembered.items() if memo is not None}
+        wanted: dict[tuple[str, int], tuple[int, int]] = {}
+        for tp in partitions:
+            memo = self._lost.pop((tp.topic, tp.partition), None)
+            finished = memo[1].committable() if memo is not None else None
+            if memo is not None and finished is not None and finished > memo[0]:
+                wanted[(tp.topic, tp.partition)] = (memo[0], finished)
         if not wanted:
             return []
         try:
