@@ -146,7 +146,8 @@ def test_leader_kill_rolling_restart_coordinators_and_two_nodes_down_under_both_
             # A leader that coordinates neither group: the next fault is the coordinator's.
             part, node = next((p, n) for p in range(6) if (n := cluster.leader(alo.topics[0], p)) != coordinator)
             cluster.restart_now(node, hard=True, down_for=20)
-            return f"node {node} (leader of the input's partition {part}, no group's coordinator) SIGKILLed, back after 20 s"
+            return (f"node {node} (leader of the input's partition {part}, no group's coordinator) SIGKILLed, "
+                    "back after 20 s")
 
         fault(streams, "leader SIGKILLed under a backlog, 20 s down", leader_down, backlog=BACKLOG)
         cluster.wait_in_sync()
@@ -155,7 +156,8 @@ def test_leader_kill_rolling_restart_coordinators_and_two_nodes_down_under_both_
             nodes = {cluster.group_coordinator(st.group) for st in streams}
             assert nodes == {coordinator}, f"the groups' coordinators moved: {nodes}"
             cluster.restart_now(coordinator, hard=True, down_for=20)
-            return f"node {coordinator} (both groups' coordinator, by describe_consumer_groups) SIGKILLed, back after 20 s"
+            return (f"node {coordinator} (both groups' coordinator, by describe_consumer_groups) SIGKILLed, "
+                    "back after 20 s")
 
         fault(streams, "group coordinator SIGKILLed under a backlog, 20 s down", coordinator_down, backlog=BACKLOG)
         cluster.wait_in_sync()

@@ -55,12 +55,13 @@ def consumer_config(settings: Settings) -> dict[str, Any]:
         "enable.auto.offset.store": False,
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
-        # A session must outlive the group's coordinator failing over: librdkafka drops every
-        # partition as lost (nothing committed, the new owners redo the uncommitted window) once no
-        # heartbeat was answered for session.timeout.ms, and a SIGKILLed coordinator's group had
-        # none for 8.8-13.6 s on the three-node cluster (30 groups hit: 8.8-10.0 s, then 11.1-13.6 s
-        # when the node was the active KRaft controller too; benchmarks/results/coordinator_outage*.json).
-        # 10 s lost both members' partitions in one such failover in three under a backlog
+        # A session must outlive a broker's failover: librdkafka drops every partition as lost
+        # (nothing committed, the new owners redo the uncommitted window) once no heartbeat was
+        # answered for session.timeout.ms. A SIGKILLed coordinator's group had none for 8.8-13.6 s
+        # on the three-node cluster (30 groups hit: 8.8-10.0 s, then 11.1-13.6 s when the node was
+        # the active KRaft controller too; benchmarks/results/coordinator_outage*.json), and any
+        # node's loss stalls the live coordinators about as long (a dead broker stays in the offsets
+        # topic's ISR until fenced): 10 s sessions expired under a backlog after either kind of kill
         # (issue 46: 29% of a stream duplicated). The price: a member that dies without leaving
         # (SIGKILL, OOM, a lost node) holds its partitions until this expires before the others take
         # them; a stop (SIGTERM) leaves the group at once and costs nothing. docs/faults.md, "Sessions".
