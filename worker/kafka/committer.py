@@ -10,11 +10,11 @@ What is committed: per partition, the lowest unfinished offset (everything below
 output acknowledged), and only while this assignment is the partition's owner. Each commit is
 tagged with the assignment it was made for, so a late answer never confirms a newer one.
 
-Lost partitions (at-least-once): what each had finished is remembered (`remember_lost`), and when
-the group gives the partition back to this member with its committed offset where this member
-left it (nobody committed meanwhile), that finished offset is committed before fetching starts
-(`resume_lost`), instead of redoing the finished window. Safe whoever held the partition
-in between: everything below that offset has its output acknowledged.
+Lost partitions (at-least-once): the lost state is remembered (`remember_lost`), and when the
+group gives the partition back to this member with its committed offset not moved past what that
+state has finished by then, that finished offset is committed before fetching starts
+(`resume_lost`), instead of redoing the finished window. Safe whoever held the partition in
+between: everything below that offset has its output acknowledged.
 """
 
 from __future__ import annotations
@@ -190,9 +190,10 @@ class Committer:
 
     def resume_lost(self, partitions: Sequence[TopicPartition], timeout_s: float) -> list[str]:
         """Inside the assign callback, before the partitions are assigned: for those this member lost
-        with finished work, reads the group's committed offsets and, where they have not moved since,
-        commits the finished offset (this generation owns them), so fetching starts there. Returns
-        the partitions resumed so. Any failure leaves the group's offset as it is (the work is redone)."""
+        with finished work, reads the group's committed offsets and, where they have not moved past
+        it (nor below where this member left them), commits the finished offset (this generation owns
+        them), so fetching starts there. Returns the partitions resumed so. Any failure leaves the
+        group's offset as it is (the work is redone)."""
         wanted: dict[tuple[str, int], tuple[int, int]] = {}
         for tp in partitions:
             memo = self._lost.pop((tp.topic, tp.partition), None)
@@ -203,8 +204,15 @@ class Committer:
             return []
         try:
             now = self._consumer.committed([TopicPartition(t, p) for t, p in wanted], timeout=timeout_s)
+            # Between where this member left the group's offset and what it finished: its own commits,
+            # deferred by librdkafka for want of a coordinator, may land after the rejoin (a deferred
+            # commit is sent with the generation current when it goes out: rdkafka_cgrp.c,
+            # rd_kafka_cgrp_offsets_commit), and whoever committed there, everything below the finished
+            # offset has its output. Below where it left it (an operator's reset) or past what it
+            # finished: the group's offset stands.
             unmoved = [TopicPartition(tp.topic, tp.partition, wanted[(tp.topic, tp.partition)][1]) for tp in now
-                       if tp.error is None and tp.offset == wanted[(tp.topic, tp.partition)][0]]
+                       if tp.error is None and wanted[(tp.topic, tp.partition)][0] <= tp.offset
+                       < wanted[(tp.topic, tp.partition)][1]]
             if unmoved:
                 answer = self._consumer.commit(offsets=unmoved, asynchronous=False) or []
                 unmoved = [tp for tp in answer if tp.error is None and tp.offset >= 0]
