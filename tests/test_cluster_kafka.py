@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster_tools import Cluster, Net, NetUnavailable, Stream, fault, start_cluster
+from worker.kafka.consumer import SESSION_TIMEOUT_MS
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.cluster]
 
@@ -81,8 +82,9 @@ def check(streams: list[Stream]) -> None:
                 if st.guarantee == "at-least-once":
                     assert f.duplicates <= BACKLOG_DUPLICATES_GOAL * f.ids, \
                         f"{f.name}: {f.duplicates} duplicates of {f.ids} IDs"
-            assert f.recovery_s is not None and f.recovery_s <= RECOVERY_GOAL_S, \
-                f"{st.guarantee}, {f.name}: throughput not back within {RECOVERY_GOAL_S} s ({f.recovery_s})"
+            goal = f.recovery_goal_s or RECOVERY_GOAL_S
+            assert f.recovery_s is not None and f.recovery_s <= goal, \
+                f"{st.guarantee}, {f.name}: throughput not back within {goal} s ({f.recovery_s})"
 
 
 def test_topics_the_worker_creates_take_the_clusters_replication(cluster: Cluster) -> None:
@@ -142,9 +144,11 @@ def test_leader_kill_rolling_restart_coordinators_and_two_nodes_down_under_both_
         for st in streams:
             st.start()
 
+        # A leader that coordinates neither group: the next fault is the coordinator's. Found before the
+        # fault: under a backlog the kill must come at once.
+        part, node = next((p, n) for p in range(6) if (n := cluster.leader(alo.topics[0], p)) != coordinator)
+
         def leader_down() -> str:
-            # A leader that coordinates neither group: the next fault is the coordinator's.
-            part, node = next((p, n) for p in range(6) if (n := cluster.leader(alo.topics[0], p)) != coordinator)
             cluster.restart_now(node, hard=True, down_for=20)
             return (f"node {node} (leader of the input's partition {part}, no group's coordinator) SIGKILLed, "
                     "back after 20 s")
@@ -152,9 +156,10 @@ def test_leader_kill_rolling_restart_coordinators_and_two_nodes_down_under_both_
         fault(streams, "leader SIGKILLed under a backlog, 20 s down", leader_down, backlog=BACKLOG)
         cluster.wait_in_sync()
 
+        nodes = {cluster.group_coordinator(st.group) for st in streams}
+        assert nodes == {coordinator}, f"the groups' coordinators moved: {nodes}"
+
         def coordinator_down() -> str:
-            nodes = {cluster.group_coordinator(st.group) for st in streams}
-            assert nodes == {coordinator}, f"the groups' coordinators moved: {nodes}"
             cluster.restart_now(coordinator, hard=True, down_for=20)
             return (f"node {coordinator} (both groups' coordinator, by describe_consumer_groups) SIGKILLed, "
                     "back after 20 s")
@@ -222,7 +227,13 @@ def test_leader_kill_rolling_restart_coordinators_and_two_nodes_down_under_both_
             return (f"nodes {first}+{second} SIGKILLed; {first} back after 20 s, {second} after 30 s; outputs "
                     f"seen from 5 s after the kill to the first return: {during}; /healthz 200 throughout")
 
-        fault([alo], "two nodes down (below min.insync.replicas)", two_down)
+        # No quorum, so no coordinator until the first node is back and the group is loaded again, past
+        # the 30 s session: the members lose their partitions then, and their rejoin took 40 s (with
+        # 10 s sessions, lost 10 s into the outage, it ended 36 s after the loss, about when the
+        # coordinator was back; the broker seems to keep the old identities for a session). Recovery
+        # 20-27 s measured (0-5 s with 10 s sessions): a session more than the others' goal.
+        fault([alo], "two nodes down (below min.insync.replicas)", two_down,
+              recovery_goal_s=RECOVERY_GOAL_S + SESSION_TIMEOUT_MS / 1000)
         alo.finish()
     finally:
         for st in streams:
