@@ -198,8 +198,9 @@ def test_a_zombie_member_is_fenced_by_its_successor_and_nothing_it_wrote_since_i
     names = ("kw-zombie", "emb-zombie", "dlq-zombie")
     ensure_topics(bootstrap, {names[0]: 2, names[1]: 2, names[2]: 1})
     queries = load_queries(0, 6000)
+    # A 10 s session (the worker's is 30 s): the 13 s the zombie is stopped must outlive it.
     extra = ["--processing-guarantee", "exactly-once", "--intra-op-threads", "1",
-             "--transaction-timeout-ms", "5000", "--member-id", "pod-0"]
+             "--transaction-timeout-ms", "5000", "--member-id", "pod-0", "--kafka-config", "session.timeout.ms=10000"]
     zombie = WorkerProcess(bootstrap, *names, "g-zombie", tmp_path / "zombie.log", extra).start()
     successor = WorkerProcess(bootstrap, *names, "g-zombie", tmp_path / "successor.log", extra)
     out = TopicReader(bootstrap, names[1], "r-zombie", isolation="read_committed")
