@@ -244,8 +244,32 @@ class Cluster:
             time.sleep(0.5)
 
     def group_coordinator(self, group: str) -> int:
-        desc = self.admin().describe_consumer_groups([group], request_timeout=20)[group].result(30)
-        return int(desc.coordinator.id)
+        """The group's coordinator, by describe_consumer_groups (retried for 60 s: a fresh cluster answers
+        NOT_COORDINATOR until its offsets topic exists, a restarted node while it loads the group)."""
+        from confluent_kafka import KafkaException
+
+        deadline = time.monotonic() + 60
+        while True:
+            # A client of its own each time: after node restarts the long-lived one's describe timed out
+            # twice in a row (20 s each) while the cluster answered everyone else.
+            admin = AdminClient({"bootstrap.servers": self.bootstrap})
+            try:
+                desc = admin.describe_consumer_groups([group], request_timeout=10)[group].result(15)
+                return int(desc.coordinator.id)
+            except KafkaException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+
+    def tag_coordinated_by(self, node: int, prefix: str) -> str:
+        """A stream tag whose group (g-<tag>) the node coordinates, asked with describe_consumer_groups
+        (a group that does not exist yet has its coordinator too): two streams' groups on one node
+        lose their coordinator to one kill."""
+        for k in range(200):
+            tag = f"{prefix}{time.monotonic_ns() % 10**6}{k}"
+            if self.group_coordinator(f"g-{tag}") == node:
+                return tag
+        raise AssertionError(f"no group id coordinated by node {node} in 200 tries")
 
     def transaction_coordinator(self, transactional_id: str) -> int:
         """The leader of the transactional id's __transaction_state partition (what FindCoordinator
@@ -293,8 +317,14 @@ class FaultResult:
     name: str
     start: float
     end: float
+    since: float | None = None  # where its stretch of the stream begins (a backlog queued for it); None: start
+    backlog: int = 0  # IDs queued at once for it, on top of the open-loop rate
+    lost_partitions: int = 0  # "partitions lost" events of the stream's members during the fault
+    recovery_goal_s: float | None = None  # the test's bound on recovery_s, where this fault has its own
     baseline: float = 0.0  # outputs/s in the BASELINE_S before the fault
-    recovery_s: float | None = None  # from the fault's end until a RECOVERY_WINDOW_S window runs at >= 80%
+    # from the fault's end until a RECOVERY_WINDOW_S window runs at >= 80% (under a backlog: or the
+    # backlog queued before the fault's end is all out)
+    recovery_s: float | None = None
     lowest: float = 0.0  # the slowest RECOVERY_WINDOW_S window from the fault's start to its recovery, outputs/s
     ids: int = 0  # IDs sent from this fault's segment (its start to the next fault's start)
     lost: int = 0
@@ -303,9 +333,11 @@ class FaultResult:
 
     def line(self, guarantee: str, stream_ids: int) -> str:
         rec = "never" if self.recovery_s is None else f"{self.recovery_s:.1f} s"
+        backlog = f" | backlog {self.backlog}, partitions lost {self.lost_partitions}" if self.backlog else ""
         return (f"{guarantee:<13} | {self.name:<44} | lost {self.lost} | duplicates {self.duplicates} "
                 f"({100 * self.duplicates / max(stream_ids, 1):.2f}% of {stream_ids}) | fault {self.end - self.start:.1f} s"
-                f" | before {self.baseline:.0f}/s, lowest {self.lowest:.0f}/s | recovery {rec}{' | ' + self.note if self.note else ''}")
+                f" | before {self.baseline:.0f}/s, lowest {self.lowest:.0f}/s | recovery {rec}{backlog}"
+                f"{' | ' + self.note if self.note else ''}")
 
 
 BASELINE_S = 8.0
@@ -336,6 +368,7 @@ class Stream:
         self.faults: list[FaultResult] = []
         self.fault_running: str | None = None
         self.failed_deliveries: list[str] = []
+        self._burst = 0  # IDs queued at once on top of the rate (a backlog); written by burst(), read by the feed
         self._stop = threading.Event()  # the load stops
         self._done = threading.Event()  # the tail stops
         self._texts = [t for _, t in load_queries()]
@@ -397,7 +430,7 @@ class Stream:
                       "message.timeout.ms": 900000})
         t0, i = time.monotonic(), 0
         while not self._stop.is_set():
-            due = int((time.monotonic() - t0) * self.rate)
+            due = int((time.monotonic() - t0) * self.rate) + self._burst
             while i < due:
                 qid = f"{self.tag}-{i:06d}"
                 value = orjson.dumps({"id": qid, "text": self._texts[i % len(self._texts)]})
@@ -428,6 +461,14 @@ class Stream:
                 if (r.partition, r.offset) not in where:
                     where.add((r.partition, r.offset))
                     self.arrivals.append((r.key or "", now))
+
+    def burst(self, n: int) -> None:
+        """Queues n more IDs at once (a backlog the members drain at their own pace)."""
+        self._burst += n
+
+    def lost_partitions(self) -> int:
+        """'partitions lost' events so far, all members: a session that expired, a member fenced."""
+        return sum(len(w.events("partitions lost")) for w in self.members.values())
 
     def arrived(self) -> set[str]:
         return {k for k, _ in list(self.arrivals)}
@@ -493,13 +534,23 @@ class Stream:
             return (bisect.bisect_left(times, b) - bisect.bisect_left(times, a)) / (b - a)
 
         counts = Counter(k for k, _ in self.arrivals)
-        starts = [f.start for f in self.faults] + [float("inf")]
+        first: dict[str, float] = {}
+        for k, at in self.arrivals:
+            first.setdefault(k, at)
+        starts = [f.start if f.since is None else f.since for f in self.faults] + [float("inf")]
         for i, f in enumerate(self.faults):
-            f.baseline = rate(f.start - BASELINE_S, f.start)
+            before = f.start - BASELINE_S if not f.backlog or f.since is None else f.since
+            f.baseline = rate(before, f.start) if f.start > before else 0.0
+            # Under a backlog the rate before is the members' full speed, and it comes back only while
+            # the backlog lasts: the fault has recovered too once everything queued before its end is out.
+            drained = float("inf")
+            if f.backlog:
+                queued = [first.get(q, float("inf")) for q, ts in self.sent if starts[i] <= ts < f.end]
+                drained = max(queued, default=f.end)
             t = f.end
             f.recovery_s = None
             while t + RECOVERY_WINDOW_S <= (times[-1] if times else 0):
-                if rate(t, t + RECOVERY_WINDOW_S) >= 0.8 * f.baseline:
+                if rate(t, t + RECOVERY_WINDOW_S) >= 0.8 * f.baseline or t >= drained:
                     f.recovery_s = t - f.end
                     break
                 t += 0.25
@@ -534,12 +585,33 @@ class Stream:
         return text
 
 
-def fault(streams: Sequence[Stream], name: str, action: Callable[[], str | None]) -> None:
+def fault(streams: Sequence[Stream], name: str, action: Callable[[], str | None], *, backlog: int = 0,
+          recovery_goal_s: float | None = None) -> None:
     """One fault under every stream at once: each has caught up and run BASELINE_S at its rate
-    before it; the fault's window is the action's (from the first kill to the last node back)."""
+    before it; the fault's window is the action's (from the first kill to the last node back).
+
+    `backlog`: that many IDs are queued at once in each stream once it has caught up, and the fault
+    comes once a quarter of them are out in every stream (not BASELINE_S later: with repeated texts
+    answered by the cache a stream drained 20,000 in about 10 s), so it lands with three quarters
+    still queued, every member's in-flight window full and its commit point trailing by that window
+    (at the open-loop rate the window is nearly empty, and a fault that loses it costs a handful of
+    duplicates however it is handled). Its rate before is measured from the backlog's start."""
     for st in streams:
         st.wait_caught_up()
+    since = time.monotonic()
+    lost_before = [st.lost_partitions() for st in streams]
     end = time.monotonic() + BASELINE_S
+    if backlog:
+        seen = [len(st.arrivals) for st in streams]
+        for st in streams:
+            st.burst(backlog)
+        deadline = time.monotonic() + 120
+        while any(len(st.arrivals) < n + backlog // 4 for st, n in zip(streams, seen)):
+            for st in streams:
+                st.check_members()
+            assert time.monotonic() < deadline, "a quarter of the backlog was not out within 120 s"
+            time.sleep(0.1)
+        end = time.monotonic()
     while time.monotonic() < end:
         for st in streams:
             st.check_members()
@@ -549,7 +621,9 @@ def fault(streams: Sequence[Stream], name: str, action: Callable[[], str | None]
         st.fault_running = name
     note = action() or ""
     stop = time.monotonic()
-    for st in streams:
-        st.faults.append(FaultResult(name, start, stop, note=note))
+    for st, before in zip(streams, lost_before):
+        st.faults.append(FaultResult(name, start, stop, since=since if backlog else None, backlog=backlog,
+                                     lost_partitions=st.lost_partitions() - before,
+                                     recovery_goal_s=recovery_goal_s, note=note))
         st.check_members()
         st.fault_running = None

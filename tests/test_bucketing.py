@@ -402,6 +402,49 @@ def test_backend_errors_go_to_on_error_and_the_bucketer_keeps_running() -> None:
     assert b.pending() == 0
 
 
+@pytest.mark.parametrize("failing", ["on_complete", "on_error"])
+def test_a_callback_that_raises_trips_the_latch_and_its_batch_is_not_taken_for_done(failing: str) -> None:
+    """Issue 46: a callback that raised was logged and its batch's records stayed in flight for good
+    (their offsets never finish: commits stall until /healthz's stall timeout). It is a thread
+    failure like any other now: the guard trips the fatal latch with a ThreadDiedError naming the
+    callback, and stop() still returns at once (the batch is not left counted as running)."""
+    from worker.errors import ThreadDiedError
+    from worker.latch import FatalLatch, guarded
+
+    latch = FatalLatch()
+    res = Results()
+    completed: list[list[int]] = []
+
+    def on_complete(seqs: Sequence[int], rows: np.ndarray, stats: BatchStats) -> None:
+        if failing == "on_complete" and 1 in seqs:
+            raise KeyError("a bug in the output stage")
+        completed.append(list(seqs))
+        res.on_complete(seqs, rows, stats)
+
+    def on_error(seqs: Sequence[int], exc: BaseException) -> None:
+        if failing == "on_error":
+            raise KeyError("a bug in the output stage")
+        res.on_error(seqs, exc)
+
+    backend = FakeBackend(fail=lambda x: failing == "on_error" and x.shape[1] == 8)
+    b = Bucketer(profile(), backend, on_complete, on_error=on_error, max_queue_delay_ms=0.0,
+                 guard=lambda name, body: guarded(latch, name, body))
+    b.start()
+    b.submit(0, ids(0, 3))
+    res.wait_items(1)
+    b.submit(1, ids(1, 7))  # bucket 8: its callback raises
+    assert latch.wait(WAIT), f"the {failing} callback raised and the latch never tripped"
+    error = latch.error
+    assert isinstance(error, ThreadDiedError), error
+    assert failing in str(error) and "a bug in the output stage" in str(error) and "batch of 1 items" in str(error)
+    assert completed == [[0]]  # the failed batch never reached the output stage as done
+    t0 = time.monotonic()
+    b.stop(Deadline.after(0.5), drain=False)
+    assert time.monotonic() - t0 < WAIT / 2
+    assert b.pending() == 0
+    assert no_worker_threads()
+
+
 def test_one_context_per_bucket_when_the_backend_binds_contexts_to_buckets() -> None:
     prof = profile(bounds=(4, 8, 16))
     backend = FakeBackend(max_contexts=3)

@@ -2,11 +2,16 @@
 replication factor 3, min.insync.replicas=2, internal topics the same).
 
 One at-least-once and one exactly-once stream run side by side (open-loop load, two members each)
-through a sequence of faults, each measured on its own: the leader of a busy input partition
-SIGKILLed and kept down 20 s; a rolling restart of the three nodes; the group coordinator's node
-killed while a member joins and leaves; the transaction coordinator's node killed mid-transaction;
-two nodes down at once (below min.insync.replicas, and below the controller quorum; at-least-once
-only: no transaction can end without a quorum). Then a worker in
+through a sequence of faults, each measured on its own. The first two land under a backlog (20,000
+IDs queued at once in each stream, so every member's in-flight window is full and its commit point
+trails by it; issue 46): the leader of an input partition SIGKILLed and kept down 20 s, then the
+node coordinating both groups (found with describe_consumer_groups; the two group ids are chosen so
+one node coordinates both) SIGKILLed and kept down 20 s; no member may lose its partitions there,
+and at least once may redo at most 1% of the fault's stretch. Then, at the open-loop rate: a rolling
+restart of the three nodes; the group coordinator's node killed while a member joins and leaves;
+the transaction coordinator's node killed mid-transaction; two nodes down at once (below
+min.insync.replicas, and below the controller quorum; at-least-once only: no transaction can end
+without a quorum). About 6.5 minutes on the shared 2-core machine. Then a worker in
 a network namespace of its own loses its link to the cluster for longer than its session, and works
 through a slow, lossy link. Every ID must arrive; exactly-once has no duplicates for a read_committed
 reader; at-least-once prints its duplicates; each fault's recovery time (throughput back to 80% of
@@ -26,12 +31,17 @@ from pathlib import Path
 import pytest
 
 from tests.cluster_tools import Cluster, Net, NetUnavailable, Stream, fault, start_cluster
+from worker.kafka.consumer import SESSION_TIMEOUT_MS
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.cluster]
 
 RATE = 100.0  # keywords/s per stream: well under what two members do, so recovery shows as a rate
 RECOVERY_GOAL_S = 30.0
 DUPLICATES_GOAL = 0.02  # at-least-once: duplicates per fault, as a share of the stream
+# IDs queued at once in each stream before a fault under a backlog: more than the two members drain
+# during the fault, so their windows are full when the node dies (issue 46).
+BACKLOG = 20_000
+BACKLOG_DUPLICATES_GOAL = 0.01  # at-least-once, a fault under a backlog: of the IDs of its stretch
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +67,7 @@ def check(streams: list[Stream]) -> None:
     """Every ID arrived (Stream.finish asserted it); the per-fault goals."""
     for st in streams:
         print("\n" + st.report())
+    for st in streams:
         assert not st.failed_deliveries, st.failed_deliveries[:3]
         for f in st.faults:
             assert f.lost == 0, f"{st.guarantee}, {f.name}: {f.lost} IDs lost"
@@ -64,8 +75,16 @@ def check(streams: list[Stream]) -> None:
                 assert f.duplicates == 0, f"{st.guarantee}, {f.name}: {f.duplicates} duplicates"
             else:
                 assert f.duplicates <= DUPLICATES_GOAL * len(st.sent), f"{f.name}: {f.duplicates} duplicates"
-            assert f.recovery_s is not None and f.recovery_s <= RECOVERY_GOAL_S, \
-                f"{st.guarantee}, {f.name}: throughput not back within {RECOVERY_GOAL_S} s ({f.recovery_s})"
+            if f.backlog:
+                # Issue 46: a node's loss under a backlog kept both members' partitions (sessions that
+                # outlive the coordinator's failover) and cost at most 1% of its stretch in redone work.
+                assert f.lost_partitions == 0, f"{st.guarantee}, {f.name}: a member lost its partitions"
+                if st.guarantee == "at-least-once":
+                    assert f.duplicates <= BACKLOG_DUPLICATES_GOAL * f.ids, \
+                        f"{f.name}: {f.duplicates} duplicates of {f.ids} IDs"
+            goal = f.recovery_goal_s or RECOVERY_GOAL_S
+            assert f.recovery_s is not None and f.recovery_s <= goal, \
+                f"{st.guarantee}, {f.name}: throughput not back within {goal} s ({f.recovery_s})"
 
 
 def test_topics_the_worker_creates_take_the_clusters_replication(cluster: Cluster) -> None:
@@ -111,8 +130,11 @@ def test_a_member_starts_while_a_node_it_still_sees_in_the_metadata_is_down(clus
 @pytest.mark.timeout(1200)
 def test_leader_kill_rolling_restart_coordinators_and_two_nodes_down_under_both_guarantees(
         cluster: Cluster, tmp_path: Path) -> None:
-    alo = Stream(cluster, f"alo{time.monotonic_ns() % 10**6}", "at-least-once", tmp_path, rate=RATE)
-    eos = Stream(cluster, f"eos{time.monotonic_ns() % 10**6}", "exactly-once", tmp_path, rate=RATE,
+    alo_tag = f"alo{time.monotonic_ns() % 10**6}"
+    coordinator = cluster.group_coordinator(f"g-{alo_tag}")
+    alo = Stream(cluster, alo_tag, "at-least-once", tmp_path, rate=RATE)
+    # Both groups on one coordinator: one kill takes it from both guarantees.
+    eos = Stream(cluster, cluster.tag_coordinated_by(coordinator, "eos"), "exactly-once", tmp_path, rate=RATE,
                  extra=["--transaction-timeout-ms", "60000"])
     streams = [alo, eos]
     try:
@@ -122,12 +144,27 @@ def test_leader_kill_rolling_restart_coordinators_and_two_nodes_down_under_both_
         for st in streams:
             st.start()
 
-        def leader_down() -> str:
-            node = cluster.leader(alo.topics[0], 0)
-            cluster.restart_now(node, hard=True, down_for=20)
-            return f"node {node} (leader of the input's partition 0) SIGKILLed, back after 20 s"
+        # A leader that coordinates neither group: the next fault is the coordinator's. Found before the
+        # fault: under a backlog the kill must come at once.
+        part, node = next((p, n) for p in range(6) if (n := cluster.leader(alo.topics[0], p)) != coordinator)
 
-        fault(streams, "leader of a busy partition SIGKILLed, 20 s down", leader_down)
+        def leader_down() -> str:
+            cluster.restart_now(node, hard=True, down_for=20)
+            return (f"node {node} (leader of the input's partition {part}, no group's coordinator) SIGKILLed, "
+                    "back after 20 s")
+
+        fault(streams, "leader SIGKILLed under a backlog, 20 s down", leader_down, backlog=BACKLOG)
+        cluster.wait_in_sync()
+
+        nodes = {cluster.group_coordinator(st.group) for st in streams}
+        assert nodes == {coordinator}, f"the groups' coordinators moved: {nodes}"
+
+        def coordinator_down() -> str:
+            cluster.restart_now(coordinator, hard=True, down_for=20)
+            return (f"node {coordinator} (both groups' coordinator, by describe_consumer_groups) SIGKILLed, "
+                    "back after 20 s")
+
+        fault(streams, "group coordinator SIGKILLed under a backlog, 20 s down", coordinator_down, backlog=BACKLOG)
         cluster.wait_in_sync()
 
         def rolling() -> str:
@@ -190,7 +227,13 @@ def test_leader_kill_rolling_restart_coordinators_and_two_nodes_down_under_both_
             return (f"nodes {first}+{second} SIGKILLed; {first} back after 20 s, {second} after 30 s; outputs "
                     f"seen from 5 s after the kill to the first return: {during}; /healthz 200 throughout")
 
-        fault([alo], "two nodes down (below min.insync.replicas)", two_down)
+        # No quorum, so no coordinator until the first node is back and the group is loaded again, past
+        # the 30 s session: the members lose their partitions then, and their rejoin took 40 s (with
+        # 10 s sessions, lost 10 s into the outage, it ended 36 s after the loss, about when the
+        # coordinator was back; the broker seems to keep the old identities for a session). Recovery
+        # 20-27 s measured (0-5 s with 10 s sessions): a session more than the others' goal.
+        fault([alo], "two nodes down (below min.insync.replicas)", two_down,
+              recovery_goal_s=RECOVERY_GOAL_S + SESSION_TIMEOUT_MS / 1000)
         alo.finish()
     finally:
         for st in streams:
@@ -275,15 +318,18 @@ def test_a_cut_network_and_a_slow_lossy_link(cluster: Cluster, net: Net | str, t
         pytest.skip(f"network namespaces unavailable: {net}")
     st = Stream(cluster, f"net{time.monotonic_ns() % 10**6}", "at-least-once", tmp_path, rate=RATE)
     try:
-        far = st.member("far", prefix=net.in_worker_ns(), host=net.worker_host)
+        # The far member's session at 10 s (the worker's is 30 s): the cut outlives it, and the test
+        # stays as short as it was.
+        far = st.member("far", prefix=net.in_worker_ns(), host=net.worker_host,
+                        extra=["--kafka-config", "session.timeout.ms=10000"])
         st.member("near")
         st.start()
 
         def cut() -> str:
             net.cut()
-            time.sleep(25)  # past the members' session timeout (10 s): the group moves on without it
+            time.sleep(25)  # past the far member's session timeout (10 s): the group moves on without it
             net.restore()
-            return "the far member's link down 25 s (session.timeout.ms 10 s), then up"
+            return "the far member's link down 25 s (its session.timeout.ms 10 s), then up"
 
         fault([st], "network cut for longer than the session", cut)
         far.wait_ready(120)

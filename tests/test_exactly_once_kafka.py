@@ -59,13 +59,14 @@ class Members:
 
     def __init__(self, bootstrap: str, names: tuple[str, str, str], group: str, tmp: Path, extra: list[str]) -> None:
         self.bootstrap, self.names, self.group, self.tmp, self.extra = bootstrap, names, group, tmp, extra
+        self.extra_for: dict[str, list[str]] = {}  # one member's own arguments
         self.workers: dict[str, WorkerProcess] = {}
         self.left_alone: set[str] = set()
         self.restarts: list[tuple[str, int]] = []
 
     def start(self, member: str) -> WorkerProcess:
         w = WorkerProcess(self.bootstrap, *self.names, self.group, self.tmp / f"{member}.log",
-                          [*self.extra, "--member-id", member]).start()
+                          [*self.extra, *self.extra_for.get(member, []), "--member-id", member]).start()
         self.workers[member] = w
         return w
 
@@ -98,6 +99,9 @@ def chaos(broker: tuple[str, dict[str, str]], tmp: Path, guarantee: str) -> tupl
     group = Members(bootstrap, names, f"g-{tag}", tmp,
                     ["--processing-guarantee", guarantee, "--intra-op-threads", "1",
                      "--transaction-timeout-ms", "20000", "--log-level", "debug"])
+    # m0 is SIGKILLed and never comes back: a 10 s session (the worker's is 30 s) hands its partitions
+    # on 20 s sooner, which is all the session changes here.
+    group.extra_for["m0"] = ["--kafka-config", "session.timeout.ms=10000"]
     out = TopicReader(bootstrap, names[1], f"r-{tag}", isolation="read_committed")
     dlq = TopicReader(bootstrap, names[2], f"d-{tag}", isolation="read_committed")
     third = QUERIES // 3
@@ -194,8 +198,9 @@ def test_a_zombie_member_is_fenced_by_its_successor_and_nothing_it_wrote_since_i
     names = ("kw-zombie", "emb-zombie", "dlq-zombie")
     ensure_topics(bootstrap, {names[0]: 2, names[1]: 2, names[2]: 1})
     queries = load_queries(0, 6000)
+    # A 10 s session (the worker's is 30 s): the 13 s the zombie is stopped must outlive it.
     extra = ["--processing-guarantee", "exactly-once", "--intra-op-threads", "1",
-             "--transaction-timeout-ms", "5000", "--member-id", "pod-0"]
+             "--transaction-timeout-ms", "5000", "--member-id", "pod-0", "--kafka-config", "session.timeout.ms=10000"]
     zombie = WorkerProcess(bootstrap, *names, "g-zombie", tmp_path / "zombie.log", extra).start()
     successor = WorkerProcess(bootstrap, *names, "g-zombie", tmp_path / "successor.log", extra)
     out = TopicReader(bootstrap, names[1], "r-zombie", isolation="read_committed")

@@ -490,6 +490,12 @@ class FakeGroupConsumer(FakeConsumer):
     def subscribe(self, topics: list[str], **callbacks: Any) -> None:
         pass
 
+    group_offsets: dict[int, int] = {}  # the group's committed offsets, as committed() answers them
+
+    def committed(self, partitions: list[TopicPartition], timeout: float | None = None) -> list[TopicPartition]:
+        return [TopicPartition(tp.topic, tp.partition, self.group_offsets.get(tp.partition, -1001))
+                for tp in partitions]
+
 
 def _member(wait_s: float) -> tuple[Any, Committer, FakeGroupConsumer, FatalLatch]:
     from worker.delivery.guarantees import AtLeastOnce
@@ -543,6 +549,94 @@ def test_a_member_paused_by_flow_control_takes_new_partitions_paused() -> None:
     member.set_paused(True)
     member._on_assign(fake, [TopicPartition("t", 1)])
     assert {tp.partition for tp in fake.paused} == {0, 1}
+
+
+def _lose_with_work(member: Any, committer: Committer, fake: FakeGroupConsumer) -> None:
+    """Partitions 0 and 1 consumed from 100 and 200 (the group's offsets), 0 finished up to 150 (160-169
+    too, out of order), 1 nothing beyond 200; then both lost (a session expired) with nothing committed."""
+    tps = [TopicPartition("t", 0), TopicPartition("t", 1)]
+    fake.group_offsets = {0: 100, 1: 200}
+    member._on_assign(fake, tps)
+    p0, p1 = committer.tracker.get("t", 0), committer.tracker.get("t", 1)
+    assert p0 is not None and p1 is not None
+    for off in range(100, 170):
+        p0.track(off)
+    for off in [*range(100, 150), *range(160, 170)]:
+        p0.done(off)
+    for off in range(200, 210):
+        p1.track(off)
+    member._on_lost(fake, tps)
+    assert fake.commits == []  # lost: nothing committed then
+
+
+def test_a_lost_partition_given_back_unmoved_resumes_from_what_the_member_had_finished() -> None:
+    """Issue 46: a member whose session expired (a coordinator outage longer than it) lost its
+    partitions and, given them back, redid its whole finished window from the group's offset. When
+    nobody committed meanwhile, the finished offset is committed first, in the new generation."""
+    member, committer, fake, _ = _member(wait_s=0.0)
+    _lose_with_work(member, committer, fake)
+    member._on_assign(fake, [TopicPartition("t", 0), TopicPartition("t", 1)])
+    assert fake.commits == [([(0, 150)], False)]  # p1 had finished nothing beyond the group's offset
+    assert [tp.partition for tp in fake.assigned[-2:]] == [0, 1]  # assigned after the commit, as usual
+    fake.commits.clear()
+    member._on_lost(fake, [TopicPartition("t", 0)])
+    member._on_assign(fake, [TopicPartition("t", 0)])  # nothing new finished: nothing to resume
+    assert fake.commits == []
+
+
+def test_outputs_acknowledged_after_the_loss_count_as_finished_when_the_partition_comes_back() -> None:
+    """A broker's loss holds acks=all writes until it is fenced: the session can end with outputs still in
+    the producer. Acknowledged afterwards, they finish on the lost state, and resuming reads it then."""
+    member, committer, fake, _ = _member(wait_s=0.0)
+    _lose_with_work(member, committer, fake)
+    lost = committer._lost[("t", 0)][1]  # noqa: SLF001 - the state the delivery thread still finishes
+    for off in range(150, 160):
+        lost.done(off)
+    member._on_assign(fake, [TopicPartition("t", 0)])
+    assert fake.commits == [([(0, 170)], False)]
+
+
+def test_a_lost_partition_whose_group_offset_moved_past_the_finished_work_starts_from_the_group_offset() -> None:
+    member, committer, fake, _ = _member(wait_s=0.0)
+    _lose_with_work(member, committer, fake)
+    fake.group_offsets = {0: 155}  # another member got further meanwhile
+    member._on_assign(fake, [TopicPartition("t", 0)])
+    assert fake.commits == []
+    member, committer, fake, _ = _member(wait_s=0.0)
+    _lose_with_work(member, committer, fake)
+    fake.group_offsets = {0: 90}  # reset below where this member left it: the operator's word stands
+    member._on_assign(fake, [TopicPartition("t", 0)])
+    assert fake.commits == []
+
+
+def test_a_late_commit_of_its_own_does_not_stop_a_member_resuming() -> None:
+    """librdkafka sends commits deferred for want of a coordinator after the member rejoined: the group's
+    offset moved, but not past what the member had finished."""
+    member, committer, fake, _ = _member(wait_s=0.0)
+    _lose_with_work(member, committer, fake)
+    fake.group_offsets = {0: 120}
+    member._on_assign(fake, [TopicPartition("t", 0)])
+    assert fake.commits == [([(0, 150)], False)]
+
+
+def test_lost_partitions_are_not_resumed_under_exactly_once_or_after_a_fatal_error() -> None:
+    class _ExactlyOnce:
+        def on_lost(self) -> bool:
+            return False  # their finished work sat in a transaction that never commits
+
+        def on_revoke(self, parts: Any, wait_s: float) -> bool:
+            return True
+
+    member, committer, fake, latch = _member(wait_s=0.0)
+    member.subscribe("t", _ExactlyOnce())
+    _lose_with_work(member, committer, fake)
+    member._on_assign(fake, [TopicPartition("t", 0)])
+    assert fake.commits == []
+    member, committer, fake, latch = _member(wait_s=0.0)
+    _lose_with_work(member, committer, fake)
+    latch.trip(WorkerError("delivery failed"))
+    member._on_assign(fake, [TopicPartition("t", 0)])
+    assert fake.commits == []
 
 
 class _Backend:

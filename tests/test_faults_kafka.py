@@ -333,7 +333,10 @@ def test_paused_partitions_resume_after_an_outage_longer_than_the_session_timeou
     queries = load_queries(0, 5000)
     produce_queries(bootstrap, inp, queries)
     # A small in-flight bound keeps the worker paused most of the time, so the outage hits it paused.
-    w = WorkerProcess(bootstrap, inp, out, dlq, group_id, tmp_path / "w.log", ("--max-in-flight", "100")).start()
+    # A 10 s session (the worker's is 30 s) so that the 15 s outage outlives it and the partitions are
+    # lost and assigned again, which is what this is about.
+    w = WorkerProcess(bootstrap, inp, out, dlq, group_id, tmp_path / "w.log",
+                      ("--max-in-flight", "100", "--kafka-config", "session.timeout.ms=10000")).start()
     reader = TopicReader(bootstrap, out, group_id + "-r")
     try:
         deadline = time.monotonic() + 180
@@ -342,13 +345,14 @@ def test_paused_partitions_resume_after_an_outage_longer_than_the_session_timeou
             assert time.monotonic() < deadline, w.log()[-3000:]
         assert w.events("partitions paused"), "the worker was never paused"
         subprocess.run(["bash", str(KAFKA_SH), "restart", "--hard", "--down-for", "15"], env=env,
-                       capture_output=True, text=True, check=True)  # session.timeout.ms is 10 s
+                       capture_output=True, text=True, check=True)  # session.timeout.ms 10 s, above
         reader.wait_for({q for q, _ in queries}, 300, alive=[w])
         assert w.stop() == 0, w.log()[-3000:]
     finally:
         if w.proc and w.proc.poll() is None:
             w.kill()
         reader.close()
+    assert w.events("partitions lost"), "the outage did not outlive the session; the test does not exercise it"
 
 
 # ------------------------------------------------------------------------------------ scaling

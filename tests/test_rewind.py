@@ -81,8 +81,8 @@ class Member:
         assert self.fake is not None
         return self.fake
 
-    def on_lost(self) -> None:
-        self.delivery.on_lost()
+    def on_lost(self) -> bool:
+        return self.delivery.on_lost()
 
     def on_revoke(self, parts: Any, left_s: float) -> bool:
         """The member's rebalance listener: ExactlyOnce's, with the rest of the pipeline draining."""

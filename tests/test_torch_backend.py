@@ -245,7 +245,9 @@ def test_a_batch_is_padded_to_its_buckets_graph_and_rows_come_back_in_order(fake
     ctx.close()
     last.close()
     backend.close()
-    assert fake_torch._fake.counts["graph_resets"] == len(gpu.buckets) and fake_torch._fake.violations == []
+    graphs = sum(len(bucket_graphs(shape)) for shape in graph_shapes(gpu, info.max_seq_length))
+    assert graphs == 6 + 5 + 4 + 3 + 1  # a graph per halving of each bucket's batch, down to 64 rows
+    assert fake_torch._fake.counts["graph_resets"] == graphs and fake_torch._fake.violations == []
     with pytest.raises(BackendError, match="closed"):
         backend.create_context(0)
 

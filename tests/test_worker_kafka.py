@@ -21,6 +21,7 @@ from confluent_kafka import Consumer
 from tests.kafka_tools import (
     Record, TopicReader, WorkerProcess, committed_offsets, end_offsets, http_get, load_queries, produce, produce_queries,
 )
+from worker.kafka.consumer import SESSION_TIMEOUT_MS
 
 pytestmark = pytest.mark.kafka
 
@@ -207,6 +208,14 @@ def test_kill_9_loses_nothing_and_duplicates_stay_within_the_in_flight_bound(
             reader.poll(0.2)
             assert time.monotonic() < deadline, "no progress before the kill"
         victim.kill()
+        # Its partitions stay with it until its session expires (worker/kafka/consumer.py: issue 46
+        # made the session outlive a coordinator's failover), then the survivors take them.
+        killed = time.monotonic()
+        assigned = sum(len(w.events("partitions assigned")) for w in survivors)
+        while sum(len(w.events("partitions assigned")) for w in survivors) == assigned:
+            reader.poll(0.2)
+            assert time.monotonic() - killed < SESSION_TIMEOUT_MS / 1000 + 30, "the victim's partitions never moved"
+        moved_s = time.monotonic() - killed
         reader.wait_for({q for q, _ in queries}, 600, alive=survivors)
         reader.settle(3.0)
         codes = [w.stop() for w in survivors]
@@ -219,9 +228,11 @@ def test_kill_9_loses_nothing_and_duplicates_stay_within_the_in_flight_bound(
     counts = Counter(r.key for r in reader.records)
     duplicates = sum(n - 1 for n in counts.values())
     print(f"\nkill -9 of 1 of 3 workers: {len(counts)} IDs, {duplicates} duplicates "
-          f"(bound: the victim's max_in_flight = {max_in_flight})")
+          f"(bound: the victim's max_in_flight = {max_in_flight}); its partitions moved {moved_s:.1f} s after the "
+          f"kill (session {SESSION_TIMEOUT_MS / 1000:g} s)")
     assert set(counts) == {q for q, _ in queries}
     assert duplicates <= max_in_flight
+    assert SESSION_TIMEOUT_MS / 1000 - 2 < moved_s < SESSION_TIMEOUT_MS / 1000 + 15, moved_s
     # The bound held by backpressure: the victim paused at its in-flight limit before dying.
     assert victim.events("partitions paused"), "backpressure never engaged; the test does not exercise the bound"
 

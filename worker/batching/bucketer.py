@@ -10,7 +10,9 @@ Threads and what each one owns:
   so a dispatcher that finishes finds its next batch already padded (work-conserving).
 - the dispatcher threads ("kwe-dispatch-N"): each owns its backend context for its whole life
   (created, used and closed on that thread; all of them when the backend requires serial dispatch), pops formed batches from its lane's
-  ready queue, runs them, and calls on_complete / on_error.
+  ready queue, runs them, and calls on_complete / on_error. A callback that raises ends its
+  dispatcher with a `ThreadDiedError` (the worker's guard trips the fatal latch with it): the
+  batch's records can never finish, so going on would only stall the commit point behind them.
 
 All shared state (bucket queues, ready queues, counters, flags) sits behind one lock with
 three conditions on it: the former waits on `_form_cv`, dispatchers on `_ready_cv`, and
@@ -47,7 +49,7 @@ from worker.batching.cost_model import CostModel
 from worker.batching.flush_policy import Flush, next_flush
 from worker.core.profiles import PAD_POLICIES, PadPolicy, Profile
 from worker.deadline import Deadline
-from worker.errors import WorkerError
+from worker.errors import ThreadDiedError, WorkerError
 from worker.operations.batch_stats import BatchStats
 
 log = structlog.get_logger(__name__)
@@ -362,11 +364,15 @@ class Bucketer:
                     batch = lane.ready.popleft()
                     lane.running += 1
                     self._form_cv.notify()  # room on the ready queue: form the next batch now
-                self._run(contexts[batch.bucket] if self._by_bucket else only, batch)
-                with self._lock:
-                    lane.running -= 1
-                    self._pending -= len(batch.items)
-                    self._idle_cv.notify_all()
+                try:
+                    self._run(contexts[batch.bucket] if self._by_bucket else only, batch)
+                finally:
+                    # Also when a callback raised (the thread then ends): stop() must not wait
+                    # for a batch that no thread runs any more.
+                    with self._lock:
+                        lane.running -= 1
+                        self._pending -= len(batch.items)
+                        self._idle_cv.notify_all()
         finally:
             self._close_contexts(contexts)
             self._dispatcher_exit()
@@ -390,10 +396,7 @@ class Bucketer:
         try:
             out = ctx.run(batch.input_ids, batch.attention_mask)
         except Exception as exc:  # the batch fails, the bucketer keeps running
-            try:
-                self._on_error(seqs, exc)
-            except Exception:
-                log.exception("on_error callback raised; batch lost", items=len(seqs))
+            self._callback("on_error", self._on_error, seqs, exc)
             return
         end = self._clock()
         size, pad_len = batch.input_ids.shape
@@ -403,8 +406,20 @@ class Bucketer:
                            pad_len=pad_len, real_tokens=batch.real_tokens, padded_tokens=size * pad_len,
                            queue_wait_s=[start - it.t_submit for it in batch.items], backend_s=end - start,
                            merged=batch.merged)
+        self._callback("on_complete", self._on_complete, seqs, out, stats)
+
+    @staticmethod
+    def _callback(name: str, callback: Callable[..., None], seqs: Sequence[int], *args: object) -> None:
+        """Hands a batch to the caller. The callback is what takes the batch's records out of
+        flight (the worker: its output stage), so one that raises strands them: their offsets
+        never finish and commits (or an exactly-once transaction) wait behind them for good.
+        Logging it and going on, as this did, left the worker running with a stalled commit point
+        until /healthz's stall timeout; a bug there is a thread failure like any other."""
         try:
-            self._on_complete(seqs, out, stats)
-        except Exception:
-            # The caller's bug, not the backend's: keep the dispatcher alive for other batches.
-            log.exception("on_complete callback raised", items=len(seqs))
+            callback(seqs, *args)
+        except WorkerError:
+            raise  # already the user's one line
+        except Exception as exc:
+            raise ThreadDiedError(
+                f"thread {threading.current_thread().name}: the {name} callback raised for a batch of {len(seqs)} "
+                f"items: {exc!r}; their records can never finish, so nothing past them is committed") from exc

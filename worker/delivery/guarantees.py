@@ -8,7 +8,8 @@
                          pauses (flow control, a transaction closing), or None
     before_intake()      records were consumed: exactly-once opens a transaction for them
     on_revoke(parts, s)  inside the revoke callback: commit what is finished (True) or give up
-    on_lost()            partitions lost: commit nothing of theirs
+    on_lost()            partitions lost: commit nothing of theirs; True when what they finished
+                         stays written (the member may resume after it if given them back)
     drain_step()         each turn of the final drain
     finish(...)          at exit, within the shutdown deadline
     summary()            for the final log line
@@ -18,7 +19,8 @@
 AtLeastOnce (the committer; worker/kafka/committer.py) states:
     running --finish--> finished
   running: poll_step commits asynchronously at most once per commit interval; on_revoke commits
-  the revoked partitions' finished work synchronously; on_lost drops nothing but the state.
+  the revoked partitions' finished work synchronously; on_lost drops nothing but the state (the
+  committer remembers what they finished: worker/kafka/committer.py, `remember_lost`).
   finish: commits all finished work, retrying until confirmed or the deadline (after an abort:
   nothing); finished: no more commits.
 
@@ -73,8 +75,10 @@ class AtLeastOnce:
     def on_revoke(self, parts: list[PartitionOffsets], wait_s: float) -> bool:
         return self._committer.commit_sync(parts, timeout_s=REVOKE_COMMIT_S, in_callback=True)
 
-    def on_lost(self) -> None:
-        pass  # another member may own them already: nothing is committed for them
+    def on_lost(self) -> bool:
+        # Another member may own them already: nothing is committed for them now. Their finished
+        # records' outputs are acknowledged, so if they come back unmoved that work need not be redone.
+        return True
 
     def drain_step(self) -> None:
         self._committer.maybe_commit()

@@ -9,6 +9,12 @@ broker gone) cannot hold a revoke or a shutdown past its deadline.
 What is committed: per partition, the lowest unfinished offset (everything below it has its
 output acknowledged), and only while this assignment is the partition's owner. Each commit is
 tagged with the assignment it was made for, so a late answer never confirms a newer one.
+
+Lost partitions (at-least-once): the lost state is remembered (`remember_lost`), and when the
+group gives the partition back to this member with its committed offset not moved past what that
+state has finished by then, that finished offset is committed before fetching starts
+(`resume_lost`), instead of redoing the finished window. Safe whoever held the partition in
+between: everything below that offset has its output acknowledged.
 """
 
 from __future__ import annotations
@@ -39,6 +45,9 @@ class Committer:
         # When the commit point last moved, or nothing was waiting to be committed. Written on
         # the poll thread only; the liveness probe reads it (a float read is atomic).
         self._progress_at = clock()
+        # Lost partitions: (topic, partition) -> (the group's offset as this member last knew it, the
+        # lost state, whose records already written still finish on it). Poll thread only.
+        self._lost: dict[tuple[str, int], tuple[int, PartitionOffsets]] = {}
 
     def bind(self, consumer: Any) -> None:
         """The consumer is built after the committer (its commit callback is ours)."""
@@ -165,6 +174,58 @@ class Committer:
             if deadline.left() <= 0.2:
                 return False
             serve(0.1)
+
+    # ------------------------------------------------------------------ lost and given back
+    def remember_lost(self, partitions: Sequence[TopicPartition]) -> None:
+        """Partitions lost (poll thread, inside the lost callback, before `forget`): where the group's
+        offset stood as far as this member knows, and the lost state itself. What it finished is read
+        when the partition comes back, not now: a loss comes while outputs wait in the producer (a
+        dead broker still in the ISR holds every acks=all write until it is fenced), and those still
+        finish on this state afterwards; records not produced yet are dropped (the output stage drops
+        a revoked state's records), so its lowest unfinished offset never passes one of them."""
+        for part in self.owned(partitions):
+            base = part.committed if part.committed is not None else part.first
+            if base is not None:
+                self._lost[(part.topic, part.partition)] = (base, part)
+
+    def resume_lost(self, partitions: Sequence[TopicPartition], timeout_s: float) -> list[str]:
+        """Inside the assign callback, before the partitions are assigned: for those this member lost
+        with finished work, reads the group's committed offsets and, where they have not moved past
+        it (nor below where this member left them), commits the finished offset (this generation owns
+        them), so fetching starts there. Returns the partitions resumed so. Any failure leaves the
+        group's offset as it is (the work is redone)."""
+        wanted: dict[tuple[str, int], tuple[int, int]] = {}
+        for tp in partitions:
+            memo = self._lost.pop((tp.topic, tp.partition), None)
+            finished = memo[1].committable() if memo is not None else None
+            if memo is not None and finished is not None and finished > memo[0]:
+                wanted[(tp.topic, tp.partition)] = (memo[0], finished)
+        if not wanted:
+            return []
+        try:
+            now = self._consumer.committed([TopicPartition(t, p) for t, p in wanted], timeout=timeout_s)
+            # Between where this member left the group's offset and what it finished: its own commits,
+            # deferred by librdkafka for want of a coordinator, may land after the rejoin (a deferred
+            # commit is sent with the generation current when it goes out: rdkafka_cgrp.c,
+            # rd_kafka_cgrp_offsets_commit), and whoever committed there, everything below the finished
+            # offset has its output. Below where it left it (an operator's reset) or past what it
+            # finished: the group's offset stands.
+            unmoved = [TopicPartition(tp.topic, tp.partition, wanted[(tp.topic, tp.partition)][1]) for tp in now
+                       if tp.error is None and wanted[(tp.topic, tp.partition)][0] <= tp.offset
+                       < wanted[(tp.topic, tp.partition)][1]]
+            if unmoved:
+                answer = self._consumer.commit(offsets=unmoved, asynchronous=False) or []
+                unmoved = [tp for tp in answer if tp.error is None and tp.offset >= 0]
+        except KafkaException as exc:
+            log.warning("lost partitions given back: the group's offsets could not be read or committed; "
+                        "their finished work is redone", error=str(exc))
+            return []
+        back = {(tp.topic, tp.partition) for tp in unmoved}
+        resumed = [f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in unmoved]
+        log.info("lost partitions given back: resumed from what this member had finished", resumed=resumed,
+                 not_redone=sum(wanted[key][1] - wanted[key][0] for key in back),
+                 moved_meanwhile=sorted(f"{t}[{p}]" for t, p in wanted if (t, p) not in back))
+        return resumed
 
     # ------------------------------------------------------------------ assignment bookkeeping
     def assign(self, partitions: Sequence[TopicPartition]) -> None:

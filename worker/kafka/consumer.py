@@ -36,6 +36,12 @@ FETCH_MIN_BYTES = FETCH_PARTITION_BYTES
 FETCH_WAIT_MS = 10
 # How soon a partition whose prefetch queue is full is looked at again: consumer_config says why.
 FETCH_QUEUE_BACKOFF_MS = 10
+# How long an assignment waits for the group's committed offsets of partitions this member lost and
+# gets back (one OffsetFetch; Committer.resume_lost): past it they start from the group's offset.
+RESUME_CHECK_S = 5.0
+# The group session and heartbeat: consumer_config says why.
+SESSION_TIMEOUT_MS = 30_000
+HEARTBEAT_INTERVAL_MS = 1000
 
 
 def consumer_config(settings: Settings) -> dict[str, Any]:
@@ -49,8 +55,20 @@ def consumer_config(settings: Settings) -> dict[str, Any]:
         "enable.auto.offset.store": False,
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
-        "session.timeout.ms": 10000,
-        "heartbeat.interval.ms": 1000,
+        # A session must outlive a broker's failover: librdkafka drops every partition as lost
+        # (nothing committed, the new owners redo the uncommitted window) once no heartbeat was
+        # answered for session.timeout.ms. A SIGKILLed coordinator's group had none for 8.8-13.6 s
+        # on the three-node cluster (30 groups hit: 8.8-10.0 s, then 11.1-13.6 s when the node was
+        # the active KRaft controller too; benchmarks/results/faults/coordinator_outage*.json), and any
+        # node's loss stalls the live coordinators about as long (a dead broker stays in the offsets
+        # topic's ISR until fenced): 10 s sessions expired under a backlog after either kind of kill
+        # (issue 46: 29% of a stream duplicated). The price: a member that dies without leaving
+        # (SIGKILL, OOM, a lost node) holds its partitions until this expires before the others take
+        # them; a stop (SIGTERM) leaves the group at once and costs nothing. docs/faults.md, "Sessions".
+        "session.timeout.ms": SESSION_TIMEOUT_MS,
+        # A member hears of a rebalance at its next heartbeat: 1 s keeps joins and leaves as quick
+        # as before (Kafka's 3 s default would add up to 2 s to each).
+        "heartbeat.interval.ms": HEARTBEAT_INTERVAL_MS,
         "max.poll.interval.ms": 300000,
         # Transactional output is visible only once committed; at-least-once ignores aborted
         # writes of an upstream transactional producer too.
@@ -115,7 +133,10 @@ class Rebalances(Protocol):
         wait_s for more to finish); True when committed or nothing was left to commit."""
         ...
 
-    def on_lost(self) -> None: ...
+    def on_lost(self) -> bool:
+        """Inside the lost callback: commit nothing; True when what the lost partitions finished
+        stays written (at-least-once), so the member may resume after it if they come back."""
+        ...
 
 
 class GroupMember:
@@ -213,6 +234,10 @@ class GroupMember:
     # ------------------------------------------------------------------ rebalances
     def _on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         self._failures.connected()
+        if not self._latch.is_set():
+            # Before the fetch starts from the group's offset: a partition lost and given back unmoved
+            # starts from what this member had finished instead (Committer.resume_lost).
+            self._committer.resume_lost(partitions, RESUME_CHECK_S)
         self._committer.assign(partitions)
         log.info("partitions assigned", partitions=_names(partitions))
         self._metrics.count_rebalance("assign")
@@ -253,8 +278,8 @@ class GroupMember:
 
     def _on_lost(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         # Lost, not revoked: another member may already own them, so commit nothing.
-        if self._rebalances is not None:
-            self._rebalances.on_lost()
+        if self._rebalances is not None and self._rebalances.on_lost() and not self._latch.is_set():
+            self._committer.remember_lost(partitions)
         self._committer.forget(partitions)
         for tp in partitions:
             self._metrics.forget_partition(tp.topic, tp.partition)

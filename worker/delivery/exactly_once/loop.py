@@ -83,8 +83,9 @@ class ExactlyOnce:
         # Inside the rebalance callback: no consume, so plain sleeps while the pipeline drains.
         return self.txn.on_revoke(drained_waiter(self._in_flight, time.sleep), wait_s)
 
-    def on_lost(self) -> None:
+    def on_lost(self) -> bool:
         self.txn.lost()
+        return False  # what the lost partitions finished is in a transaction that never commits
 
     def drain_step(self) -> None:
         pass  # the open transaction is closed by finish, once drained
