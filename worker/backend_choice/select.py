@@ -46,6 +46,7 @@ from worker.names import TorchPrecision
 from worker.core.errors import BackendError, extra_missing
 from worker.core.model import ModelInfo, default_model_dir
 from worker.core.profiles import PadPolicy, Profile, load_profile
+from worker.core.sparse import token_budget as sparse_token_budget
 from worker.settings.schema import Precision, Settings
 
 if TYPE_CHECKING:
@@ -243,6 +244,10 @@ def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = 
         raise BackendError(f"{model.model_dir}: its pooling leaves the prompt's {excluded} tokens out "
                            f"(include_prompt false), which {given} cannot be checked for; run it on onnxruntime "
                            "with the worker's own export (no onnx_path)")
+    if model.sparse and precision == "int8":
+        raise BackendError(f"{model.model_dir}: precision int8 is not offered for a sparse (SPLADE) model: its "
+                           "recipe was chosen for dense models' neighbours, and a sparse model's weights are "
+                           "held to 1e-4 of sentence-transformers'; run it in fp32")
     if kind == "tensorrt":
         if precision != "fp32":
             raise BackendError(f"setting 'precision': {precision!r} is for the onnxruntime backend; "
@@ -317,6 +322,9 @@ def load_backend(settings: Settings, *, model: ModelInfo | None = None,
         choice = Choice("onnxruntime", f"{choice.reason}; torch not used: {why_not}", True)
     profile = load_profile(resolve_profile_name(settings, choice.backend), settings.profiles_file or None,
                            model_max_len=model.max_seq_length)
+    if model.sparse:
+        profile = profile.capped(sparse_token_budget(model.vocab_size, profile.token_budget),
+                                 f"a sparse model's logits ({model.vocab_size:,} x 4 bytes a token)")
     if choice.measure_cpu:
         cpu, backend = choose_cpu(settings, model, threads=threads,
                                   ov_available=_found(find_spec, "openvino"))
@@ -395,4 +403,4 @@ def choose_cpu(settings: Settings, model: ModelInfo, *, threads: int, ov_availab
                           spinning=settings.ort_allow_spinning)
     return auto.choose(key, open_candidate, lambda: auto.gate_token_ids(model), flags=flags,
                        ov_available=ov_available, int8=settings.precision == "int8", remeasure=remeasure,
-                       cache_dir=cache_dir)
+                       cache_dir=cache_dir, gate=auto.check_sparse_gate if model.sparse else auto.check_gate)
