@@ -96,7 +96,7 @@ def calibration_key(settings: Settings, info: ModelInfo) -> dict[str, Any]:
 def cost_model(settings: Settings, info: ModelInfo, backend: Backend) -> CostModel | None:
     from worker.batching.calibration import cost_model_for
 
-    return cost_model_for(backend, calibration_key(settings, info))
+    return cost_model_for(backend, calibration_key(settings, info), vocab_size=info.vocab_size)
 
 
 def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: GateFactory | None = None) -> Assembled:
