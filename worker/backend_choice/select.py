@@ -208,6 +208,15 @@ def intra_op_threads(settings: Settings, cores: int | None = None) -> int:
     return max(1, (cores or usable_cores()) // settings.dispatchers)
 
 
+def model_profile(model: ModelInfo, profile: Profile) -> Profile:
+    """The profile as this model runs it: a sparse model's batches hold their [B, S, vocabulary]
+    logits within worker.core.sparse.LOGITS_BYTES (the worker, the benchmark and the Embedder alike)."""
+    if not model.sparse:
+        return profile
+    return profile.capped(sparse_token_budget(model.vocab_size, profile.token_budget),
+                          f"a sparse model's logits ({model.vocab_size:,} x 4 bytes a token)")
+
+
 def model_info(settings: Settings) -> ModelInfo:
     """The model folder the settings name (or the packaged default), read once."""
     return ModelInfo.from_dir(settings.model_dir or default_model_dir())
@@ -320,11 +329,8 @@ def load_backend(settings: Settings, *, model: ModelInfo | None = None,
             return loaded
         # auto only (an explicit torch raised): torch cannot serve here; the CPU choice, saying why.
         choice = Choice("onnxruntime", f"{choice.reason}; torch not used: {why_not}", True)
-    profile = load_profile(resolve_profile_name(settings, choice.backend), settings.profiles_file or None,
-                           model_max_len=model.max_seq_length)
-    if model.sparse:
-        profile = profile.capped(sparse_token_budget(model.vocab_size, profile.token_budget),
-                                 f"a sparse model's logits ({model.vocab_size:,} x 4 bytes a token)")
+    profile = model_profile(model, load_profile(resolve_profile_name(settings, choice.backend),
+                                                settings.profiles_file or None, model_max_len=model.max_seq_length))
     if choice.measure_cpu:
         cpu, backend = choose_cpu(settings, model, threads=threads,
                                   ov_available=_found(find_spec, "openvino"))
