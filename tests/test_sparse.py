@@ -317,9 +317,14 @@ def test_int8_is_refused_and_the_gate_refuses_a_backend_off_by_more_than_the_tol
     from worker.backend_choice import auto
     from worker.backend_choice.select import open_backend
 
+    from worker.embedder import Embedder
+
     info = ModelInfo.from_dir(_folder(tmp_path))
     with pytest.raises(BackendError, match="precision int8 is not offered for a sparse"):
         open_backend("onnxruntime", info, precision="int8")
+    # OpenVINO bf16 by name (its default precision) is refused; auto gates it instead (below).
+    with pytest.raises(BackendError, match="openvino_precision bf16 is refused for a sparse"):
+        Embedder(info.model_dir, backend="openvino")
 
     ref = sparsify(np.asarray([[0, 1.0, 0.002, 0], [0.5, 0, 0, 3.0]], np.float32)).to_dense()
 

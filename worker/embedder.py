@@ -46,7 +46,7 @@ from typing import Literal, get_args
 import numpy as np
 
 from worker.backend_choice.auto import CpuChoice
-from worker.backend_choice.select import choose_cpu, open_backend
+from worker.backend_choice.select import check_sparse_precision, choose_cpu, open_backend
 from worker.backends.base import OvPrecision
 from worker.backends.onnxruntime import OnnxRuntimeBackend
 from worker.backends.openvino import OpenVinoBackend
@@ -129,6 +129,7 @@ class Embedder:
             assert isinstance(chosen, (OnnxRuntimeBackend, OpenVinoBackend))
             self.backend = chosen
         else:
+            check_sparse_precision(self.info, backend, openvino_precision)
             opened = open_backend(backend, self.info, onnx_path=onnx_path, intra_op_threads=intra_op_threads,
                                   fused=optimize, precision=precision, openvino_precision=openvino_precision)
             assert isinstance(opened, (OnnxRuntimeBackend, OpenVinoBackend))
