@@ -497,3 +497,42 @@ def test_embed_writes_a_sparse_models_non_zero_weights(tmp_path: Path, monkeypat
     row = ref[texts.index("running shoes")]
     top3 = row.indices[np.argsort(-row.values, kind="stable")[:3]]
     assert record["embedding"]["indices"] == sorted(top3.tolist())
+
+
+def test_the_torch_backend_refuses_a_sparse_model_by_name(tmp_path: Path) -> None:
+    from worker.backends.torch_plan import refusal
+
+    why = refusal(ModelInfo.from_dir(_folder(tmp_path)))
+    assert why is not None and "is a sparse (SPLADE) model" in why
+
+
+def test_build_engine_refuses_an_fp16_plan_of_a_sparse_model(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Its fp16 graph (the encoder in fp16) misses the parity rule: 301x on splade-tiny (docs/models.md)."""
+    from worker.cli import main
+
+    folder = _folder(tmp_path)
+    assert main(["build-engine", "--model-dir", str(folder), "--fp16", "--output", str(tmp_path / "p.plan")]) == 2
+    assert "is a sparse (SPLADE) model, and its fp16 graph" in capsys.readouterr().err
+
+
+def test_the_fingerprint_of_a_sparse_model_covers_top_k_and_leaves_dense_ones_as_they_were(tmp_path: Path) -> None:
+    from worker.app import output_codec
+    from worker.core.fingerprint import VectorSettings, model_fingerprint
+    from worker.core.model import Prompt, default_model_dir
+    from worker.embedder import Embedder
+    from worker.settings.schema import Settings
+
+    info = ModelInfo.from_dir(_folder(tmp_path))
+    plain = output_codec(Settings(), info, Prompt())
+    top8 = output_codec(Settings(sparse_top_k=8), info, Prompt())
+    terms = output_codec(Settings(sparse_terms=True), info, Prompt())
+    assert plain.fingerprint.startswith("v1-") and plain.fingerprint != top8.fingerprint
+    assert terms.fingerprint == plain.fingerprint  # terms name the indices: the weights are the same
+    record = orjson.loads(plain.value("q", _rows()[0], 3, False))
+    assert record["fingerprint"] == plain.fingerprint and dict(plain.headers)["kwe-fingerprint"] == plain.fingerprint.encode()
+    with Embedder(info.model_dir, backend="onnxruntime", sparse_top_k=8, cache_bytes=0) as emb:
+        assert emb.fingerprint() == top8.fingerprint
+    # The sparse keys enter only a sparse model's inputs: a dense model's fingerprint is unchanged.
+    dense = ModelInfo.from_dir(default_model_dir())
+    assert "sparse_top_k" not in model_fingerprint(dense, VectorSettings()).inputs

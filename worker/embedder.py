@@ -173,7 +173,13 @@ class Embedder:
                     int8_range: tuple[float, float] | None = None) -> str:
         """The model fingerprint of these vectors written with `encoding` (worker/core/fingerprint.py):
         what a worker with the same model, prompt and truncate_dim writes on its records, so a query
-        embedded here can be checked against the documents it searches (docs/cutover.md)."""
+        embedded here can be checked against the documents it searches (docs/cutover.md). A sparse
+        model's is its records' (encoding "sparse", with this Embedder's sparse_top_k and
+        sparse_min_weight), whatever `encoding` says."""
+        if self.sparse:
+            return model_fingerprint(self.info, VectorSettings(
+                prompt=self.prompt.text, encoding="sparse", sparse_top_k=self.sparse_top_k,
+                sparse_min_weight=self.sparse_min_weight)).value
         if encoding == "int8":
             int8_range = int8_range or self.int8_range
         return model_fingerprint(self.info, VectorSettings(prompt=self.prompt.text, truncate_dim=self.truncate_dim,
