@@ -159,12 +159,14 @@ def sizes(folders: dict[str, Path], texts: list[str]) -> dict[str, Any]:
                 fastavro.schemaless_writer(buf, avro, {"id": "q", "embedding": {"indices": row.indices.tolist(),
                                                        "values": row.values.tolist()}, "terms": None,
                                                        "encoding": "sparse", "dim": info.dim, "model": info.name,
-                                                       "tokens": 3, "truncated": False, "prompt_name": None})
+                                                       "tokens": 3, "truncated": False, "prompt_name": None,
+                                                       "fingerprint": codec.fingerprint})
                 return len(buf.getvalue()) + 5  # + the registry's magic byte and schema ID
 
             def proto_size(row: Any) -> int:
                 msg = proto(id="q", embedding={"indices": row.indices.tolist(), "values": row.values.tolist()},
-                            encoding="sparse", dim=info.dim, model=info.name, tokens=3)
+                            encoding="sparse", dim=info.dim, model=info.name, tokens=3,
+                            fingerprint=codec.fingerprint)
                 return len(msg.SerializeToString()) + 6  # + magic byte, schema ID, message index
 
             records = {
