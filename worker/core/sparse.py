@@ -19,8 +19,8 @@ sentence-transformers' sparse COO tensor gives them):
 Why that rule and not "1e-4 relative" alone: a weight is log(1 + relu(logit)) and the logit is a
 sum of terms of a few units that nearly cancel where the weight is small, so float32 arithmetic in
 another order moves it by a few 1e-6 absolute. Two runs of sentence-transformers itself, batched
-and one text at a time, differ by up to 2.4e-3 relative on weights near 1e-3 (6.6e-6 absolute),
-tests/data/sparse/versions.json); no run of either side can hold 1e-4 relative there.
+and one text at a time, differ by up to 2.4e-3 relative on weights near 1e-3 (6.6e-6 absolute;
+tests/data/sparse/versions.json): no run of either side can hold 1e-4 relative there.
 
 Also the cap on a sparse model's batches (`token_budget`), which its logits decide. Nothing here
 imports anything but numpy.
