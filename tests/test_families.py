@@ -214,9 +214,11 @@ def test_models_check_runs_every_pipeline_fixture_and_installed_real_model(
     monkeypatch.chdir(ROOT)  # the fixtures' default: tests/data/families under the current folder
     assert main(["models", "--check"]) == 0
     out = capsys.readouterr().out
-    section = out[out.index("\npipeline fixtures ("):out.index("\nreal models (")]
+    section = out[out.index("\npipeline fixtures ("):out.index("\nsparse fixtures (")]
     assert section.count(" ok\n") == len(pipeline_fixtures(FIXTURES.parent / "pipelines")) == 8
     assert "Dense 32->24 tanh -> not normalised" in section
+    sparse = out[out.index("\nsparse fixtures ("):out.index("\nreal models (")]
+    assert sparse.count(" ok\n") == 5 * 3 and "mpnet-mlm max-log1p_relu" in sparse  # families x SPLADE variants
     # The default model is always installed: it runs against the golden vectors.
     assert "all-MiniLM-L6-v2 (" in out and "worst of 224 rows" in out
 

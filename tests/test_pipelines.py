@@ -179,7 +179,8 @@ def _edit(path: Path, fn: object) -> None:
     ("modules.json", lambda m: [*m[:2], {"idx": 2, "name": "2", "path": "2_LSTM",
                                          "type": "sentence_transformers.models.LSTM"}, *m[2:]],
      r"modules.json: module 2 \(2_LSTM\) is sentence_transformers.models.LSTM, which keyword-embedder cannot run "
-     r"\(it runs sentence-transformers' Transformer, Pooling, Dense, Normalize\); refused rather than skipped"),
+     r"\(it runs sentence-transformers' Transformer, Pooling, Dense, Normalize, MLMTransformer, SpladePooling\); "
+     r"refused rather than skipped"),
     ("modules.json", lambda m: [*m, {"idx": 9, "name": "9", "path": "9_X", "type": "my_package.Whitening"}],
      r"module 9 \(9_X\) is my_package.Whitening, which keyword-embedder cannot run"),
     ("modules.json", lambda m: [{**m[1], "idx": 0}, {**m[0], "idx": 1}, *m[2:]], "modules Pooling -> Transformer"),

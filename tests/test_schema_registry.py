@@ -315,3 +315,35 @@ def test_without_auto_register_the_previous_version_is_used_and_the_header_carri
     assert got["id"] == "q-2" and got.get("fingerprint") == ("v1-0123456789abcdef" if fmt == "json-schema" else None)
     assert dict(out.headers)["kwe-fingerprint"] == b"v1-0123456789abcdef"
     assert len(client.get_versions(f"{topic}-value")) == 1  # nothing registered behind the user's back
+
+
+@pytest.mark.parametrize("fmt", ["avro", "protobuf", "json-schema"])
+def test_a_sparse_models_records_register_and_read_back_with_only_the_url(schema_registry: str, fmt: str) -> None:
+    """A sparse (SPLADE) model's records: worker/formats/registry_schemas/sparse-embedding.*, the fields
+    of its JSON record, registered and read back by a reader that has nothing but the URL."""
+    from confluent_kafka.schema_registry.protobuf import ProtobufDeserializer
+
+    from worker.core.sparse import SparseRow
+    from worker.formats.protobuf_schemas import message_class
+    from worker.formats.sparse_codec import SparseOutputCodec
+
+    topic = _topic()
+    codec = SparseOutputCodec(model="splade-tiny-msmarco", dim=30522, vocabulary=tuple(f"t{i}" for i in range(30522)))
+    settings = _settings(schema_registry, topic, output_format=fmt, schema_auto_register=True, sparse_terms=True)
+    out = RegistryOutput(settings, codec, registry_client(settings))
+    out.check()
+    assert out.schema_path.name.startswith("sparse-embedding.")
+    row = SparseRow(np.asarray([1012, 2770, 6007], np.int32), np.asarray([0.0625, 2.0776472, 2.2486408], np.float32))
+    value = out.value("q-1", row, 4, False)
+    reader_client = SchemaRegistryClient({"url": schema_registry})
+    if fmt == "avro":
+        got = AvroDeserializer(reader_client)(value, _ctx(topic))
+    elif fmt == "json-schema":
+        got = JSONDeserializer(None, schema_registry_client=reader_client)(value, _ctx(topic))
+    else:
+        msg = ProtobufDeserializer(message_class("sparse-embedding"), {}, reader_client)(value, _ctx(topic))
+        got = {"id": msg.id, "embedding": {"indices": list(msg.embedding.indices), "values": list(msg.embedding.values)},
+               "terms": list(msg.terms), "encoding": msg.encoding, "dim": msg.dim, "tokens": msg.tokens}
+    assert got["id"] == "q-1" and got["encoding"] == "sparse" and got["dim"] == 30522 and got["tokens"] == 4
+    assert got["embedding"]["indices"] == [1012, 2770, 6007] and got["terms"] == ["t1012", "t2770", "t6007"]
+    assert np.array_equal(np.asarray(got["embedding"]["values"], np.float32), row.values)  # float32, exactly

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from worker.batching.cost_model import CostModel
 from worker.core.errors import BackendError, extra_missing
 from worker.core.fingerprint import VectorSettings, model_fingerprint
 from worker.core.model import ModelError, ModelInfo, Prompt
+from worker.core.sparse import sparsify
 from worker.core.vectors import check_truncate_dim, default_int8_range
 from worker.delivery.acks import Acknowledger
 from worker.delivery.guarantees import build_delivery, producer_config_for
@@ -26,6 +28,8 @@ from worker.delivery.inflight import InFlightTable
 from worker.embedding_cache import EmbeddingCache
 from worker.formats.messages import OutputCodec, ValueEncoder
 from worker.formats.propagation import Propagation
+from worker.formats.sparse_codec import ENCODING as SPARSE_ENCODING
+from worker.formats.sparse_codec import SparseOutputCodec
 from worker.intake.flow import FlowControl
 from worker.intake.stage import Decode, Intake
 from worker.intake.tokenize import KeywordTokenizer
@@ -92,7 +96,7 @@ def calibration_key(settings: Settings, info: ModelInfo) -> dict[str, Any]:
 def cost_model(settings: Settings, info: ModelInfo, backend: Backend) -> CostModel | None:
     from worker.batching.calibration import cost_model_for
 
-    return cost_model_for(backend, calibration_key(settings, info))
+    return cost_model_for(backend, calibration_key(settings, info), vocab_size=info.vocab_size)
 
 
 def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: GateFactory | None = None) -> Assembled:
@@ -108,11 +112,11 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: 
 
     info = model_info(settings)
     prompt = Prompt.resolve(info, prompt=settings.prompt, prompt_name=settings.prompt_name)
-    codec = output_codec(settings, info, prompt)  # before the backend: a bad setting fails fast
+    tokenizer = KeywordTokenizer.from_model(info, prompt=prompt)
+    codec = output_codec(settings, info, prompt, tokenizer)  # before the backend: a bad setting fails fast
     # Before the backend too: a registry that is down, or an output schema that is not
     # registered, stops the worker in seconds (SchemaRegistryFailure).
     encoder, decode = registry_formats(settings, codec)
-    tokenizer = KeywordTokenizer.from_model(info, prompt=prompt)
     # A pooling with include_prompt false leaves the prompt's tokens out: the graph is built for them.
     info = info.with_prompt(tokenizer.prompt_tokens)
     loaded = load_backend(settings, model=info)
@@ -137,7 +141,7 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: 
         metrics.watch_costs(costs)
     pipeline = wire_pipeline(loaded.settings, tokenizer=tokenizer, backend=backend, profile=profile,
                              model_name=info.name, metrics=metrics, costs=costs, codec=encoder, decode=decode,
-                             gate=gate)
+                             gate=gate, sparse=info.sparse)
     pipeline.identity = {"model": info.name, "fingerprint": codec.fingerprint,
                          "precision": precision_label(loaded.settings)}
     return Assembled(pipeline, backend)
@@ -148,12 +152,15 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
                   consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
                   producer_factory: Callable[[dict[str, Any]], Any] = Producer,
                   codec: ValueEncoder | None = None, decode: Decode | None = None,
-                  spans: BatchSpans | None = None, gate: GateFactory | None = None) -> Pipeline:
+                  spans: BatchSpans | None = None, gate: GateFactory | None = None,
+                  sparse: bool = False) -> Pipeline:
     """The stages around a loaded tokenizer and backend, wired into a Pipeline.
 
     The factories are the tests' seams (fake clients, a fake bucketer). `codec` is the output
     encoder (`output_codec` adds truncate_dim, the prompt and the int8 range, `registry_formats`
     the registry formats; the plain JSON codec if None); `decode` a registry format's decoder.
+    `sparse`: the backend gives a sparse model's [B, vocabulary] weights, which the output stage
+    cuts to their non-zero entries (sparse_top_k, sparse_min_weight) and the cache keeps so.
     """
     from worker.batching.bucketer import Bucketer
 
@@ -176,17 +183,22 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
                               shutdown.commit_by)
     # Records are written through the delivery's writer (exactly-once wraps the producer).
     dead_letters = DeadLetters(settings.dead_letter_topic, settings.dead_letter_max_bytes, delivery.writer, acks)
-    codec = codec or OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding)  # type: ignore[arg-type]
+    if codec is None:
+        codec = (SparseOutputCodec(model=model_name, dim=backend.dim) if sparse else
+                 OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding))  # type: ignore[arg-type]
     # One span per batch when an OTLP endpoint is set (the otel extra, imported only then).
     if spans is None and settings.otel_exporter_otlp_endpoint:
         from worker.output.tracing import batch_spans
 
         spans = batch_spans(settings.otel_exporter_otlp_endpoint, model=model_name)
     # Repeated keywords are answered from here without the model (0 bytes: off).
-    cache = EmbeddingCache(settings.cache_bytes, backend.dim, observer=metrics) if settings.cache_bytes else None
+    cache = (EmbeddingCache(settings.cache_bytes, backend.dim, observer=metrics, sparse=sparse)
+             if settings.cache_bytes else None)
     output = OutputStage(settings.output_topic, codec, delivery.writer, inflight, acks, dead_letters, metrics, latch,
                          cache=cache, propagation=Propagation.of(settings.pass_headers, settings.trace_context),
-                         spans=spans, around_batch=delivery.around_batch)
+                         spans=spans, around_batch=delivery.around_batch,
+                         sparsify=functools.partial(sparsify, top_k=settings.sparse_top_k,
+                                                    min_weight=settings.sparse_min_weight) if sparse else None)
     canary = tokenizer.encode([CANARY_TEXT])[0].ids
     bucketer = (bucketer_factory or Bucketer)(
         profile, IsolatingBackend(backend, canary), output.on_batch, on_error=output.on_batch_error,
@@ -202,9 +214,24 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
     return Pipeline(settings, shutdown, stages, metrics)
 
 
-def output_codec(settings: Settings, info: ModelInfo, prompt: Prompt) -> OutputCodec:
+def output_codec(settings: Settings, info: ModelInfo, prompt: Prompt,
+                 tokenizer: KeywordTokenizer | None = None) -> OutputCodec | SparseOutputCodec:
     """The output records' codec: width (truncate_dim), encoding with its int8 range, the prompt, and
-    the model fingerprint of all of them (worker/core/fingerprint.py)."""
+    the model fingerprint of all of them (worker/core/fingerprint.py); for a sparse model, its
+    record of non-zero weights (with `terms`, read from `tokenizer`)."""
+    check_sparse_settings(settings, info)
+    if info.sparse:
+        vocabulary = None
+        if settings.sparse_terms:
+            tokenizer = tokenizer or KeywordTokenizer.from_model(info, prompt=prompt)
+            vocabulary = tokenizer.vocabulary(info.vocab_size)
+        # top-k and the minimum weight change what is written: they are part of the fingerprint.
+        fingerprint = model_fingerprint(info, VectorSettings(prompt=prompt.text, encoding=SPARSE_ENCODING,
+                                                             sparse_top_k=settings.sparse_top_k,
+                                                             sparse_min_weight=settings.sparse_min_weight))
+        return SparseOutputCodec(model=info.name, dim=info.dim, prompt_name=prompt.name, prompt=prompt.text,
+                                 fields=parse_output_fields(settings.output_fields), vocabulary=vocabulary,
+                                 fingerprint=fingerprint.value)
     try:
         check_truncate_dim(settings.truncate_dim, info.dim, source="setting 'truncate_dim'")
     except ValueError as exc:
@@ -227,7 +254,27 @@ def output_codec(settings: Settings, info: ModelInfo, prompt: Prompt) -> OutputC
                        normalized=info.normalized, fingerprint=fingerprint.value)
 
 
-def registry_formats(settings: Settings, codec: OutputCodec) -> tuple[ValueEncoder, Decode | None]:
+def check_sparse_settings(settings: Settings, info: ModelInfo) -> None:
+    """The settings that apply to one kind of model only, refused for the other (SettingsError,
+    naming the setting): a worker serves one model, dense or sparse."""
+    if info.sparse:
+        dense_only = [f"{name}={getattr(settings, name)}" for name, default in
+                      (("output_encoding", "float-list"), ("truncate_dim", 0), ("int8_range", 0.0))
+                      if getattr(settings, name) != default]
+        if dense_only:
+            raise SettingsError(f"{', '.join(dense_only)}: {info.name} is a sparse (SPLADE) model, whose records "
+                                f"are its non-zero weights ({{\"indices\", \"values\"}}); these settings shape a "
+                                f"dense vector (sparse_top_k and sparse_min_weight make a sparse one smaller)")
+        return
+    sparse_only = [f"{name}={getattr(settings, name)}" for name, default in
+                   (("sparse_top_k", 0), ("sparse_min_weight", 0.0), ("sparse_terms", False))
+                   if getattr(settings, name) != default]
+    if sparse_only:
+        raise SettingsError(f"{', '.join(sparse_only)}: these settings are for sparse (SPLADE) models; {info.name} is "
+                            f"dense ({info.pipeline.describe()})")
+
+
+def registry_formats(settings: Settings, codec: OutputCodec | SparseOutputCodec) -> tuple[ValueEncoder, Decode | None]:
     """The output encoder and input decoder the formats ask for: the JSON codec and the built-in
     decoder, or confluent-kafka's registry serdes (imported only then: the registry extra)."""
     if settings.output_format not in REGISTRY_FORMATS and settings.input_format not in REGISTRY_FORMATS:

@@ -21,6 +21,15 @@ and passed the fp32 parity gate (worker/backend_choice/auto.py, cached as the wo
 `precision="int8"` runs the quantized graph (engines/quantize_int8.py, cached beside the fp32
 export; its quality against fp32 is in benchmarks/results/int8/int8.md).
 
+A sparse (SPLADE) model (docs/models.md, Sparse models) gives each text its non-zero vocabulary
+weights: `embed_sparse` returns them as SparseRows (worker/core/sparse.py: CSR, indices ascending;
+`rows[i].indices`, `rows[i].values`), with `sparse_top_k` and `sparse_min_weight` as the worker's
+settings of the same names; `embed` gives the same rows dense, [N, vocabulary] (what
+sentence-transformers' `.to_dense()` gives: 122 kB a text for a 30,522-entry vocabulary).
+
+    splade = Embedder(splade_dir)
+    rows = splade.embed_sparse(["running shoes"])      # rows[0].indices, rows[0].values
+
 Prompts and smaller vectors, as the Kafka worker's settings of the same names:
 
     e5 = Embedder(model_dir, prompt_name="query")     # or prompt="query: "; default: the model's default_prompt_name
@@ -37,7 +46,7 @@ from typing import Literal, get_args
 import numpy as np
 
 from worker.backend_choice.auto import CpuChoice
-from worker.backend_choice.select import choose_cpu, open_backend
+from worker.backend_choice.select import check_sparse_precision, choose_cpu, open_backend
 from worker.backends.base import OvPrecision
 from worker.backends.onnxruntime import OnnxRuntimeBackend
 from worker.backends.openvino import OpenVinoBackend
@@ -45,6 +54,8 @@ from worker.batching.padding import length_batches, pad_batch
 from worker.core.errors import KeywordEmbedderError
 from worker.core.fingerprint import VectorSettings, model_fingerprint
 from worker.core.model import PROMPT_AUTO, ModelInfo, Prompt, default_model_dir
+from worker.core.sparse import SparseRow, SparseRows, sparsify
+from worker.core.sparse import token_budget as sparse_token_budget
 from worker.core.vectors import check_truncate_dim, default_int8_range, pack_binary, quantize_int8, truncate
 from worker.embedding_cache import EmbeddingCache, key
 from worker.intake.tokenize import Encoded, KeywordTokenizer
@@ -62,7 +73,8 @@ class Embedder:
                  optimize: bool = False, cache_bytes: int = DEFAULT_CACHE_BYTES,
                  precision: Precision = "fp32", prompt: str | None = None, prompt_name: str = PROMPT_AUTO,
                  truncate_dim: int | None = None, backend: BackendSetting = "auto",
-                 openvino_precision: OvPrecision = "bf16") -> None:
+                 openvino_precision: OvPrecision = "bf16", sparse_top_k: int = 0,
+                 sparse_min_weight: float = 0.0) -> None:
         if batch_size < 1:
             raise EmbedderError(f"Embedder: batch_size must be >= 1, got {batch_size}")
         if token_budget < 1:
@@ -80,6 +92,20 @@ class Embedder:
                              "onnx_path or optimize")
         self.info = ModelInfo.from_dir(model_dir if model_dir is not None else default_model_dir())
         self.model_dir = self.info.model_dir
+        if sparse_top_k < 0 or sparse_min_weight < 0:
+            raise EmbedderError(f"Embedder: sparse_top_k and sparse_min_weight must be >= 0, got {sparse_top_k}, "
+                                f"{sparse_min_weight}")
+        if self.info.sparse and truncate_dim is not None:
+            raise EmbedderError(f"Embedder: truncate_dim is for dense vectors; {self.info.name} is a sparse model "
+                                "(sparse_top_k keeps its largest weights)")
+        if not self.info.sparse and (sparse_top_k or sparse_min_weight):
+            raise EmbedderError(f"Embedder: sparse_top_k and sparse_min_weight are for sparse models; "
+                                f"{self.info.name} is dense")
+        self.sparse_top_k = sparse_top_k
+        self.sparse_min_weight = sparse_min_weight
+        if self.info.sparse:
+            # The graph holds a batch's [B, S, vocabulary] logits: batches stay within LOGITS_BYTES.
+            token_budget = sparse_token_budget(self.info.vocab_size, token_budget)
         if truncate_dim is not None:
             check_truncate_dim(truncate_dim, self.info.dim, source="Embedder: truncate_dim")
         self.truncate_dim = truncate_dim or 0
@@ -103,6 +129,7 @@ class Embedder:
             assert isinstance(chosen, (OnnxRuntimeBackend, OpenVinoBackend))
             self.backend = chosen
         else:
+            check_sparse_precision(self.info, backend, openvino_precision)
             opened = open_backend(backend, self.info, onnx_path=onnx_path, intra_op_threads=intra_op_threads,
                                   fused=optimize, precision=precision, openvino_precision=openvino_precision)
             assert isinstance(opened, (OnnxRuntimeBackend, OpenVinoBackend))
@@ -111,13 +138,18 @@ class Embedder:
         self.batch_size = batch_size
         self.token_budget = token_budget
         self._context = self.backend.create_context(0)
-        self.cache: EmbeddingCache | None = (EmbeddingCache(cache_bytes, self.info.dim) if cache_bytes
-                                              else None)
+        self.cache: EmbeddingCache | None = (EmbeddingCache(cache_bytes, self.info.dim, sparse=self.info.sparse)
+                                              if cache_bytes else None)
 
     @property
     def dim(self) -> int:
         """The width of what embed returns: truncate_dim when set, else the model's."""
         return self.truncate_dim or self.info.dim
+
+    @property
+    def sparse(self) -> bool:
+        """A sparse (SPLADE) model: `embed_sparse` gives its rows (non-zero vocabulary weights)."""
+        return self.info.sparse
 
     @property
     def normalized(self) -> bool:
@@ -141,7 +173,13 @@ class Embedder:
                     int8_range: tuple[float, float] | None = None) -> str:
         """The model fingerprint of these vectors written with `encoding` (worker/core/fingerprint.py):
         what a worker with the same model, prompt and truncate_dim writes on its records, so a query
-        embedded here can be checked against the documents it searches (docs/cutover.md)."""
+        embedded here can be checked against the documents it searches (docs/cutover.md). A sparse
+        model's is its records' (encoding "sparse", with this Embedder's sparse_top_k and
+        sparse_min_weight), whatever `encoding` says."""
+        if self.sparse:
+            return model_fingerprint(self.info, VectorSettings(
+                prompt=self.prompt.text, encoding="sparse", sparse_top_k=self.sparse_top_k,
+                sparse_min_weight=self.sparse_min_weight)).value
         if encoding == "int8":
             int8_range = int8_range or self.int8_range
         return model_fingerprint(self.info, VectorSettings(prompt=self.prompt.text, truncate_dim=self.truncate_dim,
@@ -169,11 +207,57 @@ class Embedder:
         """[N, dim] float32, row i the embedding of texts[i] (unit norm where `normalized`)."""
         if isinstance(texts, str):
             raise TypeError("Embedder.embed takes a list of texts, not one string")
+        if self.sparse:
+            return self.embed_sparse(texts).to_dense()
         return truncate(self.embed_encoded(self.tokenizer.encode(texts)), self.truncate_dim,
                         renormalise=self.normalized)
 
+    def embed_sparse(self, texts: Sequence[str]) -> SparseRows:
+        """A sparse model's rows: the non-zero vocabulary weights of texts[i], indices ascending (after
+        sparse_top_k and sparse_min_weight), as SparseRows."""
+        if isinstance(texts, str):
+            raise TypeError("Embedder.embed_sparse takes a list of texts, not one string")
+        if not self.sparse:
+            raise EmbedderError(f"Embedder.embed_sparse: {self.model_name} is a dense model; use embed")
+        return self.embed_sparse_encoded(self.tokenizer.encode(texts))
+
+    def embed_sparse_encoded(self, encoded: Sequence[Encoded]) -> SparseRows:
+        """embed_sparse of already tokenized texts; repeats (this call's and the cache's) run once."""
+        rows: list[SparseRow | None] = [None] * len(encoded)
+        first: dict[bytes, int] = {}
+        copies: list[tuple[int, int]] = []
+        misses: list[int] = []
+        keys = [key(enc.ids) for enc in encoded] if self.cache is not None else []
+        for i, k in enumerate(keys):
+            if k in first:
+                copies.append((i, first[k]))
+                continue
+            first[k] = i
+            row = self.cache.get(k) if self.cache is not None else None
+            if row is None:
+                misses.append(i)
+            else:
+                rows[i] = row  # type: ignore[assignment]
+        if self.cache is None:
+            misses = list(range(len(encoded)))
+        for batch in self._batches([encoded[i] for i in misses]):
+            dense = self._context.run(*pad_batch([encoded[misses[j]].ids for j in batch]))
+            found = sparsify(dense, top_k=self.sparse_top_k, min_weight=self.sparse_min_weight)
+            for j, row in zip(batch, found.rows()):
+                i = misses[j]
+                # put() returns the row already cached if another thread got there first.
+                rows[i] = self.cache.put(keys[i], row) if self.cache is not None else row  # type: ignore[assignment]
+        for i, j in copies:
+            rows[i] = rows[j]
+        return SparseRows.stack(rows, self.info.dim)  # type: ignore[arg-type]
+
     def embed_encoded(self, encoded: Sequence[Encoded]) -> np.ndarray:
-        """[N, model dim] float32 of already tokenized texts (not truncated: the cache keeps full rows)."""
+        """[N, model dim] float32 of already tokenized texts (not truncated: the cache keeps full rows;
+        a sparse model's rows dense, with no cache: embed_sparse_encoded is its form)."""
+        if self.sparse:
+            out = np.empty((len(encoded), self.info.dim), dtype=np.float32)
+            self._run(encoded, out)
+            return out
         out = np.empty((len(encoded), self.info.dim), dtype=np.float32)
         if self.cache is None:
             self._run(encoded, out)

@@ -12,7 +12,10 @@ nothing is computed under it but a dict operation and a byte count.
 
 Values: each vector is stored as an immutable `bytes` object and handed out as a numpy view
 of it. numpy refuses to make such a view writable (its buffer is read-only), so no caller can
-change a cached row, and the row a hit returns is bit for bit the row that was put.
+change a cached row, and the row a hit returns is bit for bit the row that was put. A sparse
+model's rows (worker/core/sparse.py's SparseRow: the non-zero entries) are kept the same way
+through `SparseRowCodec`: int32 indices then float32 values, about 120 bytes for a keyword's 15
+entries where its dense row would take 122 kB; `stack` makes a batch of either kind.
 
 In-flight repeats (single flight): a keyword repeated while its first occurrence is still being
 embedded would miss and be computed again; with max_in_flight=4096 keywords in flight, that is
@@ -51,6 +54,7 @@ from typing import Generic, Literal, NamedTuple, Protocol, TypeVar
 import numpy as np
 
 from worker.core.errors import KeywordEmbedderError
+from worker.core.sparse import SparseRow, SparseRowCodec, SparseRows
 
 # An OrderedDict entry costs its hash-table slot (amortised over the table's doubling) plus a
 # linked-list node; measured with tracemalloc at 75 bytes on CPython 3.11, rounded up so the
@@ -126,6 +130,34 @@ def hit_rate_line(hits: float, misses: float, evictions: float, entries: float |
 
 
 W = TypeVar("W")
+Row = np.ndarray | SparseRow
+
+
+class DenseRowCodec:
+    """How the cache keeps a dense row: its float32 bytes, handed back as a read-only view."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+
+    def to_bytes(self, row: np.ndarray) -> bytes:
+        if not isinstance(row, np.ndarray) or row.shape != (self.dim,) or row.dtype != np.float32:
+            raise CacheError(f"cache: expected a float32 row of shape ({self.dim},), got "
+                             f"{getattr(row, 'dtype', type(row).__name__)} {getattr(row, 'shape', '')}")
+        return row.tobytes()
+
+    def from_bytes(self, value: bytes) -> np.ndarray:
+        return np.frombuffer(value, dtype=np.float32)
+
+    def stack(self, rows: list[np.ndarray]) -> np.ndarray:
+        return np.stack(rows)
+
+
+class _SparseCodec(SparseRowCodec):
+    def to_bytes(self, row: SparseRow) -> bytes:  # type: ignore[override]
+        try:
+            return super().to_bytes(row)
+        except ValueError as exc:
+            raise CacheError(f"cache: {exc}") from None
 
 
 class Lookup(NamedTuple):
@@ -135,11 +167,12 @@ class Lookup(NamedTuple):
     """
 
     outcome: Literal["hit", "miss", "joined"]
-    row: np.ndarray | None = None
+    row: np.ndarray | SparseRow | None = None
 
 
 class EmbeddingCache(Generic[W]):
-    """Thread-safe, byte-bounded LRU map from `key(ids)` to one float32 vector of `dim` values.
+    """Thread-safe, byte-bounded LRU map from `key(ids)` to one float32 vector of `dim` values (with
+    `sparse`, to a SparseRow: the non-zero entries of a `dim`-entry vocabulary).
 
     API the pipeline uses: `get(k) -> np.ndarray | None` (read-only row, counts a hit or a
     miss) and `put(k, row) -> np.ndarray` (stores a copy, returns the cached read-only row,
@@ -147,13 +180,16 @@ class EmbeddingCache(Generic[W]):
     cache that stores nothing and misses every time; callers can instead skip it (`enabled`).
     """
 
-    def __init__(self, max_bytes: int, dim: int, *, observer: CacheObserver | None = None) -> None:
+    def __init__(self, max_bytes: int, dim: int, *, observer: CacheObserver | None = None,
+                 sparse: bool = False) -> None:
         if max_bytes < 0:
             raise CacheError(f"cache: max_bytes must be >= 0, got {max_bytes}")
         if dim < 1:
             raise CacheError(f"cache: dim must be >= 1, got {dim}")
         self.max_bytes = max_bytes
         self.dim = dim
+        # Rows of a sparse model (SparseRow, the vocabulary's non-zero weights) or dense float32 [dim].
+        self._rows: DenseRowCodec | _SparseCodec = _SparseCodec(dim) if sparse else DenseRowCodec(dim)
         self._lock = threading.Lock()
         self._map: OrderedDict[bytes, bytes] = OrderedDict()
         self._nbytes = 0
@@ -175,8 +211,13 @@ class EmbeddingCache(Generic[W]):
         """What one entry really occupies: key and value objects plus the map's per-entry cost."""
         return sys.getsizeof(k) + sys.getsizeof(value) + ENTRY_OVERHEAD
 
-    def get(self, k: bytes) -> np.ndarray | None:
-        """The cached row for key k (read-only float32 [dim]), or None; counts a hit or a miss."""
+    def stack(self, rows: list[Row]) -> np.ndarray | SparseRows:
+        """A batch of rows as the output stage takes them: [n, dim] float32, or SparseRows."""
+        return self._rows.stack(rows)  # type: ignore[arg-type]
+
+    def get(self, k: bytes) -> Row | None:
+        """The cached row for key k (read-only float32 [dim], or a SparseRow of read-only arrays), or
+        None; counts a hit or a miss."""
         with self._lock:
             value = self._map.get(k)
             if value is None:
@@ -184,7 +225,7 @@ class EmbeddingCache(Generic[W]):
             else:
                 self._map.move_to_end(k)
                 self._hits += 1
-        return None if value is None else np.frombuffer(value, dtype=np.float32)
+        return None if value is None else self._rows.from_bytes(value)
 
     def lookup(self, k: bytes, waiter: W) -> Lookup:
         """A hit, a miss (the caller now leads k: `complete` or `abandon` it) or a join of the
@@ -203,9 +244,9 @@ class EmbeddingCache(Generic[W]):
                 self._flight[k] = []
                 self._misses += 1
                 outcome = "miss"
-        return Lookup(outcome, None if value is None else np.frombuffer(value, dtype=np.float32))
+        return Lookup(outcome, None if value is None else self._rows.from_bytes(value))
 
-    def complete(self, k: bytes, row: np.ndarray) -> tuple[np.ndarray, list[W]]:
+    def complete(self, k: bytes, row: Row) -> tuple[Row, list[W]]:
         """The leader of k has its row: store it; returns the cached row and k's waiters to answer."""
         return self._store(k, row, release=True)
 
@@ -220,7 +261,7 @@ class EmbeddingCache(Generic[W]):
         with self._lock:
             return len(self._flight)
 
-    def put(self, k: bytes, row: np.ndarray) -> np.ndarray:
+    def put(self, k: bytes, row: Row) -> Row:
         """Store a copy of row under k; returns the cached read-only row.
 
         A key already present keeps its first vector (the one every earlier hit returned),
@@ -230,13 +271,10 @@ class EmbeddingCache(Generic[W]):
         """
         return self._store(k, row, release=False)[0]
 
-    def _store(self, k: bytes, row: np.ndarray, *, release: bool) -> tuple[np.ndarray, list[W]]:
+    def _store(self, k: bytes, row: Row, *, release: bool) -> tuple[Row, list[W]]:
         if type(k) is not bytes:
             raise CacheError(f"cache: key must be bytes (from worker.embedding_cache.key), got {type(k).__name__}")
-        if not isinstance(row, np.ndarray) or row.shape != (self.dim,) or row.dtype != np.float32:
-            raise CacheError(f"cache: expected a float32 row of shape ({self.dim},), got "
-                             f"{getattr(row, 'dtype', type(row).__name__)} {getattr(row, 'shape', '')}")
-        value = row.tobytes()
+        value = self._rows.to_bytes(row)  # type: ignore[arg-type]
         size = sys.getsizeof(k) + sys.getsizeof(value) + ENTRY_OVERHEAD
         evicted = 0
         with self._lock:
@@ -253,7 +291,7 @@ class EmbeddingCache(Generic[W]):
                     evicted += 1
                 self._evictions += evicted
             waiters = self._flight.pop(k, []) if release else []
-        return np.frombuffer(value, dtype=np.float32), waiters
+        return self._rows.from_bytes(value), waiters
 
     def __len__(self) -> int:
         with self._lock:

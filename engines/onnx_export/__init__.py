@@ -9,7 +9,10 @@
 - pooling.py: the pooling modes and the prompt a pooling leaves out. A new mode goes here.
 - head.py: the modules after the encoder in order (pooling, Dense, Normalize) and the names an
   FP16 TensorRT build keeps in FP32.
+- mlm.py: a sparse model's masked-language-model head (per family), tied decoder included.
+- splade.py: SPLADE pooling of the MLM logits onto the vocabulary (max or sum, relu or log1p_relu).
 - fusion.py: ONNX Runtime's offline transformer fusion and its checks (the `--fused` variant).
 
-They import one way: export uses encoder, head and fusion; head uses pooling; all of them use graph.
+They import one way: export uses encoder, head, mlm, splade and fusion; head uses pooling; splade
+uses mlm; all of them use graph.
 """

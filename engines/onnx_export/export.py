@@ -7,7 +7,9 @@ is what the worker calls: the cached export, made first if missing.
 
 Inputs `input_ids` and `attention_mask`: int64 [batch, seq], both dynamic.
 Output `sentence_embedding`: float32 [batch, dim] (the pipeline's width), unit L2 norm where the
-pipeline normalises (metadata "normalize": "l2", else "none").
+pipeline normalises (metadata "normalize": "l2", else "none"). A sparse (SPLADE) model's graph
+is the encoder, its MLM head (mlm.py) and the SPLADE pooling (splade.py), under the same names:
+[batch, vocabulary] non-negative weights, nearly all zero (metadata "sparse": "splade").
 
 Exports are cached under the user cache dir (worker.core.disk_cache), keyed by the weights, the
 config and module files (Dense weights included), the prompt tokens a pooling leaves out, the
@@ -27,6 +29,8 @@ from engines.onnx_export.encoder import encode, load_weights
 from engines.onnx_export.fusion import check_fused, fuse
 from engines.onnx_export.graph import INPUT_NAMES, OPSET, OUTPUT_NAME, ExportError, Graph
 from engines.onnx_export.head import head, load_dense
+from engines.onnx_export.mlm import check_head, decoder, transform
+from engines.onnx_export.splade import splade
 from worker.core.disk_cache import cache_dir, locked, write_atomic
 from worker.core.fingerprint import file_sha256, hash_file_into
 from worker.core.model import FAMILIES, ModelError, ModelInfo, default_model_dir
@@ -42,12 +46,17 @@ def build_model(model_dir: str | Path | ModelInfo | None = None) -> onnx.ModelPr
         raise ExportError(f"{info.config_path}: model_type {info.model_type!r} is not supported; supported "
                           f"encoder families: {', '.join(FAMILIES)}")
     weights = load_weights(info)
-    dense = load_dense(info)
     g = Graph()
     ids, mask = INPUT_NAMES
-    head(g, info, dense, encode(g, weights, info, ids, mask), mask)
+    if info.pipeline.sparse is not None:
+        # A SPLADE model: the encoder, its MLM head, then the pooling onto the vocabulary.
+        check_head(weights, info)
+        hidden = encode(g, weights, info, ids, mask)
+        splade(g, info.pipeline.sparse, decoder(weights, info), transform(g, weights, info, hidden), mask)
+    else:
+        head(g, info, load_dense(info), encode(g, weights, info, ids, mask), mask)
     graph = helper.make_graph(
-        g.nodes, f"{info.name}-sentence-encoder",
+        g.nodes, f"{info.name}-{'sparse' if info.sparse else 'sentence'}-encoder",
         inputs=[helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"]) for n in INPUT_NAMES],
         outputs=[helper.make_tensor_value_info(OUTPUT_NAME, TensorProto.FLOAT, ["batch", info.dim])],
         initializer=g.inits,
@@ -109,13 +118,15 @@ def _set_metadata(model: onnx.ModelProto, info: ModelInfo, *, optimize: bool) ->
         "model_name": info.name,
         "dim": str(info.dim),
         "max_seq_length": str(info.max_seq_length),
-        "pooling": info.pooling_mode,
+        "pooling": str(info.pipeline.sparse) if info.pipeline.sparse is not None else info.pooling_mode,
         "normalize": "l2" if info.normalized else "none",
         "pipeline": info.pipeline.describe(),
         "exporter_version": EXPORTER_VERSION,
         "weights_sha256": weights_hash(info),
         "optimized": str(optimize).lower(),
     }
+    if info.sparse:
+        props["sparse"] = "splade"
     del model.metadata_props[:]
     for key, value in props.items():
         model.metadata_props.add(key=key, value=value)

@@ -16,11 +16,13 @@ from worker.core.model import ModelInfo
 from worker.core.st_pipeline import Dense
 
 # Node-name prefixes of the float layers of the pooling (pooling.py) and of the normalisation
-# below (not the integer mask's Unsqueeze/Cast, nor the pool_index_* integer and boolean nodes):
-# the fp16 graph for TensorRT keeps these, and everything downstream of them (Dense layers
+# below (not the integer mask's Unsqueeze/Cast, nor the pool_index_* integer and boolean nodes),
+# and of a sparse model's MLM head and SPLADE pooling (mlm.py, splade.py; not their sparse_index_*
+# nodes): the fp16 graph for TensorRT keeps these, and everything downstream of them (Dense layers
 # included), in FP32 by Casts (engines/fp16_onnx.py; the build checks it, engines.build_engine.
 # fp32_region), so keep them in step with those names.
-FP32_NODE_PREFIXES: tuple[str, ...] = ("masked_states", "pool_sum", "pool_count", "pooled", "norm_", OUTPUT_NAME)
+FP32_NODE_PREFIXES: tuple[str, ...] = ("masked_states", "pool_sum", "pool_count", "pooled", "norm_", "mlm_",
+                                       "splade_", OUTPUT_NAME)
 
 
 def head(g: Graph, info: ModelInfo, dense_weights: list[tuple[np.ndarray, np.ndarray | None]],

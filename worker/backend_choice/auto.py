@@ -8,7 +8,9 @@ without it auto keeps ONNX Runtime and says so.
 Each candidate embeds the shipped golden texts (gate_texts.json, the texts of
 tests/data/golden/dev.jsonl) and is refused unless every row keeps cos >= GATE_MIN_COS to the
 fp32 reference and its norm within GATE_NORM_TOL of the reference's; the refusal and its numbers
-are logged. The passing candidates are then timed on a few shapes, in alternating rounds (every
+are logged. A sparse model's rows are held to the sparse parity rule instead (`check_sparse_gate`:
+every vocabulary weight within 1e-4 x its value + 1e-5 of the fp32 reference's, so the same
+non-zero indices), the rule its output is checked against sentence-transformers by. The passing candidates are then timed on a few shapes, in alternating rounds (every
 candidate once per round, so a burst of load elsewhere lands on all of them), within BUDGET_S.
 A candidate must beat ONNX Runtime by MARGIN to replace it, so noise never swaps a tie.
 
@@ -212,6 +214,23 @@ def check_gate(ours: np.ndarray, ref: np.ndarray) -> tuple[bool, str, float, flo
     return True, "passed", min_cos, max_diff
 
 
+def check_sparse_gate(ours: np.ndarray, ref: np.ndarray) -> tuple[bool, str, float, float]:
+    """check_gate for a sparse model's [N, V] rows: every weight within worker.core.sparse's parity
+    rule of the reference's (min cos and the largest |difference| are reported beside it)."""
+    from worker.core.sparse import compare
+
+    match = compare(ours, ref)
+    _, _, min_cos, _ = check_gate(ours, ref)
+    if not match.ok:
+        return False, (f"a weight differs by {match.worst:.2f}x the sparse tolerance ({match.rtol:g} x |w| + "
+                       f"{match.atol:g}; max |diff| {match.max_abs:.2e}, {match.support_differs} rows with other "
+                       f"non-zero indices)"), min_cos, match.max_abs
+    return True, "passed", min_cos, match.max_abs
+
+
+Gate = Callable[[np.ndarray, np.ndarray], tuple[bool, str, float, float]]
+
+
 def _feeds(shapes: Sequence[tuple[int, int]],
            token_ids: Sequence[Sequence[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
     """Batches of each shape made of the model's own tokens (the gate texts'), so any vocabulary fits:
@@ -276,7 +295,8 @@ OpenCandidate = Callable[[Candidate], Backend]
 
 def calibrate(found: Sequence[Candidate], open_candidate: OpenCandidate,
               token_ids: Sequence[Sequence[int]], *, budget_s: float = BUDGET_S,
-              clock: Callable[[], float] = time.perf_counter) -> tuple[list[Trial], dict[str, Backend]]:
+              clock: Callable[[], float] = time.perf_counter,
+              gate: Gate = check_gate) -> tuple[list[Trial], dict[str, Backend]]:
     """Gate and time every candidate; the trials, and the backends still open (the passing ones)."""
     opened: dict[str, Backend] = {}
     trials: list[Trial] = []
@@ -299,7 +319,7 @@ def calibrate(found: Sequence[Candidate], open_candidate: OpenCandidate,
                 ref_rows = rows  # the first candidate is the fp32 reference: it passes by definition
                 passed, reason, min_cos, max_diff = True, "the fp32 reference", 1.0, 0.0
             else:
-                passed, reason, min_cos, max_diff = check_gate(rows, ref_rows)
+                passed, reason, min_cos, max_diff = gate(rows, ref_rows)
             trials.append(Trial(cand.label, passed, reason, min_cos, max_diff))
             if not passed:
                 log.warning("backend candidate refused by the parity gate", candidate=cand.label, reason=reason,
@@ -353,7 +373,7 @@ def _read_cached(path: Path, found: Sequence[Candidate]) -> tuple[Candidate, str
 def choose(key_parts: dict[str, Any], open_candidate: OpenCandidate, token_ids: Callable[[], Sequence[Sequence[int]]],
            *, flags: frozenset[str] | None = None, ov_available: bool | None = None, int8: bool = False,
            cache_dir: Path | None = None, remeasure: bool = False,
-           clock: Callable[[], float] = time.perf_counter) -> tuple[CpuChoice, Backend]:
+           clock: Callable[[], float] = time.perf_counter, gate: Gate = check_gate) -> tuple[CpuChoice, Backend]:
     """The CPU backend for this machine and its open backend: from the cache, or measured (then cached)."""
     from worker.batching.calibration import cache_key
 
@@ -370,7 +390,7 @@ def choose(key_parts: dict[str, Any], open_candidate: OpenCandidate, token_ids: 
         cand, reason, trials = cached
         backend = open_candidate(cand)
         return CpuChoice(cand, reason, trials, True, time.monotonic() - t0), backend
-    trials, opened = calibrate(found, open_candidate, token_ids(), clock=clock)
+    trials, opened = calibrate(found, open_candidate, token_ids(), clock=clock, gate=gate)
     label, reason = pick(trials)
     if notes:
         reason = f"{reason}; {'; '.join(notes)}"

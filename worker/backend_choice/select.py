@@ -46,6 +46,7 @@ from worker.names import TorchPrecision
 from worker.core.errors import BackendError, extra_missing
 from worker.core.model import ModelInfo, default_model_dir
 from worker.core.profiles import PadPolicy, Profile, load_profile
+from worker.core.sparse import token_budget as sparse_token_budget
 from worker.settings.schema import Precision, Settings
 
 if TYPE_CHECKING:
@@ -207,6 +208,26 @@ def intra_op_threads(settings: Settings, cores: int | None = None) -> int:
     return max(1, (cores or usable_cores()) // settings.dispatchers)
 
 
+def check_sparse_precision(model: ModelInfo, kind: BackendName, openvino_precision: OvPrecision) -> None:
+    """A sparse model on OpenVINO bf16 given by name (auto gates it, and refuses it on splade-tiny):
+    bf16 logits move its weights by thousands of times the parity tolerance and change which are
+    non-zero (docs/models.md, Sparse models), so it is refused rather than run unchecked."""
+    if model.sparse and kind == "openvino" and openvino_precision == "bf16":
+        raise BackendError(f"{model.model_dir}: backend openvino with openvino_precision bf16 is refused for a sparse "
+                           "(SPLADE) model: bf16 logits change its weights far beyond the parity tolerance (on "
+                           "splade-tiny: 4,951x, other non-zero indices in 53 of 224 texts); set openvino_precision "
+                           "f32, or backend auto, which gates bf16 and keeps what passes")
+
+
+def model_profile(model: ModelInfo, profile: Profile) -> Profile:
+    """The profile as this model runs it: a sparse model's batches hold their [B, S, vocabulary]
+    logits within worker.core.sparse.LOGITS_BYTES (the worker, the benchmark and the Embedder alike)."""
+    if not model.sparse:
+        return profile
+    return profile.capped(sparse_token_budget(model.vocab_size, profile.token_budget),
+                          f"a sparse model's logits ({model.vocab_size:,} x 4 bytes a token)")
+
+
 def model_info(settings: Settings) -> ModelInfo:
     """The model folder the settings name (or the packaged default), read once."""
     return ModelInfo.from_dir(settings.model_dir or default_model_dir())
@@ -243,6 +264,10 @@ def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = 
         raise BackendError(f"{model.model_dir}: its pooling leaves the prompt's {excluded} tokens out "
                            f"(include_prompt false), which {given} cannot be checked for; run it on onnxruntime "
                            "with the worker's own export (no onnx_path)")
+    if model.sparse and precision == "int8":
+        raise BackendError(f"{model.model_dir}: precision int8 is not offered for a sparse (SPLADE) model: its "
+                           "recipe was chosen for dense models' neighbours, and a sparse model's weights are "
+                           "held to 1e-4 of sentence-transformers'; run it in fp32")
     if kind == "tensorrt":
         if precision != "fp32":
             raise BackendError(f"setting 'precision': {precision!r} is for the onnxruntime backend; "
@@ -315,8 +340,8 @@ def load_backend(settings: Settings, *, model: ModelInfo | None = None,
             return loaded
         # auto only (an explicit torch raised): torch cannot serve here; the CPU choice, saying why.
         choice = Choice("onnxruntime", f"{choice.reason}; torch not used: {why_not}", True)
-    profile = load_profile(resolve_profile_name(settings, choice.backend), settings.profiles_file or None,
-                           model_max_len=model.max_seq_length)
+    profile = model_profile(model, load_profile(resolve_profile_name(settings, choice.backend),
+                                                settings.profiles_file or None, model_max_len=model.max_seq_length))
     if choice.measure_cpu:
         cpu, backend = choose_cpu(settings, model, threads=threads,
                                   ov_available=_found(find_spec, "openvino"))
@@ -326,6 +351,7 @@ def load_backend(settings: Settings, *, model: ModelInfo | None = None,
         log.info("backend chosen", backend=kind, precision=cpu.candidate.precision, reason=reason,
                  profile=profile.name, measured=not cpu.cached, seconds=round(cpu.seconds, 2))
         return Loaded(resolve_settings(settings, kind, profile, ov_precision), model, backend, profile, reason, cpu)
+    check_sparse_precision(model, choice.backend, settings.openvino_precision)
     log.info("backend chosen", backend=choice.backend, reason=choice.reason, profile=profile.name)
     # trt_share_device_memory is not a setting yet (see docs/gpu.md); getattr so it works once added.
     backend = open_backend(choice.backend, model, profile, onnx_path=settings.onnx_path or None,
@@ -395,4 +421,4 @@ def choose_cpu(settings: Settings, model: ModelInfo, *, threads: int, ov_availab
                           spinning=settings.ort_allow_spinning)
     return auto.choose(key, open_candidate, lambda: auto.gate_token_ids(model), flags=flags,
                        ov_available=ov_available, int8=settings.precision == "int8", remeasure=remeasure,
-                       cache_dir=cache_dir)
+                       cache_dir=cache_dir, gate=auto.check_sparse_gate if model.sparse else auto.check_gate)

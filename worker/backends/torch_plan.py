@@ -35,6 +35,10 @@ BF16_MIN_CC = (8, 0)
 def refusal(model: ModelInfo) -> str | None:
     """Why the torch backend cannot run `model` exactly; None when it can."""
     pipeline = model.pipeline
+    if model.sparse:
+        # Its forward here is the dense one; the MLM head and SPLADE pooling are in the ONNX graph only.
+        return (f"backend 'torch' runs dense BERT encoders; {model.name} ({model.model_dir}) is a sparse (SPLADE) "
+                f"model, whose MLM head and pooling are built into the ONNX graph: run it on {OTHER_BACKENDS}")
     problems = []
     if model.model_type not in FAMILIES:
         problems.append(f"model_type {model.model_type!r}")

@@ -41,16 +41,20 @@ Run = Callable[[np.ndarray, np.ndarray], Any]
 
 
 def measure(run: Run, shapes: Sequence[tuple[int, int]] = SHAPES, *, repeats: int = REPEATS,
-            budget_s: float = BUDGET_S, clock: Callable[[], float] = time.perf_counter) -> list[Sample]:
+            budget_s: float = BUDGET_S, clock: Callable[[], float] = time.perf_counter,
+            vocab_size: int | None = None) -> list[Sample]:
     """Median seconds of `repeats` calls per shape, after one warm-up call each; stops at the budget.
 
     Shapes are timed in rounds (every shape once, then again), so a burst of load elsewhere
-    on the box lands on several shapes a little rather than on one shape entirely.
+    on the box lands on several shapes a little rather than on one shape entirely. The token IDs
+    are BERT's [CLS] x [SEP] (the price does not depend on them), kept below `vocab_size` for a
+    model with a smaller vocabulary (a tiny test model's 320 tokens).
     """
+    top = (vocab_size or 1 << 62) - 1
     feeds = []
     for rows, length in shapes:
-        ids = np.full((rows, length), 1000, dtype=np.int64)
-        ids[:, 0], ids[:, -1] = 101, 102
+        ids = np.full((rows, length), min(1000, top), dtype=np.int64)
+        ids[:, 0], ids[:, -1] = min(101, top), min(102, top)
         feeds.append((rows, length, ids, np.ones_like(ids)))
     start = clock()
     for _, _, ids, mask in feeds:
@@ -101,10 +105,10 @@ def _parse_samples(data: Any) -> list[Sample]:
 
 
 def load_or_measure(run: Run, key_parts: dict[str, Any], *, cache_dir: Path | None = None,
-                    remeasure: bool = False) -> tuple[list[Sample], bool]:
+                    remeasure: bool = False, vocab_size: int | None = None) -> tuple[list[Sample], bool]:
     """(samples, from_cache): the cached samples for this key, or fresh ones (then cached)."""
     path = (cache_dir or default_cache_dir()) / f"{cache_key(key_parts)}.json"
-    return read_or_measure(path, _parse_samples, lambda: measure(run),
+    return read_or_measure(path, _parse_samples, lambda: measure(run, vocab_size=vocab_size),
                            lambda samples: {"key": key_parts, "samples": samples},
                            what="cost model", remeasure=remeasure)
 
@@ -116,14 +120,16 @@ def backend_key(backend: Any, key_parts: dict[str, Any]) -> dict[str, Any]:
     return {"backend": backend.name, "class": kind, "dim": backend.dim, **key_parts}
 
 
-def cost_model_for(backend: Any, key_parts: dict[str, Any], *, cache_dir: Path | None = None) -> CostModel | None:
+def cost_model_for(backend: Any, key_parts: dict[str, Any], *, cache_dir: Path | None = None,
+                   vocab_size: int | None = None) -> CostModel | None:
     """The backend's calibrated cost model, or None where batches cannot merge buckets (or it cannot be measured)."""
     if backend.max_contexts is not None:
         return None
     ctx = backend.create_context(0)
     t0 = time.monotonic()
     try:
-        samples, cached = load_or_measure(ctx.run, backend_key(backend, key_parts), cache_dir=cache_dir)
+        samples, cached = load_or_measure(ctx.run, backend_key(backend, key_parts), cache_dir=cache_dir,
+                                          vocab_size=vocab_size)
         model = CostModel(samples)
     except (CostModelError, ValueError) as exc:
         log.warning("cost model not fitted; length buckets are not merged", error=str(exc))

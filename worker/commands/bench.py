@@ -74,7 +74,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from worker.backend_choice.select import DEFAULT_PROFILE
+    from worker.backend_choice.select import DEFAULT_PROFILE, model_profile
     from worker.benchmark.inputs import read_queries
     from worker.benchmark.policies import BucketerOptions
     from worker.benchmark.report import render_markdown
@@ -115,8 +115,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         info = ModelInfo.from_dir(args.model_dir or default_model_dir())
         tokenizer = KeywordTokenizer.from_model(info)
-        profile = load_profile(profile_name, args.profiles_file, model_max_len=tokenizer.max_len)
-        compare = load_profile(compare_name, args.profiles_file, model_max_len=tokenizer.max_len) \
+        profile = model_profile(info, load_profile(profile_name, args.profiles_file, model_max_len=tokenizer.max_len))
+        compare = model_profile(info, load_profile(compare_name, args.profiles_file, model_max_len=tokenizer.max_len)) \
             if compare_name else None
         bad = None if args.strict else BadLines()
         rows = read_queries(args.file, args.limit, bad=bad)

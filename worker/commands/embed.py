@@ -1,4 +1,5 @@
-"""`keyword-embedder embed`: embed texts offline (no Kafka) and print or save the vectors."""
+"""`keyword-embedder embed`: embed texts offline (no Kafka) and print or save the vectors (a sparse
+model's as {"indices", "values"}, its non-zero weights, as the worker writes them)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -38,6 +40,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "default_prompt_name; 'none': no prompt.")
     parser.add_argument("--truncate-dim", type=int, default=None,
                         help="Keep the first N dimensions and renormalise (models trained for it only).")
+    parser.add_argument("--sparse-top-k", type=int, default=0,
+                        help="Sparse models: keep each text's k largest weights (0: every non-zero one).")
+    parser.add_argument("--sparse-min-weight", type=float, default=0.0,
+                        help="Sparse models: leave out weights below this (0: every non-zero one).")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -61,13 +67,19 @@ def main(args: argparse.Namespace) -> int:
                             batch_size=args.batch_size, optimize=args.fused, precision=args.precision,
                             prompt=args.prompt, prompt_name=args.prompt_name, truncate_dim=args.truncate_dim,
                             backend=args.backend, openvino_precision=args.openvino_precision,
+                            sparse_top_k=args.sparse_top_k, sparse_min_weight=args.sparse_min_weight,
                             **({} if args.cache_bytes is None else {"cache_bytes": args.cache_bytes}))
     except KeywordEmbedderError as exc:  # the model, its export, the backend or an option
         print(f"keyword-embedder embed: {exc}", file=sys.stderr)
         return 1
     started = time.perf_counter()
     encoded = embedder.tokenizer.encode([text for _, text in items])
-    vectors = truncate(embedder.embed_encoded(encoded), embedder.truncate_dim)
+    vectors: Any
+    if embedder.sparse:
+        vectors = [{"indices": row.indices, "values": row.values}
+                   for row in embedder.embed_sparse_encoded(encoded).rows()]
+    else:
+        vectors = truncate(embedder.embed_encoded(encoded), embedder.truncate_dim)
     elapsed = time.perf_counter() - started
 
     out = args.output.open("wb") if args.output is not None else sys.stdout.buffer
@@ -81,6 +93,7 @@ def main(args: argparse.Namespace) -> int:
     if args.output is not None:
         tokens = sum(len(e.ids) for e in encoded)
         print(f"embedded {len(items)} texts ({tokens} tokens, {sum(e.truncated for e in encoded)} truncated at "
-              f"{embedder.max_len}) with {embedder.model_name} ({embedder.dim}-d) in {elapsed:.2f}s "
+              f"{embedder.max_len}) with {embedder.model_name} "
+              f"({'sparse' if embedder.sparse else f'{embedder.dim}-d'}) in {elapsed:.2f}s "
               f"-> {args.output}")
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,15 +35,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "pipeline fixtures and real-model references are read beside it.")
     parser.add_argument("--model", type=Path, default=None, metavar="DIR",
                         help="Print what this model folder runs (family, width, pipeline) and exit.")
+    parser.add_argument("--path", default=None, metavar="NAME",
+                        help="Print the folder of an installed real model (all-MiniLM-L6-v2, all-mpnet-base-v2, "
+                             "splade-tiny-msmarco), assembled in the cache first where it comes in parts, and "
+                             "exit: what --model-dir takes.")
 
 
 def main(args: argparse.Namespace) -> int:
     from worker.core.model import FAMILIES
+    from worker.core.sparse import ATOL, RTOL
     from worker.core.st_pipeline import POOLING_MODES
     from worker.families import FAMILY_STATUS, KNOWN_PIPELINES, MIN_COS
 
     if args.model is not None:
         return _describe(args.model)
+    if args.path is not None:
+        return _path(args.path)
     print(f"Encoder families (config.json model_type): {', '.join(FAMILIES)}; then the model's sentence-transformers "
           f"modules (modules.json); ONNX Runtime on CPU, TensorRT from the same ONNX graph.\n")
     for s in FAMILY_STATUS:
@@ -58,6 +66,13 @@ def main(args: argparse.Namespace) -> int:
           "  no modules.json: pooling from 1_Pooling/config.json (mean without it), then L2-normalised\n"
           "  fixtures: tests/data/pipelines, vs sentence-transformers' encode: cos and norm per row "
           "(tests/test_pipelines.py)")
+    print("\nSparse models (sentence-transformers' SparseEncoder, SPLADE; docs/models.md, Sparse models)\n"
+          "  runs:     an MLM Transformer (transformer_task fill-mask; 5.x's MLMTransformer) of any family above, "
+          "then SpladePooling max or sum, relu or log1p_relu; the MLM head and the pooling in the ONNX graph; "
+          "the output is the non-zero vocabulary weights ({\"indices\", \"values\"})\n"
+          "  refused:  the inference-free Router (SparseStaticEmbedding queries), SparseAutoEncoder (CSR)\n"
+          f"  fixtures: tests/data/sparse, vs SparseEncoder's encode: |diff| <= {RTOL:g} x |ref| + {ATOL:g} per "
+          "entry, the same non-zero indices (tests/test_sparse.py)")
     print("\nKnown models (the pipeline its modules.json lists; what checked it here)")
     for k in KNOWN_PIPELINES:
         print(f"  {k.model:<38} {k.family:<12} {k.pipeline}\n  {'':<38} {'':<12} checked: {k.checked}")
@@ -92,8 +107,26 @@ def _installed() -> list[tuple[str, Path | None, str]]:
         except ModelError as exc:
             out.append((model.name, None, f"cannot run: {exc}"))
         else:
-            out.append((model.name, folder, f"{info.model_type}, {info.dim}-d, {info.pipeline.describe()}"))
+            width = f"sparse over {info.dim:,} entries" if info.sparse else f"{info.dim}-d"
+            out.append((model.name, folder, f"{info.model_type}, {width}, {info.pipeline.describe()}"))
     return out
+
+
+def _path(name: str) -> int:
+    from worker.core.model import ModelNotFoundError
+    from worker.families import REAL_MODELS, real_model_dir
+
+    model = next((m for m in REAL_MODELS if m.name == name), None)
+    if model is None:
+        print(f"{PROG}: --path {name!r}: not a real model of this list: {', '.join(m.name for m in REAL_MODELS)}",
+              file=sys.stderr)
+        return 2
+    try:
+        print(real_model_dir(model, _cache()))
+    except ModelNotFoundError as exc:
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _describe(folder: Path) -> int:
@@ -109,10 +142,13 @@ def _describe(folder: Path) -> int:
           f"  family:     {info.model_type}, {info.num_layers} layers, hidden {info.hidden_size}, "
           f"max {info.max_seq_length} tokens\n"
           f"  pipeline:   {info.pipeline.describe()}\n"
-          f"  vectors:    {info.dim}-d, {'unit length (L2-normalised)' if info.normalized else 'not normalised'}"
+          + (f"  vectors:    sparse: the non-zero of {info.dim:,} vocabulary weights ({{\"indices\", \"values\"}})"
+             if info.sparse else
+             f"  vectors:    {info.dim}-d, {'unit length (L2-normalised)' if info.normalized else 'not normalised'}")
           + (f"; similarity_fn_name {info.similarity}" if info.similarity else "") + "\n"
           f"  prompts:    {prompts}" + (f" (default {info.default_prompt_name!r})" if info.default_prompt_name else "")
-          + f"\n  fingerprint: {fingerprint(info)} (default settings: its default prompt, full width, float-list)")
+          + f"\n  fingerprint: {fingerprint(info)} "
+          f"(default settings: its default prompt, {'every non-zero weight' if info.sparse else 'full width, float-list'})")
     return 0
 
 
@@ -142,11 +178,16 @@ def _check(fixtures: Path) -> int:
         NORM_TOL,
         REAL_MODELS,
         REAL_NORM_TOL,
+        SPARSE_VARIANTS,
+        SparseParity,
         fixture_parity,
         pipeline_fixtures,
         pipeline_parity,
         real_model_dir,
         real_parity,
+        sparse_fixture_folder,
+        sparse_fixtures,
+        sparse_parity,
     )
 
     failed = 0
@@ -171,7 +212,20 @@ def _check(fixtures: Path) -> int:
         print(f"  {q.name:<40} {min(q.single, q.batched):>10.7f} {q.norm_error:>9.1e}  "
               f"{'ok' if q.ok else 'FAIL' + ('' if q.ids_match else ' (token IDs differ)')}\n"
               f"  {'':<40} {q.pipeline}")
-    print(f"\nreal models (vs sentence-transformers: worst cosine, worst |norm ratio - 1| <= {REAL_NORM_TOL})")
+    sparse = sparse_fixtures(data / "sparse") if (fixtures / "versions.json").is_file() else []
+    print("\nsparse fixtures (vs SparseEncoder's encode: worst entry, as a share of its tolerance <= 1)")
+    if not sparse:
+        print(f"  skipped: no sparse fixtures at {data / 'sparse'}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for fixture in sparse:
+            for variant in SPARSE_VARIANTS:
+                folder = sparse_fixture_folder(fixture, Path(tmp), families=fixtures, variant=variant)
+                sp = sparse_parity(folder, fixture / f"reference-{variant}.npz", name=f"{fixture.name} {variant}")
+                failed += not sp.ok
+                print(f"  {sp.name:<40} {max(sp.single.worst, sp.batched.worst):>10.3f}  "
+                      f"{'ok' if sp.ok else 'FAIL' + ('' if sp.ids_match else ' (token IDs differ)')}")
+    print(f"\nreal models (vs sentence-transformers: worst cosine, worst |norm ratio - 1| <= {REAL_NORM_TOL}; "
+          "sparse: the worst entry as a share of its tolerance)")
     for model in REAL_MODELS:
         try:
             folder = real_model_dir(model, _cache())
@@ -183,6 +237,9 @@ def _check(fixtures: Path) -> int:
             continue
         r = real_parity(model, folder, data)
         failed += not r.ok
+        if isinstance(r, SparseParity):
+            print(f"  {r.name} ({folder}): {r.batched.line()}  {'ok' if r.ok else 'FAIL'}\n  {'':<4}{r.pipeline}")
+            continue
         print(f"  {r.name} ({r.folder}): worst of {r.rows} rows {r.worst:.7f}, norms {r.norm_error:.1e}  "
               f"{'ok' if r.ok else 'FAIL'}\n  {'':<4}{r.pipeline}")
     if failed:

@@ -12,7 +12,8 @@ int8 instead of floats), and equal fingerprints mean comparable vectors:
   config and weights: `ModulePipeline.files`);
 - the vector settings: the prompt text, the width written (truncate_dim, or the model's),
   the output encoding and, for int8, its range; whether the vectors are unit length (the
-  pipeline's Normalize); the token limit the text is cut at.
+  pipeline's Normalize); the token limit the text is cut at; for a sparse (SPLADE) model
+  (encoding "sparse") its top-k and minimum weight, which decide which weights are written.
 
 Not in it: the backend and the arithmetic (fp32, bf16, int8 graph, a TensorRT plan). Those change
 a vector only within the parity gate, so their outputs stay comparable; the precision is stated
@@ -95,6 +96,9 @@ class VectorSettings:
     truncate_dim: int = 0  # 0: the model's full width
     encoding: str = "float-list"
     int8_range: tuple[float, float] | None = None  # the int8 encoding's range, as written
+    # A sparse model's (encoding "sparse"): which of its non-zero weights are written.
+    sparse_top_k: int = 0
+    sparse_min_weight: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,9 @@ def fingerprint_inputs(model: _Model, settings: VectorSettings) -> dict[str, Any
         "int8_range": None if int8 is None else [repr(float(int8[0])), repr(float(int8[1]))],
         "normalized": bool(model.normalized),
         "max_seq_length": model.max_seq_length,
-    }
+    } | ({} if settings.encoding != "sparse" else {
+        # Only a sparse model's inputs have these, so a dense model's fingerprint is what it was.
+        "sparse_top_k": settings.sparse_top_k, "sparse_min_weight": repr(float(settings.sparse_min_weight))})
 
 
 def model_fingerprint(model: _Model, settings: VectorSettings = VectorSettings()) -> Fingerprint:

@@ -2,7 +2,8 @@
 
 A model folder holds config.json, model.safetensors and tokenizer.json; a sentence-transformers
 folder adds sentence_bert_config.json (max_seq_length), modules.json and each module's folder
-(1_Pooling/config.json, N_Dense/...), read by worker.core.st_pipeline.
+(1_Pooling/config.json, N_Dense/..., or a SparseEncoder's 1_SpladePooling/config.json), read by
+worker.core.st_pipeline.
 Nothing here imports torch or transformers: everything is read from those JSON files.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker.core.errors import ModelError
-from worker.core.st_pipeline import ModulePipeline, read_json_object, read_pipeline
+from worker.core.st_pipeline import ModulePipeline, check_layout, read_json_object, read_pipeline
 
 __all__ = ["FAMILIES", "MODEL_PACKAGE", "MODEL_PIP_SPEC", "ModelError", "ModelInfo", "ModelNotFoundError",
            "ModulePipeline", "PROMPT_AUTO", "PROMPT_NONE", "Prompt", "default_model_dir"]
@@ -92,6 +93,9 @@ class ModelInfo:
     pipeline: ModulePipeline = ModulePipeline()
     # config_sentence_transformers.json's similarity_fn_name ("cosine", "dot", ...), when it names one.
     similarity: str | None = None
+    # config.json's tie_word_embeddings (transformers' default: true): the MLM head's decoder is the
+    # word embedding matrix, which a checkpoint then stores once (read by a sparse model's export).
+    tied_embeddings: bool = True
 
     @property
     def pooling_mode(self) -> str:
@@ -102,6 +106,12 @@ class ModelInfo:
     def normalized(self) -> bool:
         """Whether the pipeline ends in Normalize: vectors of unit L2 norm."""
         return self.pipeline.normalized
+
+    @property
+    def sparse(self) -> bool:
+        """A SPLADE model (MLM head + SpladePooling): one non-negative weight per vocabulary entry,
+        nearly all zero; the output is the non-zero entries (worker/core/sparse.py)."""
+        return self.pipeline.sparse is not None
 
     def with_prompt(self, prompt_tokens: int) -> ModelInfo:
         """This model for inputs led by a prompt of `prompt_tokens` tokens: where the pooling has
@@ -117,7 +127,7 @@ class ModelInfo:
     @property
     def dim(self) -> int:
         """The width of the vectors the pipeline gives (the encoder's, unless pooling or Dense change it)."""
-        return self.pipeline.output_dim(self.hidden_size)
+        return self.pipeline.output_dim(self.hidden_size, self.vocab_size)
 
     @property
     def head_size(self) -> int:
@@ -128,6 +138,7 @@ class ModelInfo:
         model_dir = Path(path).expanduser().resolve()
         if not model_dir.is_dir():
             raise ModelNotFoundError(f"{model_dir}: model folder not found")
+        check_layout(model_dir)
         config_path = model_dir / "config.json"
         cfg = read_json_object(config_path)
         weights_path = model_dir / "model.safetensors"
@@ -173,6 +184,10 @@ class ModelInfo:
         buckets = need_int("relative_attention_num_buckets") if model_type == "mpnet" else 0
         eps_default = 1e-12
         prompts, default_prompt_name, similarity = _st_config(model_dir)
+        vocab = need_int("vocab_size")
+        tied = cfg.get("tie_word_embeddings", True)
+        if not isinstance(tied, bool):
+            raise ModelError(f"{config_path}: tie_word_embeddings must be true or false, got {tied!r}")
         return cls(
             name=_model_name(model_dir),
             model_type=model_type,
@@ -181,7 +196,7 @@ class ModelInfo:
             num_heads=heads,
             intermediate_size=need_int(key("intermediate_size")),
             layer_norm_eps=float(cfg.get("layer_norm_eps", eps_default)),
-            vocab_size=need_int("vocab_size"),
+            vocab_size=vocab,
             max_position_embeddings=max_pos,
             max_seq_length=max_seq,
             model_dir=model_dir,
@@ -192,8 +207,9 @@ class ModelInfo:
             default_prompt_name=default_prompt_name,
             position_offset=offset,
             relative_attention_buckets=buckets,
-            pipeline=read_pipeline(model_dir, hidden),
+            pipeline=read_pipeline(model_dir, hidden, vocab),
             similarity=similarity,
+            tied_embeddings=tied,
         )
 
     def prompt(self, name: str) -> str:

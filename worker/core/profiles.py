@@ -48,6 +48,15 @@ class Profile:
     def max_len(self) -> int:
         return self.buckets[-1].max_len
 
+    def capped(self, token_budget: int, why: str) -> Profile:
+        """This profile with its padded-token budget cut to `token_budget` (never below one item of the
+        overflow bucket); `why` goes into the description (a sparse model's logits, worker/core/sparse.py)."""
+        budget = max(self.max_len, min(self.token_budget, token_budget))
+        if budget == self.token_budget:
+            return self
+        note = f"token budget {self.token_budget} cut to {budget}: {why}"
+        return replace(self, token_budget=budget, description=f"{self.description} ({note})" if self.description else note)
+
     def batch_limit(self, index: int) -> int:
         """Items per batch in bucket `index`: its max_batch, cut down by the padded-token budget."""
         b = self.buckets[index]

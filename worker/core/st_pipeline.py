@@ -14,6 +14,15 @@ can build the same steps into the graph:
 - Normalize: L2 normalisation, only where the module is listed. A pipeline without it gives
   vectors that are not unit length (a dot-product model), and the output says so.
 
+Sparse (SPLADE) models are the other pipeline shape sentence-transformers' SparseEncoder saves: the
+encoder with its masked-language-model head (a Transformer with `"transformer_task": "fill-mask"`
+in sentence_bert_config.json, or 5.0-5.3's MLMTransformer), then SpladePooling
+(1_SpladePooling/config.json: pooling_strategy max or sum, activation_function relu or
+log1p_relu; `embedding_dimension`, 5.x's `word_embedding_dimension`, is the vocabulary size).
+The result is one weight per vocabulary entry, nearly all zero (`ModulePipeline.sparse`).
+The inference-free variant (a Router sending queries to a SparseStaticEmbedding) is refused by
+name: its query route tokenises without special tokens and is a table lookup, not the encoder.
+
 A module of any other type (LSTM, WordEmbeddings, a custom class...) is refused with a one-line
 ModelError naming it, never skipped. A folder without modules.json keeps the behaviour from
 before this reader: pooling from 1_Pooling/config.json (mean without it), then L2 normalisation.
@@ -40,8 +49,25 @@ Activation = Literal["identity", "tanh", "relu", "gelu", "sigmoid", "silu"]
 # torch.nn class names (Dense saves the class's full name, e.g. torch.nn.modules.activation.Tanh).
 _ACTIVATIONS: dict[str, Activation] = {"Identity": "identity", "Tanh": "tanh", "ReLU": "relu", "GELU": "gelu",
                                        "Sigmoid": "sigmoid", "SiLU": "silu"}
-ModuleKind = Literal["Transformer", "Pooling", "Dense", "Normalize"]
+ModuleKind = Literal["Transformer", "Pooling", "Dense", "Normalize", "MLMTransformer", "SpladePooling"]
 MODULE_KINDS: tuple[str, ...] = get_args(ModuleKind)
+# SpladePooling's options (sentence_transformers.sparse_encoder SpladePooling): max or sum over the
+# tokens of log(1 + relu(logits)), once more log1p'd for log1p_relu (OpenSearch's v3 models).
+SpladeStrategy = Literal["max", "sum"]
+SPLADE_STRATEGIES: tuple[str, ...] = get_args(SpladeStrategy)
+SpladeActivation = Literal["relu", "log1p_relu"]
+SPLADE_ACTIVATIONS: tuple[str, ...] = get_args(SpladeActivation)
+# Modules of SparseEncoder's other variants, refused with the reason rather than as unknown.
+_SPARSE_REFUSED = {
+    "Router": "the inference-free SPLADE variant (a Router: queries through a SparseStaticEmbedding lookup, "
+              "documents through the MLM encoder) is not supported: its query route tokenises without special "
+              "tokens and never runs the encoder; export the document route alone (an MLM Transformer and "
+              "SpladePooling) to run it here",
+    "SparseStaticEmbedding": "SparseStaticEmbedding (an inference-free query encoder: a weight per token, no "
+                             "encoder) is not supported",
+    "SparseAutoEncoder": "SparseAutoEncoder (CSR: a sparse code of a dense embedding) is not supported; "
+                         "keyword-embedder runs SPLADE (an MLM Transformer and SpladePooling)",
+}
 _EMBEDDING = "sentence_embedding"  # the feature Pooling writes and Dense/Normalize read
 
 
@@ -93,14 +119,29 @@ class Normalize:
 
 
 @dataclass(frozen=True)
+class SpladePooling:
+    """SparseEncoder's SPLADE pooling of the MLM logits, under the attention mask."""
+
+    strategy: SpladeStrategy = "max"
+    activation: SpladeActivation = "relu"
+    config_path: Path | None = None
+
+    def __str__(self) -> str:
+        return f"SpladePooling {self.strategy} {self.activation}"
+
+
+@dataclass(frozen=True)
 class ModulePipeline:
-    """What runs after the encoder: a pooling, then Dense and Normalize steps in modules.json's order."""
+    """What runs after the encoder: a pooling, then Dense and Normalize steps in modules.json's order;
+    or, for a sparse model, the MLM head and SpladePooling (`sparse`)."""
 
     pooling: Pooling = Pooling()
     steps: tuple[Dense | Normalize, ...] = (Normalize(),)
     modules_path: Path | None = None  # modules.json; None: the folder has none (the defaults)
     # Set for one prompt (with_prompt): how many leading tokens include_prompt=false leaves out.
     prompt_tokens_excluded: int = 0
+    # A SPLADE model: the encoder's MLM head, then this pooling; `pooling` and `steps` are unused.
+    sparse: SpladePooling | None = None
 
     @property
     def normalized(self) -> bool:
@@ -111,13 +152,16 @@ class ModulePipeline:
     def dense(self) -> tuple[Dense, ...]:
         return tuple(s for s in self.steps if isinstance(s, Dense))
 
-    def output_dim(self, hidden_size: int) -> int:
+    def output_dim(self, hidden_size: int, vocab_size: int = 0) -> int:
+        if self.sparse is not None:
+            return vocab_size  # one weight per vocabulary entry
         dense = self.dense
         return dense[-1].out_features if dense else hidden_size * len(self.pooling.modes)
 
     def files(self) -> tuple[Path, ...]:
         """Every file the pipeline was read from (part of the export's cache key)."""
-        out = [p for p in (self.modules_path, self.pooling.config_path) if p is not None]
+        sparse_config = self.sparse.config_path if self.sparse is not None else None
+        out = [p for p in (self.modules_path, self.pooling.config_path, sparse_config) if p is not None]
         for d in self.dense:
             out += [d.config_path, d.weights_path]
         return tuple(out)
@@ -131,6 +175,8 @@ class ModulePipeline:
 
     def describe(self) -> str:
         """One line: 'Pooling mean -> Dense 768->512 tanh -> not normalised'."""
+        if self.sparse is not None:
+            return f"MLM head -> {self.sparse} -> sparse (the non-zero vocabulary weights)"
         pooling = f"Pooling {self.pooling}"
         if self.prompt_tokens_excluded:
             pooling += f" [{self.prompt_tokens_excluded} tokens]"
@@ -141,7 +187,7 @@ class ModulePipeline:
         return " -> ".join(parts) + source
 
 
-def read_pipeline(model_dir: Path, hidden_size: int) -> ModulePipeline:
+def read_pipeline(model_dir: Path, hidden_size: int, vocab_size: int = 0) -> ModulePipeline:
     """The module pipeline of a model folder (ModelError naming the file for anything it cannot run)."""
     modules_path = model_dir / "modules.json"
     if not modules_path.is_file():
@@ -153,6 +199,11 @@ def read_pipeline(model_dir: Path, hidden_size: int) -> ModulePipeline:
         raise ModelError(f"{modules_path}: expected a non-empty JSON list of modules")
     entries = sorted(raw, key=lambda m: m.get("idx", 0) if isinstance(m.get("idx", 0), int) else 0)
     kinds = [_kind(modules_path, i, m) for i, m in enumerate(entries)]
+    # 6.x spells the MLM encoder as a plain Transformer whose sentence_bert_config.json says fill-mask.
+    if kinds[0] == "Transformer" and _transformer_task(model_dir) == "fill-mask":
+        kinds[0] = "MLMTransformer"
+    if "SpladePooling" in kinds or "MLMTransformer" in kinds:
+        return _sparse_pipeline(model_dir, modules_path, entries, kinds, vocab_size)
     if kinds[:2] != ["Transformer", "Pooling"] or "Transformer" in kinds[1:] or "Pooling" in kinds[2:]:
         raise ModelError(f"{modules_path}: modules {' -> '.join(kinds)}; keyword-embedder runs a Transformer, then "
                          f"one Pooling, then Dense and Normalize modules")
@@ -176,14 +227,68 @@ def read_pipeline(model_dir: Path, hidden_size: int) -> ModulePipeline:
     return ModulePipeline(pooling, tuple(steps), modules_path)
 
 
+def check_layout(model_dir: Path) -> None:
+    """Refuses, before anything else is read, a folder whose modules.json names a module this
+    worker never runs in place of the encoder (an inference-free Router keeps its encoder in a
+    sub-folder, so the folder itself has no config.json to complain about first)."""
+    modules_path = model_dir / "modules.json"
+    if not modules_path.is_file():
+        return
+    raw = read_json(modules_path)
+    if isinstance(raw, list):
+        for i, entry in enumerate(raw):
+            if isinstance(entry, dict) and str(entry.get("type", "")).rsplit(".", 1)[-1] in _SPARSE_REFUSED:
+                _kind(modules_path, i, entry)
+
+
+def _sparse_pipeline(model_dir: Path, modules_path: Path, entries: list[dict[str, Any]], kinds: list[str],
+                     vocab_size: int) -> ModulePipeline:
+    """SparseEncoder's SPLADE pipeline: an MLM encoder at the folder itself, then SpladePooling, nothing after."""
+    if kinds != ["MLMTransformer", "SpladePooling"]:
+        raise ModelError(f"{modules_path}: modules {' -> '.join(kinds)}; a sparse model runs here as sentence-"
+                         f"transformers' SPLADE: an MLM Transformer (transformer_task fill-mask, or MLMTransformer), "
+                         f"then SpladePooling, and nothing after it")
+    if str(entries[0].get("path", "")).strip("./"):
+        raise ModelError(f"{modules_path}: the MLM Transformer module is in {entries[0]['path']!r}; keyword-embedder "
+                         f"reads the encoder from the folder itself (path \"\")")
+    config = _module_dir(model_dir, entries[1]) / "config.json"
+    cfg = read_json_object(config)
+    strategy = cfg.get("pooling_strategy", "max")
+    if strategy not in SPLADE_STRATEGIES:
+        raise ModelError(f"{config}: pooling_strategy {strategy!r} is not supported ({', '.join(SPLADE_STRATEGIES)})")
+    activation = cfg.get("activation_function", "relu")
+    if activation not in SPLADE_ACTIVATIONS:
+        raise ModelError(f"{config}: activation_function {activation!r} is not supported "
+                         f"({', '.join(SPLADE_ACTIVATIONS)})")
+    # Informational in sentence-transformers (set from the logits at the first forward); a
+    # folder that states it must state the vocabulary the encoder's head projects onto.
+    dim = cfg.get("embedding_dimension", cfg.get("word_embedding_dimension"))
+    if dim is not None and dim != vocab_size:
+        raise ModelError(f"{config}: the pooling is for {dim} vocabulary entries, config.json's vocab_size is "
+                         f"{vocab_size}")
+    return ModulePipeline(steps=(), modules_path=modules_path,
+                          sparse=SpladePooling(strategy, activation, config))  # type: ignore[arg-type]
+
+
+def _transformer_task(model_dir: Path) -> str | None:
+    path = model_dir / "sentence_bert_config.json"
+    task = read_json_object(path).get("transformer_task") if path.is_file() else None
+    return task if isinstance(task, str) else None
+
+
 def _kind(modules_path: Path, i: int, entry: dict[str, Any]) -> ModuleKind:
     type_name = str(entry.get("type", ""))
     # sentence_transformers.models.Dense (the hub's models) and
-    # sentence_transformers.base.modules.dense.Dense (what 5.x and later save) are one class.
+    # sentence_transformers.base.modules.dense.Dense (what 5.x and later save) are one class;
+    # so are 5.0's sentence_transformers.sparse_encoder.models.SpladePooling and 6.x's
+    # sentence_transformers.sparse_encoder.modules.splade_pooling.SpladePooling.
     name = type_name.rsplit(".", 1)[-1]
     if type_name.startswith("sentence_transformers.") and name in MODULE_KINDS:
         return name  # type: ignore[return-value]
     where = entry.get("path") or "the folder itself"
+    if type_name.startswith("sentence_transformers.") and name in _SPARSE_REFUSED:
+        raise ModelError(f"{modules_path}: module {entry.get('idx', i)} ({where}) is {type_name}: "
+                         f"{_SPARSE_REFUSED[name]}")
     raise ModelError(f"{modules_path}: module {entry.get('idx', i)} ({where}) is {type_name or 'untyped'}, which "
                      f"keyword-embedder cannot run (it runs sentence-transformers' {', '.join(MODULE_KINDS)}); "
                      f"refused rather than skipped")

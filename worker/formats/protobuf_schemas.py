@@ -16,7 +16,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 PACKAGE = "dev.keyword_embedder"
 _F = descriptor_pb2.FieldDescriptorProto
 
-# name, number, type, repeated
+# name, number, type, repeated (a TYPE_MESSAGE field's type is the message's one nested type, NESTED)
 Field = tuple[str, int, int, bool]
 _TAIL: list[Field] = [("encoding", 3, _F.TYPE_STRING, False), ("dim", 4, _F.TYPE_INT32, False),
                       ("model", 5, _F.TYPE_STRING, False), ("tokens", 6, _F.TYPE_INT32, False),
@@ -31,6 +31,15 @@ MESSAGES: dict[str, tuple[str, list[Field]]] = {
                                        *_TAIL]),
     "embedding-bytes": ("Embedding", [("id", 1, _F.TYPE_STRING, False), ("embedding", 2, _F.TYPE_BYTES, False),
                                       *_TAIL]),
+    # A sparse model's record: the dense record's numbers for the fields they share (8, int8_range,
+    # is not one), the embedding a nested {indices, values}, the optional terms after them.
+    "sparse-embedding": ("SparseEmbedding", [("id", 1, _F.TYPE_STRING, False), ("embedding", 2, _F.TYPE_MESSAGE, False),
+                                             *(f for f in _TAIL if f[0] != "int8_range"),
+                                             ("terms", 11, _F.TYPE_STRING, True)]),
+}
+# The nested message of a schema's TYPE_MESSAGE field: (its name, its fields).
+NESTED: dict[str, tuple[str, list[Field]]] = {
+    "sparse-embedding": ("SparseVector", [("indices", 1, _F.TYPE_INT32, True), ("values", 2, _F.TYPE_FLOAT, True)]),
 }
 _TYPE_NAMES = {_F.TYPE_STRING: "string", _F.TYPE_FLOAT: "float", _F.TYPE_DOUBLE: "double", _F.TYPE_BYTES: "bytes",
                _F.TYPE_INT32: "int32", _F.TYPE_BOOL: "bool"}
@@ -42,9 +51,17 @@ def file_descriptor_proto(schema: str, *, without: tuple[str, ...] = ()) -> desc
     fdp = descriptor_pb2.FileDescriptorProto(name=f"keyword_embedder/{schema}.proto", package=PACKAGE,
                                              syntax="proto3")
     msg = fdp.message_type.add(name=message)
+    if schema in NESTED:
+        nested_name, nested_fields = NESTED[schema]
+        nested = msg.nested_type.add(name=nested_name)
+        for name, number, kind, repeated in nested_fields:
+            nested.field.add(name=name, number=number, type=kind,
+                             label=_F.LABEL_REPEATED if repeated else _F.LABEL_OPTIONAL)
     for name, number, kind, repeated in fields:
-        msg.field.add(name=name, number=number, type=kind,
-                      label=_F.LABEL_REPEATED if repeated else _F.LABEL_OPTIONAL)
+        added = msg.field.add(name=name, number=number, type=kind,
+                              label=_F.LABEL_REPEATED if repeated else _F.LABEL_OPTIONAL)
+        if kind == _F.TYPE_MESSAGE:
+            added.type_name = f".{PACKAGE}.{message}.{NESTED[schema][0]}"
     return fdp
 
 
@@ -62,6 +79,13 @@ def proto_source(schema: str, *, without: tuple[str, ...] = ()) -> str:
     message, fields = MESSAGES[schema]
     fields = [f for f in fields if f[0] not in without]
     lines = ['syntax = "proto3";', "", f"package {PACKAGE};", "", f"message {message} {{"]
+    if schema in NESTED:
+        nested_name, nested_fields = NESTED[schema]
+        lines.append(f"  message {nested_name} {{")
+        for name, number, kind, repeated in nested_fields:
+            lines.append(f"    {'repeated ' if repeated else ''}{_TYPE_NAMES[kind]} {name} = {number};")
+        lines += ["  }", ""]
     for name, number, kind, repeated in fields:
-        lines.append(f"  {'repeated ' if repeated else ''}{_TYPE_NAMES[kind]} {name} = {number};")
+        type_name = NESTED[schema][0] if kind == _F.TYPE_MESSAGE else _TYPE_NAMES[kind]
+        lines.append(f"  {'repeated ' if repeated else ''}{type_name} {name} = {number};")
     return "\n".join([*lines, "}", ""])

@@ -52,6 +52,7 @@ from worker.formats.messages import (
     values_one_by_one,
 )
 from worker.formats.protobuf_schemas import ADDED_FIELDS, message_class
+from worker.formats.sparse_codec import SparseOutputCodec
 from worker.settings.schema import Settings
 
 try:  # confluent-kafka's registry client speaks HTTP through httpx2 (Python 3.10+) or httpx
@@ -80,7 +81,13 @@ _CLIENT_TIMEOUT_S = 10
 
 
 def schema_file(fmt: str, encoding: str) -> Path:
-    """The output schema for a registry format and embedding encoding (worker/formats/registry_schemas/)."""
+    """The output schema for a registry format and embedding encoding (worker/formats/registry_schemas/);
+    a sparse model's records ("sparse") have their own, with the same fields as its JSON record."""
+    if encoding == "sparse":
+        suffix = {"avro": ".avsc", "json-schema": ".schema.json", "protobuf": ".proto"}.get(fmt)
+        if suffix is None:
+            raise ValueError(f"no output schema for format {fmt!r}")
+        return SCHEMA_DIR / f"sparse-embedding{suffix}"
     if fmt == "avro":
         return SCHEMA_DIR / ("embedding-floats.avsc" if encoding == "float-list" else "embedding-bytes.avsc")
     if fmt == "json-schema":
@@ -174,7 +181,8 @@ class RegistryInput:
 
 
 class RegistryOutput:
-    """Encodes embeddings with a registry format: the OutputCodec's record through the serialiser.
+    """Encodes embeddings with a registry format: the codec's record (a dense model's OutputCodec, a
+    sparse model's SparseOutputCodec) through the serialiser.
 
     The shipped schemas carry `fingerprint`, an optional field (a default of null in Avro; proto3
     fields are optional), so a registry that holds the version before it takes them as a compatible
@@ -186,7 +194,7 @@ class RegistryOutput:
     which schema to register.
     """
 
-    def __init__(self, settings: Settings, codec: OutputCodec, client: SchemaRegistryClient) -> None:
+    def __init__(self, settings: Settings, codec: OutputCodec | SparseOutputCodec, client: SchemaRegistryClient) -> None:
         self._codec = codec
         self._fmt = settings.output_format
         self._url = settings.schema_registry_url
@@ -223,14 +231,16 @@ class RegistryOutput:
     def headers(self) -> Headers:
         return self._codec.headers
 
-    def _record(self, qid: str, vec: np.ndarray, tokens: int, truncated: bool) -> dict[str, object]:
+    def _record(self, qid: str, vec: Any, tokens: int, truncated: bool) -> dict[str, object]:
         record = self._codec.record(qid, vec, tokens, truncated, raw_bytes=self._bytes)
         embedding = record["embedding"]
         if isinstance(embedding, np.ndarray):
             record["embedding"] = embedding.tolist()
+        elif isinstance(embedding, dict):  # sparse: {"indices", "values"} as lists (float32 values stay exact)
+            record["embedding"] = {k: v.tolist() for k, v in embedding.items()}
         return record
 
-    def value(self, qid: str, vec: np.ndarray, tokens: int, truncated: bool) -> bytes:
+    def value(self, qid: str, vec: Any, tokens: int, truncated: bool) -> bytes:
         record = self._record(qid, vec, tokens, truncated)
         try:
             out = self._serialize(record, self._ctx)
@@ -240,14 +250,18 @@ class RegistryOutput:
         assert out is not None
         return out
 
-    def values(self, qids: Sequence[str], rows: np.ndarray, tokens: Sequence[int],
+    def values(self, qids: Sequence[str], rows: Any, tokens: Sequence[int],
                truncated: Sequence[bool]) -> list[bytes]:
         return values_one_by_one(self, qids, rows, tokens, truncated)
 
-    def check(self, dim: int) -> None:
+    def check(self, dim: int | None = None) -> None:
         """At start: resolves the output schema's ID (registering it when schema_auto_register is
         on) by encoding one record, so a missing schema or registry stops the worker now."""
-        sample = self._record("kwe-start-check", np.full(dim, 1.0 / np.sqrt(dim), np.float32), 2, False)
+        if isinstance(self._codec, SparseOutputCodec):
+            sample = self._record("kwe-start-check", self._codec.sample(), 2, False)
+        else:
+            dim = dim or self._codec.dim
+            sample = self._record("kwe-start-check", np.full(dim, 1.0 / np.sqrt(dim), np.float32), 2, False)
         try:
             self._serialize(sample, self._ctx)
         except Exception as exc:  # noqa: BLE001
@@ -268,6 +282,8 @@ class RegistryOutput:
     def _use_previous(self, sample: dict[str, object]) -> bool:
         """The subject has the schema's previous version (before `fingerprint`): write with it."""
         previous = PREVIOUS_DIR / self.schema_path.name
+        if isinstance(self._codec, SparseOutputCodec):
+            return False  # a sparse model's schemas had the fingerprint from their first version
         if self._fmt != "protobuf" and not previous.is_file():
             return False  # JSON Schema: the schema did not change
         serialize = self._serializer(previous, previous=True)

@@ -34,7 +34,7 @@ log = structlog.get_logger(__name__)
 # A poll's tokenized records, at once (the bucketer's submit_many): their seqs and token IDs.
 Submit = Callable[[Sequence[int], Sequence[np.ndarray]], None]
 # Records answered from the embedding cache: their seqs and rows, handed to the output stage.
-Answer = Callable[[list[int], np.ndarray], None]
+Answer = Callable[[list[int], Any], None]  # seqs and their rows: np.ndarray, or SparseRows
 # A registry format's decoder (worker/formats/schema_registry.py's RegistryInput):
 # (topic, key, value, headers, headers' bytes) -> the keyword or why not. It raises a WorkerError
 # when the registry, not the record, fails: that stops the worker without committing the record.
@@ -151,7 +151,7 @@ class Intake:
         recs: list[InFlight] = []
         submit_seqs: list[int] = []
         submit_ids: list[np.ndarray] = []
-        hits: list[tuple[int, np.ndarray]] = []
+        hits: list[tuple[int, Any]] = []
         for (seq, kw, rec), enc in zip(good, encoded):
             if isinstance(enc, Exception):
                 self._reject(seq, rec, Rejection("tokenize_error", f"the tokenizer failed on this text: {enc!r}"))
@@ -178,5 +178,6 @@ class Intake:
         if submit_seqs:
             self._submit(submit_seqs, submit_ids)
             self._metrics.observe_hops("poll_to_submit", np.full(len(submit_seqs), time.monotonic() - polled))
-        if hits and self._answer is not None:
-            self._answer([seq for seq, _ in hits], np.stack([row for _, row in hits]))
+        if hits and cache is not None and self._answer is not None:
+            # [n, dim] float32, or a sparse model's SparseRows
+            self._answer([seq for seq, _ in hits], cache.stack([row for _, row in hits]))

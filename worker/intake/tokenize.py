@@ -85,6 +85,11 @@ class KeywordTokenizer:
         """The fast path's word cache (its hit rate), or None where the full tokenizer runs everything."""
         return self._fast.cache if self._fast is not None else None
 
+    def vocabulary(self, size: int) -> tuple[str, ...]:
+        """The token of each id below `size` ("" for an id the tokenizer has none for): what a sparse
+        model's `terms` name its indices with."""
+        return tuple(self._tokenizer.id_to_token(i) or "" for i in range(size))
+
     @property
     def max_len(self) -> int:
         return self._max_len

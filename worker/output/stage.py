@@ -7,7 +7,10 @@ Threads:
   hands records to the writer (the producer, or exactly-once's wrapper of it, which also wraps
   each batch in its write gate through `around_batch`; at-least-once takes no gate).
 The queue holds at most what flow control let in (max_in_flight keywords), so it needs no
-bound of its own.
+bound of its own. A sparse model's [B, V] rows (122 kB a keyword for a 30,522-entry vocabulary)
+are cut to their non-zero entries (`sparsify`) on the dispatcher thread, before they are queued:
+what waits here is then as small as it will be written (about 120 bytes a keyword), and the
+output thread, the busier one, does not pay for the scan.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import structlog
@@ -43,7 +47,7 @@ log = structlog.get_logger(__name__)
 @dataclass(frozen=True, slots=True)
 class _Finished:
     seqs: Sequence[int]
-    rows: np.ndarray
+    rows: Any  # [n, dim] float32, or a sparse model's SparseRows (indexed the same way)
     stats: BatchStats | None
     cached: bool = field(default=False, kw_only=True)  # answered by the embedding cache, not computed
     # time.monotonic() when the batch was queued here (0: unknown, not observed)
@@ -63,8 +67,12 @@ class OutputStage:
     def __init__(self, topic: str, codec: ValueEncoder, writer: RecordWriter, inflight: InFlightTable,
                  acks: Acknowledger, dead_letters: DeadLetters, metrics: Metrics, latch: FatalLatch, *,
                  cache: EmbeddingCache[int] | None = None, propagation: Propagation | None = None,
-                 spans: BatchSpans | None = None, around_batch: AroundBatch | None = None) -> None:
+                 spans: BatchSpans | None = None, around_batch: AroundBatch | None = None,
+                 sparsify: Callable[[np.ndarray], Any] | None = None) -> None:
         self._topic = topic
+        # A sparse model's [B, V] weights to their non-zero entries (top-k, minimum weight), run on
+        # the dispatcher thread that finished the batch; None: dense rows go on as they are.
+        self._sparsify = sparsify
         self._spans = spans  # one OpenTelemetry span per batch; None: no export
         self._trace_failed = False  # a span failed once (logged once; output thread only)
         # pass_headers / trace context; None when both are off (no per-record header work).
@@ -99,9 +107,11 @@ class OutputStage:
 
     # ------------------------------------------------------------------ dispatcher threads
     def on_batch(self, seqs: Sequence[int], rows: np.ndarray, stats: BatchStats) -> None:
+        if self._sparsify is not None:
+            rows = self._sparsify(rows)
         self._queue.put(_Finished(seqs, rows, stats, t_done=time.monotonic()))
 
-    def on_cached(self, seqs: Sequence[int], rows: np.ndarray) -> None:
+    def on_cached(self, seqs: Sequence[int], rows: Any) -> None:
         """Poll thread: records answered by the embedding cache (no batch, nothing to cache)."""
         self._queue.put(_Finished(seqs, rows, None, cached=True))
 
@@ -110,7 +120,9 @@ class OutputStage:
             failed = set(exc.failed)
             good = [i for i in range(len(seqs)) if i not in failed]
             if good:
-                self._queue.put(_Finished([seqs[i] for i in good], exc.rows[good], None))
+                rows = exc.rows[good]
+                self._queue.put(_Finished([seqs[i] for i in good],
+                                          rows if self._sparsify is None else self._sparsify(rows), None))
             self._queue.put(_Failed([seqs[i] for i in sorted(failed)], exc.cause))
         elif isinstance(exc, WorkerError):
             self._latch.trip(exc)
@@ -179,7 +191,7 @@ class OutputStage:
         self._spans.record(parents, size=len(live), start_ns=epoch_ns(start), end_ns=epoch_ns(end),
                            cached=item.cached, attributes=attributes)
 
-    def _rows(self, item: _Finished, live: list[tuple[int, InFlight]]) -> np.ndarray:
+    def _rows(self, item: _Finished, live: list[tuple[int, InFlight]]) -> Any:
         """The live records' rows of the batch, in `live`'s order (take_live keeps the batch's)."""
         if len(live) == len(item.seqs):
             rows = item.rows
@@ -192,8 +204,8 @@ class OutputStage:
             return rows
         # Stored as computed; a repeat gets these exact bits (the first stored row wins).
         cache = self._cache
-        return np.stack([cache.put(rec.cache_key, item.rows[i]) if rec.cache_key is not None else item.rows[i]
-                         for i, (_, rec) in zip(positions, live)]) if live else rows
+        return cache.stack([cache.put(rec.cache_key, item.rows[i]) if rec.cache_key is not None else item.rows[i]
+                            for i, (_, rec) in zip(positions, live)]) if live else rows
 
     def _fail(self, item: _Failed) -> None:
         live, dropped = self._inflight.take_live(item.seqs)

@@ -177,6 +177,15 @@ class Settings:
     int8_range: float = _setting(0.0, "output_encoding=int8: components are quantised over [-r, r] in 255 "
                                  "steps (values outside are clipped); 0: r = min(1, 6/sqrt(dim)), for unit vectors "
                                  "(a model that does not normalise needs an explicit r).", minimum=0.0)
+    sparse_top_k: int = _setting(0, "Sparse (SPLADE) models: keep each keyword's k largest weights "
+                                 "(sentence-transformers' max_active_dims); 0: every non-zero weight, as "
+                                 "sentence-transformers returns them. docs/models.md, Sparse models.", minimum=0)
+    sparse_min_weight: float = _setting(0.0, "Sparse models: leave out weights below this (a smaller record; "
+                                        "sentence-transformers has no such threshold); 0: every non-zero weight.",
+                                        minimum=0.0)
+    sparse_terms: bool = _setting(False, "Sparse models: also write each index's vocabulary token, in a 'terms' "
+                                  "list beside the embedding (for inspection, or a sink that keys sparse vectors "
+                                  "by token, as Elasticsearch and OpenSearch do).")
     prompt: str = _setting("", "A literal prefix put before every keyword before tokenisation (e.g. 'query: ' "
                            "for e5 models); it takes the place of prompt_name.")
     prompt_name: str = _setting("auto", "A prompt by name from the model's config_sentence_transformers.json "
