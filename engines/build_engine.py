@@ -15,6 +15,9 @@ error (or, worse, a plan that loads and then rejects every batch shape).
 
 Everything above `build_engine` is pure logic, imported and tested without a GPU. TensorRT
 and pycuda (the `gpu` extra) are imported only inside the functions that need them.
+
+Over 400 lines because the plan and its sidecar are checked against each other wherever they meet
+(the build, the load, `--check`), and those checks read best beside the build.
 """
 
 from __future__ import annotations

@@ -158,3 +158,19 @@ def test_the_checker_sees_a_cycle_through_an_import_inside_a_function(tmp_path: 
     assert find_cycle(graph) in (["low", "high", "low"], ["high", "low", "high"])
     (tmp_path / "low" / "base.py").write_text("X = 1\n")
     assert find_cycle(package_graph(tmp_path, ("low", "high"))) is None
+
+
+# A module this long says why, in its docstring (the project's rule: small modules with one job).
+LONG_MODULE_LINES = 400
+
+
+def test_a_module_over_400_lines_says_why() -> None:
+    unexplained = []
+    for top in ("worker", "engines"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            if text.count("\n") > LONG_MODULE_LINES:
+                doc = ast.get_docstring(ast.parse(text)) or ""
+                if f"Over {LONG_MODULE_LINES} lines because" not in doc.replace("\n", " "):
+                    unexplained.append(f"{path.relative_to(ROOT)} ({text.count(chr(10))} lines)")
+    assert not unexplained, f"modules over {LONG_MODULE_LINES} lines whose docstring does not say why: {unexplained}"

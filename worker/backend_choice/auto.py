@@ -19,6 +19,9 @@ root), keyed by the model, the backend versions, the CPU model and flags, and th
 a warm start reads the choice and opens only the chosen backend.
 
 Runs once, on the thread that starts the worker (or builds an Embedder), before any context exists.
+
+Over 400 lines because the choice is one procedure (candidates, gate, timing, the pick, its cache)
+that reads best in order; its steps are small pure functions, tested one by one.
 """
 
 from __future__ import annotations

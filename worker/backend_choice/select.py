@@ -25,6 +25,9 @@ Every "auto" is resolved here, where the settings are read (`Loaded.settings`).
 
 `open_backend` is the one place a backend is assembled: the worker (through load_backend),
 `Embedder` and the benchmark command all build theirs with it.
+
+Over 400 lines because it is the one place that asks which backend runs: every `auto` of the
+settings, in the order the choice is made; split, that order would be read across files.
 """
 
 from __future__ import annotations

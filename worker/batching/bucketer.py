@@ -31,6 +31,9 @@ gives the prices merging reads, and every finished call refines them.
 
 Stopping: `stop(deadline)` drains until the `Deadline` (worker/deadline.py) expires, re-reading
 it, so a second stop request that shortens the deadline shortens the drain under way.
+
+Over 400 lines because it holds the lock, its three conditions and every thread that shares them;
+the decisions themselves are in flush_policy.py, batch_policy.py and bucket_queues.py.
 """
 
 from __future__ import annotations

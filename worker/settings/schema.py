@@ -7,6 +7,9 @@ TOML file, and their precedence) is worker/settings/loader.py; the librdkafka ke
 kafka_config refuses are worker/settings/kafka_overrides.py; docs/settings.md is rendered from this
 schema by worker/settings/docs.py (`keyword-embedder settings --markdown`), and a test keeps
 it in step.
+
+Over 400 lines because each setting's help text, the reference a user reads (docs/settings.md is
+rendered from it), stands beside its field.
 """
 
 from __future__ import annotations

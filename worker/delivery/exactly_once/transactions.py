@@ -46,6 +46,9 @@ librdkafka serves inside consume), but `write_failed`, which only posts to the f
 mailbox (its own lock). The output and delivery threads only produce and acknowledge; `begin`
 happens before any record of a transaction is consumed and `commit`/`abort` only once none is left
 in flight, so no produce can race a state change of the transaction.
+
+Over 400 lines because it is one state machine, every transition on one Deadline; its calls,
+rewinds, take-overs and failed writes are in the modules beside it.
 """
 
 from __future__ import annotations
