@@ -59,8 +59,9 @@ def consumer_config(settings: Settings) -> dict[str, Any]:
         # (nothing committed, the new owners redo the uncommitted window) once no heartbeat was
         # answered for session.timeout.ms. A SIGKILLed coordinator's group had none for 8.8-13.6 s
         # on the three-node cluster (30 groups hit: 8.8-10.0 s, then 11.1-13.6 s when the node was
-        # the active KRaft controller too; benchmarks/results/faults/coordinator_outage*.json), and any
-        # node's loss stalls the live coordinators about as long (a dead broker stays in the offsets
+        # the active KRaft controller too; benchmarks/results/faults/coordinator_outage.json and
+        # benchmarks/results/faults/coordinator_outage_run1.json), and any node's loss stalls the
+        # live coordinators about as long (a dead broker stays in the offsets
         # topic's ISR until fenced): 10 s sessions expired under a backlog after either kind of kill
         # (issue 46: 29% of a stream duplicated). The price: a member that dies without leaving
         # (SIGKILL, OOM, a lost node) holds its partitions until this expires before the others take
