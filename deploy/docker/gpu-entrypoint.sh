@@ -67,6 +67,9 @@ onnx_args=()
 run_child() {
   "$@" &
   child=$!
+  # A signal that came between the fork and the line above found no child to stop (the trap saw
+  # child=""): stop it now, or the wait below outlasts the build (seen once in CI, under load).
+  if [[ -n "$stop_signal" ]]; then kill -TERM "$child" 2>/dev/null || true; fi
   while :; do
     rc=0
     wait "$child" || rc=$?
