@@ -27,29 +27,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import orjson
-from confluent_kafka import Consumer, Producer
+from confluent_kafka import Consumer
 
+from benchmarks.kafka_vs_offline import publish_keywords
 from worker.benchmark.report import quartiles
 from worker.formats.keyword_files import read_keywords
 from worker.kafka.admin import ensure_topics
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT / "tests" / "data" / "queries" / "terabyte05-20k.tsv"
-
-
-def publish(bootstrap: str, topic: str, rows: list[tuple[str, str]]) -> None:
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
-    for i, (qid, text) in enumerate(rows):
-        key = f"{i}-{qid}"
-        while True:
-            try:
-                producer.produce(topic, key=key.encode(), value=orjson.dumps({"id": key, "text": text}))
-                break
-            except BufferError:
-                producer.poll(0.01)
-        producer.poll(0)
-    producer.flush(60)
 
 
 def output_span(bootstrap: str, topic: str, want: int, timeout_s: float, proc: subprocess.Popen[bytes]) -> float:
@@ -112,7 +98,8 @@ def main() -> int:
     rows = list(read_keywords(args.data, limit=args.n))
     topic_in = f"bf-in-{uuid.uuid4().hex[:6]}"
     ensure_topics(bootstrap, {topic_in: 6})
-    publish(bootstrap, topic_in, rows)
+    # Distinct keys: the same query ID may repeat in the file.
+    publish_keywords(bootstrap, topic_in, [(f"{i}-{qid}", text) for i, (qid, text) in enumerate(rows)], "bf")
     logdir = Path(tempfile.mkdtemp(prefix="kwe-backfill-ab-"))
     results: list[dict[str, Any]] = []
     for r in range(args.rounds):

@@ -83,20 +83,25 @@ def offline_round(texts: list[str], settings: Settings, tokenizer, backend, prof
     return elapsed
 
 
-def kafka_round(tag: str, rows: list[tuple[str, str]], bootstrap: str, topic_in: str, reader: Consumer) -> float:
+def publish_keywords(bootstrap: str, topic: str, rows: list[tuple[str, str]], tag: str) -> None:
+    """Each (id, text) as {"id": "<tag>-<id>", "text"} keyed by that id, flushed (the rounds' input)."""
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "enable.idempotence": True})
-    want = {f"{tag}-{qid}" for qid, _ in rows}
-    start = time.perf_counter()
     for qid, text in rows:
         key = f"{tag}-{qid}"
         while True:
             try:
-                producer.produce(topic_in, key=key.encode(), value=orjson.dumps({"id": key, "text": text}))
+                producer.produce(topic, key=key.encode(), value=orjson.dumps({"id": key, "text": text}))
                 break
             except BufferError:
                 producer.poll(0.01)
         producer.poll(0)
     producer.flush(60)
+
+
+def kafka_round(tag: str, rows: list[tuple[str, str]], bootstrap: str, topic_in: str, reader: Consumer) -> float:
+    want = {f"{tag}-{qid}" for qid, _ in rows}
+    start = time.perf_counter()
+    publish_keywords(bootstrap, topic_in, rows, tag)
     deadline = time.monotonic() + 600
     while want:
         for msg in reader.consume(1000, timeout=0.05):

@@ -142,7 +142,7 @@ def _run(args: argparse.Namespace, settings: Any, plan: Any, admin: Any, signals
     from worker.backfill.rate import TokenBucket
     from worker.core.errors import KeywordEmbedderError
     from worker.operations.metrics import Metrics
-    from worker.operations.probes import MetricsServer
+    from worker.operations.probes import run_served
 
     log = structlog.get_logger("worker.backfill")
     metrics = Metrics()
@@ -171,17 +171,9 @@ def _run(args: argparse.Namespace, settings: Any, plan: Any, admin: Any, signals
         pipeline.request_stop()
 
     signals.on_stop = stop
-    server = None
-    if settings.metrics_port:
-        server = MetricsServer(metrics, settings.metrics_host, settings.metrics_port, pipeline.ready,
-                               pipeline.liveness)
-        server.start()
-        log.info("metrics served", url=f"http://{settings.metrics_host}:{server.port}/metrics")
     try:
-        code = pipeline.run()
+        code = run_served(pipeline, metrics, settings.metrics_host, settings.metrics_port, log=log)
     finally:
-        if server is not None:
-            server.stop()
         assembled.close()
         progress.close()
     [range_gate] = gates

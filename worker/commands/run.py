@@ -63,22 +63,11 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
         return 2
     pipeline = assembled.pipeline
     signals.on_stop = pipeline.request_stop
-    from worker.operations.gc_tuning import settle_for_steady_state
+    from worker.operations.probes import run_served
 
-    settle_for_steady_state()
-    from worker.operations.probes import MetricsServer
-
-    server = None
-    if settings.metrics_port:
-        server = MetricsServer(metrics, settings.metrics_host, settings.metrics_port, pipeline.ready,
-                               pipeline.liveness)
-        server.start()
-        log.info("metrics served", url=f"http://{settings.metrics_host}:{server.port}/metrics")
     try:
-        code = pipeline.run()
+        code = run_served(pipeline, metrics, settings.metrics_host, settings.metrics_port, log=log)
     finally:
-        if server is not None:
-            server.stop()
         assembled.close()
     if code == 1 and pipeline.latch.error is not None:
         print(f"keyword-embedder run: {pipeline.latch.error}", file=sys.stderr)

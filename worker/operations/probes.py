@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Mapping
-from typing import Protocol
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -165,3 +165,22 @@ class MetricsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def run_served(pipeline: Any, metrics: Exposition, host: str, port: int, *, log: Any) -> int:
+    """`pipeline.run()` with the probe server up around it when `port` is set (0: no server): the
+    worker's and the backfill's run. Before it, the garbage collector is set for the steady state
+    (worker/operations/gc_tuning.py): start-up is done once the pipeline is built."""
+    from worker.operations.gc_tuning import settle_for_steady_state
+
+    settle_for_steady_state()
+    server = None
+    if port:
+        server = MetricsServer(metrics, host, port, pipeline.ready, pipeline.liveness)
+        server.start()
+        log.info("metrics served", url=f"http://{host}:{server.port}/metrics")
+    try:
+        return int(pipeline.run())
+    finally:
+        if server is not None:
+            server.stop()
