@@ -66,6 +66,12 @@ AFTER_DRAIN_S = 6.0
 LEAVE_S = 3.0
 # A second stop request: everything still running gets at most this long.
 ABORT_S = 2.0
+# At the in-flight bound intake holds (consumes nothing, partitions not paused) while room comes
+# back, checking every HOLD_STEP_S; held this long, it pauses the partitions (a slow or stuck
+# stage: a paused member serves the group). Rebalance callbacks wait out a hold at most.
+HOLD_S = 2.0
+HOLD_STEP_S = 0.005
+HOLD_LOG_S = 10.0
 
 
 class PollGate(Protocol):
@@ -141,6 +147,11 @@ class Pipeline:
         self._intake, self._spans = stages.intake, stages.spans
         self._gate = stages.gate
         self.liveness = stages.liveness
+        # Since when intake holds at the in-flight bound (poll thread; None: not holding), and the
+        # holds since the last log line about them (one line per HOLD_LOG_S at most).
+        self._held_since: float | None = None
+        self._holds_unlogged = 0
+        self._hold_logged_at = float("-inf")
         # What the start log states beside the settings (the model, its fingerprint and precision),
         # set by the assembly (worker.app.build_pipeline).
         self.identity: dict[str, str] = {}
@@ -215,6 +226,11 @@ class Pipeline:
         self._flow.observe(time.monotonic(), self._acks.embedded_count + self._acks.dead_lettered_count,
                            busy=pending > 0)
         pause = self._delivery.poll_step(flow_paused=self._flow.update(pending, self._inflight.bytes))
+        # At the bound: the delivery frees room if it can (True: without a pause, so hold).
+        if pause == "flow control" and self._delivery.relieve(self._flow.resume_at) \
+                and not self._member.paused and self._hold(pending):
+            return
+        self._held_since = None
         if pause is not None:
             self._member.set_paused(True, reason=pause)
         else:
@@ -232,6 +248,27 @@ class Pipeline:
         if self._gate is not None and self._gate.finished() and not self._stop.is_set():
             log.info("the run's work is done: stopping")
             self.request_stop()
+
+    def _hold(self, pending: int) -> bool:
+        """At the in-flight bound, the delivery able to free room: True when this turn holds
+        (consumes nothing, waits a step) instead of pausing. A pause costs a backlog its prefetched records and up to a second
+        before librdkafka fetches again; a hold keeps both, and room comes back from the other
+        threads (acknowledgements) and the delivery's commit. Only for HOLD_S at a time: longer
+        means a slow or stuck stage, and a paused member serves the group meanwhile."""
+        now = time.monotonic()
+        if self._held_since is not None and now - self._held_since >= HOLD_S:
+            return False
+        if self._held_since is None:
+            self._held_since = now
+            self.metrics.count_intake_hold()
+            self._holds_unlogged += 1
+            if now - self._hold_logged_at >= HOLD_LOG_S:
+                log.info("intake holds at the in-flight bound", holds=self._holds_unlogged, in_flight=pending,
+                         limit=self._flow.limit)
+                self._hold_logged_at, self._holds_unlogged = now, 0
+        self.metrics.set_in_flight(pending)
+        time.sleep(HOLD_STEP_S)
+        return True
 
     # ------------------------------------------------------------------ shutdown
     def _drain(self) -> None:

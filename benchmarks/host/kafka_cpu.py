@@ -62,15 +62,18 @@ class Side:
     reader: Any = None
 
     def start(self, bootstrap: str, runner: Path, logdir: Path) -> None:
-        run = f"cpu-{self.name.replace('@', '-').replace('/', '_')}-{uuid.uuid4().hex[:6]}"
+        run = f"cpu-{self.kind}-{uuid.uuid4().hex[:6]}"
         self.topics = (f"{run}-in", f"{run}-out", f"{run}-dlq")
         ensure_topics(bootstrap, {self.topics[0]: 6, self.topics[1]: 6, self.topics[2]: 1})
-        module = "kwe_host.null_worker" if self.kind == "null" else "worker.cli"
+        module = {"null": "kwe_host.null_worker", "model": "worker.cli"}.get(self.kind, "kwe_host.kafka_relay")
         cmd = [sys.executable, "-m", module, "run", "--bootstrap-servers", bootstrap,
                "--input-topic", self.topics[0], "--output-topic", self.topics[1],
                "--dead-letter-topic", self.topics[2], "--group-id", run, "--metrics-port", str(self.port),
                "--metrics-host", "127.0.0.1", "--log-format", "json",
                "--backend", "onnxruntime" if self.kind == "null" else self.backend, "--cache-bytes", "0", *self.extra]
+        if self.kind.startswith("relay"):
+            cmd = cmd[:cmd.index("--dead-letter-topic")] + cmd[cmd.index("--group-id"):cmd.index("--log-format")]
+            cmd += ["--batch"] if self.kind == "relay-batch" else []
         env = {k: v for k, v in os.environ.items() if not k.startswith("KWE_")}
         env["PYTHONPATH"] = str(runner)
         log = (logdir / f"{run}.log").open("ab")
@@ -108,10 +111,13 @@ class Side:
 
 
 def parse_side(spec: str, backend: str) -> Side:
+    """`KIND[@ROOT][#FLAGS]`: FLAGS are extra `run` flags of this side only (space-separated)."""
+    spec, _, flags = spec.partition("#")
     kind, _, root = spec.partition("@")
-    if kind not in ("null", "model"):
-        raise SystemExit(f"side {spec!r}: null or model, optionally @ROOT")
-    return Side(spec, kind, Path(root).resolve() if root else ROOT, backend)
+    if kind not in ("null", "model", "relay", "relay-batch"):
+        raise SystemExit(f"side {spec!r}: null, model, relay or relay-batch, optionally @ROOT")
+    name = f"{spec}#{flags}" if flags else spec
+    return Side(name, kind, Path(root).resolve() if root else ROOT, backend, flags.split())
 
 
 def main() -> int:
@@ -130,13 +136,14 @@ def main() -> int:
     rows = list(read_keywords(args.data))
     sides = [parse_side(s, args.backend) for s in args.sides]
     for side in sides:
-        side.extra = args.worker_args.split()
+        side.extra = args.worker_args.split() + side.extra
     broker_pid = int(BROKER_PID.read_text()) if BROKER_PID.is_file() else None
     logdir = Path(tempfile.mkdtemp(prefix="kwe-kafka-cpu-"))
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         runner = runner_dir(Path(tmp))
-        shutil.copy(Path(__file__).with_name("null_worker.py"), runner / "kwe_host" / "null_worker.py")
+        for name in ("null_worker.py", "kafka_relay.py"):
+            shutil.copy(Path(__file__).with_name(name), runner / "kwe_host" / name)
         try:
             for side in sides:
                 side.start(bootstrap, runner, logdir)

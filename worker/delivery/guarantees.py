@@ -6,6 +6,10 @@
     start()              before intake: exactly-once fences an older incarnation (init_transactions)
     poll_step(paused)    each poll-loop turn, before consuming: commit when due; returns why intake
                          pauses (flow control, a transaction closing), or None
+    relieve(target)      at the in-flight bound, instead of pausing: whether intake may hold (consume
+                         nothing for a while, partitions not paused) because room comes back without a
+                         pause; at-least-once commits the finished work synchronously once that brings
+                         the uncommitted records to `target`. Exactly-once: False (a transaction frees it)
     before_intake()      records were consumed: exactly-once opens a transaction for them
     on_revoke(parts, s)  inside the revoke callback: commit what is finished (True) or give up
     on_lost()            partitions lost: commit nothing of theirs; True when what they finished
@@ -53,6 +57,9 @@ from worker.settings.schema import Settings
 __all__ = ["AroundBatch", "AtLeastOnce", "Delivery", "Phase", "Serve", "build_delivery", "producer_config_for"]
 # The at-least-once revoke commit: at most this long inside the callback.
 REVOKE_COMMIT_S = 5.0
+# The commit that frees room at the in-flight bound: at most this long (the poll thread holds
+# meanwhile; a coordinator that does not answer ends the hold in a pause instead).
+RELIEVE_COMMIT_S = 1.0
 
 
 class AtLeastOnce:
@@ -68,6 +75,10 @@ class AtLeastOnce:
     def poll_step(self, *, flow_paused: bool) -> str | None:
         self._committer.maybe_commit()
         return "flow control" if flow_paused else None
+
+    def relieve(self, target: int) -> bool:
+        self._committer.commit_to_relieve(target, RELIEVE_COMMIT_S)
+        return True
 
     def before_intake(self) -> None:
         pass

@@ -1,9 +1,11 @@
-"""Flow control: when to pause and resume the assigned partitions.
+"""Flow control: when intake stops taking records and when it goes on.
 
 Two bounds, each with hysteresis: records consumed but not yet committed, and bytes held in
 memory by in-flight records (`max_in_flight_bytes`, which bounds RSS when records are large).
-Pause when either reaches its bound; resume when both are back under 3/4 of theirs, well
-before the buckets run dry, because the fetch that refills them takes a round trip.
+Stop when either reaches its bound; go on when both are back under 3/4 of theirs, well before
+the buckets run dry. How intake stops is the poll loop's (worker/pipeline.py): it holds, consuming
+nothing while the partitions keep their prefetched records, and pauses them only when a hold
+lasts (a pause drops the prefetch, and librdkafka fetches again up to a second later).
 
 The record bound is a time budget as much as a count: what is in flight when SIGTERM comes
 must finish inside the shutdown deadline, or the next owner redoes it and every output
@@ -67,11 +69,16 @@ class FlowControl:
         rate = (finished_total - n0) / (now - t0)
         self.limit = max(self.min_records, min(self.max_records, int(rate * self.drain_target_s)))
 
+    @property
+    def resume_at(self) -> int:
+        """The record count at or below which intake goes on again."""
+        return self.limit * 3 // 4
+
     def update(self, records: int, nbytes: int) -> bool:
-        """The paused state for the current load (the caller applies a change)."""
+        """Whether intake stops for the current load (the caller holds or pauses)."""
         if not self.paused and (records >= self.limit or nbytes >= self.max_bytes):
             self.paused = True
-        elif self.paused and records <= self.limit * 3 // 4 and nbytes <= self.max_bytes * 3 // 4:
+        elif self.paused and records <= self.resume_at and nbytes <= self.max_bytes * 3 // 4:
             self.paused = False
         return self.paused
 

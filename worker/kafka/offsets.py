@@ -200,6 +200,14 @@ class PartitionOffsets:
                 self._committed = offset
             return True
 
+    def uncommitted_after_commit(self) -> int:
+        """What `uncommitted` would be once the committable offset is confirmed: the offsets from
+        the lowest unfinished one (or none) up to the next to read."""
+        with self._lock:
+            if self._next is None:
+                return 0
+            return self._next - self._order[0][0] if self._order else 0
+
     def uncommitted(self) -> int:
         """Messages consumed but not yet confirmed committed: what a crash now would redeliver.
 

@@ -71,6 +71,8 @@ class Metrics:
                                "Keywords consumed and not yet acknowledged by the broker.", registry=r)
         self.paused_partitions = Gauge(f"{PREFIX}paused_partitions",
                                        "Assigned partitions paused by flow control.", registry=r)
+        self.intake_holds = Counter(f"{PREFIX}intake_holds", "Times intake held at the in-flight bound (consumed "
+                                    "nothing while room came back, partitions not paused).", registry=r)
         self.batch_size = Histogram(f"{PREFIX}batch_size", "Keywords per dispatched batch, by bucket bound.",
                                     ["bucket"], buckets=BATCH_SIZE_BUCKETS, registry=r)
         self.padding_waste = Histogram(f"{PREFIX}padding_waste_ratio",
@@ -193,6 +195,9 @@ class Metrics:
 
     def set_paused_partitions(self, n: int) -> None:
         self.paused_partitions.set(n)
+
+    def count_intake_hold(self) -> None:
+        self.intake_holds.inc()
 
     # --- batches -------------------------------------------------------------------------
     def observe_batch(self, stats: BatchStats) -> None:

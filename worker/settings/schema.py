@@ -205,7 +205,8 @@ class Settings:
                                           "record cannot be dead-lettered.", minimum=4096)
     # --- Flow control ------------------------------------------------------------------
     max_in_flight: int = _setting(4096, "Keywords consumed but not yet acknowledged by the broker; "
-                                  "partitions pause at this bound. It also bounds the duplicates after a crash.",
+                                  "intake stops at this bound (it holds while room comes back, and pauses the partitions "
+                                  "after 2 s). It also bounds the duplicates after a crash.",
                                   minimum=1)
     commit_interval_ms: int = _setting(100, "How often finished offsets are committed. Consumed-but-uncommitted "
                                        "keywords count against max_in_flight, so a short interval keeps "
@@ -219,7 +220,7 @@ class Settings:
                                    "prices are measured at the first start (about a second), cached per model, backend, "
                                    "thread layout and machine, and refined from live calls.")
     max_in_flight_bytes: int = _setting(64 * 1024 * 1024, "Bytes of consumed-but-uncommitted input records "
-                                        "(key, value and headers); partitions pause at this bound too, so "
+                                        "(key, value and headers); intake stops at this bound too, so "
                                         "memory stays bounded when records are large.", minimum=1)
     shutdown_timeout_s: float = _setting(25.0, "One deadline for the whole shutdown after SIGTERM: drain "
                                          "in-flight work, flush the producer, commit, leave the group. Keep it "

@@ -76,6 +76,10 @@ class ExactlyOnce:
             return "closing a transaction"
         return "flow control" if flow_paused else None
 
+    def relieve(self, target: int) -> bool:
+        # Room comes back when a transaction commits, which poll_step closes once paused.
+        return False
+
     def before_intake(self) -> None:
         self.txn.ensure_open()
 

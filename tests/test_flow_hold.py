@@ -1,0 +1,227 @@
+"""At the in-flight bound, intake holds instead of pausing: the whole pipeline with fake clients.
+
+A pause throws away what librdkafka prefetched and, measured against the real broker, fetching
+starts again only at its broker thread's next wake-up: a backlog moved 4,096 records (max_in_flight)
+a second, the worker idle in between. A hold consumes nothing while room comes back (acknowledgements,
+and the synchronous commit of the finished work at the bound) and keeps the partitions fetching; held
+for HOLD_S, a slow or stuck stage, the partitions pause as before.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+import worker.pipeline as pipeline_module
+from tests.fakes.consumer import FakeGroupConsumer
+from worker.app import wire_pipeline
+from worker.core.profiles import Bucket, Profile
+from worker.kafka.committer import Committer
+from worker.settings.schema import Settings
+
+WAIT_S = 20.0  # only a guard against a hang
+
+
+@dataclass
+class _Encoded:
+    ids: np.ndarray
+    length: int
+    truncated: bool = False
+
+
+class _Tokenizer:
+    special_tokens = 2
+
+    def encode(self, texts: list[str]) -> list[_Encoded]:
+        return [_Encoded(np.array([101, 7, 102], dtype=np.int64), 3) for _ in texts]
+
+
+class _Context:
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        return np.ones((input_ids.shape[0], 4), dtype=np.float32) / 2.0
+
+    def close(self) -> None:
+        pass
+
+
+class _Backend:
+    name = "onnxruntime"
+    dim = 4
+    max_contexts = None
+    requires_serial_dispatch = False
+
+    def create_context(self, index: int) -> _Context:
+        return _Context()
+
+    def close(self) -> None:
+        pass
+
+
+class _Producer:
+    """Acknowledges what was produced at each poll, unless `stuck` is set (an output that hangs)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self._lock = threading.Lock()
+        self._queued: list[tuple[bytes, Any]] = []
+        self.acked: list[bytes] = []
+        self.stuck = threading.Event()
+
+    def produce(self, topic: str, key: bytes | None = None, value: bytes | None = None, headers: Any = None,
+                on_delivery: Any = None) -> None:
+        with self._lock:
+            self._queued.append((key or b"", on_delivery))
+
+    def poll(self, timeout: float) -> int:
+        if self.stuck.is_set():
+            time.sleep(min(timeout, 0.005))
+            return 0
+        with self._lock:
+            queued, self._queued = self._queued, []
+            self.acked += [key for key, _ in queued]
+        for _, callback in queued:
+            callback(None, None)
+        time.sleep(min(timeout, 0.002))
+        return len(queued)
+
+    def flush(self, timeout: float = 0) -> int:
+        return 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._queued)
+
+
+class _Consumer(FakeGroupConsumer):
+    """Both partitions assigned at once; pauses and commits recorded, commits answered as librdkafka would."""
+
+    def __init__(self, config: dict[str, Any], records: int) -> None:
+        super().__init__(config, partitions=2, records=records)
+        self.commits: list[tuple[int, int, bool]] = []
+        self.pauses = 0
+        self.before_stop: tuple[int, set[int]] = (0, set())
+
+    def subscribe(self, topics: list[str], on_assign: Any = None, on_revoke: Any = None, on_lost: Any = None) -> None:
+        super().subscribe(topics, on_assign, on_revoke, on_lost)
+        self.queue.append(self.assign_op([0, 1]))
+
+    def pause(self, partitions: list[TopicPartition]) -> None:
+        self.pauses += 1
+        super().pause(partitions)
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool = True) -> list[TopicPartition] | None:
+        answer = [TopicPartition(tp.topic, tp.partition, tp.offset) for tp in offsets]
+        self.commits += [(tp.partition, tp.offset, asynchronous) for tp in offsets]
+        if asynchronous:
+            self.config["on_commit"](None, answer)
+            return None
+        return answer
+
+
+def _run(records: int, max_in_flight: int, *, stuck_after: int | None = None,
+         hold_s: float | None = None, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, _Consumer, _Producer, float]:
+    if hold_s is not None:
+        monkeypatch.setattr(pipeline_module, "HOLD_S", hold_s)
+    made: dict[str, Any] = {}
+    profile = Profile("test", (Bucket(8, 16, 16),), token_budget=256, pad_to="bucket")
+    # A commit interval longer than the run: only the commits at the bound free room.
+    s = Settings(input_format="raw", pad_to="bucket", shutdown_timeout_s=5.0, commit_interval_ms=60_000,
+                 max_queue_delay_ms=1, dispatchers=1, max_in_flight=max_in_flight)
+    pipeline = wire_pipeline(s, tokenizer=_Tokenizer(), backend=_Backend(), profile=profile, model_name="m",
+                             consumer_factory=lambda c: made.setdefault("consumer", _Consumer(c, records)),
+                             producer_factory=lambda c: made.setdefault("producer", _Producer(c)))
+    runner = threading.Thread(target=pipeline.run, daemon=True)
+    start = time.monotonic()
+    runner.start()
+    deadline = start + WAIT_S
+    while "producer" not in made and time.monotonic() < deadline:
+        time.sleep(0.01)
+    producer: _Producer = made["producer"]
+    if stuck_after is not None:
+        while len(producer.acked) < stuck_after and time.monotonic() < deadline:
+            time.sleep(0.001)
+        producer.stuck.set()
+        while made["consumer"].pauses == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        producer.stuck.clear()
+    while len(set(producer.acked)) < 2 * records and time.monotonic() < deadline:
+        time.sleep(0.01)
+    took = time.monotonic() - start
+    consumer: _Consumer = made["consumer"]
+    while consumer.paused and time.monotonic() < deadline:  # the last commit's room resumes them
+        time.sleep(0.01)
+    # What the run did, before the drain pauses everything.
+    consumer.before_stop = (consumer.pauses, set(consumer.paused))
+    pipeline.request_stop()
+    runner.join(WAIT_S)
+    assert not runner.is_alive()
+    return pipeline, made["consumer"], producer, took
+
+
+def _holds(pipeline: Any) -> float:
+    return pipeline.metrics.intake_holds._value.get()  # noqa: SLF001
+
+
+def test_a_backlog_holds_at_the_bound_and_never_pauses(monkeypatch: pytest.MonkeyPatch) -> None:
+    pipeline, consumer, producer, _ = _run(400, 64, monkeypatch=monkeypatch)
+    assert set(producer.acked) == {f"{p}-{o}".encode() for p in (0, 1) for o in range(400)}
+    assert consumer.before_stop == (0, set())  # before: paused at every 64 records, and resumed
+    assert _holds(pipeline) >= 400 * 2 // 64 // 2  # the bound was reached over and over
+    sync = [(p, o) for p, o, asynchronous in consumer.commits if not asynchronous]
+    assert sync, "room came back only through the commit at the bound (the interval is a minute)"
+    # The bound held: no synchronous commit left more than max_in_flight behind the records consumed.
+    assert max(o for p, o in sync if p == 0) == 400 and max(o for p, o in sync if p == 1) == 400
+
+
+def test_a_stuck_output_holds_then_pauses_and_resumes_once_it_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    pipeline, consumer, producer, _ = _run(300, 32, stuck_after=50, hold_s=0.3, monkeypatch=monkeypatch)
+    pauses, paused = consumer.before_stop
+    assert pauses >= 1  # held for HOLD_S, then paused: a paused member serves the group
+    assert not paused  # and resumed once the output moved again
+    assert set(producer.acked) == {f"{p}-{o}".encode() for p in (0, 1) for o in range(300)}
+    assert _holds(pipeline) >= 1
+
+
+class _CommitConsumer:
+    def __init__(self) -> None:
+        self.calls: list[list[tuple[int, int]]] = []
+        self.fail = False
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool = True) -> list[TopicPartition]:
+        self.calls.append([(tp.partition, tp.offset) for tp in offsets])
+        if self.fail:
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT))
+        return [TopicPartition(tp.topic, tp.partition, tp.offset) for tp in offsets]
+
+
+def test_the_commit_at_the_bound_waits_for_its_target_and_backs_off_after_a_failure() -> None:
+    now = [0.0]
+    fake = _CommitConsumer()
+    c = Committer(fake, interval_s=0.5, clock=lambda: now[0])
+    part = c.tracker.assign("t", 0)
+    for off in range(100):
+        part.track(off)
+    for off in range(40):
+        part.done(off)
+    assert c.uncommitted() == 100
+    # Committing offset 40 would leave 60 uncommitted: not at a target of 50 yet.
+    assert not c.commit_to_relieve(50, timeout_s=1.0) and fake.calls == []
+    for off in range(40, 60):
+        part.done(off)
+    assert c.commit_to_relieve(50, timeout_s=1.0) and fake.calls == [[(0, 60)]]
+    assert c.uncommitted() == 40
+    for off in range(60, 100):
+        part.done(off)
+    fake.fail = True
+    assert not c.commit_to_relieve(50, timeout_s=1.0) and len(fake.calls) == 2
+    now[0] += 0.4
+    assert not c.commit_to_relieve(50, timeout_s=1.0) and len(fake.calls) == 2  # backing off
+    fake.fail = False
+    now[0] += 0.2
+    assert c.commit_to_relieve(50, timeout_s=1.0) and fake.calls[-1] == [(0, 100)]
+    assert c.uncommitted() == 0
