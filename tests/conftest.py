@@ -1,7 +1,8 @@
 """Shared fixtures: the real Kafka brokers and per-test topics.
 
 The plain broker comes from KAFKA_BOOTSTRAP_SERVERS when set (`make test` sets it), otherwise the
-session starts one with deploy/local/kafka.sh and stops it at the end. The secured broker
+session starts one with deploy/local/kafka.sh and stops it at the end (one it found running, it
+leaves running). The secured broker
 (`kafka_secure`) comes from KAFKA_SECURE_BOOTSTRAP_SERVERS + KAFKA_SECURE_CONFIG_DIR when set,
 otherwise it is started lazily, by the first test that needs it (`kafka.sh start --secure`), and
 stopped at the end of the session if this session started it.
@@ -42,10 +43,14 @@ def kafka_bootstrap() -> Iterator[str]:
     out = subprocess.run(["bash", str(KAFKA_SH), "start"], check=True, capture_output=True, text=True)
     line = out.stdout.strip().splitlines()[-1]
     assert line.startswith("KAFKA_BOOTSTRAP_SERVERS="), out.stdout + out.stderr
+    # A broker this session found running (another session's: `make test` in another checkout
+    # shares the run folder) is left running: stopping it would fail that session's tests.
+    started = "reusing" not in out.stderr
     try:
         yield line.split("=", 1)[1]
     finally:
-        subprocess.run(["bash", str(KAFKA_SH), "stop"], check=False)
+        if started:
+            subprocess.run(["bash", str(KAFKA_SH), "stop"], check=False)
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,7 @@ def test_exactly_once_opens_on_intake_pauses_while_closing_and_commits_once_drai
     e.consume(0, 1)
     assert e.txn.state == "open"
     assert e.d.poll_step(flow_paused=True) == "closing a transaction"  # closes instead of pausing only
+    assert not e.d.relieve(0)  # the pipeline pauses while the transaction closes (no hold)
     e.finish_all()
     assert e.d.poll_step(flow_paused=False) is None and e.txn.committed == 1
     assert e.producer.visible == ["out-0", "out-1"] and e.producer.offsets == {("in", 0): 2}

@@ -234,7 +234,7 @@ def test_kill_9_loses_nothing_and_duplicates_stay_within_the_in_flight_bound(
     assert duplicates <= max_in_flight
     assert SESSION_TIMEOUT_MS / 1000 - 2 < moved_s < SESSION_TIMEOUT_MS / 1000 + 15, moved_s
     # The bound held by backpressure: the victim held (or paused) at its in-flight limit before dying.
-    assert victim.events("intake holds at the in-flight bound") or victim.events("partitions paused"), \
+    assert victim.events("intake holds") or victim.events("partitions paused"), \
         "backpressure never engaged; the test does not exercise the bound"
 
 

@@ -226,9 +226,10 @@ class Pipeline:
         self._flow.observe(time.monotonic(), self._acks.embedded_count + self._acks.dead_lettered_count,
                            busy=pending > 0)
         pause = self._delivery.poll_step(flow_paused=self._flow.update(pending, self._inflight.bytes))
-        # At the bound: the delivery frees room if it can (True: without a pause, so hold).
-        if pause == "flow control" and self._delivery.relieve(self._flow.resume_at) \
-                and not self._member.paused and self._hold(pending):
+        # Intake stops (the bound, a transaction closing): True when the delivery brings the room
+        # back without a pause (at least once: its commit at the bound), so intake holds.
+        if pause is not None and self._delivery.relieve(self._flow.resume_at) \
+                and not self._member.paused and self._hold(pending, pause):
             return
         self._held_since = None
         if pause is not None:
@@ -249,12 +250,14 @@ class Pipeline:
             log.info("the run's work is done: stopping")
             self.request_stop()
 
-    def _hold(self, pending: int) -> bool:
-        """At the in-flight bound, the delivery able to free room: True when this turn holds
-        (consumes nothing, waits a step) instead of pausing. A pause costs a backlog its prefetched records and up to a second
-        before librdkafka fetches again; a hold keeps both, and room comes back from the other
-        threads (acknowledgements) and the delivery's commit. Only for HOLD_S at a time: longer
-        means a slow or stuck stage, and a paused member serves the group meanwhile."""
+    def _hold(self, pending: int, reason: str) -> bool:
+        """Intake stopped (`reason`: the in-flight bound, a transaction closing) and the delivery
+        able to end it: True when this turn holds (consumes nothing, waits a step) instead of
+        pausing. A pause costs a backlog its prefetched records and up to a second before
+        librdkafka fetches again; a hold keeps both, and room comes back from the other threads
+        (acknowledgements) and the delivery (at least once: the commit of the finished work;
+        exactly once does not hold). Only for HOLD_S at a time: longer means a slow or stuck stage,
+        and a paused member serves the group meanwhile."""
         now = time.monotonic()
         if self._held_since is not None and now - self._held_since >= HOLD_S:
             return False
@@ -263,7 +266,7 @@ class Pipeline:
             self.metrics.count_intake_hold()
             self._holds_unlogged += 1
             if now - self._hold_logged_at >= HOLD_LOG_S:
-                log.info("intake holds at the in-flight bound", holds=self._holds_unlogged, in_flight=pending,
+                log.info("intake holds", reason=reason, holds=self._holds_unlogged, in_flight=pending,
                          limit=self._flow.limit)
                 self._hold_logged_at, self._holds_unlogged = now, 0
         self.metrics.set_in_flight(pending)

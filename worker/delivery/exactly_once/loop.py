@@ -77,7 +77,10 @@ class ExactlyOnce:
         return "flow control" if flow_paused else None
 
     def relieve(self, target: int) -> bool:
-        # Room comes back when a transaction commits, which poll_step closes once paused.
+        # Pauses as before: room comes back when a transaction commits, which poll_step closes once
+        # paused. Holding through the close instead (state closing or just committed) moved a
+        # null-backend backlog 1.65x faster but cost 1.2x the CPU per keyword (4 paired rounds,
+        # docs/performance.md, "The in-flight bound"): not taken until that cost is understood.
         return False
 
     def before_intake(self) -> None:
