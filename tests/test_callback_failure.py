@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,6 +18,7 @@ from confluent_kafka import TopicPartition
 
 from worker.core.profiles import Bucket, Profile
 from tests.fakes.consumer import FakeGroupConsumer
+from tests.fakes.pipeline import AckingProducer, HalvesBackend, ThreeTokens
 from worker.app import wire_pipeline
 from worker.batching.bucketer import Bucketer
 from worker.errors import ThreadDiedError
@@ -26,71 +26,6 @@ from worker.operations.batch_stats import BatchStats
 from worker.settings.schema import Settings
 
 WAIT_S = 10.0  # only a guard against a hang
-
-
-@dataclass
-class _Encoded:
-    ids: np.ndarray
-    length: int
-    truncated: bool = False
-
-
-class _Tokenizer:
-    special_tokens = 2
-
-    def encode(self, texts: list[str]) -> list[_Encoded]:
-        return [_Encoded(np.array([101, 7, 102], dtype=np.int64), 3) for _ in texts]
-
-
-class _Context:
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        return np.ones((input_ids.shape[0], 4), dtype=np.float32) / 2.0
-
-    def close(self) -> None:
-        pass
-
-
-class _Backend:
-    name = "onnxruntime"
-    dim = 4
-    max_contexts = None
-    requires_serial_dispatch = False
-
-    def create_context(self, index: int) -> _Context:
-        return _Context()
-
-    def close(self) -> None:
-        pass
-
-
-class _Producer:
-    """Acknowledges every record at the next poll; keeps the keys it acknowledged."""
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        self._lock = threading.Lock()
-        self._queued: list[tuple[bytes, Any]] = []
-        self.acked: list[bytes] = []
-
-    def produce(self, topic: str, key: bytes | None = None, value: bytes | None = None, headers: Any = None,
-                on_delivery: Any = None) -> None:
-        with self._lock:
-            self._queued.append((key or b"", on_delivery))
-
-    def poll(self, timeout: float) -> int:
-        with self._lock:
-            queued, self._queued = self._queued, []
-            self.acked += [key for key, _ in queued]
-        for _, callback in queued:
-            callback(None, None)
-        threading.Event().wait(min(timeout, 0.005))
-        return len(queued)
-
-    def flush(self, timeout: float = 0) -> int:
-        return 0
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._queued)
 
 
 class _Consumer(FakeGroupConsumer):
@@ -115,15 +50,15 @@ class _Consumer(FakeGroupConsumer):
 
 def test_a_callback_that_raises_stops_the_worker_and_nothing_past_its_batch_is_committed() -> None:
     consumers: list[_Consumer] = []
-    producers: list[_Producer] = []
+    producers: list[AckingProducer] = []
     calls = [0]
 
     def consumer(config: dict[str, Any]) -> _Consumer:
         consumers.append(_Consumer(config))
         return consumers[-1]
 
-    def producer(config: dict[str, Any]) -> _Producer:
-        producers.append(_Producer(config))
+    def producer(config: dict[str, Any]) -> AckingProducer:
+        producers.append(AckingProducer(config))
         return producers[-1]
 
     def bucketer(profile: Profile, backend: Any, on_complete: Any, **kw: Any) -> Bucketer:
@@ -143,7 +78,7 @@ def test_a_callback_that_raises_stops_the_worker_and_nothing_past_its_batch_is_c
     profile = Profile("test", (Bucket(8, 4, 4),), token_budget=64, pad_to="bucket")
     s = Settings(input_format="raw", pad_to="bucket", shutdown_timeout_s=2.0, commit_interval_ms=10,
                  max_queue_delay_ms=1, dispatchers=1)
-    pipeline = wire_pipeline(s, tokenizer=_Tokenizer(), backend=_Backend(), profile=profile, model_name="m",
+    pipeline = wire_pipeline(s, tokenizer=ThreeTokens(), backend=HalvesBackend(), profile=profile, model_name="m",
                              consumer_factory=consumer, producer_factory=producer, bucketer_factory=bucketer)
     codes: list[int] = []
     runner = threading.Thread(target=lambda: codes.append(pipeline.run()), daemon=True)

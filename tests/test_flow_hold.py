@@ -11,90 +11,20 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 import worker.pipeline as pipeline_module
 from tests.fakes.consumer import FakeGroupConsumer
+from tests.fakes.pipeline import AckingProducer, HalvesBackend, ThreeTokens
 from worker.app import wire_pipeline
 from worker.core.profiles import Bucket, Profile
 from worker.kafka.committer import Committer
 from worker.settings.schema import Settings
 
 WAIT_S = 20.0  # only a guard against a hang
-
-
-@dataclass
-class _Encoded:
-    ids: np.ndarray
-    length: int
-    truncated: bool = False
-
-
-class _Tokenizer:
-    special_tokens = 2
-
-    def encode(self, texts: list[str]) -> list[_Encoded]:
-        return [_Encoded(np.array([101, 7, 102], dtype=np.int64), 3) for _ in texts]
-
-
-class _Context:
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
-        return np.ones((input_ids.shape[0], 4), dtype=np.float32) / 2.0
-
-    def close(self) -> None:
-        pass
-
-
-class _Backend:
-    name = "onnxruntime"
-    dim = 4
-    max_contexts = None
-    requires_serial_dispatch = False
-
-    def create_context(self, index: int) -> _Context:
-        return _Context()
-
-    def close(self) -> None:
-        pass
-
-
-class _Producer:
-    """Acknowledges what was produced at each poll, unless `stuck` is set (an output that hangs)."""
-
-    def __init__(self, config: dict[str, Any]) -> None:
-        self._lock = threading.Lock()
-        self._queued: list[tuple[bytes, Any]] = []
-        self.acked: list[bytes] = []
-        self.stuck = threading.Event()
-
-    def produce(self, topic: str, key: bytes | None = None, value: bytes | None = None, headers: Any = None,
-                on_delivery: Any = None) -> None:
-        with self._lock:
-            self._queued.append((key or b"", on_delivery))
-
-    def poll(self, timeout: float) -> int:
-        if self.stuck.is_set():
-            time.sleep(min(timeout, 0.005))
-            return 0
-        with self._lock:
-            queued, self._queued = self._queued, []
-            self.acked += [key for key, _ in queued]
-        for _, callback in queued:
-            callback(None, None)
-        time.sleep(min(timeout, 0.002))
-        return len(queued)
-
-    def flush(self, timeout: float = 0) -> int:
-        return 0
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._queued)
 
 
 class _Consumer(FakeGroupConsumer):
@@ -124,7 +54,7 @@ class _Consumer(FakeGroupConsumer):
 
 
 def _run(records: int, max_in_flight: int, *, stuck_after: int | None = None,
-         hold_s: float | None = None, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, _Consumer, _Producer, float]:
+         hold_s: float | None = None, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, _Consumer, AckingProducer, float]:
     if hold_s is not None:
         monkeypatch.setattr(pipeline_module, "HOLD_S", hold_s)
     made: dict[str, Any] = {}
@@ -132,16 +62,16 @@ def _run(records: int, max_in_flight: int, *, stuck_after: int | None = None,
     # A commit interval longer than the run: only the commits at the bound free room.
     s = Settings(input_format="raw", pad_to="bucket", shutdown_timeout_s=5.0, commit_interval_ms=60_000,
                  max_queue_delay_ms=1, dispatchers=1, max_in_flight=max_in_flight)
-    pipeline = wire_pipeline(s, tokenizer=_Tokenizer(), backend=_Backend(), profile=profile, model_name="m",
+    pipeline = wire_pipeline(s, tokenizer=ThreeTokens(), backend=HalvesBackend(), profile=profile, model_name="m",
                              consumer_factory=lambda c: made.setdefault("consumer", _Consumer(c, records)),
-                             producer_factory=lambda c: made.setdefault("producer", _Producer(c)))
+                             producer_factory=lambda c: made.setdefault("producer", AckingProducer(c)))
     runner = threading.Thread(target=pipeline.run, daemon=True)
     start = time.monotonic()
     runner.start()
     deadline = start + WAIT_S
     while "producer" not in made and time.monotonic() < deadline:
         time.sleep(0.01)
-    producer: _Producer = made["producer"]
+    producer: AckingProducer = made["producer"]
     if stuck_after is not None:
         while len(producer.acked) < stuck_after and time.monotonic() < deadline:
             time.sleep(0.001)
