@@ -29,13 +29,12 @@ from typing import Any
 
 from confluent_kafka import Consumer
 
-from benchmarks.kafka_vs_offline import publish_keywords
+from benchmarks.kafka_vs_offline import FALLBACK_DATA, kafka_bootstrap_from_env, publish_keywords
 from worker.benchmark.report import quartiles
 from worker.formats.keyword_files import read_keywords
 from worker.kafka.admin import ensure_topics
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = ROOT / "tests" / "data" / "queries" / "terabyte05-20k.tsv"
 
 
 def output_span(bootstrap: str, topic: str, want: int, timeout_s: float, proc: subprocess.Popen[bytes]) -> float:
@@ -86,15 +85,13 @@ def side(kind: str, bootstrap: str, topic_in: str, n: int, logdir: Path, timeout
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    ap.add_argument("--data", type=Path, default=FALLBACK_DATA)
     ap.add_argument("-n", "--n", type=int, default=6000)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if not bootstrap:
-        raise SystemExit("set KAFKA_BOOTSTRAP_SERVERS (run through deploy/local/with-kafka.sh)")
+    bootstrap = kafka_bootstrap_from_env()
     rows = list(read_keywords(args.data, limit=args.n))
     topic_in = f"bf-in-{uuid.uuid4().hex[:6]}"
     ensure_topics(bootstrap, {topic_in: 6})

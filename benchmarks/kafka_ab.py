@@ -28,7 +28,7 @@ from pathlib import Path
 
 from confluent_kafka import Consumer
 
-from benchmarks.kafka_vs_offline import DEFAULT_DATA, FALLBACK_DATA, kafka_round
+from benchmarks.kafka_vs_offline import DEFAULT_DATA, FALLBACK_DATA, kafka_bootstrap_from_env, kafka_round
 from tests.kafka_tools import WorkerProcess
 from worker.benchmark.report import quartiles
 from worker.formats.keyword_files import read_keywords
@@ -48,9 +48,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if not bootstrap:
-        raise SystemExit("set KAFKA_BOOTSTRAP_SERVERS (run through deploy/local/with-kafka.sh)")
+    bootstrap = kafka_bootstrap_from_env()
     rows = list(read_keywords(args.data, limit=args.n or None))
     logdir = Path(tempfile.mkdtemp(prefix="kwe-ab-"))
     sides: dict[str, tuple[WorkerProcess, Consumer, str]] = {}

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.fresh_keywords import FreshKeywords, default_sources
+from benchmarks.kafka_vs_offline import kafka_bootstrap_from_env
 from benchmarks.latency_report import level_line, merge_reports, partition_line, windows_line, write_report
 from benchmarks.latency_rounds import ROOT, Side, _reader, backlog_round, kafka_level, overload_round
 from tests.kafka_tools import WorkerProcess, free_port
@@ -116,9 +117,7 @@ def main() -> int:
                                " ".join(["python -m benchmarks.kafka_latency", *sys.argv[1:]]))
         write_report(merged, args.json, args.markdown)
         return 0
-    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if not bootstrap:
-        raise SystemExit("set KAFKA_BOOTSTRAP_SERVERS (run through deploy/local/with-kafka.sh)")
+    bootstrap = kafka_bootstrap_from_env()
     pool = FreshKeywords(args.data or default_sources(), seed=args.seed, recycle=args.cache_off)
     # The first variant is named after what it runs: --backend's word (e.g. "auto"), else "default".
     first = "base" if args.worker_arg else (args.backend or "default")

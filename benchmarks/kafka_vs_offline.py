@@ -115,6 +115,14 @@ def kafka_round(tag: str, rows: list[tuple[str, str]], bootstrap: str, topic_in:
 BROKER_PID = Path.home() / ".cache" / "keyword-embedder" / "kafka" / "run" / "broker.pid"
 
 
+def kafka_bootstrap_from_env() -> str:
+    """The broker a Kafka benchmark runs against (KAFKA_BOOTSTRAP_SERVERS), or exit saying how to get one."""
+    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if not bootstrap:
+        raise SystemExit("set KAFKA_BOOTSTRAP_SERVERS (run through deploy/local/with-kafka.sh)")
+    return bootstrap
+
+
 def cpu_seconds(pid: int | None) -> float:
     """User + system CPU time of a process (all its threads), from /proc; 0 when unknown."""
     if pid is None:
@@ -136,9 +144,7 @@ def main() -> int:
                     help="Extra `keyword-embedder run` argument for the Kafka side (repeatable), e.g. "
                          "--worker-arg=--output-encoding --worker-arg=base64-f32")
     args = ap.parse_args()
-    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if not bootstrap:
-        raise SystemExit("set KAFKA_BOOTSTRAP_SERVERS (run through deploy/local/with-kafka.sh)")
+    bootstrap = kafka_bootstrap_from_env()
     rows = list(read_keywords(args.data, limit=args.n or None))
 
     from worker.backend_choice.select import load_backend

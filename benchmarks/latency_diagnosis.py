@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.fresh_keywords import FreshKeywords, default_sources
-from benchmarks.kafka_vs_offline import cpu_seconds
+from benchmarks.kafka_vs_offline import cpu_seconds, kafka_bootstrap_from_env
 from benchmarks.latency_report import quartiles
 from benchmarks.latency_rounds import Side, _reader, backlog_round, kafka_level
 from tests.kafka_tools import WorkerProcess, http_get
@@ -147,9 +147,7 @@ def main() -> int:
                     help="NAME=ARGS (`run` flags as shell words); NAME@PATH=ARGS runs the worker of the checkout at PATH")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if not bootstrap:
-        raise SystemExit("set KAFKA_BOOTSTRAP_SERVERS (run through deploy/local/with-kafka.sh)")
+    bootstrap = kafka_bootstrap_from_env()
     pool = FreshKeywords(default_sources())
     run_dir = Path(os.environ.get("KWE_KAFKA_RUN", Path.home() / ".cache" / "keyword-embedder" / "kafka" / "run"))
     broker_pid = int((run_dir / "broker.pid").read_text()) if (run_dir / "broker.pid").is_file() else None

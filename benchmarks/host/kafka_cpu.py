@@ -34,19 +34,12 @@ from typing import Any
 from confluent_kafka import Consumer
 
 from benchmarks.host.pipeline_bench import DEFAULT_DATA, quartiles, runner_dir
-from benchmarks.kafka_vs_offline import BROKER_PID, cpu_seconds, kafka_round
+from benchmarks.kafka_vs_offline import BROKER_PID, cpu_seconds, kafka_bootstrap_from_env, kafka_round
+from tests.kafka_tools import free_port
 from worker.formats.keyword_files import read_keywords
 from worker.kafka.admin import ensure_topics
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -65,15 +58,16 @@ class Side:
         run = f"cpu-{self.kind}-{uuid.uuid4().hex[:6]}"
         self.topics = (f"{run}-in", f"{run}-out", f"{run}-dlq")
         ensure_topics(bootstrap, {self.topics[0]: 6, self.topics[1]: 6, self.topics[2]: 1})
-        module = {"null": "kwe_host.null_worker", "model": "worker.cli"}.get(self.kind, "kwe_host.kafka_relay")
-        cmd = [sys.executable, "-m", module, "run", "--bootstrap-servers", bootstrap,
-               "--input-topic", self.topics[0], "--output-topic", self.topics[1],
-               "--dead-letter-topic", self.topics[2], "--group-id", run, "--metrics-port", str(self.port),
-               "--metrics-host", "127.0.0.1", "--log-format", "json",
-               "--backend", "onnxruntime" if self.kind == "null" else self.backend, "--cache-bytes", "0", *self.extra]
+        where = ["--bootstrap-servers", bootstrap, "--input-topic", self.topics[0], "--output-topic", self.topics[1],
+                 "--group-id", run, "--metrics-port", str(self.port), "--metrics-host", "127.0.0.1"]
         if self.kind.startswith("relay"):
-            cmd = cmd[:cmd.index("--dead-letter-topic")] + cmd[cmd.index("--group-id"):cmd.index("--log-format")]
-            cmd += ["--batch"] if self.kind == "relay-batch" else []
+            cmd = [sys.executable, "-m", "kwe_host.kafka_relay", "run", *where,
+                   *(["--batch"] if self.kind == "relay-batch" else [])]
+        else:
+            module = "kwe_host.null_worker" if self.kind == "null" else "worker.cli"
+            cmd = [sys.executable, "-m", module, "run", *where, "--dead-letter-topic", self.topics[2],
+                   "--log-format", "json", "--backend", "onnxruntime" if self.kind == "null" else self.backend,
+                   "--cache-bytes", "0", *self.extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KWE_")}
         env["PYTHONPATH"] = str(runner)
         log = (logdir / f"{run}.log").open("ab")
@@ -130,9 +124,7 @@ def main() -> int:
     ap.add_argument("--worker-args", default="", help="extra `run` flags for every side (one string)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if not bootstrap:
-        raise SystemExit("set KAFKA_BOOTSTRAP_SERVERS (run through deploy/local/with-kafka.sh)")
+    bootstrap = kafka_bootstrap_from_env()
     rows = list(read_keywords(args.data))
     sides = [parse_side(s, args.backend) for s in args.sides]
     for side in sides:
