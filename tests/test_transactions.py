@@ -14,6 +14,8 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from tests.fakes.transactions import ABORTABLE, FENCED, INVALID_TXN_STATE, RETRIABLE, FakeTxnProducer
 from worker.delivery.exactly_once.take_over import FENCED_TAKE_OVERS
 from worker.errors import WorkerError
+from worker.kafka.consumer import SESSION_TIMEOUT_MS
+from worker.settings.schema import Settings
 from worker.kafka.offsets import OffsetTracker
 from worker.delivery.exactly_once.transactions import (WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, TransactionError,
                                                        TransactionFencedError, TransactionHungError, Transactions,
@@ -318,7 +320,10 @@ def test_a_revoke_served_during_the_final_drain_closes_the_transaction_and_finis
 def test_lost_partitions_abort_a_young_transaction_once_drained() -> None:
     loop = Loop()
     loop.consume(0, 1)
-    loop.clock.now = 29.0  # under half the 60 s transaction timeout: the broker has not aborted it
+    # An outage that outlived the 30 s session: the partitions go about a session after the last
+    # heartbeat, with a transaction about that old (CI, 2026-12-05: 32.9 s), which the 60 s
+    # transaction timeout leaves the broker nowhere near timing out: abort, and go on.
+    loop.clock.now = 40.0
     loop.txn.lost()
     assert loop.txn.closing and not loop.latch.is_set()
     loop.txn.step(flow_paused=False)
@@ -331,7 +336,7 @@ def test_lost_partitions_abort_a_young_transaction_once_drained() -> None:
 def test_lost_partitions_with_an_old_transaction_stop_the_member_without_aborting() -> None:
     loop = Loop()
     loop.consume(0, 1)
-    loop.clock.now = 31.0
+    loop.clock.now = 45.0  # an abort bounded by 10 + 5 s could land after the broker's 60 s timeout
     loop.txn.lost()
     assert isinstance(loop.latch.error, TransactionFencedError) and "lost" in str(loop.latch.error)
     loop.finish(0, 1)
@@ -339,6 +344,26 @@ def test_lost_partitions_with_an_old_transaction_stop_the_member_without_abortin
     loop.txn.finish(lambda timeout_s: True, 1.0)
     # An abort would bump the epoch of a timed-out transaction and fence the successor.
     assert "abort" not in loop.producer.calls and loop.producer.visible == []
+
+
+@pytest.mark.parametrize(("transaction_timeout_s", "abortable_s"), [(60.0, 44.0), (120.0, 104.0), (5.0, 2.5)])
+def test_a_lost_transaction_is_abortable_while_its_abort_lands_before_the_broker_timeout(
+        transaction_timeout_s: float, abortable_s: float) -> None:
+    """The call bound (timeout_s 10 s + HANG_MARGIN_S 5 s) and the clock slack (1 s) before the
+    broker's timeout; half the timeout where that is less (a 5 s timeout, as tests use)."""
+    loop = Loop()
+    loop.txn.transaction_timeout_s = transaction_timeout_s
+    assert loop.txn.abortable_after_loss_s() == pytest.approx(abortable_s)
+
+
+def test_the_defaults_leave_an_outage_past_the_session_room_to_abort() -> None:
+    """A member that loses its partitions to an outage just past its session, with a transaction
+    begun an interval before the last heartbeat, aborts and goes on; it does not stop."""
+    settings = Settings()
+    loop = Loop()
+    loop.txn.transaction_timeout_s = settings.transaction_timeout_ms / 1000
+    worst_age_s = (SESSION_TIMEOUT_MS + settings.transaction_interval_ms) / 1000
+    assert worst_age_s + 5 < loop.txn.abortable_after_loss_s()
 
 
 def test_lost_partitions_without_an_open_transaction_change_nothing() -> None:

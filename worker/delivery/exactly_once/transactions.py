@@ -64,12 +64,14 @@ import structlog
 from confluent_kafka import KafkaException, TopicPartition
 
 from worker.deadline import Deadline
+from worker.delivery.exactly_once import bounded_calls
 from worker.delivery.exactly_once.bounded_calls import BoundedCalls
 from worker.delivery.exactly_once.errors import TransactionError, TransactionFencedError, TransactionHungError
 from worker.delivery.exactly_once.rewind import GroupConsumer, fresh_state, seek
 from worker.delivery.exactly_once.take_over import FENCE_SETTLE_S, Fence, TakeOverReason, take_over
 from worker.delivery.exactly_once.transactional_calls import (
     RETRIES,
+    TIMEOUT_CLOCK_SLACK_S,
     CallResult,
     TransactionalProducer,
     bounded,
@@ -225,24 +227,37 @@ class Transactions:
         if self.state != "idle" and self._abort_reason is None:
             self._abort_reason = reason
 
+    def abortable_after_loss_s(self) -> float:
+        """How old an open transaction may be when the partitions are lost and still be aborted:
+        the abort (bounded like any call: timeout_s + HANG_MARGIN_S) must reach the coordinator
+        before its transaction timeout, on a clock up to TIMEOUT_CLOCK_SLACK_S ahead of ours; at
+        least half the timeout, the rule for timeouts too short for that bound. It must exceed
+        the session plus an interval: an outage that outlives the session loses the partitions
+        about a session after the last heartbeat, with a transaction about that old, and a member
+        that stopped then would crash-loop the group through every such outage (the half rule
+        with the 30 s session did exactly that: CI, 2026-12-05)."""
+        call_bound_s = self.timeout_s + bounded_calls.HANG_MARGIN_S + TIMEOUT_CLOCK_SLACK_S
+        return max(self.transaction_timeout_s / 2, self.transaction_timeout_s - call_bound_s)
+
     def lost(self) -> None:
         """Partitions lost (the group took them: this member looked dead, a session timeout or a
-        broker outage). The open transaction must not commit. When it has been open for less
-        than half the transaction timeout, the broker has not timed it out: abort it and rewind.
-        Otherwise stop: aborting a transaction the broker timed out makes librdkafka bump the
-        producer epoch (KIP-588), which fences the successor that runs with the same
-        transactional id (measured); the successor, or the broker, aborts what was left open."""
+        broker outage). The open transaction must not commit. When the broker cannot have timed
+        it out before the abort lands (`abortable_after_loss_s`): abort it and rewind. Otherwise
+        stop: aborting a transaction the broker timed out makes librdkafka bump the producer
+        epoch (KIP-588), which fences the successor that runs with the same transactional id
+        (measured); the successor, or the broker, aborts what was left open."""
         if self.state == "idle":
             return
         # (A fenced producer waiting for its take-over has an old transaction: the group's verdict,
         # this member is a zombie, wins over the take-over.)
-        if self.clock() - self.began_at < self.transaction_timeout_s / 2:
+        if self.clock() - self.began_at < self.abortable_after_loss_s():
             self.request_abort("partitions lost")
             return
         self.latch.trip(TransactionFencedError(
-            "partitions lost with a transaction open longer than half transaction_timeout_ms: this "
-            "member was considered dead (a zombie); it stops without aborting, its successor or the "
-            "broker aborts the transaction"))
+            f"partitions lost with a transaction open {self.clock() - self.began_at:.0f} s, too close to "
+            f"transaction_timeout_ms ({self.transaction_timeout_s:.0f} s) for an abort: this member was "
+            "considered dead (a zombie); it stops without aborting, its successor or the broker aborts "
+            "the transaction"))
 
     def step(self, *, flow_paused: bool) -> None:
         """One poll-loop turn: start closing when the interval is up or intake would pause
