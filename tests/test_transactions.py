@@ -15,13 +15,13 @@ from tests.fakes.transactions import ABORTABLE, FENCED, INVALID_TXN_STATE, RETRI
 from worker.delivery.exactly_once.take_over import FENCED_TAKE_OVERS
 from worker.errors import WorkerError
 from worker.kafka.consumer import SESSION_TIMEOUT_MS
-from worker.settings.schema import Settings
 from worker.kafka.offsets import OffsetTracker
 from worker.delivery.exactly_once.transactions import (WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, TransactionError,
                                                        TransactionFencedError, TransactionHungError, Transactions,
                                                        drained_waiter, kind_of, transactional_config, transactional_id)
 import worker.delivery.exactly_once.transactions as txmod
 from worker.latch import FatalLatch
+from worker.settings.schema import Settings
 
 
 

@@ -250,11 +250,12 @@ class Transactions:
             return
         # (A fenced producer waiting for its take-over has an old transaction: the group's verdict,
         # this member is a zombie, wins over the take-over.)
-        if self.clock() - self.began_at < self.abortable_after_loss_s():
+        age_s = self.clock() - self.began_at
+        if age_s < self.abortable_after_loss_s():
             self.request_abort("partitions lost")
             return
         self.latch.trip(TransactionFencedError(
-            f"partitions lost with a transaction open {self.clock() - self.began_at:.0f} s, too close to "
+            f"partitions lost with a transaction open {age_s:.0f} s, too close to "
             f"transaction_timeout_ms ({self.transaction_timeout_s:.0f} s) for an abort: this member was "
             "considered dead (a zombie); it stops without aborting, its successor or the broker aborts "
             "the transaction"))
