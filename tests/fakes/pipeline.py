@@ -6,24 +6,18 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-
-@dataclass
-class Encoded:
-    ids: np.ndarray
-    length: int
-    truncated: bool = False
+from worker.intake.tokenize import Encoded
 
 
 class ThreeTokens:
     special_tokens = 2
 
     def encode(self, texts: list[str]) -> list[Encoded]:
-        return [Encoded(np.array([101, 7, 102], dtype=np.int64), 3) for _ in texts]
+        return [Encoded(np.array([101, 7, 102], dtype=np.int64), 3, False) for _ in texts]
 
 
 class HalvesContext:
