@@ -1,10 +1,12 @@
 """The WordPiece fast path (worker/intake/wordpiece.py) gives exactly the full tokenizer's IDs, or
 declines: on every real query shipped with the tests, on random ASCII text (controls, punctuation,
-long words, truncation), and for each family's tokenizer."""
+long words, truncation), and for each family's tokenizer; its compiled loop (_wordpiece.c) gives
+exactly what its Python loop does."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import string
 from pathlib import Path
@@ -15,6 +17,7 @@ from tokenizers import Tokenizer
 
 from worker.core.model import default_model_dir
 from worker.intake.tokenize import KeywordTokenizer
+from worker.intake import wordpiece
 from worker.intake.wordpiece import FastWordPiece
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -128,3 +131,73 @@ def test_keyword_tokenizer_gives_the_same_encodings_with_and_without_the_fast_pa
     for a, b in zip(fast.encode(texts), slow.encode(texts), strict=True):
         assert np.array_equal(a.ids, b.ids) and a.ids.dtype == b.ids.dtype == np.int64
         assert (a.length, a.truncated) == (b.length, b.truncated)
+
+
+def test_the_compiled_loop_is_built() -> None:
+    # setup.py builds it where a C compiler is found and goes on without one; this says so rather
+    # than letting every test below run the Python loop twice.
+    if not wordpiece.COMPILED:
+        reason = os.environ.get("KWE_COMPILED_UNAVAILABLE")
+        if reason:
+            pytest.skip(reason)
+        pytest.fail("worker/intake/_wordpiece.c was not built (no C compiler at install?); "
+                    "set KWE_COMPILED_UNAVAILABLE to say why when that is expected")
+    fast = FastWordPiece.of(Tokenizer.from_file(str(default_model_dir() / "tokenizer.json")))
+    assert fast is not None and fast.compiled
+
+
+def _both(path: Path, max_len: int, limit: int) -> tuple[FastWordPiece, FastWordPiece]:
+    if not wordpiece.COMPILED:
+        pytest.skip("the compiled loop is not built (test_the_compiled_loop_is_built says why)")
+    compiled = FastWordPiece.of(_reference(path, max_len), limit=limit)
+    python = FastWordPiece.of(_reference(path, max_len), limit=limit, compiled=False)
+    assert compiled is not None and python is not None and compiled.compiled and not python.compiled
+    return compiled, python
+
+
+@pytest.mark.parametrize(("max_len", "limit", "chunk"), [(256, 100_000, 500), (8, 100_000, 500), (12, 50, 97)])
+def test_the_compiled_loop_gives_what_the_python_loop_does(minilm: Path, max_len: int, limit: int,
+                                                           chunk: int) -> None:
+    """Every real query and random ASCII (control characters, added tokens, words longer than the
+    cut), in polls of `chunk`; a cache of 50 words is cleared many times inside one call."""
+    compiled, python = _both(minilm, max_len, limit)
+    texts = _real_queries() + _random_ascii(random.Random(3), 3000) + list(string.printable) + ["", " ", "\x00"]
+    for at in range(0, len(texts), chunk):
+        poll = texts[at:at + chunk]
+        views, counts = compiled.encode_many(poll, max_len)
+        want_views, want_counts = python.encode_many(poll, max_len)
+        assert counts == want_counts, poll
+        for text, got, want in zip(poll, views, want_views, strict=True):
+            if want is None:
+                assert got is None, repr(text)
+            else:
+                assert got is not None and got.dtype == np.int64 and got.tolist() == want.tolist(), repr(text)
+    assert (compiled.cache.hits, compiled.cache.misses) == (python.cache.hits, python.cache.misses)
+
+
+def test_a_word_the_model_fails_on_fails_the_compiled_call_with_its_error(minilm: Path) -> None:
+    compiled, _ = _both(minilm, 256, 100)
+
+    class Broken:
+        def tokenize(self, word: str) -> list[object]:
+            raise RuntimeError(f"cannot split {word!r}")
+
+    compiled.cache.lookup = Broken()
+    compiled.cache.words["cheap"] = (1, 2)
+    assert compiled.encode_many(["cheap"], 256)[0][0].tolist() == [101, 1, 2, 102]
+    with pytest.raises(RuntimeError, match="cannot split 'flights'"):
+        compiled.encode_many(["cheap flights"], 256)
+
+
+def test_a_non_ascii_added_token_keeps_the_python_loop() -> None:
+    # "\u212a" (the Kelvin sign) matches "k" ignoring case: only the regular expression knows.
+    fast = FastWordPiece(object(), 101, 102, ("[MASK]", "\u212aelvin"))
+    assert not fast.compiled
+
+
+def test_the_keyword_tokenizer_says_which_path_it_takes(minilm: Path) -> None:
+    assert KeywordTokenizer(Tokenizer.from_file(str(minilm)), 256).fast_path == (
+        "compiled" if wordpiece.COMPILED else "python")
+    assert KeywordTokenizer(Tokenizer.from_file(str(minilm)), 256, fast=False).fast_path == "none"
+    roberta = DATA / "families" / "roberta" / "tokenizer.json"
+    assert KeywordTokenizer(Tokenizer.from_file(str(roberta)), 64).fast_path == "none"

@@ -126,7 +126,7 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: 
              buckets=list(profile.bounds), max_len=tokenizer.max_len, pad_to=loaded.settings.pad_to,
              prompt_name=prompt.name, prompt=prompt.text or None, output_dim=codec.dim,
              output_encoding=codec.encoding, fingerprint=codec.fingerprint,
-             precision=precision_label(loaded.settings))
+             precision=precision_label(loaded.settings), tokenizer_fast_path=tokenizer.fast_path)
     metrics = metrics if metrics is not None else Metrics()
     # Set once the choice is made: the metrics server (and /readyz) only starts after this returns.
     # `reason`: why this backend (auto: what was passed over and measured); `device`: the GPU, where one runs.

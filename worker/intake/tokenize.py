@@ -85,6 +85,14 @@ class KeywordTokenizer:
         """The fast path's word cache (its hit rate), or None where the full tokenizer runs everything."""
         return self._fast.cache if self._fast is not None else None
 
+    @property
+    def fast_path(self) -> str:
+        """Which path ASCII keywords take: "compiled" (worker/intake/_wordpiece.c), "python" (its
+        Python loop: built without a C compiler), or "none" (not a BERT WordPiece: the full tokenizer)."""
+        if self._fast is None:
+            return "none"
+        return "compiled" if self._fast.compiled else "python"
+
     def vocabulary(self, size: int) -> tuple[str, ...]:
         """The token of each id below `size` ("" for an id the tokenizer has none for): what a sparse
         model's `terms` name its indices with."""
@@ -110,17 +118,19 @@ class KeywordTokenizer:
         (worker/intake/wordpiece.py: the same IDs, a word lookup each); the rest goes to the
         tokenizer in one call on the calling thread, without the GIL (see __init__)."""
         prefix = self.prompt.text
-        full = [prefix + t for t in texts] if prefix else texts
+        full = [prefix + t for t in texts] if prefix else list(texts)
         cut = self._max_len
-        out: list[Encoded | None] = [None] * len(full)
-        slow: list[int] = []
         fast = self._fast
-        for i, text in enumerate(full):
-            got = fast.encode(text, cut) if fast is not None else None
-            if got is None:
-                slow.append(i)
-            else:
-                out[i] = Encoded(np.array(got[0], dtype=np.int64), got[1], got[1] > cut)
+        out: list[Encoded | None]
+        slow: list[int] = []
+        if fast is None:
+            out = [None] * len(full)
+            slow = list(range(len(full)))
+        else:
+            views, counts = fast.encode_many(full, cut)
+            out = [None if n is None else Encoded(ids, n, n > cut) for ids, n in zip(views, counts)]
+            if None in counts:
+                slow = [i for i, n in enumerate(counts) if n is None]
         if slow:
             special = self._n_special
             # Offsets are not computed (encode_batch_fast): nothing here reads them.
