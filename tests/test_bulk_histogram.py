@@ -56,6 +56,18 @@ def test_negative_values_count_as_zero_and_an_empty_batch_is_nothing() -> None:
     assert s["kwe_y_seconds_sum"] == pytest.approx(0.00005)
 
 
+def test_one_value_repeated_is_that_many_observations_of_it() -> None:
+    ref_reg, bulk_reg = CollectorRegistry(), CollectorRegistry()
+    ref = Histogram("kwe_r_seconds", "r", buckets=BUCKETS, registry=ref_reg)
+    bulk = BulkHistogram("kwe_r_seconds", "r", buckets=BUCKETS, registry=bulk_reg)
+    for value, n in [(0.01, 7), (0.003, 1), (-1.0, 2), (20.0, 3), (0.5, 0)]:
+        for _ in range(n):
+            ref.observe(max(0.0, value))
+        bulk.labels().observe_repeated(value, n)
+    got, want = _samples(bulk_reg), _samples(ref_reg)
+    assert got == pytest.approx(want, rel=1e-12) and got["kwe_r_seconds_count"] == 13
+
+
 def test_buckets_must_increase() -> None:
     with pytest.raises(ValueError, match="increase"):
         BulkHistogram("kwe_z", "z", buckets=(1.0, 0.5))

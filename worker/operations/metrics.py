@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Container, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -23,7 +24,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from worker.operations.batch_stats import BatchStats
-from worker.operations.bulk_histogram import BulkHistogram
+from worker.operations.bulk_histogram import SMALL_BATCH, BulkHistogram
 from worker.operations.health import LiveCheck, always_alive
 from worker.operations.rdkafka_stats import partition_lags
 
@@ -55,10 +56,33 @@ HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                10.0, 30.0)
 
 
+def _seconds_since(now_s: float, timestamps_ms: Sequence[int] | np.ndarray) -> list[float] | np.ndarray:
+    """Seconds from each timestamp (ms since the epoch) to now_s, skipping records without one (0
+    or less): a list for a few (numpy's fixed cost per call would be most of it), an array for many."""
+    if len(timestamps_ms) <= SMALL_BATCH:
+        return [now_s - t / 1000.0 for t in timestamps_ms if t > 0]
+    ts = np.asarray(timestamps_ms, dtype=np.float64)
+    return now_s - ts[ts > 0] / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class _BatchSeries:
+    """One bucket's labelled children of the per-batch metrics."""
+
+    batch_size: Any
+    padding_waste: Any
+    real_tokens: Any
+    padded_tokens: Any
+    queue_wait: Any
+    backend_time: Any
+    merged_batches: Any
+
+
 class Metrics:
     """All the worker's instruments, in a registry of their own."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self._batch_series: dict[int, _BatchSeries] = {}  # by bucket bound (observe_batch)
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
         self.consumed = Counter(f"{PREFIX}consumed_messages", "Input messages consumed.", registry=r)
@@ -175,11 +199,8 @@ class Metrics:
 
     def observe_end_to_end_many(self, timestamps_ms: Sequence[int] | np.ndarray, now_s: float | None = None) -> None:
         """observe_end_to_end of many records at once (the delivery thread's acknowledgements of one poll)."""
-        ts = np.asarray(timestamps_ms, dtype=np.float64)
-        ts = ts[ts > 0]
-        if len(ts):
-            now = time.time() if now_s is None else now_s
-            self.end_to_end.observe_many(now - ts / 1000.0)  # negative (clock skew): clamped to 0
+        # Negative ages (clock skew) are clamped to 0 by the histogram.
+        self.end_to_end.observe_many(_seconds_since(time.time() if now_s is None else now_s, timestamps_ms))
 
     def observe_hop(self, hop: Hop, seconds: float) -> None:
         """One keyword's (or batch's) time in a hop; clock steps below 0 count as 0."""
@@ -188,6 +209,15 @@ class Metrics:
     def observe_hops(self, hop: Hop, seconds: Sequence[float] | np.ndarray) -> None:
         """Many keywords' times in a hop, at once; clock steps below 0 count as 0."""
         self.hop.labels(hop=hop).observe_many(seconds)
+
+    def observe_hop_since(self, hop: Hop, timestamps_ms: Sequence[int], now_s: float) -> None:
+        """A hop that began at each record's Kafka timestamp (ms since the epoch; 0 or less: none)
+        and ends at `now_s`."""
+        self.hop.labels(hop=hop).observe_many(_seconds_since(now_s, timestamps_ms))
+
+    def observe_hop_repeated(self, hop: Hop, seconds: float, n: int) -> None:
+        """`n` keywords that spent the same time in a hop (a poll's, submitted together)."""
+        self.hop.labels(hop=hop).observe_repeated(seconds, n)
 
     # --- flow control --------------------------------------------------------------------
     def set_in_flight(self, n: int) -> None:
@@ -203,15 +233,24 @@ class Metrics:
     def observe_batch(self, stats: BatchStats) -> None:
         # The bound, not the index, labels the series: "bucket=16" reads on a dashboard,
         # "bucket=7" needs the profile file open beside it.
-        label = str(stats.bound)
-        self.batch_size.labels(bucket=label).observe(stats.size)
-        self.padding_waste.labels(bucket=label).observe(stats.padding_waste)
-        self.real_tokens.labels(bucket=label).inc(stats.real_tokens)
-        self.padded_tokens.labels(bucket=label).inc(stats.padded_tokens)
-        self.queue_wait.labels(bucket=label).observe_many(stats.queue_wait_s)
-        self.backend_time.labels(bucket=label).observe(stats.backend_s)
+        series = self._batch_series.get(stats.bound)
+        if series is None:
+            # Looked up once per bucket: labels() validates and locks on every call, six times a
+            # batch, which a stream of small batches paid more for than the observations.
+            label = str(stats.bound)
+            series = self._batch_series.setdefault(stats.bound, _BatchSeries(
+                self.batch_size.labels(bucket=label), self.padding_waste.labels(bucket=label),
+                self.real_tokens.labels(bucket=label), self.padded_tokens.labels(bucket=label),
+                self.queue_wait.labels(bucket=label), self.backend_time.labels(bucket=label),
+                self.merged_batches.labels(bucket=label)))
+        series.batch_size.observe(stats.size)
+        series.padding_waste.observe(stats.padding_waste)
+        series.real_tokens.inc(stats.real_tokens)
+        series.padded_tokens.inc(stats.padded_tokens)
+        series.queue_wait.observe_many(stats.queue_wait_s)
+        series.backend_time.observe(stats.backend_s)
         if stats.merged > 1:
-            self.merged_batches.labels(bucket=label).inc()
+            series.merged_batches.inc()
 
     # --- cost model (worker.batching.cost_model.CostModel) ------------------------------------------
     def watch_costs(self, costs: Any) -> None:
