@@ -11,8 +11,10 @@ from worker.delivery.exactly_once.loop import ExactlyOnce
 from worker.delivery.exactly_once.producer import ExactlyOnceProducer
 from worker.delivery.exactly_once.transactions import Transactions
 from worker.delivery.guarantees import AtLeastOnce
-from worker.delivery.inflight import InFlightTable
+from worker.delivery.inflight import InFlight, InFlightTable
+from worker.formats.headers import NO_HEADERS
 from worker.kafka.committer import Committer
+from worker.kafka.offsets import PartitionOffsets
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch
 
@@ -167,3 +169,17 @@ def test_exactly_once_lost_partitions_abort_a_young_transaction() -> None:
     e.in_flight.clear()  # finished, output dropped
     e.d.poll_step(flow_paused=False)
     assert e.producer.calls[-1] == "abort"
+
+
+def test_take_live_drops_records_of_revoked_partitions_and_skips_finished_ones() -> None:
+    ours, gone = PartitionOffsets("in", 0, 1), PartitionOffsets("in", 1, 1)
+    table = InFlightTable()
+    for seq, part in enumerate([ours, gone, ours, ours]):
+        table.add(seq, InFlight(part, seq, f"q{seq}", 3, False, None, 10, None, NO_HEADERS))
+    live, dropped = table.take_live([0, 2, 3])  # every one live: all of them, in the batch's order
+    assert [seq for seq, _ in live] == [0, 2, 3] and dropped == 0
+    table.finish(2)
+    gone.revoked = True
+    live, dropped = table.take_live(iter([3, 1, 2, 0]))  # any iterable, read once
+    assert [seq for seq, _ in live] == [3, 0] and dropped == 1
+    assert len(table) == 2 and table.bytes == 20  # the revoked one left the table, the live ones stay

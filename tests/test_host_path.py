@@ -103,10 +103,10 @@ def test_the_dead_letters_say_why() -> None:
 def test_the_whole_worker_pipeline_runs_broker_free_on_the_benchmark_doubles() -> None:
     out = subprocess.run([sys.executable, "-m", "benchmarks.host.one_run", "--data",
                           str(ROOT / "tests" / "data" / "queries" / "terabyte05-20k.tsv"), "--n", "600",
-                          "--warmup", "200"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--warmup", "200", "--warmup-s", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["exit"] == 0 and result["keywords_per_s"] > 0 and result["n"] == 600
+    assert result["exit"] == 0 and result["keywords_per_s"] > 0 and 0 < result["n"] <= 600
     # Every keyword's output was produced: float-list JSON of 384 numbers each.
     assert result["produced_value_bytes"] > 800 * 384 * 2
     assert {"poll", "kwe-output", "kwe-delivery", "kwe-bucket-former"} <= set(result["threads_us_per_keyword"])

@@ -111,6 +111,14 @@ def check_size(key: bytes | None, value: bytes | None, *, max_bytes: int, header
 
 def keyword_from_object(obj: object) -> Keyword | Rejection:
     """The keyword of a decoded {"id", "text"} object (JSON, or a registry format's record)."""
+    if type(obj) is dict:
+        # Nearly every record: two strings, an ID and a text that starts with a letter or digit,
+        # so neither can be empty or blank; everything else takes the checks below, in order.
+        qid, text = obj.get("id"), obj.get("text")
+        if type(qid) is str and type(text) is str and qid:
+            first = text[:1]
+            if first.isascii() and first.isalnum():
+                return Keyword(qid, text)
     if not isinstance(obj, dict):
         return Rejection("not_an_object", f"value is a JSON {type(obj).__name__}, expected an object")
     if "id" not in obj:
@@ -322,12 +330,13 @@ class OutputCodec:
         if self.truncate_dim:
             rows = truncate(rows, self.truncate_dim, renormalise=self.normalized)
         if self.encoding == "float-list":
-            embeddings = [b"[" + e + b"]" for e in _json_rows(rows)]
+            embeddings, opening, closing = _json_rows(rows), b',"embedding":[', b"]"
         else:
-            embeddings = [b'"' + base64.b64encode(r) + b'"' for r in _BATCH_BYTES[self.encoding](rows, self.int8_range)]
+            embeddings = [base64.b64encode(r) for r in _BATCH_BYTES[self.encoding](rows, self.int8_range)]
+            opening, closing = b',"embedding":"', b'"'
         fixed, tail = self._fixed
         dumps = orjson.dumps
-        return [b"".join((b'{"id":', dumps(q), b',"embedding":', e, fixed, b"%d" % t,
+        return [b"".join((b'{"id":', dumps(q), opening, e, closing, fixed, b"%d" % t,
                           b',"truncated":true' if cut else b',"truncated":false', tail))
                 for q, e, t, cut in zip(qids, embeddings, tokens, truncated)]
 

@@ -66,7 +66,7 @@ class Intake:
         in-flight insert, one bucketer submit (a poll of a backlog holds hundreds)."""
         s = self._settings
         polled = time.monotonic()
-        now_ms = time.time() * 1000.0
+        now_s = time.time()
         fmt, max_bytes, decode = s.input_format, s.max_message_bytes, self._decode
         # Each partition's offset state, looked up once per poll (None: no longer ours).
         parts: dict[tuple[str, int], PartitionOffsets | None] = {}
@@ -100,7 +100,7 @@ class Intake:
         self.consumed += consumed
         self._metrics.count_consumed(consumed)
         if timestamps:
-            self._metrics.observe_hops("input_to_poll", (now_ms - np.asarray(timestamps, dtype=np.float64)) / 1000.0)
+            self._metrics.observe_hop_since("input_to_poll", timestamps, now_s)
         if good:
             self._embed(good, polled)
 
@@ -177,7 +177,7 @@ class Intake:
         self._inflight.add_many(seqs, recs)
         if submit_seqs:
             self._submit(submit_seqs, submit_ids)
-            self._metrics.observe_hops("poll_to_submit", np.full(len(submit_seqs), time.monotonic() - polled))
+            self._metrics.observe_hop_repeated("poll_to_submit", time.monotonic() - polled, len(submit_seqs))
         if hits and cache is not None and self._answer is not None:
             # [n, dim] float32, or a sparse model's SparseRows
             self._answer([seq for seq, _ in hits], cache.stack([row for _, row in hits]))
