@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -98,10 +99,16 @@ def publish_keywords(bootstrap: str, topic: str, rows: list[tuple[str, str]], ta
     producer.flush(60)
 
 
-def kafka_round(tag: str, rows: list[tuple[str, str]], bootstrap: str, topic_in: str, reader: Consumer) -> float:
+def kafka_round(tag: str, rows: list[tuple[str, str]], bootstrap: str, topic_in: str, reader: Consumer, *,
+                published: Callable[[], None] | None = None) -> float:
+    """Publishes the rows and reads every embedding back; seconds from the first publish (or from
+    `published`'s return, when given: it runs once everything is published) to the last embedding."""
     want = {f"{tag}-{qid}" for qid, _ in rows}
     start = time.perf_counter()
     publish_keywords(bootstrap, topic_in, rows, tag)
+    if published is not None:
+        published()
+        start = time.perf_counter()
     deadline = time.monotonic() + 600
     while want:
         for msg in reader.consume(1000, timeout=0.05):

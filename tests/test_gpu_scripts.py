@@ -344,8 +344,8 @@ def test_dry_run_of_the_device_run_on_the_fake_torch(tmp_path: Path) -> None:
            "PYTHONPATH": f"{ROOT / 'tests' / 'fakes' / 'gpu_modules'}:{ROOT}",
            "KWE_MODEL_DIR": str(ROOT / "tests" / "data" / "families" / "bert"), "KWE_PROFILES_FILE": str(profiles),
            "KWE_CACHE_DIR": str(tmp_path / "cache"), "DEVICE_SKIP": "torch-graphs", "DEVICE_HOST_PROCESSES": "1 2",
-           "DEVICE_HOST_ROUNDS": "1", "DEVICE_HOST_N": "120", "DEVICE_HOST_WARMUP": "40", "DEVICE_DRY_RUN": "1",
-           "DEVICE_SHAPE_CALLS": "2"}
+           "DEVICE_HOST_ROUNDS": "1", "DEVICE_HOST_N": "120", "DEVICE_HOST_WARMUP": "40", "DEVICE_HOST_WARMUP_S": "0",
+           "DEVICE_DRY_RUN": "1", "DEVICE_SHAPE_CALLS": "2"}
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "device_run.sh")], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=400)
     log = proc.stdout + proc.stderr

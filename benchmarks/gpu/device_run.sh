@@ -39,7 +39,8 @@ GRAPHS_ROUNDS="${GRAPHS_ROUNDS:-3}" GRAPHS_LIMIT="${GRAPHS_LIMIT:-10000}" stage 
   $PY -m benchmarks.gpu.torch_graphs
 # shellcheck disable=SC2086  # the process counts are words
 stage host-path 130 $PY -m benchmarks.host.pipeline_bench --backend torch --processes ${DEVICE_HOST_PROCESSES:-1 4 8} \
-  --rounds "${DEVICE_HOST_ROUNDS:-2}" -n "${DEVICE_HOST_N:-30000}" --warmup "${DEVICE_HOST_WARMUP:-3000}" \
+  --rounds "${DEVICE_HOST_ROUNDS:-2}" -n "${DEVICE_HOST_N:-200000}" --warmup "${DEVICE_HOST_WARMUP:-3000}" \
+  --warmup-s "${DEVICE_HOST_WARMUP_S:-1.5}" \
   --setting "model_dir=$KWE_MODEL_DIR" ${KWE_PROFILES_FILE:+--setting "profiles_file=$KWE_PROFILES_FILE"} \
   --json "$OUT/host-path.json"
 kill $sampler 2>/dev/null

@@ -109,8 +109,12 @@ def partitioned(topic: str, records: Sequence[tuple[bytes, bytes]], partitions: 
 
 
 class MemoryConsumer:
-    def __init__(self, config: dict[str, Any], logs: list[list[MemoryMessage]], topic: str) -> None:
+    def __init__(self, config: dict[str, Any], logs: list[list[MemoryMessage]], topic: str, *,
+                 per_poll: int = 0) -> None:
         self._config = config
+        # At most this many records a consume (0: what the worker asks for): a live stream's small
+        # fetches, where a backlog's are full.
+        self._per_poll = per_poll
         self._logs = logs
         self._topic = topic
         self._at = [0] * len(logs)
@@ -163,6 +167,8 @@ class MemoryConsumer:
         while self._answers and on_commit is not None:
             on_commit(*self._answers.popleft())
         out: list[MemoryMessage] = []
+        if self._per_poll:
+            num_messages = min(num_messages, self._per_poll)
         live = [p for p in range(len(self._logs)) if p not in self._paused and self._at[p] < len(self._logs[p])]
         while live and len(out) < num_messages:
             # A fetch's worth per partition in turn, as librdkafka's fetch queue hands them out.

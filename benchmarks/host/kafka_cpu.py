@@ -10,8 +10,13 @@ Sides: `null` (benchmarks/host/null_worker.py: unit vectors, no compute), `model
 baseline). Each side is one worker process with the default settings and the embedding cache off
 (every keyword is tokenized, batched and encoded), its own topics (6 partitions) and group. A round
 publishes N keywords to each side in turn (the order rotates) and reads every embedding back; the
-side's CPU is its process's user + system time from /proc over that span, divided by N. Paired
+side's CPU is its process's user + system time from /proc over that span, divided by N, and the
+share of it librdkafka's own threads spent (`rdk:*`; the rest is the interpreter's threads). Paired
 per round: on a shared, noisy box only same-round ratios mean anything.
+
+By default the worker runs while the round is published, as a live stream: its polls bring what
+arrived since the last one. With --backlog the worker is stopped (SIGSTOP) while the round is
+published and measured from its SIGCONT: a backlog, polls of up to 500 records.
 """
 
 from __future__ import annotations
@@ -104,6 +109,20 @@ class Side:
                 self.proc.kill()
 
 
+def rdkafka_seconds(pid: int) -> float:
+    """CPU seconds of the process's librdkafka threads (named rdk:main, rdk:broker<N>, ...), from /proc."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            if not (task / "comm").read_text().startswith("rdk:"):
+                continue
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # a thread that ended meanwhile
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def parse_side(spec: str, backend: str) -> Side:
     """`KIND[@ROOT][#FLAGS]`: FLAGS are extra `run` flags of this side only (space-separated)."""
     spec, _, flags = spec.partition("#")
@@ -122,6 +141,8 @@ def main() -> int:
     ap.add_argument("-n", "--n", type=int, default=8000, help="keywords per side and round")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--worker-args", default="", help="extra `run` flags for every side (one string)")
+    ap.add_argument("--backlog", action="store_true",
+                    help="publish each round while the worker is stopped, then measure it working the backlog")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     bootstrap = kafka_bootstrap_from_env()
@@ -148,23 +169,50 @@ def main() -> int:
                 order = sides[r % len(sides):] + sides[:r % len(sides)]
                 got: dict[str, Any] = {}
                 for side in order:
-                    batch = [rows[(at + i) % len(rows)] for i in range(args.n)]
+                    # Past the end of the data the rows come round again: a pass number keeps every
+                    # ID unique, or the round would end at the first pass's last embedding.
+                    batch = []
+                    for i in range(at, at + args.n):
+                        qid, text = rows[i % len(rows)]
+                        batch.append((f"{qid}.{i // len(rows)}", text))
                     at += args.n
                     assert side.proc is not None
-                    cpu0, broker0 = cpu_seconds(side.proc.pid), cpu_seconds(broker_pid)
-                    wall = kafka_round(f"r{r}-{side.name}", batch, bootstrap, side.topics[0], side.reader)
-                    cpu, broker = cpu_seconds(side.proc.pid) - cpu0, cpu_seconds(broker_pid) - broker0
+                    proc = side.proc
+                    marks: dict[str, Any] = {}
+
+                    def mark() -> None:
+                        marks["cpu"], marks["rdk"] = cpu_seconds(proc.pid), rdkafka_seconds(proc.pid)
+                        marks["broker"] = cpu_seconds(broker_pid)
+
+                    def resume() -> None:
+                        mark()
+                        proc.send_signal(signal.SIGCONT)
+
+                    if args.backlog:
+                        proc.send_signal(signal.SIGSTOP)
+                    else:
+                        mark()
+                    try:
+                        wall = kafka_round(f"r{r}-{side.name}", batch, bootstrap, side.topics[0], side.reader,
+                                           published=resume if args.backlog else None)
+                    finally:
+                        proc.send_signal(signal.SIGCONT)
+                    cpu, broker = cpu_seconds(proc.pid) - marks["cpu"], cpu_seconds(broker_pid) - marks["broker"]
+                    rdk = rdkafka_seconds(proc.pid) - marks["rdk"]
                     got[side.name] = {"keywords_per_s": args.n / wall, "worker_cpu_us_per_keyword": cpu * 1e6 / args.n,
+                                      "librdkafka_cpu_us_per_keyword": rdk * 1e6 / args.n,
                                       "broker_cpu_us_per_keyword": broker * 1e6 / args.n}
                 results.append({"round": r, "order": [s.name for s in order], "sides": got})
                 print(f"round {r}: " + "  ".join(f"{k}: {v['keywords_per_s']:6.0f} kw/s worker "
-                                                  f"{v['worker_cpu_us_per_keyword']:6.1f} us/kw"
+                                                  f"{v['worker_cpu_us_per_keyword']:6.1f} us/kw "
+                                                  f"(librdkafka {v['librdkafka_cpu_us_per_keyword']:4.1f})"
                                                   for k, v in got.items()), flush=True)
         finally:
             for side in sides:
                 side.stop()
     summary: dict[str, Any] = {"data": args.data.name, "n": args.n, "rounds_run": len(results),
-                               "cpu_count": os.cpu_count(), "worker_args": args.worker_args, "sides": {},
+                               "cpu_count": os.cpu_count(), "worker_args": args.worker_args,
+                               "regime": "backlog" if args.backlog else "live", "sides": {},
                                "ratios": {}}
     for side in sides:
         per = [x["sides"][side.name] for x in results]

@@ -73,9 +73,16 @@ def parse_setting(text: str, settings: Any) -> tuple[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, required=True)
-    ap.add_argument("--n", type=int, default=20000, help="keywords measured (after the warm-up)")
+    ap.add_argument("--n", type=int, default=100000,
+                    help="keywords after the first --warmup (those done after --warmup-s are measured)")
     ap.add_argument("--warmup", type=int, default=3000)
+    ap.add_argument("--warmup-s", type=float, default=1.5,
+                    help="and at least this long from the first acknowledgement: flow control starts at "
+                         "its smallest in-flight bound (256) and sets it from the rate measured over its "
+                         "first second, so a shorter warm-up measures start-up, not the steady state")
     ap.add_argument("--partitions", type=int, default=6)
+    ap.add_argument("--poll-records", type=int, default=0,
+                    help="at most this many records a consume (a live stream's small fetches; 0: a backlog's)")
     ap.add_argument("--skip", type=int, default=0, help="start at this row of the data (wrapping around)")
     ap.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
                     help="a worker setting (default: the worker's defaults, the embedding cache off)")
@@ -112,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     wire = app.wire_pipeline
 
     def wire_in_memory(*a: Any, **kw: Any) -> Any:
-        kw["consumer_factory"] = lambda config: clients.setdefault("consumer", MemoryConsumer(config, logs, TOPIC))
+        kw["consumer_factory"] = lambda config: clients.setdefault("consumer", MemoryConsumer(config, logs, TOPIC,
+                                                                                    per_poll=args.poll_records))
         kw["producer_factory"] = lambda config: clients.setdefault("producer", AckingProducer(config))
         return wire(*a, **kw)
 
@@ -130,8 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     marks: dict[str, Any] = {}
 
     def watch() -> None:
-        while producer.acked < args.warmup:
+        while producer.acked == 0:
             time.sleep(0.0005)
+        started = time.perf_counter()
+        while producer.acked < args.warmup or time.perf_counter() - started < args.warmup_s:
+            time.sleep(0.0005)
+        if producer.acked >= total:
+            marks["short"] = True
+            pipeline.request_stop()
+            return
+        marks["acked0"] = producer.acked
         marks["t0"], marks["cpu0"], marks["threads0"] = time.perf_counter(), time.process_time(), thread_cpu()
         while producer.acked < total:
             time.sleep(0.0005)
@@ -144,11 +160,13 @@ def main(argv: list[str] | None = None) -> int:
     code = pipeline.run()
     watcher.join(5)
     assembled.close()
+    if marks.get("short"):
+        raise SystemExit(f"all {total} keywords were done within the warm-up: raise --n")
     if "t1" not in marks:
         raise SystemExit(f"the pipeline stopped (exit {code}) after {producer.acked} of {total} acknowledgements")
     names = marks["names"]
     names[threading.main_thread().native_id] = "poll"
-    n = args.n
+    n = total - marks["acked0"]  # the keywords acknowledged after the warm-up
     wall = marks["t1"] - marks["t0"]
     per_thread: dict[str, float] = {}
     for tid, after in marks["threads1"].items():

@@ -61,7 +61,8 @@ def run_side(root: Path, pythonpath: Path, args: argparse.Namespace, processes: 
     per = args.n + args.warmup
     for i in range(processes):
         cmd = [sys.executable, "-m", "kwe_host.one_run", "--data", str(args.data), "--n", str(args.n),
-               "--warmup", str(args.warmup), "--skip", str(i * per), "--backend", args.backend]
+               "--warmup", str(args.warmup), "--warmup-s", str(args.warmup_s), "--skip", str(i * per), "--backend", args.backend,
+               "--poll-records", str(args.poll_records)]
         for s in settings:
             cmd += ["--setting", s]
         procs.append(subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -78,14 +79,19 @@ def run_side(root: Path, pythonpath: Path, args: argparse.Namespace, processes: 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    ap.add_argument("-n", "--n", type=int, default=12000, help="keywords measured per process and run")
+    ap.add_argument("-n", "--n", type=int, default=100000,
+                    help="keywords per process and run after --warmup; those after --warmup-s are measured")
     ap.add_argument("--warmup", type=int, default=3000)
+    ap.add_argument("--warmup-s", type=float, default=1.5,
+                    help="one_run's: flow control sets its in-flight bound after a second of measuring")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--baseline-root", type=Path, default=None, help="a checkout to pair against")
     ap.add_argument("--processes", type=int, nargs="+", default=[1],
                     help="process counts to run this checkout with (each round runs every count)")
     ap.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
                     help="a worker setting for both sides")
+    ap.add_argument("--poll-records", type=int, default=0,
+                    help="one_run's: at most this many records a consume (a live stream; 0: a backlog)")
     ap.add_argument("--backend", default="null", help="null (no model; the default) or a worker backend")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", type=Path)
@@ -112,7 +118,7 @@ def main() -> int:
             print(f"round {r}: {line}", flush=True)
     summary: dict[str, Any] = {"data": args.data.name, "n": args.n, "rounds_run": len(rounds),
                                "cpu_count": os.cpu_count(), "settings": args.setting, "backend": args.backend,
-                               "sides": {}, "ratios": {}}
+                               "poll_records": args.poll_records, "warmup_s": args.warmup_s, "sides": {}, "ratios": {}}
     for name, _, _ in sides:
         rows = [x["sides"][name] for x in rounds]
         threads = {t: quartiles([row["threads_us_per_keyword"].get(t, 0.0) for row in rows])["median"]
