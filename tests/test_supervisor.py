@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.commands.run import process_count
+from worker.commands.run import interpreter_cpus, process_count
 from worker.operations.merged_metrics import merge_expositions
 from worker.operations.metrics import Metrics
 from worker.operations.supervisor import Supervisor, worst
@@ -133,3 +133,27 @@ def test_processes_auto_is_half_the_cores_up_to_8_on_a_gpu_and_1_on_cpu() -> Non
 def test_processes_takes_auto_or_a_number(value: str) -> None:
     with pytest.raises(SettingsError, match="processes"):
         Settings(processes=value)
+
+
+def test_each_process_gets_its_own_cpu_for_its_interpreter_on_a_gpu_and_none_on_cpu(tmp_path: Any) -> None:
+    gpu = Settings(backend="tensorrt", processes="3")
+    assert interpreter_cpus(gpu, 3, cpus=[2, 5]) == [2, 5, 2]
+    assert interpreter_cpus(Settings(backend="auto"), 2, gpu=True, cpus=[0, 1, 2, 3]) == [0, 1]
+    assert interpreter_cpus(Settings(backend="onnxruntime"), 2, gpu=True, cpus=[0, 1]) is None
+    assert interpreter_cpus(Settings(backend="tensorrt", interpreter_cpu="off"), 2, cpus=[0, 1]) is None
+    assert interpreter_cpus(gpu, 1, cpus=[0, 1]) is None, "one process, no supervisor: as given"
+    sup = Supervisor(["--input-topic", "in"], 2, member_id="host", metrics=False, interpreter_cpus=[4, 7],
+                     executable=(sys.executable, "-c", CHILD, "0", str(tmp_path)))
+    sup.start()
+    time.sleep(0.5)
+    sup.request_stop()
+    assert _run(sup) == 0
+    argv = [(tmp_path / f"child-{i}.argv").read_text().split() for i in range(2)]
+    assert [a[a.index("--interpreter-cpu") + 1] for a in argv] == ["4", "7"]
+
+
+@pytest.mark.parametrize("value", ["two", "-1", "", "0,1"])
+def test_interpreter_cpu_takes_a_cpu_number_auto_or_off(value: str) -> None:
+    with pytest.raises(SettingsError, match="interpreter_cpu"):
+        Settings(interpreter_cpu=value)
+    assert Settings(interpreter_cpu="3").interpreter_cpu == "3"

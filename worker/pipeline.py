@@ -49,6 +49,7 @@ from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch
 from worker.operations.health import Liveness
 from worker.operations.metrics import Metrics
+from worker.operations.os_threads import hold_interpreter_threads
 from worker.output.stage import OutputStage
 from worker.output.tracing import BatchSpans
 from worker.settings.schema import Settings
@@ -202,6 +203,8 @@ class Pipeline:
                      max_in_flight=s.max_in_flight, max_in_flight_bytes=s.max_in_flight_bytes, **self.identity)
             self._delivery.start()
             self._member.subscribe(s.input_topic, self._delivery)
+            if s.interpreter_cpu.isdigit():
+                self._hold_interpreter(int(s.interpreter_cpu))
             while not self._stop.is_set() and not self.latch.is_set():
                 self._poll_once()
             if not self.latch.is_set() and not self._abort.is_set():
@@ -249,6 +252,18 @@ class Pipeline:
         if self._gate is not None and self._gate.finished() and not self._stop.is_set():
             log.info("the run's work is done: stopping")
             self.request_stop()
+
+    def _hold_interpreter(self, cpu: int) -> None:
+        """This thread and the kwe-* threads, all started by now, on one CPU (the clients' and the
+        runtimes' own threads, started before, keep the process's set). A refusal costs speed, not
+        correctness: logged, and the worker runs on unheld."""
+        try:
+            held = hold_interpreter_threads(cpu)
+        except OSError as exc:
+            log.warning("interpreter threads not held on one CPU; they run where the OS puts them",
+                        cpu=cpu, error=str(exc))
+            return
+        log.info("interpreter threads held on one CPU", cpu=cpu, threads=len(held))
 
     def _hold(self, pending: int, reason: str) -> bool:
         """Intake stopped (`reason`: the in-flight bound, a transaction closing) and the delivery

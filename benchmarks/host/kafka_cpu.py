@@ -10,8 +10,9 @@ Sides: `null` (benchmarks/host/null_worker.py: unit vectors, no compute), `model
 baseline). Each side is one worker process with the default settings and the embedding cache off
 (every keyword is tokenized, batched and encoded), its own topics (6 partitions) and group. A round
 publishes N keywords to each side in turn (the order rotates) and reads every embedding back; the
-side's CPU is its process's user + system time from /proc over that span, divided by N, and the
-share of it librdkafka's own threads spent (`rdk:*`; the rest is the interpreter's threads). Paired
+side's CPU is its process's user + system time from /proc over that span, divided by N, and how
+it splits by thread (`thread_seconds`: the main thread that polls, each of the worker's named
+threads, librdkafka's `rdk:*`). Paired
 per round: on a shared, noisy box only same-round ratios mean anything.
 
 By default the worker runs while the round is published, as a live stream: its polls bring what
@@ -109,18 +110,32 @@ class Side:
                 self.proc.kill()
 
 
-def rdkafka_seconds(pid: int) -> float:
-    """CPU seconds of the process's librdkafka threads (named rdk:main, rdk:broker<N>, ...), from /proc."""
-    total = 0
+def thread_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds of the process's threads by what they are, from /proc: the main thread (which
+    polls the consumer), the worker's named threads (kwe-output, kwe-delivery, kwe-bucket-form,
+    kwe-dispatch-N together; worker.operations.os_threads.py), librdkafka's (rdk:main,
+    rdk:broker<N>, ...: `librdkafka`), and `other` (threads without a name of their own, such as a
+    checkout's from before the names)."""
+    groups: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
-            if not (task / "comm").read_text().startswith("rdk:"):
-                continue
+            comm = (task / "comm").read_text().strip()
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue  # a thread that ended meanwhile
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+        if task.name == str(pid):
+            group = "main"
+        elif comm.startswith("rdk:"):
+            group = "librdkafka"
+        elif comm.startswith("kwe-dispatch"):
+            group = "kwe-dispatch"
+        elif comm.startswith("kwe-"):
+            group = comm
+        else:
+            group = "other"
+        groups[group] = groups.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return groups
 
 
 def parse_side(spec: str, backend: str) -> Side:
@@ -181,7 +196,7 @@ def main() -> int:
                     marks: dict[str, Any] = {}
 
                     def mark() -> None:
-                        marks["cpu"], marks["rdk"] = cpu_seconds(proc.pid), rdkafka_seconds(proc.pid)
+                        marks["cpu"], marks["threads"] = cpu_seconds(proc.pid), thread_seconds(proc.pid)
                         marks["broker"] = cpu_seconds(broker_pid)
 
                     def resume() -> None:
@@ -198,10 +213,14 @@ def main() -> int:
                     finally:
                         proc.send_signal(signal.SIGCONT)
                     cpu, broker = cpu_seconds(proc.pid) - marks["cpu"], cpu_seconds(broker_pid) - marks["broker"]
-                    rdk = rdkafka_seconds(proc.pid) - marks["rdk"]
+                    # A thread that ended during the round (a helper) is left out of the split, not of `cpu`.
+                    threads = {k: (v - marks["threads"].get(k, 0.0)) * 1e6 / args.n
+                               for k, v in thread_seconds(proc.pid).items()}
+                    rdk = threads.get("librdkafka", 0.0)
                     got[side.name] = {"keywords_per_s": args.n / wall, "worker_cpu_us_per_keyword": cpu * 1e6 / args.n,
-                                      "librdkafka_cpu_us_per_keyword": rdk * 1e6 / args.n,
-                                      "broker_cpu_us_per_keyword": broker * 1e6 / args.n}
+                                      "librdkafka_cpu_us_per_keyword": rdk,
+                                      "broker_cpu_us_per_keyword": broker * 1e6 / args.n,
+                                      "thread_cpu_us_per_keyword": threads}
                 results.append({"round": r, "order": [s.name for s in order], "sides": got})
                 print(f"round {r}: " + "  ".join(f"{k}: {v['keywords_per_s']:6.0f} kw/s worker "
                                                   f"{v['worker_cpu_us_per_keyword']:6.1f} us/kw "
@@ -216,9 +235,13 @@ def main() -> int:
                                "ratios": {}}
     for side in sides:
         per = [x["sides"][side.name] for x in results]
-        summary["sides"][side.name] = {k: quartiles([p[k] for p in per]) for k in per[0]}
+        summary["sides"][side.name] = {k: quartiles([p[k] for p in per]) for k in per[0] if k != "thread_cpu_us_per_keyword"}
+        groups = sorted({g for p in per for g in p["thread_cpu_us_per_keyword"]})
+        by_thread = {g: quartiles([p["thread_cpu_us_per_keyword"].get(g, 0.0) for p in per]) for g in groups}
+        summary["sides"][side.name]["thread_cpu_us_per_keyword"] = by_thread
         c = summary["sides"][side.name]["worker_cpu_us_per_keyword"]
-        print(f"{side.name}: worker {c['median']:.1f} us/keyword ({c['q1']:.1f}-{c['q3']:.1f})")
+        split = ", ".join(f"{g} {q['median']:.1f}" for g, q in sorted(by_thread.items(), key=lambda x: -x[1]["median"]))
+        print(f"{side.name}: worker {c['median']:.1f} us/keyword ({c['q1']:.1f}-{c['q3']:.1f}); by thread: {split}")
     first = sides[0].name
     for side in sides[1:]:
         q = quartiles([x["sides"][side.name]["worker_cpu_us_per_keyword"] / x["sides"][first]["worker_cpu_us_per_keyword"]

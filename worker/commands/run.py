@@ -92,6 +92,15 @@ def _checked_settings(args: argparse.Namespace) -> Any:
     if os.environ.get(ENV_PROCESS):  # one of a supervisor's processes: its lines say which
         structlog.contextvars.bind_contextvars(process=int(os.environ[ENV_PROCESS]))
 
+    if settings.interpreter_cpu.isdigit():
+        from worker.operations.os_threads import allowed_cpus
+
+        if int(settings.interpreter_cpu) not in (cpus := allowed_cpus()):
+            from worker.settings.schema import SettingsError
+
+            raise SettingsError(f"setting 'interpreter_cpu': CPU {settings.interpreter_cpu} is not one this "
+                                f"process may run on ({', '.join(map(str, cpus))})")
+
     # Before the broker is asked anything: a backend that cannot be had here (an extra not
     # installed, no GPU visible, no plan) stops the worker with its one line, with or without a
     # broker. Cheap: find_spec and the driver's device nodes, nothing imported.
@@ -116,16 +125,34 @@ def _start(settings: Any) -> tuple[Any, Any]:
     return build_pipeline(settings, metrics=metrics), metrics
 
 
+def _on_gpu(settings: Any, gpu: bool | None) -> bool:
+    from worker.backend_choice.select import gpu_present
+
+    return settings.backend in ("tensorrt", "torch") or (settings.backend == "auto" and
+                                                         (gpu_present() if gpu is None else gpu))
+
+
 def process_count(settings: Any, *, gpu: bool | None = None, cores: int | None = None) -> int:
     """`processes` as a number: 'auto' is half the cores up to 8 where a GPU embeds (the host path is
     the limit there), else 1 (on CPU the model's own threads take the cores)."""
     if settings.processes != "auto":
         return int(settings.processes)
-    from worker.backend_choice.select import gpu_present, usable_cores
+    from worker.backend_choice.select import usable_cores
 
-    on_gpu = settings.backend in ("tensorrt", "torch") or (settings.backend == "auto" and
-                                                           (gpu_present() if gpu is None else gpu))
-    return max(1, min(8, (cores or usable_cores()) // 2)) if on_gpu else 1
+    return max(1, min(8, (cores or usable_cores()) // 2)) if _on_gpu(settings, gpu) else 1
+
+
+def interpreter_cpus(settings: Any, processes: int, *, gpu: bool | None = None,
+                     cpus: list[int] | None = None) -> list[int] | None:
+    """Under a supervisor, each process's `interpreter_cpu` (process i: the ith CPU of the machine's
+    set, in turn), or None: the processes keep the setting as given. 'auto' holds them only on a GPU
+    backend: on CPU the model's own threads, some started later by the held ones, need the cores."""
+    if processes <= 1 or settings.interpreter_cpu != "auto" or not _on_gpu(settings, gpu):
+        return None
+    from worker.operations.os_threads import allowed_cpus
+
+    machine = cpus if cpus is not None else allowed_cpus()
+    return [machine[i % len(machine)] for i in range(processes)]
 
 
 def _supervise(args: argparse.Namespace, settings: Any, processes: int, signals: StopSignals) -> int:
@@ -135,7 +162,8 @@ def _supervise(args: argparse.Namespace, settings: Any, processes: int, signals:
     from worker.operations.supervisor import Supervisor
 
     supervisor = Supervisor(list(getattr(args, "command_argv", [])), processes,
-                            member_id=settings.member_id or socket.gethostname(), metrics=bool(settings.metrics_port))
+                            member_id=settings.member_id or socket.gethostname(), metrics=bool(settings.metrics_port),
+                            interpreter_cpus=interpreter_cpus(settings, processes))
     signals.on_stop = supervisor.request_stop
     supervisor.start()
     server = None

@@ -6,8 +6,9 @@ a full group member with its own consumer, producer, bucketer and backend (shari
 files and the caches on disk; on a GPU, sharing the device), and this supervisor:
 
 - starts them with the same settings (`run`'s own command line, then `--processes 1`, a distinct
-  `--member-id` (exactly-once's transactional IDs must differ) and, when metrics are on, a
-  loopback metrics port of its own);
+  `--member-id` (exactly-once's transactional IDs must differ), when metrics are on, a loopback
+  metrics port of its own and, where `interpreter_cpu` is auto on a GPU, a CPU of its own for its
+  Python threads);
 - forwards SIGTERM/SIGINT to every child (a second signal, forwarded again, aborts them);
 - serves one /metrics for the machine on `metrics_port` (every child's series with a `process`
   label, merged at scrape time), /readyz (ready when every child is) and /healthz (alive while
@@ -105,6 +106,8 @@ class Supervisor:
     count: int
     member_id: str
     metrics: bool
+    # Each process's --interpreter-cpu (worker/operations/os_threads.py), in order; None: as given.
+    interpreter_cpus: list[int] | None = None
     spawn: Spawn = _popen
     executable: Sequence[str] = (sys.executable, "-m", "worker.cli")
     children: list[Child] = field(default_factory=list)
@@ -119,6 +122,8 @@ class Supervisor:
                        "--member-id", f"{self.member_id}-{i}"]
             if self.metrics:
                 command += ["--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
+            if self.interpreter_cpus is not None:
+                command += ["--interpreter-cpu", str(self.interpreter_cpus[i])]
             child = Child(i, command, port)
             child.proc = self.spawn(command, {**os.environ, ENV_PROCESS: str(i)})
             self.children.append(child)

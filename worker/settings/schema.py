@@ -294,6 +294,14 @@ class Settings:
                               "host path). A supervisor forwards signals, serves one /metrics for the machine "
                               "(each process's series labelled process=N) and exits when a process does. "
                               "Give the input topic at least processes x machines partitions.")
+    interpreter_cpu: str = _setting("auto", "The CPU the worker's Python threads run on (the poll thread and "
+                                    "its own kwe-* threads; librdkafka's threads and the inference "
+                                    "runtimes' pools keep the process's whole set): a CPU number, 'off', or "
+                                    "'auto' (with processes above 1 on a GPU backend, each process one CPU of "
+                                    "the machine's set in turn; else off). The interpreter lock runs one of "
+                                    "them at a time anyway; spread over cores they hand it between caches "
+                                    "(held on one, 23-26 against 32-33 us of CPU a keyword through the broker, "
+                                    "the model taken out: docs/performance.md, The host path).")
     metrics_port: int = _setting(0, "Port for /metrics, /healthz and /readyz (on metrics_host); 0 disables "
                                  "them.", minimum=0, maximum=65535)
     metrics_host: str = _setting("0.0.0.0", "Address the metrics server binds to.")
@@ -344,6 +352,9 @@ class Settings:
         if self.processes != "auto" and not (self.processes.isdigit() and 1 <= int(self.processes) <= MAX_PROCESSES):
             raise SettingsError(f"setting 'processes': {self.processes!r} is not 'auto' or a number from 1 to "
                                 f"{MAX_PROCESSES}")
+        if self.interpreter_cpu not in ("auto", "off") and not self.interpreter_cpu.isdigit():
+            raise SettingsError(f"setting 'interpreter_cpu': {self.interpreter_cpu!r} is not a CPU number, "
+                                "'auto' or 'off'")
         if self.sasl_password and self.sasl_password_file:
             raise SettingsError("settings 'sasl_password' and 'sasl_password_file' are both set: keep one")
         if self.schema_registry_password and self.schema_registry_password_file:

@@ -1,0 +1,155 @@
+"""The worker's threads carry their names at the OS level (worker.operations.os_threads.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from worker.latch import FatalLatch, guarded
+from worker.operations.os_threads import PR_SET_NAME, hold_interpreter_threads, name_current_thread
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_NAME) is Linux's")
+
+
+def _comm_of_thread_running(body_name: str, name: str) -> tuple[str, str]:
+    """(the OS name of a guarded thread, the main thread's OS name), read from /proc while it runs."""
+    seen: dict[str, str] = {}
+
+    def body() -> None:
+        seen["comm"] = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+
+    t = threading.Thread(target=guarded(FatalLatch(), name, body), name=body_name)
+    t.start()
+    t.join(10)
+    return seen["comm"], Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+
+
+@linux_only
+def test_a_guarded_thread_runs_under_its_name_and_the_main_thread_keeps_the_process_name() -> None:
+    before = Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text().strip()
+    comm, main_after = _comm_of_thread_running("kwe-output", "kwe-output")
+    assert comm == "kwe-output"
+    assert main_after == before != "kwe-output"
+
+
+@linux_only
+def test_a_long_name_is_cut_to_what_the_kernel_keeps() -> None:
+    comm, _ = _comm_of_thread_running("kwe-bucket-former", "kwe-bucket-former")
+    assert comm == "kwe-bucket-form"  # 15 bytes
+
+
+def test_the_call_passes_the_name_cut_to_15_bytes_and_reports_a_refusal() -> None:
+    calls: list[tuple[object, ...]] = []
+
+    def prctl(*args: object) -> int:
+        calls.append(args)
+        return -1
+
+    assert name_current_thread("kwe-dispatch-12345678", prctl=prctl) is False
+    option, name = calls[0][0], calls[0][1]
+    assert option == PR_SET_NAME
+    assert name.value == b"kwe-dispatch-12"  # type: ignore[attr-defined]
+    assert name_current_thread("kwe-output", prctl=lambda *a: 0) is True
+
+
+HOLD = """
+import os, threading, time
+from worker.operations.os_threads import allowed_cpus, hold_interpreter_threads
+stop = threading.Event()
+threads = [threading.Thread(target=stop.wait, name=name) for name in ("kwe-output", "kwe-dispatch-0", "helper")]
+for t in threads:
+    t.start()
+cpu = allowed_cpus()[-1]
+held = hold_interpreter_threads(cpu)
+got = {t.name: sorted(os.sched_getaffinity(t.native_id)) for t in threads}
+got["main"] = sorted(os.sched_getaffinity(threading.get_native_id()))
+stop.set()
+print(cpu, len(held), got)
+"""
+
+
+@linux_only
+def test_holding_puts_the_main_and_kwe_threads_on_one_cpu_and_leaves_the_others() -> None:
+    import subprocess
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU here: nothing to tell held from free")
+    out = subprocess.run([sys.executable, "-c", HOLD], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout.split(" ", 2)
+    cpu, held, got = int(out[0]), int(out[1]), eval(out[2])  # noqa: S307 - our own child's dict literal
+    assert held == 3  # main, kwe-output, kwe-dispatch-0
+    assert got["main"] == got["kwe-output"] == got["kwe-dispatch-0"] == [cpu]
+    assert got["helper"] == sorted(os.sched_getaffinity(0)), "a thread not the worker's keeps the whole set"
+
+
+def test_a_thread_that_ended_meanwhile_is_skipped() -> None:
+    calls: list[int] = []
+
+    def set_affinity(tid: int, cpus: set[int]) -> None:
+        calls.append(tid)
+        if len(calls) == 1:
+            raise ProcessLookupError
+
+    held = hold_interpreter_threads(0, threads=[], set_affinity=set_affinity)
+    assert held == [] and calls == [threading.get_native_id()]
+
+
+@linux_only
+def test_a_pipeline_with_interpreter_cpu_runs_its_poll_and_worker_threads_on_it() -> None:
+    from tests.fakes.consumer import FakeGroupConsumer
+    from tests.fakes.pipeline import AckingProducer, HalvesBackend, ThreeTokens
+    from worker.app import wire_pipeline
+    from worker.core.profiles import Bucket, Profile
+    from worker.settings.schema import Settings
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU here: nothing to tell held from free")
+    cpu = cpus[-1]
+    made: dict[str, Any] = {}
+    s = Settings(input_format="raw", pad_to="bucket", shutdown_timeout_s=5.0, max_queue_delay_ms=1, dispatchers=1,
+                 interpreter_cpu=str(cpu))
+    pipeline = wire_pipeline(s, tokenizer=ThreeTokens(), backend=HalvesBackend(),
+                             profile=Profile("test", (Bucket(8, 16, 16),), token_budget=256, pad_to="bucket"),
+                             model_name="m",
+                             consumer_factory=lambda c: made.setdefault("consumer", FakeGroupConsumer(c, records=50)),
+                             producer_factory=lambda c: made.setdefault("producer", AckingProducer(c)))
+    seen: dict[str, list[int]] = {}
+
+    def poll_thread() -> None:
+        pipeline.run()
+        seen["poll"] = sorted(os.sched_getaffinity(0))
+
+    runner = threading.Thread(target=poll_thread, name="poll", daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 20
+    while "kwe-output" not in seen and time.monotonic() < deadline:
+        for t in threading.enumerate():
+            if t.name in ("kwe-output", "kwe-delivery") and t.native_id is not None:
+                got = sorted(os.sched_getaffinity(t.native_id))
+                if got == [cpu]:
+                    seen[t.name] = got
+        time.sleep(0.01)
+    pipeline.request_stop()
+    runner.join(20)
+    assert seen.get("kwe-output") == [cpu] and seen.get("poll") == [cpu]
+    assert sorted(os.sched_getaffinity(0)) == cpus, "this (pytest's) thread was not held"
+
+
+@linux_only
+def test_run_refuses_a_cpu_outside_its_set_in_one_line_before_the_broker() -> None:
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "worker.cli", "run", "--interpreter-cpu", "4096",
+                          "--bootstrap-servers", "127.0.0.1:9", "--log-format", "json"],
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 2
+    cpus = ", ".join(map(str, sorted(os.sched_getaffinity(0))))
+    assert (f"keyword-embedder run: setting 'interpreter_cpu': CPU 4096 is not one this process may run on ({cpus})"
+            in out.stderr)
