@@ -62,11 +62,12 @@ HOLD = """
 import os, threading, time
 from worker.operations.os_threads import allowed_cpus, hold_interpreter_threads
 stop = threading.Event()
-threads = [threading.Thread(target=stop.wait, name=name) for name in ("kwe-output", "kwe-dispatch-0", "helper")]
+names = ("kwe-output", "kwe-dispatch-0", "kwe-dispatch-1", "helper")
+threads = [threading.Thread(target=stop.wait, name=name) for name in names]
 for t in threads:
     t.start()
 cpu = allowed_cpus()[-1]
-held = hold_interpreter_threads(cpu)
+held = hold_interpreter_threads(cpu, leave=("kwe-dispatch-1",))
 got = {t.name: sorted(os.sched_getaffinity(t.native_id)) for t in threads}
 got["main"] = sorted(os.sched_getaffinity(threading.get_native_id()))
 stop.set()
@@ -86,6 +87,7 @@ def test_holding_puts_the_main_and_kwe_threads_on_one_cpu_and_leaves_the_others(
     assert held == 3  # main, kwe-output, kwe-dispatch-0
     assert got["main"] == got["kwe-output"] == got["kwe-dispatch-0"] == [cpu]
     assert got["helper"] == sorted(os.sched_getaffinity(0)), "a thread not the worker's keeps the whole set"
+    assert got["kwe-dispatch-1"] == sorted(os.sched_getaffinity(0)), "one left free by name keeps it too"
 
 
 def test_a_thread_that_ended_meanwhile_is_skipped() -> None:
@@ -113,9 +115,13 @@ def test_a_pipeline_with_interpreter_cpu_runs_its_poll_and_worker_threads_on_it(
         pytest.skip("one CPU here: nothing to tell held from free")
     cpu = cpus[-1]
     made: dict[str, Any] = {}
+
+    class GpuBackend(HalvesBackend):
+        name = "tensorrt"  # its dispatchers launch work and wait: held with the rest
+
     s = Settings(input_format="raw", pad_to="bucket", shutdown_timeout_s=5.0, max_queue_delay_ms=1, dispatchers=1,
                  interpreter_cpu=str(cpu))
-    pipeline = wire_pipeline(s, tokenizer=ThreeTokens(), backend=HalvesBackend(),
+    pipeline = wire_pipeline(s, tokenizer=ThreeTokens(), backend=GpuBackend(),
                              profile=Profile("test", (Bucket(8, 16, 16),), token_budget=256, pad_to="bucket"),
                              model_name="m",
                              consumer_factory=lambda c: made.setdefault("consumer", FakeGroupConsumer(c, records=50)),
@@ -129,16 +135,16 @@ def test_a_pipeline_with_interpreter_cpu_runs_its_poll_and_worker_threads_on_it(
     runner = threading.Thread(target=poll_thread, name="poll", daemon=True)
     runner.start()
     deadline = time.monotonic() + 20
-    while "kwe-output" not in seen and time.monotonic() < deadline:
+    while not {"kwe-output", "kwe-dispatch-0"} <= seen.keys() and time.monotonic() < deadline:
         for t in threading.enumerate():
-            if t.name in ("kwe-output", "kwe-delivery") and t.native_id is not None:
+            if t.name in ("kwe-output", "kwe-delivery", "kwe-dispatch-0") and t.native_id is not None:
                 got = sorted(os.sched_getaffinity(t.native_id))
                 if got == [cpu]:
                     seen[t.name] = got
         time.sleep(0.01)
     pipeline.request_stop()
     runner.join(20)
-    assert seen.get("kwe-output") == [cpu] and seen.get("poll") == [cpu]
+    assert seen.get("kwe-output") == seen.get("kwe-dispatch-0") == seen.get("poll") == [cpu]
     assert sorted(os.sched_getaffinity(0)) == cpus, "this (pytest's) thread was not held"
 
 
@@ -153,3 +159,38 @@ def test_run_refuses_a_cpu_outside_its_set_in_one_line_before_the_broker() -> No
     cpus = ", ".join(map(str, sorted(os.sched_getaffinity(0))))
     assert (f"keyword-embedder run: setting 'interpreter_cpu': CPU 4096 is not one this process may run on ({cpus})"
             in out.stderr)
+
+
+@linux_only
+def test_a_cpu_backends_dispatchers_are_left_free() -> None:
+    from tests.fakes.consumer import FakeGroupConsumer
+    from tests.fakes.pipeline import AckingProducer, HalvesBackend, ThreeTokens
+    from worker.app import wire_pipeline
+    from worker.core.profiles import Bucket, Profile
+    from worker.settings.schema import Settings
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU here: nothing to tell held from free")
+
+    s = Settings(input_format="raw", pad_to="bucket", shutdown_timeout_s=5.0, max_queue_delay_ms=1, dispatchers=1,
+                 interpreter_cpu=str(cpus[0]))
+    pipeline = wire_pipeline(s, tokenizer=ThreeTokens(), backend=HalvesBackend(),  # named onnxruntime: a CPU backend
+                             profile=Profile("test", (Bucket(8, 16, 16),), token_budget=256, pad_to="bucket"),
+                             model_name="m", consumer_factory=lambda c: FakeGroupConsumer(c, records=5),
+                             producer_factory=lambda c: AckingProducer(c))
+    runner = threading.Thread(target=pipeline.run, name="poll", daemon=True)
+    runner.start()
+    seen: dict[str, list[int]] = {}
+    deadline = time.monotonic() + 20
+    while "kwe-output" not in seen and time.monotonic() < deadline:
+        for t in threading.enumerate():
+            if t.name == "kwe-output" and t.native_id is not None and sorted(os.sched_getaffinity(t.native_id)) == [cpus[0]]:
+                seen["kwe-output"] = [cpus[0]]
+                seen["kwe-dispatch-0"] = next(sorted(os.sched_getaffinity(d.native_id)) for d in threading.enumerate()
+                                              if d.name == "kwe-dispatch-0" and d.native_id is not None)
+        time.sleep(0.01)
+    pipeline.request_stop()
+    runner.join(20)
+    assert seen.get("kwe-output") == [cpus[0]], "the output thread was held"
+    assert seen.get("kwe-dispatch-0") == cpus, "the CPU backend's dispatcher keeps the whole set"

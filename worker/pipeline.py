@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 import structlog
 
 from worker.deadline import Deadline
+from worker.backends.base import CPU_BACKENDS
 from worker.delivery.acks import Acknowledger
 from worker.delivery.guarantees import Delivery
 from worker.delivery.inflight import InFlightTable
@@ -255,10 +256,12 @@ class Pipeline:
 
     def _hold_interpreter(self, cpu: int) -> None:
         """This thread and the kwe-* threads, all started by now, on one CPU (the clients' and the
-        runtimes' own threads, started before, keep the process's set). A refusal costs speed, not
-        correctness: logged, and the worker runs on unheld."""
+        runtimes' own threads, started before, keep the process's set; so do a CPU backend's
+        dispatchers, which compute). A refusal costs speed, not correctness: logged, and the
+        worker runs on unheld."""
+        leave = ("kwe-dispatch",) if self._bucketer.backend_name in CPU_BACKENDS else ()
         try:
-            held = hold_interpreter_threads(cpu)
+            held = hold_interpreter_threads(cpu, leave=leave)
         except OSError as exc:
             log.warning("interpreter threads not held on one CPU; they run where the OS puts them",
                         cpu=cpu, error=str(exc))

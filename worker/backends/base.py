@@ -35,6 +35,11 @@ class InferenceContext(Protocol):
     def close(self) -> None: ...
 
 
+# The backends that compute on the CPU, on the thread that calls them among others (their own
+# pools): their dispatchers are never held on the interpreter's one CPU (interpreter_cpu).
+CPU_BACKENDS = frozenset({"onnxruntime", "openvino"})
+
+
 @runtime_checkable
 class Backend(Protocol):
     name: str

@@ -213,6 +213,10 @@ class Bucketer:
                 self._form_cv.notify()
 
     @property
+    def backend_name(self) -> str:
+        return str(self._backend.name)
+
+    @property
     def threads(self) -> list[threading.Thread]:
         """The former and dispatcher threads, once started (for the liveness probe)."""
         return list(self._threads)

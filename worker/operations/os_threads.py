@@ -14,7 +14,8 @@ and every kwe-* thread, `hold_interpreter_threads`), they spent 23-26 us of CPU 
 the broker against 32-33 with the model taken out, on 2 shared cores (docs/performance.md, The host
 path). librdkafka's threads and the inference runtimes' pools, created before the hold, keep the
 process's whole set; a thread a held thread starts later inherits its CPU (a kwe-* helper; an
-exactly-once producer's renewed client's threads).
+exactly-once producer's renewed client's threads). A CPU backend's dispatchers are left free: ONNX
+Runtime and OpenVINO compute on the calling thread too, outside the lock.
 """
 
 from __future__ import annotations
@@ -55,23 +56,25 @@ def allowed_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def interpreter_threads(threads: Iterable[threading.Thread] | None = None) -> list[int]:
+def interpreter_threads(threads: Iterable[threading.Thread] | None = None, *, leave: tuple[str, ...] = ()) -> list[int]:
     """The OS thread IDs of the calling thread (the worker's poll thread, its main thread) and of
-    every running kwe-* thread."""
+    every running kwe-* thread but those whose names start with one of `leave`."""
     ids: set[int | None] = {threading.get_native_id()}
     for t in threading.enumerate() if threads is None else threads:
-        if t.name.startswith(WORKER_THREAD_PREFIX) and t.native_id is not None and t.is_alive():
+        if t.name.startswith(WORKER_THREAD_PREFIX) and not (leave and t.name.startswith(leave)) \
+                and t.native_id is not None and t.is_alive():
             ids.add(t.native_id)
     return sorted(i for i in ids if i is not None)
 
 
-def hold_interpreter_threads(cpu: int, *, threads: Iterable[threading.Thread] | None = None,
+def hold_interpreter_threads(cpu: int, *, leave: tuple[str, ...] = (), threads: Iterable[threading.Thread] | None = None,
                              set_affinity: Callable[[int, set[int]], None] = os.sched_setaffinity) -> list[int]:
-    """Holds the calling thread and every running kwe-* thread on `cpu`; the thread IDs held.
+    """Holds the calling thread and every running kwe-* thread (but those named with a prefix in
+    `leave`) on `cpu`; the thread IDs held.
     A thread that ended meanwhile is skipped; `cpu` outside the process's set is the OS's refusal
     (OSError), which the caller turns into its error."""
     held = []
-    for tid in interpreter_threads(threads):
+    for tid in interpreter_threads(threads, leave=leave):
         try:
             set_affinity(tid, {cpu})
         except ProcessLookupError:

@@ -295,8 +295,9 @@ class Settings:
                               "(each process's series labelled process=N) and exits when a process does. "
                               "Give the input topic at least processes x machines partitions.")
     interpreter_cpu: str = _setting("auto", "The CPU the worker's Python threads run on (the poll thread and "
-                                    "its own kwe-* threads; librdkafka's threads and the inference "
-                                    "runtimes' pools keep the process's whole set): a CPU number, 'off', or "
+                                    "its own kwe-* threads; librdkafka's threads, the inference "
+                                    "runtimes' pools and a CPU backend's dispatchers keep the process's "
+                                    "whole set): a CPU number, 'off', or "
                                     "'auto' (with processes above 1 on a GPU backend, each process one CPU of "
                                     "the machine's set in turn; else off). The interpreter lock runs one of "
                                     "them at a time anyway; spread over cores they hand it between caches "
