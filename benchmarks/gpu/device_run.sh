@@ -8,8 +8,10 @@
 #    (benchmarks/gpu/device_check.py: open.json, parity.json, shapes.json);
 # 2. bucketed against monolithic, eager and CUDA graphs, through the real Bucketer
 #    (benchmarks/gpu/torch_graphs.py: torch-graphs.json, .md);
-# 3. the broker-free host path of `run` into the GPU, 1, 4 and 8 processes sharing it
-#    (benchmarks/host/pipeline_bench.py --backend torch: host-path.json);
+# 3. the broker-free host path of `run` into the GPU, 1 and 8 processes sharing it, each count
+#    also with every process's Python threads held on a CPU of its own, as `run --processes N`
+#    does on a GPU (interpreter_cpu auto), paired (benchmarks/host/pipeline_bench.py --backend torch
+#    --hold: host-path.json; DEVICE_HOST_HOLD=0 leaves the held sides out);
 # 4. the GPU's utilisation through it all (nvidia-smi every 250 ms: gpu-util.csv), per stage in
 #    summary.md. Results are committed under benchmarks/results/device/<date>/ (docs/gpu.md).
 set -u
@@ -38,9 +40,9 @@ timeout 90 $PY -m benchmarks.gpu.device_check 2>&1 | tee "$OUT/check.log"
 GRAPHS_ROUNDS="${GRAPHS_ROUNDS:-3}" GRAPHS_LIMIT="${GRAPHS_LIMIT:-10000}" stage torch-graphs 60 \
   $PY -m benchmarks.gpu.torch_graphs
 # shellcheck disable=SC2086  # the process counts are words
-stage host-path 130 $PY -m benchmarks.host.pipeline_bench --backend torch --processes ${DEVICE_HOST_PROCESSES:-1 4 8} \
+stage host-path 160 $PY -m benchmarks.host.pipeline_bench --backend torch --processes ${DEVICE_HOST_PROCESSES:-1 8} \
   --rounds "${DEVICE_HOST_ROUNDS:-2}" -n "${DEVICE_HOST_N:-200000}" --warmup "${DEVICE_HOST_WARMUP:-3000}" \
-  --warmup-s "${DEVICE_HOST_WARMUP_S:-1.5}" \
+  --warmup-s "${DEVICE_HOST_WARMUP_S:-1.5}" $([ "${DEVICE_HOST_HOLD:-1}" = 0 ] || echo --hold) \
   --setting "model_dir=$KWE_MODEL_DIR" ${KWE_PROFILES_FILE:+--setting "profiles_file=$KWE_PROFILES_FILE"} \
   --json "$OUT/host-path.json"
 kill $sampler 2>/dev/null

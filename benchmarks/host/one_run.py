@@ -87,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
                     help="a worker setting (default: the worker's defaults, the embedding cache off)")
     ap.add_argument("--backend", default="null", help="null (no model) or a real backend name")
+    ap.add_argument("--hold-cpu", type=int, default=-1,
+                    help="once the pipeline runs, hold its poll thread and kwe-* threads on this CPU (what "
+                         "interpreter_cpu does, done here so that a checkout from before it is held the same "
+                         "way); -1: not held")
     args = ap.parse_args(argv)
 
     from worker import app
@@ -140,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     def watch() -> None:
         while producer.acked == 0:
             time.sleep(0.0005)
+        if args.hold_cpu >= 0:  # every thread has started by the first acknowledgement
+            held = [threading.main_thread().native_id] + [t.native_id for t in threading.enumerate()
+                                                          if t.name.startswith("kwe-") and t.native_id is not None]
+            for tid in held:
+                os.sched_setaffinity(tid, {args.hold_cpu})
         started = time.perf_counter()
         while producer.acked < args.warmup or time.perf_counter() - started < args.warmup_s:
             time.sleep(0.0005)
@@ -179,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"n": n, "keywords_per_s": n / wall, "cpu_us_per_keyword": (marks["cpu1"] - marks["cpu0"]) * 1e6 / n,
               "threads_us_per_keyword": {k: round(v, 2) for k, v in sorted(per_thread.items())},
               "produced_value_bytes": producer.value_bytes, "exit": code, "backend": args.backend,
-              "settings": overrides}
+              "settings": overrides, "hold_cpu": args.hold_cpu}
     print(json.dumps(result))
     return 0
 

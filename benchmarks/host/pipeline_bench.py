@@ -12,7 +12,9 @@ and ratios are paired per round: on a shared, noisy machine only same-round rati
 Comparing a checkout with itself (`--baseline-root .`) gives the A/A noise floor.
 
 With --processes N the side runs N such processes at once (each on its own slice of the data),
-and reports their total keywords/s and the scaling over one process of the same round.
+and reports their total keywords/s and the scaling over one process of the same round. With
+--hold each process count runs a second time with process i's poll and kwe-* threads held on the
+ith CPU of the set (what `interpreter_cpu` auto does under `run --processes N`), paired with it.
 No broker, no GPU needed: it runs wherever the worker's Python dependencies do.
 """
 
@@ -53,8 +55,10 @@ def runner_dir(tmp: Path) -> Path:
 
 
 def run_side(root: Path, pythonpath: Path, args: argparse.Namespace, processes: int,
-             settings: list[str]) -> list[dict[str, Any]]:
-    """`processes` one_run processes at once in checkout `root`; their JSON results."""
+             settings: list[str], hold: bool = False) -> list[dict[str, Any]]:
+    """`processes` one_run processes at once in checkout `root`; their JSON results. `hold`: process
+    i's Python threads held on the ith CPU of this process's set, in turn (interpreter_cpu's auto)."""
+    cpus = sorted(os.sched_getaffinity(0))
     # The runner first; what the caller's path holds (a lent GPU machine's libraries) after it.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(pythonpath), os.environ.get("PYTHONPATH")]))}
     procs = []
@@ -65,6 +69,8 @@ def run_side(root: Path, pythonpath: Path, args: argparse.Namespace, processes: 
                "--poll-records", str(args.poll_records)]
         for s in settings:
             cmd += ["--setting", s]
+        if hold:
+            cmd += ["--hold-cpu", str(cpus[i % len(cpus)])]
         procs.append(subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     results = []
@@ -94,20 +100,25 @@ def main() -> int:
                     help="one_run's: at most this many records a consume (a live stream; 0: a backlog)")
     ap.add_argument("--backend", default="null", help="null (no model; the default) or a worker backend")
     ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--hold", action="store_true",
+                    help="also run each process count with each process's Python threads held on a CPU of "
+                         "its own (interpreter_cpu), paired against the same count unheld")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
-    sides: list[tuple[str, Path, int]] = [(f"new-p{p}", ROOT, p) for p in args.processes]
+    sides: list[tuple[str, Path, int, bool]] = [(f"new-p{p}", ROOT, p, False) for p in args.processes]
+    if args.hold:
+        sides += [(f"new-p{p}-held", ROOT, p, True) for p in args.processes]
     if args.baseline_root is not None:
-        sides.append(("old-p1", args.baseline_root.resolve(), 1))
+        sides.append(("old-p1", args.baseline_root.resolve(), 1, False))
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         path = runner_dir(Path(tmp))
         for r in range(args.rounds):
             order = sides[r % len(sides):] + sides[:r % len(sides)]
             got: dict[str, Any] = {}
-            for name, root, processes in order:
-                results = run_side(root, path, args, processes, args.setting)
+            for name, root, processes, hold in order:
+                results = run_side(root, path, args, processes, args.setting, hold)
                 got[name] = {"keywords_per_s": sum(x["keywords_per_s"] for x in results),
                              "cpu_us_per_keyword": sum(x["cpu_us_per_keyword"] for x in results) / len(results),
                              "threads_us_per_keyword": results[0]["threads_us_per_keyword"],
@@ -119,7 +130,7 @@ def main() -> int:
     summary: dict[str, Any] = {"data": args.data.name, "n": args.n, "rounds_run": len(rounds),
                                "cpu_count": os.cpu_count(), "settings": args.setting, "backend": args.backend,
                                "poll_records": args.poll_records, "warmup_s": args.warmup_s, "sides": {}, "ratios": {}}
-    for name, _, _ in sides:
+    for name, *_ in sides:
         rows = [x["sides"][name] for x in rounds]
         threads = {t: quartiles([row["threads_us_per_keyword"].get(t, 0.0) for row in rows])["median"]
                    for t in rows[0]["threads_us_per_keyword"]}
@@ -135,6 +146,14 @@ def main() -> int:
         summary["ratios"]["old/new cpu_us_per_keyword"] = paired("old-p1", "new-p1", "cpu_us_per_keyword")
     for p in args.processes[1:]:
         summary["ratios"][f"p{p}/p1 keywords_per_s"] = paired(f"new-p{p}", "new-p1", "keywords_per_s")
+    if args.hold:
+        for p in args.processes:
+            summary["ratios"][f"p{p} held/free keywords_per_s"] = paired(f"new-p{p}-held", f"new-p{p}", "keywords_per_s")
+            summary["ratios"][f"p{p} free/held cpu_us_per_keyword"] = paired(f"new-p{p}", f"new-p{p}-held",
+                                                                            "cpu_us_per_keyword")
+        if args.baseline_root is not None:
+            summary["ratios"]["new held/old keywords_per_s"] = paired("new-p1-held", "old-p1", "keywords_per_s")
+            summary["ratios"]["old/new held cpu_us_per_keyword"] = paired("old-p1", "new-p1-held", "cpu_us_per_keyword")
     for name, side in summary["sides"].items():
         k, c = side["keywords_per_s"], side["cpu_us_per_keyword"]
         print(f"{name}: {k['median']:8.0f} kw/s ({k['q1']:.0f}-{k['q3']:.0f}), CPU {c['median']:.1f} us/keyword "
