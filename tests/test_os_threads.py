@@ -1,4 +1,4 @@
-"""The worker's threads carry their names at the OS level (worker.operations.os_threads.py)."""
+"""The worker's threads carry their names at the OS level (worker/core/os_threads.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from worker.core.os_threads import PR_SET_NAME, hold_interpreter_threads, name_current_thread
 from worker.latch import FatalLatch, guarded
-from worker.operations.os_threads import PR_SET_NAME, hold_interpreter_threads, name_current_thread
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_NAME) is Linux's")
 
@@ -60,7 +60,7 @@ def test_the_call_passes_the_name_cut_to_15_bytes_and_reports_a_refusal() -> Non
 
 HOLD = """
 import os, threading, time
-from worker.operations.os_threads import allowed_cpus, hold_interpreter_threads
+from worker.core.os_threads import allowed_cpus, hold_interpreter_threads
 stop = threading.Event()
 names = ("kwe-output", "kwe-dispatch-0", "kwe-dispatch-1", "helper")
 threads = [threading.Thread(target=stop.wait, name=name) for name in names]
@@ -83,7 +83,7 @@ def test_holding_puts_the_main_and_kwe_threads_on_one_cpu_and_leaves_the_others(
         pytest.skip("one CPU here: nothing to tell held from free")
     out = subprocess.run([sys.executable, "-c", HOLD], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout.split(" ", 2)
-    cpu, held, got = int(out[0]), int(out[1]), eval(out[2])  # noqa: S307 - our own child's dict literal
+    cpu, held, got = int(out[0]), int(out[1]), eval(out[2])
     assert held == 3  # main, kwe-output, kwe-dispatch-0
     assert got["main"] == got["kwe-output"] == got["kwe-dispatch-0"] == [cpu]
     assert got["helper"] == sorted(os.sched_getaffinity(0)), "a thread not the worker's keeps the whole set"
@@ -154,7 +154,7 @@ def test_run_refuses_a_cpu_outside_its_set_in_one_line_before_the_broker() -> No
 
     out = subprocess.run([sys.executable, "-m", "worker.cli", "run", "--interpreter-cpu", "4096",
                           "--bootstrap-servers", "127.0.0.1:9", "--log-format", "json"],
-                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+                         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1], check=False)
     assert out.returncode == 2
     cpus = ", ".join(map(str, sorted(os.sched_getaffinity(0))))
     assert (f"keyword-embedder run: setting 'interpreter_cpu': CPU 4096 is not one this process may run on ({cpus})"

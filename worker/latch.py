@@ -14,8 +14,8 @@ from typing import Any
 
 import structlog
 
+from worker.core.os_threads import name_current_thread
 from worker.errors import ThreadDiedError, WorkerError
-from worker.operations.os_threads import name_current_thread
 
 log = structlog.get_logger(__name__)
 
@@ -53,7 +53,7 @@ class FatalLatch:
 
 def guarded(latch: FatalLatch, name: str, body: Callable[..., Any]) -> Callable[..., None]:
     """A thread body that reports its exception to the latch instead of dying silently, and runs
-    under `name` at the OS level too (top -H, py-spy: worker.operations.os_threads.py)."""
+    under `name` at the OS level too (top -H, py-spy: worker.core.os_threads.py)."""
 
     def run(*args: Any, **kwargs: Any) -> None:
         name_current_thread(name)

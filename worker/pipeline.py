@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
-from worker.deadline import Deadline
 from worker.backends.base import CPU_BACKENDS
+from worker.core.os_threads import hold_interpreter_threads
+from worker.deadline import Deadline
 from worker.delivery.acks import Acknowledger
 from worker.delivery.guarantees import Delivery
 from worker.delivery.inflight import InFlightTable
@@ -50,7 +51,6 @@ from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch
 from worker.operations.health import Liveness
 from worker.operations.metrics import Metrics
-from worker.operations.os_threads import hold_interpreter_threads
 from worker.output.stage import OutputStage
 from worker.output.tracing import BatchSpans
 from worker.settings.schema import Settings

@@ -113,7 +113,7 @@ class Side:
 def thread_seconds(pid: int) -> dict[str, float]:
     """CPU seconds of the process's threads by what they are, from /proc: the main thread (which
     polls the consumer), the worker's named threads (kwe-output, kwe-delivery, kwe-bucket-form,
-    kwe-dispatch-N together; worker.operations.os_threads.py), librdkafka's (rdk:main,
+    kwe-dispatch-N together; worker.core.os_threads.py), librdkafka's (rdk:main,
     rdk:broker<N>, ...: `librdkafka`), and `other` (threads without a name of their own, such as a
     checkout's from before the names)."""
     groups: dict[str, float] = {}

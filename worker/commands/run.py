@@ -93,7 +93,7 @@ def _checked_settings(args: argparse.Namespace) -> Any:
         structlog.contextvars.bind_contextvars(process=int(os.environ[ENV_PROCESS]))
 
     if settings.interpreter_cpu.isdigit():
-        from worker.operations.os_threads import allowed_cpus
+        from worker.core.os_threads import allowed_cpus
 
         if int(settings.interpreter_cpu) not in (cpus := allowed_cpus()):
             from worker.settings.schema import SettingsError
@@ -149,7 +149,7 @@ def interpreter_cpus(settings: Any, processes: int, *, gpu: bool | None = None,
     backend: on CPU the model's own threads, some started later by the held ones, need the cores."""
     if processes <= 1 or settings.interpreter_cpu != "auto" or not _on_gpu(settings, gpu):
         return None
-    from worker.operations.os_threads import allowed_cpus
+    from worker.core.os_threads import allowed_cpus
 
     machine = cpus if cpus is not None else allowed_cpus()
     return [machine[i % len(machine)] for i in range(processes)]

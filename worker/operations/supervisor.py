@@ -106,7 +106,7 @@ class Supervisor:
     count: int
     member_id: str
     metrics: bool
-    # Each process's --interpreter-cpu (worker/operations/os_threads.py), in order; None: as given.
+    # Each process's --interpreter-cpu (worker/core/os_threads.py), in order; None: as given.
     interpreter_cpus: list[int] | None = None
     spawn: Spawn = _popen
     executable: Sequence[str] = (sys.executable, "-m", "worker.cli")
