@@ -87,10 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
                     help="a worker setting (default: the worker's defaults, the embedding cache off)")
     ap.add_argument("--backend", default="null", help="null (no model) or a real backend name")
-    ap.add_argument("--watch-ms", type=float, default=5.0,
-                    help="how often the measuring thread looks at the acknowledgements: each look takes the "
-                         "interpreter lock from the pipeline's threads, so looking more often costs what is "
-                         "measured (every 0.5 ms, before 2026-12-05); 5 ms is 0.25%% of a 2-second run")
     ap.add_argument("--hold-cpu", type=int, default=-1,
                     help="once the pipeline runs, hold its poll thread and kwe-* threads on this CPU (what "
                          "interpreter_cpu does, done here so that a checkout from before it is held the same "
@@ -145,11 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     total = len(records)
     marks: dict[str, Any] = {}
 
-    watch_s = args.watch_ms / 1000.0
-
     def watch() -> None:
         while producer.acked == 0:
-            time.sleep(watch_s)
+            time.sleep(0.0005)
         if args.hold_cpu >= 0:  # every thread has started by the first acknowledgement
             held = [threading.main_thread().native_id] + [t.native_id for t in threading.enumerate()
                                                           if t.name.startswith("kwe-") and t.native_id is not None]
@@ -157,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.sched_setaffinity(tid, {args.hold_cpu})
         started = time.perf_counter()
         while producer.acked < args.warmup or time.perf_counter() - started < args.warmup_s:
-            time.sleep(watch_s)
+            time.sleep(0.0005)
         if producer.acked >= total:
             marks["short"] = True
             pipeline.request_stop()
@@ -165,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         marks["acked0"] = producer.acked
         marks["t0"], marks["cpu0"], marks["threads0"] = time.perf_counter(), time.process_time(), thread_cpu()
         while producer.acked < total:
-            time.sleep(watch_s)
+            time.sleep(0.0005)
         marks["t1"], marks["cpu1"], marks["threads1"] = time.perf_counter(), time.process_time(), thread_cpu()
         marks["names"] = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
         pipeline.request_stop()
