@@ -157,3 +157,10 @@ def test_interpreter_cpu_takes_a_cpu_number_auto_or_off(value: str) -> None:
     with pytest.raises(SettingsError, match="interpreter_cpu"):
         Settings(interpreter_cpu=value)
     assert Settings(interpreter_cpu="3").interpreter_cpu == "3"
+
+
+def test_a_cpu_number_is_for_one_process() -> None:
+    for processes in ("2", "auto"):
+        with pytest.raises(SettingsError, match="interpreter_cpu.*same CPU"):
+            Settings(interpreter_cpu="0", processes=processes)
+    assert Settings(interpreter_cpu="auto", processes="4").interpreter_cpu == "auto"

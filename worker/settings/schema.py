@@ -356,6 +356,9 @@ class Settings:
         if self.interpreter_cpu not in ("auto", "off") and not self.interpreter_cpu.isdigit():
             raise SettingsError(f"setting 'interpreter_cpu': {self.interpreter_cpu!r} is not a CPU number, "
                                 "'auto' or 'off'")
+        if self.interpreter_cpu.isdigit() and self.processes != "1":
+            raise SettingsError(f"setting 'interpreter_cpu': CPU {self.interpreter_cpu} would hold every one of "
+                                f"processes={self.processes} on the same CPU; give 'auto' (a CPU each) or 'off'")
         if self.sasl_password and self.sasl_password_file:
             raise SettingsError("settings 'sasl_password' and 'sasl_password_file' are both set: keep one")
         if self.schema_registry_password and self.schema_registry_password_file:
