@@ -5,14 +5,15 @@ and /proc/<pid>/task/*/comm tell kwe-output, kwe-delivery and kwe-bucket-former 
 librdkafka's rdk:* threads instead of showing each as the process's name (Python does this itself
 only from 3.14). The main thread, which polls the consumer, keeps the process's name: renaming it
 would rename the process for `ps`, `top` and `pkill`. Linux only (prctl(PR_SET_NAME), 15 bytes);
-elsewhere threads keep the process's name and nothing else changes.
+elsewhere threads keep the process's name and nothing else changes. Holding needs
+sched_setaffinity (Linux): elsewhere it is refused (OSError), which the worker logs and runs on.
 
 One CPU for the interpreter (`interpreter_cpu`): the interpreter lock runs one of the worker's
 Python threads at a time, so spreading them over cores buys no parallelism; it makes the lock and
 the records it guards cross between caches at every hand-over. Held on one CPU (the poll thread
-and every kwe-* thread, `hold_interpreter_threads`), they spent 23-26 us of CPU a keyword through
-the broker against 32-33 with the model taken out, on 2 shared cores (docs/performance.md, The host
-path). librdkafka's threads and the inference runtimes' pools, created before the hold, keep the
+and every kwe-* thread, `hold_interpreter_threads`, called on the poll thread), they spent 25.1 us
+of CPU a keyword through the broker against 32.1, paired, with the model taken out, on 2 shared
+cores (docs/performance.md, The host path). librdkafka's threads and the inference runtimes' pools, created before the hold, keep the
 process's whole set; a thread a held thread starts later inherits its CPU (a kwe-* helper; an
 exactly-once producer's renewed client's threads). A CPU backend's dispatchers are left free: ONNX
 Runtime and OpenVINO compute on the calling thread too, outside the lock.
@@ -52,8 +53,17 @@ def name_current_thread(name: str, prctl: Callable[..., int] | None = None) -> b
 
 
 def allowed_cpus() -> list[int]:
-    """The CPUs this process may run on (its affinity: a container's cpuset, taskset), in order."""
-    return sorted(os.sched_getaffinity(0))
+    """The CPUs this process may run on (its affinity: a container's cpuset, taskset), in order;
+    where the OS does not say (no sched_getaffinity), every CPU."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def _set_affinity(tid: int, cpus: set[int]) -> None:
+    if not hasattr(os, "sched_setaffinity"):
+        raise OSError("this OS cannot hold a thread on a CPU (no sched_setaffinity)")
+    os.sched_setaffinity(tid, cpus)
 
 
 def interpreter_threads(threads: Iterable[threading.Thread] | None = None, *, leave: tuple[str, ...] = ()) -> list[int]:
@@ -68,7 +78,7 @@ def interpreter_threads(threads: Iterable[threading.Thread] | None = None, *, le
 
 
 def hold_interpreter_threads(cpu: int, *, leave: tuple[str, ...] = (), threads: Iterable[threading.Thread] | None = None,
-                             set_affinity: Callable[[int, set[int]], None] = os.sched_setaffinity) -> list[int]:
+                             set_affinity: Callable[[int, set[int]], None] = _set_affinity) -> list[int]:
     """Holds the calling thread and every running kwe-* thread (but those named with a prefix in
     `leave`) on `cpu`; the thread IDs held.
     A thread that ended meanwhile is skipped; `cpu` outside the process's set is the OS's refusal
