@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from worker.core.os_threads import PR_SET_NAME, hold_interpreter_threads, name_current_thread
@@ -194,3 +196,91 @@ def test_a_cpu_backends_dispatchers_are_left_free() -> None:
     runner.join(20)
     assert seen.get("kwe-output") == [cpus[0]], "the output thread was held"
     assert seen.get("kwe-dispatch-0") == cpus, "the CPU backend's dispatcher keeps the whole set"
+
+
+def _in_a_thread(body: Any) -> Any:
+    """body()'s result, run on a thread of its own (an alternate signal stack is per thread: pytest's
+    own threads keep theirs)."""
+    got: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            got["value"] = body()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            got["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(30)
+    if "error" in got:
+        raise got["error"]
+    return got["value"]
+
+
+@linux_only
+def test_an_alternate_signal_stack_a_library_leaves_behind_is_taken_back() -> None:
+    import ctypes
+
+    from worker.core.os_threads import SS_DISABLE, _SignalStack, signal_stack, signal_stack_kept
+
+    def body() -> tuple[Any, Any, Any]:
+        before = signal_stack()
+        memory = ctypes.create_string_buffer(64 * 1024)
+        with signal_stack_kept():
+            # What OpenVINO's CPU plugin does on the thread that compiles a model.
+            libc = ctypes.CDLL(None, use_errno=True)
+            assert libc.sigaltstack(ctypes.byref(_SignalStack(ctypes.addressof(memory), 0, len(memory))), None) == 0
+            inside = signal_stack()
+        return before, inside, signal_stack()
+
+    before, inside, after = _in_a_thread(body)
+    assert before is not None and before[1] & SS_DISABLE, "a new thread has no alternate stack"
+    assert inside is not None and not inside[1] & SS_DISABLE
+    assert after is not None and after[1] & SS_DISABLE, "taken back: the thread has none again"
+
+
+@linux_only
+def test_openvino_compiling_a_model_leaves_no_alternate_signal_stack_behind_the_guard() -> None:
+    ov = pytest.importorskip("openvino")
+    from worker.core.os_threads import SS_DISABLE, signal_stack, signal_stack_kept
+
+    def compile_one() -> Any:
+        x = ov.opset13.parameter([4, 64], ov.Type.f32)
+        compiled = ov.Core().compile_model(ov.Model([ov.opset13.relu(x)], [x]), "CPU")
+        compiled.create_infer_request().infer({0: np.ones((4, 64), dtype=np.float32)})
+        return compiled
+
+    def unguarded() -> Any:
+        compiled = compile_one()
+        try:
+            return signal_stack()
+        finally:
+            del compiled
+
+    def guarded() -> Any:
+        with signal_stack_kept():
+            compiled = compile_one()
+        try:
+            return signal_stack()  # the compiled model still alive, as a chosen backend's would be
+        finally:
+            del compiled
+
+    left = _in_a_thread(unguarded)
+    if left is None or left[1] & SS_DISABLE:
+        pytest.skip("this OpenVINO installs no alternate signal stack: the guard has nothing to take back")
+    after = _in_a_thread(guarded)
+    assert after is not None and after[1] & SS_DISABLE, f"left behind: {after}"
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="no pthread_sigmask here")
+def test_a_guarded_thread_leaves_sigterm_and_sigint_to_the_main_thread() -> None:
+    seen: dict[str, set[int]] = {}
+
+    def body() -> None:
+        seen["mask"] = set(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+    t = threading.Thread(target=guarded(FatalLatch(), "kwe-output", body))
+    t.start()
+    t.join(10)
+    assert {signal.SIGTERM, signal.SIGINT} <= seen["mask"]
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, []), "this thread's mask is its own"

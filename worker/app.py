@@ -19,6 +19,7 @@ from worker.backends.isolating import IsolatingBackend
 from worker.batching.cost_model import CostModel
 from worker.core.errors import BackendError, extra_missing
 from worker.core.fingerprint import VectorSettings, model_fingerprint
+from worker.core.os_threads import signal_stack_kept
 from worker.core.model import ModelError, ModelInfo, Prompt
 from worker.core.sparse import sparsify
 from worker.core.vectors import check_truncate_dim, default_int8_range
@@ -119,7 +120,10 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: 
     encoder, decode = registry_formats(settings, codec)
     # A pooling with include_prompt false leaves the prompt's tokens out: the graph is built for them.
     info = info.with_prompt(tokenizer.prompt_tokens)
-    loaded = load_backend(settings, model=info)
+    # OpenVINO leaves an alternate signal stack on the thread that compiled a model, and auto frees
+    # the candidates it refuses: without this, a SIGTERM could land on freed memory (exit 139).
+    with signal_stack_kept():
+        loaded = load_backend(settings, model=info)
     backend, profile = loaded.backend, loaded.profile
     log.info("backend loaded", backend=backend.name, model=info.name, dim=backend.dim, profile=profile.name,
              pipeline=info.pipeline.describe(),

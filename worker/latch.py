@@ -14,7 +14,7 @@ from typing import Any
 
 import structlog
 
-from worker.core.os_threads import name_current_thread
+from worker.core.os_threads import block_stop_signals, name_current_thread
 from worker.errors import ThreadDiedError, WorkerError
 
 log = structlog.get_logger(__name__)
@@ -53,10 +53,12 @@ class FatalLatch:
 
 def guarded(latch: FatalLatch, name: str, body: Callable[..., Any]) -> Callable[..., None]:
     """A thread body that reports its exception to the latch instead of dying silently, and runs
-    under `name` at the OS level too (top -H, py-spy: worker.core.os_threads.py)."""
+    under `name` at the OS level too (top -H, py-spy), with SIGTERM and SIGINT left to the main
+    thread (worker/core/os_threads.py)."""
 
     def run(*args: Any, **kwargs: Any) -> None:
         name_current_thread(name)
+        block_stop_signals()
         try:
             body(*args, **kwargs)
         except WorkerError as exc:

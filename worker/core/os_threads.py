@@ -17,17 +17,26 @@ cores (docs/performance.md, The host path). librdkafka's threads and the inferen
 process's whole set; a thread a held thread starts later inherits its CPU (a kwe-* helper; an
 exactly-once producer's renewed client's threads). A CPU backend's dispatchers are left free: ONNX
 Runtime and OpenVINO compute on the calling thread too, outside the lock.
+
+The alternate signal stack (`signal_stack_kept`): OpenVINO's CPU plugin installs one (11.5 kB) on
+the thread that compiles a model and does not take it back when the model is freed. auto on CPU
+compiles its candidates on the main thread and frees the refused ones, so the kernel went on
+delivering signals onto that stack: a SIGTERM then killed the worker with SIGSEGV (exit 139, about
+one start in three with a cold cache on an AVX-512 machine) where it should drain and exit 0.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import sys
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 PR_SET_NAME = 15
+SS_DISABLE = 2  # sigaltstack's flag: no alternate stack
 MAX_NAME_BYTES = 15  # the kernel's TASK_COMM_LEN, less its NUL
 # The worker's own threads: every long-lived one is started under a name with this prefix.
 WORKER_THREAD_PREFIX = "kwe-"
@@ -50,6 +59,18 @@ def name_current_thread(name: str, prctl: Callable[..., int] | None = None) -> b
         return False
     raw = name.encode("utf-8", "replace")[:MAX_NAME_BYTES]
     return call(PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0) == 0
+
+
+def block_stop_signals() -> bool:
+    """SIGTERM and SIGINT blocked on the calling thread, as each of the worker's threads starts:
+    Python runs their handlers on the main thread anyway, and the kernel hands a process's signal
+    to any thread that does not block it. So it reaches the main thread (or a client library's own),
+    never one whose alternate signal stack a runtime may have freed (see `signal_stack_kept`); the
+    threads a worker thread starts (a runtime's pool) inherit the block. False where the OS cannot."""
+    if not hasattr(signal, "pthread_sigmask"):
+        return False
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    return True
 
 
 def allowed_cpus() -> list[int]:
@@ -91,3 +112,43 @@ def hold_interpreter_threads(cpu: int, *, leave: tuple[str, ...] = (), threads: 
             continue  # ended between the listing and here
         held.append(tid)
     return held
+
+
+class _SignalStack(ctypes.Structure):  # stack_t
+    _fields_ = [("ss_sp", ctypes.c_void_p), ("ss_flags", ctypes.c_int), ("ss_size", ctypes.c_size_t)]
+
+
+def _load_sigaltstack() -> Callable[..., int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).sigaltstack  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+def signal_stack() -> tuple[int | None, int, int] | None:
+    """The calling thread's alternate signal stack: (address, flags, size); None where it cannot be read."""
+    call = _load_sigaltstack()
+    current = _SignalStack()
+    if call is None or call(None, ctypes.byref(current)) != 0:
+        return None
+    return current.ss_sp, current.ss_flags, current.ss_size
+
+
+@contextmanager
+def signal_stack_kept() -> Iterator[None]:
+    """Runs the block, then gives the calling thread back the alternate signal stack it had before
+    it, where a library in the block installed its own (see the module docstring): a stack that
+    may be freed under the kernel's feet is worse than none."""
+    call = _load_sigaltstack()
+    before = _SignalStack()
+    if call is None or call(None, ctypes.byref(before)) != 0:
+        yield
+        return
+    try:
+        yield
+    finally:
+        after = _SignalStack()
+        if call(None, ctypes.byref(after)) == 0 and \
+                (after.ss_sp, after.ss_flags, after.ss_size) != (before.ss_sp, before.ss_flags, before.ss_size):
+            restore = _SignalStack(before.ss_sp, before.ss_flags & SS_DISABLE, before.ss_size)
+            call(ctypes.byref(restore), None)
