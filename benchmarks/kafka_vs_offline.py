@@ -135,9 +135,15 @@ def cpu_seconds(pid: int | None) -> float:
     if pid is None:
         return 0.0
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return stat_cpu_seconds(Path(f"/proc/{pid}/stat"))
     except OSError:
         return 0.0
+
+
+def stat_cpu_seconds(stat: Path) -> float:
+    """User + system CPU time in a /proc stat file (a process's, or one thread's under task/);
+    OSError when it is gone."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

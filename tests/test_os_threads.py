@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.thread_tools import run_in_thread
 from worker.core.os_threads import PR_SET_NAME, hold_interpreter_threads, name_current_thread
 from worker.latch import FatalLatch, guarded
 
@@ -198,25 +199,6 @@ def test_a_cpu_backends_dispatchers_are_left_free() -> None:
     assert seen.get("kwe-dispatch-0") == cpus, "the CPU backend's dispatcher keeps the whole set"
 
 
-def _in_a_thread(body: Any) -> Any:
-    """body()'s result, run on a thread of its own (an alternate signal stack is per thread: pytest's
-    own threads keep theirs)."""
-    got: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            got["value"] = body()
-        except BaseException as exc:  # noqa: BLE001 - handed back to the test
-            got["error"] = exc
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join(30)
-    if "error" in got:
-        raise got["error"]
-    return got["value"]
-
-
 @linux_only
 def test_an_alternate_signal_stack_a_library_leaves_behind_is_taken_back() -> None:
     import ctypes
@@ -233,7 +215,7 @@ def test_an_alternate_signal_stack_a_library_leaves_behind_is_taken_back() -> No
             inside = signal_stack()
         return before, inside, signal_stack()
 
-    before, inside, after = _in_a_thread(body)
+    before, inside, after = run_in_thread(body)
     assert before is not None and before[1] & SS_DISABLE, "a new thread has no alternate stack"
     assert inside is not None and not inside[1] & SS_DISABLE
     assert after is not None and after[1] & SS_DISABLE, "taken back: the thread has none again"
@@ -265,10 +247,10 @@ def test_openvino_compiling_a_model_leaves_no_alternate_signal_stack_behind_the_
         finally:
             del compiled
 
-    left = _in_a_thread(unguarded)
+    left = run_in_thread(unguarded)
     if left is None or left[1] & SS_DISABLE:
         pytest.skip("this OpenVINO installs no alternate signal stack: the guard has nothing to take back")
-    after = _in_a_thread(guarded)
+    after = run_in_thread(guarded)
     assert after is not None and after[1] & SS_DISABLE, f"left behind: {after}"
 
 

@@ -43,6 +43,7 @@ from engines.build_engine import (
 from engines.onnx_export.export import EXPORTER_VERSION
 from tests.fakes.gpu import DIM, FakeTrt, install_fakes
 from tests.fakes.gpu import tiny_onnx as _tiny_onnx
+from tests.thread_tools import run_in_thread
 from worker.backend_choice.select import (
     GPU_INSTALL_HINT,
     choose_backend,
@@ -407,23 +408,6 @@ def test_an_fp16_build_of_a_graph_not_from_the_exporter_says_to_build_fp32(tmp_p
 
 
 # ============================================================================ backend (fake TensorRT + pycuda)
-def _run_in_thread(fn: Any) -> Any:
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed back to the test thread
-            box["error"] = exc
-
-    t = threading.Thread(target=target)
-    t.start()
-    t.join(30)
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
-
-
 def test_backend_runs_each_bucket_on_its_own_context_and_thread(
         built_plan: tuple[Path, Path], fake_gpu: FakeTrt, gpu: Profile) -> None:
     from worker.backends.tensorrt import TensorRTBackend
@@ -455,7 +439,7 @@ def test_backend_runs_each_bucket_on_its_own_context_and_thread(
         return out, depth, len(cuda.stack())
 
     # One thread per bucket, as the bucketer's dispatchers; lengths below the bound get padded.
-    results = [_run_in_thread(lambda i=i, L=L, B=B: dispatcher(i, L, B))
+    results = [run_in_thread(lambda i=i, L=L, B=B: dispatcher(i, L, B))
                for i, L, B in [(0, 5, 256), (1, 16, 3), (2, 20, 64), (3, 64, 1), (4, 200, 8)]]
     for i, (out, depth_open, depth_closed) in enumerate(results):
         assert out[0, 2] == gpu.buckets[i].max_len  # ran at the bucket's bound
@@ -484,7 +468,7 @@ def test_context_refuses_batches_that_do_not_fit_and_foreign_threads(
     with pytest.raises(BackendError, match="max batch 1024"):
         ctx.run(np.ones((1025, 16), np.int64), np.ones((1025, 16), np.int64))
     with pytest.raises(BackendError, match="thread other than"):
-        _run_in_thread(lambda: ctx.run(np.ones((1, 16), np.int64), np.ones((1, 16), np.int64)))
+        run_in_thread(lambda: ctx.run(np.ones((1, 16), np.int64), np.ones((1, 16), np.int64)))
     with pytest.raises(BackendError, match="still open"):
         backend.close()
     with pytest.raises(BackendError, match="has 5 buckets"):
@@ -513,12 +497,12 @@ def test_shared_device_memory_gives_every_context_one_block(
             ctx.close()
         assert fake_gpu.cuda.stack() == []
 
-    _run_in_thread(serial_dispatcher)
+    run_in_thread(serial_dispatcher)
     contexts = fake_gpu.engines[0].contexts
     # A second dispatcher thread would run concurrently on the same block: refused.
     first = backend.create_context(0)
     with pytest.raises(BackendError, match="ONE dispatcher thread"):
-        _run_in_thread(lambda: backend.create_context(1))
+        run_in_thread(lambda: backend.create_context(1))
     first.close()
     assert {c.strategy for c in contexts} == {"USER_MANAGED"}
     blocks = {c.device_memory for c in contexts}
@@ -723,7 +707,7 @@ def test_the_primary_context_is_retained_once_per_process(tmp_path: Path, fake_g
         build_engine(onnx_path, gpu, plan, log=lambda _m: None)
     for plan in plans * 2:  # backends one after the other, as trt_check's gpu and mono plans
         backend = TensorRTBackend(plan, gpu, onnx_path=onnx_path)
-        _run_in_thread(lambda b=backend: b.create_context(0).close())
+        run_in_thread(lambda b=backend: b.create_context(0).close())
         backend.close()
     failed_load = TensorRTBackend  # a load that fails after the retain leaves nothing behind either
     fake_gpu.fail_deserialize = True
@@ -760,7 +744,7 @@ def test_two_threads_starting_together_cannot_both_own_the_shared_memory(
         t.join(30)
     assert sorted(outcome.values())[0] == "created" and "ONE dispatcher thread" in sorted(outcome.values())[1]
     # Once the owner's last context closed, another thread may take over (one at a time).
-    _run_in_thread(lambda: backend.create_context(1).close())
+    run_in_thread(lambda: backend.create_context(1).close())
     backend.close()
     assert fake_gpu.cuda.memory == {}
 

@@ -40,7 +40,7 @@ from typing import Any
 from confluent_kafka import Consumer
 
 from benchmarks.host.pipeline_bench import DEFAULT_DATA, quartiles, runner_dir
-from benchmarks.kafka_vs_offline import BROKER_PID, cpu_seconds, kafka_bootstrap_from_env, kafka_round
+from benchmarks.kafka_vs_offline import BROKER_PID, cpu_seconds, kafka_bootstrap_from_env, kafka_round, stat_cpu_seconds
 from tests.kafka_tools import free_port
 from worker.formats.keyword_files import read_keywords
 from worker.kafka.admin import ensure_topics
@@ -113,15 +113,14 @@ class Side:
 def thread_seconds(pid: int) -> dict[str, float]:
     """CPU seconds of the process's threads by what they are, from /proc: the main thread (which
     polls the consumer), the worker's named threads (kwe-output, kwe-delivery, kwe-bucket-form,
-    kwe-dispatch-N together; worker.core.os_threads.py), librdkafka's (rdk:main,
+    kwe-dispatch-N together; worker/core/os_threads.py), librdkafka's (rdk:main,
     rdk:broker<N>, ...: `librdkafka`), and `other` (threads without a name of their own, such as a
     checkout's from before the names)."""
     groups: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
     for task in Path(f"/proc/{pid}/task").glob("*"):
         try:
             comm = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            seconds = stat_cpu_seconds(task / "stat")
         except OSError:
             continue  # a thread that ended meanwhile
         if task.name == str(pid):
@@ -134,7 +133,7 @@ def thread_seconds(pid: int) -> dict[str, float]:
             group = comm
         else:
             group = "other"
-        groups[group] = groups.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        groups[group] = groups.get(group, 0.0) + seconds
     return groups
 
 

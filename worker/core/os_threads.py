@@ -42,19 +42,20 @@ MAX_NAME_BYTES = 15  # the kernel's TASK_COMM_LEN, less its NUL
 WORKER_THREAD_PREFIX = "kwe-"
 
 
-def _load_prctl() -> Callable[..., int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
+def _libc_function(name: str) -> Callable[..., int] | None:
+    """libc's `name` (loading the already loaded libc is a dlsym, microseconds); None where absent."""
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+        return getattr(ctypes.CDLL(None, use_errno=True), name)  # type: ignore[no-any-return]
     except (OSError, AttributeError):
         return None
 
 
 def name_current_thread(name: str, prctl: Callable[..., int] | None = None) -> bool:
     """The calling thread's OS name becomes `name` (cut to 15 bytes); False where it could not.
-    Called once as a thread starts (loading libc's symbol is a dlsym, microseconds)."""
-    call = prctl if prctl is not None else _load_prctl()
+    Called once as a thread starts."""
+    call = prctl
+    if call is None and sys.platform.startswith("linux"):
+        call = _libc_function("prctl")
     if call is None:
         return False
     raw = name.encode("utf-8", "replace")[:MAX_NAME_BYTES]
@@ -90,12 +91,12 @@ def _set_affinity(tid: int, cpus: set[int]) -> None:
 def interpreter_threads(threads: Iterable[threading.Thread] | None = None, *, leave: tuple[str, ...] = ()) -> list[int]:
     """The OS thread IDs of the calling thread (the worker's poll thread, its main thread) and of
     every running kwe-* thread but those whose names start with one of `leave`."""
-    ids: set[int | None] = {threading.get_native_id()}
+    ids = {threading.get_native_id()}
     for t in threading.enumerate() if threads is None else threads:
         if t.name.startswith(WORKER_THREAD_PREFIX) and not (leave and t.name.startswith(leave)) \
                 and t.native_id is not None and t.is_alive():
             ids.add(t.native_id)
-    return sorted(i for i in ids if i is not None)
+    return sorted(ids)
 
 
 def hold_interpreter_threads(cpu: int, *, leave: tuple[str, ...] = (), threads: Iterable[threading.Thread] | None = None,
@@ -118,16 +119,9 @@ class _SignalStack(ctypes.Structure):  # stack_t
     _fields_ = [("ss_sp", ctypes.c_void_p), ("ss_flags", ctypes.c_int), ("ss_size", ctypes.c_size_t)]
 
 
-def _load_sigaltstack() -> Callable[..., int] | None:
-    try:
-        return ctypes.CDLL(None, use_errno=True).sigaltstack  # type: ignore[no-any-return]
-    except (OSError, AttributeError):
-        return None
-
-
 def signal_stack() -> tuple[int | None, int, int] | None:
     """The calling thread's alternate signal stack: (address, flags, size); None where it cannot be read."""
-    call = _load_sigaltstack()
+    call = _libc_function("sigaltstack")
     current = _SignalStack()
     if call is None or call(None, ctypes.byref(current)) != 0:
         return None
@@ -139,16 +133,11 @@ def signal_stack_kept() -> Iterator[None]:
     """Runs the block, then gives the calling thread back the alternate signal stack it had before
     it, where a library in the block installed its own (see the module docstring): a stack that
     may be freed under the kernel's feet is worse than none."""
-    call = _load_sigaltstack()
-    before = _SignalStack()
-    if call is None or call(None, ctypes.byref(before)) != 0:
-        yield
-        return
+    before = signal_stack()
     try:
         yield
     finally:
-        after = _SignalStack()
-        if call(None, ctypes.byref(after)) == 0 and \
-                (after.ss_sp, after.ss_flags, after.ss_size) != (before.ss_sp, before.ss_flags, before.ss_size):
-            restore = _SignalStack(before.ss_sp, before.ss_flags & SS_DISABLE, before.ss_size)
-            call(ctypes.byref(restore), None)
+        call = _libc_function("sigaltstack")
+        if before is not None and call is not None and signal_stack() != before:
+            address, flags, size = before
+            call(ctypes.byref(_SignalStack(address, flags & SS_DISABLE, size)), None)
