@@ -112,6 +112,7 @@ class Member:
             if rec is not None and not rec.part.revoked:
                 self.producer.produce(rec.qid)
             self.acks.embedded(seq)()
+        self.acks.flush()  # what the delivery thread does after each poll
         self.submitted.clear()
 
 

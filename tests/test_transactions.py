@@ -647,6 +647,7 @@ def test_a_refused_write_fails_its_transaction_before_its_record_leaves_the_in_f
         inflight.add(off, InFlight(part, off, f"q{off}", 3, False, None, 1, None, InputHeaders()))
     assert wrapper.produce("out", b"q0", b"q0", [], acks.embedded(0), wrapper.release(0))
     client.reports[0](None, None)  # the delivery thread acknowledges q0
+    acks.flush()  # and finishes it after its poll
     clock.now = 1.5
     txn.step(flow_paused=False)
     assert txn.state == "closing"  # waits for q1

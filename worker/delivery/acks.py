@@ -1,19 +1,23 @@
 """Acknowledgement: what happens when the broker has a record's output (or its dead letter).
 
-Runs on the delivery thread. The record leaves the in-flight table and its input offset is
-marked done at once, which is what lets the committer move that partition's commit point. What
-the metrics learn of it (counts, produce-to-ack and end-to-end latencies) is gathered per record
-and handed to them once per producer poll (`flush`, the delivery thread's too): one bulk update
-instead of a counter and two histogram observations per keyword.
+Runs on the delivery thread. An embedding's acknowledgement only notes its in-flight number
+(`embedded` hands the producer a C-level append, so a delivery report runs no Python of ours
+beyond the producer's own callback); after each producer poll, `flush` (the delivery thread's
+too) takes the noted records out of the in-flight table under one lock, marks their offsets done
+a partition at a time, and hands the metrics one bulk update. That is what lets the committer
+move a partition's commit point: a poll's acknowledgements reach it together, a moment after the
+poll, never before the broker had them. A dead letter (rare) is done at once, as before.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 from worker.delivery.inflight import InFlight, InFlightTable
+from worker.kafka.offsets import PartitionOffsets
 from worker.operations.metrics import Metrics
 
 Outcome = Literal["embedded", "dead_lettered"]
@@ -26,7 +30,9 @@ class Acknowledger:
         # Written by the delivery thread only; read for the final log line after it stopped.
         self.embedded_count = 0
         self.dead_lettered_count = 0
-        # Gathered since the last flush (delivery thread only).
+        # Gathered since the last flush (delivery thread only). `_acked` is emptied in place, never
+        # replaced: every `embedded` callback holds its append.
+        self._acked: list[int] = []
         self._produced = 0
         self._produce_to_ack: list[float] = []
         self._timestamps_ms: list[int] = []
@@ -40,17 +46,8 @@ class Acknowledger:
         return rec
 
     def embedded(self, seq: int) -> Callable[[], None]:
-        def ack() -> None:
-            rec = self._done(seq)
-            if rec is None:
-                return
-            self.embedded_count += 1
-            self._produced += 1
-            if rec.t_produced:
-                self._produce_to_ack.append(time.monotonic() - rec.t_produced)
-            if rec.timestamp_ms is not None:
-                self._timestamps_ms.append(rec.timestamp_ms)
-        return ack
+        """Record `seq`'s acknowledgement, finished by the next `flush`."""
+        return partial(self._acked.append, seq)
 
     def dead_lettered(self, seq: int, reason: str) -> Callable[[], None]:
         def ack() -> None:
@@ -60,7 +57,10 @@ class Acknowledger:
         return ack
 
     def flush(self) -> None:
-        """Hands what was acknowledged since the last call to the metrics (after each producer poll)."""
+        """Finishes the embeddings acknowledged since the last call, and hands the metrics what was
+        acknowledged (after each producer poll)."""
+        if self._acked:
+            self._finish_embedded()
         if self._produced:
             self._metrics.count_produced(self._produced)
             self._produced = 0
@@ -74,3 +74,25 @@ class Acknowledger:
             for reason, n in self._dead.items():
                 self._metrics.count_dead_lettered(reason, n)
             self._dead = {}
+
+    def _finish_embedded(self) -> None:
+        recs = self._inflight.finish_many(self._acked)
+        self._acked.clear()
+        now = time.monotonic()
+        by_part: dict[PartitionOffsets, list[int]] = {}
+        produce_to_ack, timestamps = self._produce_to_ack, self._timestamps_ms
+        part: PartitionOffsets | None = None
+        offsets: list[int] = []
+        for rec in recs:
+            if rec.part is not part:  # a batch's records mostly share a partition: one lookup a run
+                part = rec.part
+                offsets = by_part.setdefault(part, [])
+            offsets.append(rec.offset)
+            if rec.t_produced:
+                produce_to_ack.append(now - rec.t_produced)
+            if rec.timestamp_ms is not None:
+                timestamps.append(rec.timestamp_ms)
+        for part, offsets in by_part.items():
+            part.done_many(offsets)
+        self.embedded_count += len(recs)
+        self._produced += len(recs)

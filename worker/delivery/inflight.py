@@ -69,6 +69,14 @@ class InFlightTable:
                 self._bytes -= rec.nbytes
             return rec
 
+    def finish_many(self, seqs: Iterable[int]) -> list[InFlight]:
+        """finish() of many records under one lock; the ones that were still here, in `seqs`' order."""
+        with self._lock:
+            pop = self._items.pop
+            recs = [rec for seq in seqs if (rec := pop(seq, None)) is not None]
+            self._bytes -= sum(rec.nbytes for rec in recs)
+        return recs
+
     def take_live(self, seqs: Iterable[int]) -> tuple[list[tuple[int, InFlight]], int]:
         """The records of a finished batch still worth producing, and how many were dropped.
 

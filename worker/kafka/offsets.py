@@ -14,7 +14,7 @@ the fetch position by itself; `track` decides from what librdkafka tells the con
 the lower offsets are records already seen (skipped: `Refetched`) or new ones (`OffsetWentBack`):
 docs/delivery.md, "Offsets that go back".
 
-Thread-safety: `track` is called by the poll thread, `done` by the delivery thread and
+Thread-safety: `track` is called by the poll thread, `done` and `done_many` by the delivery thread and
 `committable` by the poll thread; one lock per partition keeps them consistent.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 # (log start, log end) of a partition as the last fetch response gave them, or None when unknown
@@ -156,6 +156,18 @@ class PartitionOffsets:
             cell[1] = True
             while self._order and self._order[0][1]:
                 self._order.popleft()
+
+    def done_many(self, offsets: Iterable[int]) -> None:
+        """done() of many offsets under one lock."""
+        with self._lock:
+            pop = self._cells.pop
+            for offset in offsets:
+                cell = pop(offset, None)
+                if cell is not None:
+                    cell[1] = True
+            order = self._order
+            while order and order[0][1]:
+                order.popleft()
 
     def committable(self) -> int | None:
         """The offset to commit (the next message to read after a restart), or None before any message."""
