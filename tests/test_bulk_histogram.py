@@ -54,6 +54,12 @@ def test_negative_values_count_as_zero_and_an_empty_batch_is_nothing() -> None:
     s = _samples(reg)
     assert s['kwe_y_seconds_bucket{le="0.0001"}'] == 2 and s["kwe_y_seconds_count"] == 2
     assert s["kwe_y_seconds_sum"] == pytest.approx(0.00005)
+    # More values than bounds (sorted and counted per bound): the same rule.
+    h.observe_many([-1.0, -0.001, 0.0, 0.0001, 0.0002, 0.5, 1.0, 20.0])
+    s = _samples(reg)
+    assert s['kwe_y_seconds_bucket{le="0.0001"}'] == 6 and s['kwe_y_seconds_bucket{le="0.001"}'] == 7
+    assert s['kwe_y_seconds_bucket{le="1.0"}'] == 9 and s['kwe_y_seconds_bucket{le="+Inf"}'] == 10
+    assert s["kwe_y_seconds_sum"] == pytest.approx(0.00005 + 0.0001 + 0.0002 + 0.5 + 1.0 + 20.0)
 
 
 def test_one_value_repeated_is_that_many_observations_of_it() -> None:

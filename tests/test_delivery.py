@@ -183,3 +183,34 @@ def test_take_live_drops_records_of_revoked_partitions_and_skips_finished_ones()
     live, dropped = table.take_live(iter([3, 1, 2, 0]))  # any iterable, read once
     assert [seq for seq, _ in live] == [3, 0] and dropped == 1
     assert len(table) == 2 and table.bytes == 20  # the revoked one left the table, the live ones stay
+
+
+def test_acknowledgements_are_finished_together_after_the_poll() -> None:
+    """An embedding's delivery report only notes its record; `flush` (after each producer poll)
+    takes the noted records out, marks their offsets done per partition, and counts them once."""
+    from worker.delivery.acks import Acknowledger
+    from worker.operations.metrics import Metrics
+
+    p0, p1 = PartitionOffsets("in", 0, 1), PartitionOffsets("in", 1, 1)
+    table, metrics = InFlightTable(), Metrics()
+    acks = Acknowledger(table, metrics)
+    layout = [(p0, 10), (p1, 20), (p0, 11), (p1, 21), (p0, 12)]
+    for seq, (part, offset) in enumerate(layout):
+        part.track(offset)
+        table.add(seq, InFlight(part, offset, f"q{seq}", 3, False, 1_000 + seq, 10, None, NO_HEADERS))
+        table.get(seq).t_produced = 1.0  # type: ignore[union-attr]
+    reports = {seq: acks.embedded(seq) for seq in range(5)}
+    for seq in (2, 0, 3):  # out of order, across both partitions
+        reports[seq]()
+    assert len(table) == 5 and p0.committable() == 10, "nothing is finished before the flush"
+    table.finish(3)  # released meanwhile (an aborted transaction's record): skipped, not counted twice
+    acks.flush()
+    assert len(table) == 2 and table.bytes == 20
+    assert p0.committable() == 12 and p0.unfinished() == 1  # 10 and 11 done, 12 not
+    assert p1.committable() == 20 and p1.unfinished() == 2  # 20 not reported; 21 left the table, not done
+    assert acks.embedded_count == 2
+    assert metrics.registry.get_sample_value("kwe_produced_messages_total") == 2
+    reports[4]()  # a callback made before the flush still reaches the next one
+    acks.flush()
+    acks.flush()  # nothing noted: nothing happens
+    assert p0.committable() == 13 and acks.embedded_count == 3 and len(table) == 1

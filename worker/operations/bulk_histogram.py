@@ -4,9 +4,15 @@ prometheus_client's Histogram takes a lock and bisects its bounds per observatio
 on this project's machines, and the worker observes five per-keyword latencies (time in the
 topic, poll to submit, queue wait, produce to ack, end to end), which cost more CPU than
 everything else the worker does for a keyword but tokenizing it (benchmarks/host/). Here a batch
-of observations is one numpy bincount under one lock, whatever its size. The exposition is the
-same as a Histogram's (`_bucket{le}`, `_count`, `_sum`, the same `le` strings), so dashboards,
-alerts and recording rules read it unchanged; there is no `_created` series.
+of observations is sorted once and counted with a bisect per bound, under one lock. The
+exposition is the same as a Histogram's (`_bucket{le}`, `_count`, `_sum`, the same `le` strings),
+so dashboards, alerts and recording rules read it unchanged; there is no `_created` series.
+
+Why not numpy: `np.searchsorted` gives up the interpreter lock for its loop, whatever the size,
+and every such release hands the lock to another of the worker's threads, which on another core
+costs more than the counting (through the broker, the worker's CPU a keyword 0.884x (0.856-0.911)
+with numpy out of these paths, 4 paired rounds; docs/performance.md, The host path). A sort and
+a few dozen bisects stay in C and keep the lock.
 
 Threads: any thread observes; one lock per labelled child guards its counts and sum; a scrape
 copies them under the same lock.
@@ -17,17 +23,12 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
-
-# Up to this many values an observe_many bisects each (measured: below ~30 values numpy's per-call
-# cost is the larger; above, its loop is).
-SMALL_BATCH = 24
-
 
 class HistogramChild:
     """One label combination's buckets, count and sum."""
@@ -56,31 +57,34 @@ class HistogramChild:
             self._counts[i] += n
             self._sum += value * n
 
-    def observe_many(self, values: Sequence[float] | np.ndarray) -> None:
+    def observe_many(self, values: Iterable[float] | np.ndarray) -> None:
         """Observes every value; a value below 0 counts as 0 (a clock step, not a negative time)."""
-        n = len(values)
-        if n == 0:
+        if isinstance(values, np.ndarray):
+            values = values.tolist()
+        clamped = [v if v > 0.0 else 0.0 for v in values]
+        if not clamped:
             return
-        if n <= SMALL_BATCH:
-            # numpy's fixed cost per call (asarray, maximum, searchsorted, bincount, sum: ~10 us in
-            # all) is what a live stream's small polls pay most: a bisect each is cheaper up to here.
-            clamped = [v if v > 0.0 else 0.0 for v in (values.tolist() if isinstance(values, np.ndarray) else values)]
+        if len(clamped) <= len(self._bound_list):
+            # Fewer values than bounds (a live stream's small polls): a bisect each is cheaper.
             where = [bisect.bisect_left(self._bound_list, v) for v in clamped]
-            total = float(sum(clamped))
+            total = sum(clamped)
             with self._lock:
                 counts = self._counts
                 for i in where:
                     counts[i] += 1
                 self._sum += total
             return
-        arr = np.maximum(np.asarray(values, dtype=np.float64), 0.0)
-        # side="left": a value equal to a bound falls in that bound's bucket (le is inclusive).
-        added = np.bincount(np.searchsorted(self._bounds, arr, side="left"), minlength=len(self._counts)).tolist()
-        total = float(arr.sum())
+        clamped.sort()
+        # How many values are <= each bound (le is inclusive): bucket i holds those above bound i-1.
+        at_most = [bisect.bisect_right(clamped, bound) for bound in self._bound_list]
+        total = sum(clamped)
         with self._lock:
             counts = self._counts
-            for i, c in enumerate(added):
-                counts[i] += c
+            below = 0
+            for i, n in enumerate(at_most):
+                counts[i] += n - below
+                below = n
+            counts[-1] += len(clamped) - below
             self._sum += total
 
     def snapshot(self) -> tuple[np.ndarray, float]:

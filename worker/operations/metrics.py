@@ -24,7 +24,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
 from worker.operations.batch_stats import BatchStats
-from worker.operations.bulk_histogram import SMALL_BATCH, BulkHistogram
+from worker.operations.bulk_histogram import BulkHistogram
 from worker.operations.health import LiveCheck, always_alive
 from worker.operations.rdkafka_stats import partition_lags
 
@@ -56,13 +56,12 @@ HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                10.0, 30.0)
 
 
-def _seconds_since(now_s: float, timestamps_ms: Sequence[int] | np.ndarray) -> list[float] | np.ndarray:
+def _seconds_since(now_s: float, timestamps_ms: Sequence[int] | np.ndarray) -> list[float]:
     """Seconds from each timestamp (ms since the epoch) to now_s, skipping records without one (0
-    or less): a list for a few (numpy's fixed cost per call would be most of it), an array for many."""
-    if len(timestamps_ms) <= SMALL_BATCH:
-        return [now_s - t / 1000.0 for t in timestamps_ms if t > 0]
-    ts = np.asarray(timestamps_ms, dtype=np.float64)
-    return now_s - ts[ts > 0] / 1000.0
+    or less). A list comprehension, not numpy: see worker/operations/bulk_histogram.py for why."""
+    if isinstance(timestamps_ms, np.ndarray):
+        timestamps_ms = timestamps_ms.tolist()
+    return [now_s - t / 1000.0 for t in timestamps_ms if t > 0]
 
 
 @dataclass(frozen=True, slots=True)
