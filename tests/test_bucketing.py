@@ -667,3 +667,23 @@ def test_a_due_partial_batch_takes_its_neighbours_and_nothing_waits_past_its_dea
     assert sorted(seqs) == [0, 1, 2] and seqs[0] == 0 and stats.merged == 3 and stats.pad_len == 12
     assert max(stats.queue_wait_s) == 1 / 64
     assert b.stop() == []
+
+
+def test_a_bucket_knows_its_longest_item_after_every_take() -> None:
+    from worker.batching.bucket_queues import Bucket, Item
+
+    rng = np.random.default_rng(5)
+    bucket = Bucket(index=1, bound=16, limit=8, max_batch=8, lane=0)
+    queued: list[int] = []
+    for step in range(200):
+        if rng.random() < 0.6 or not queued:
+            n = int(rng.integers(9, 17))
+            bucket.add(Item(step, np.arange(n), 0.0), n)
+            queued.append(n)
+        else:
+            k = int(rng.integers(1, len(queued) + 1))
+            assert [len(it.ids) for it in bucket.take_oldest(k)] == queued[:k]
+            queued = queued[k:]
+        assert bucket.longest == max(queued, default=0) and len(bucket.items) == len(queued)
+    bucket.clear()
+    assert bucket.longest == 0 and not bucket.items and not bucket.lengths

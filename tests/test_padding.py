@@ -42,3 +42,20 @@ def test_no_rows() -> None:
 ])
 def test_length_batches(lengths: list[int], max_rows: int, budget: int | None, expected: list[list[int]]) -> None:
     assert length_batches(lengths, max_rows, budget) == expected
+
+
+def test_rows_of_any_length_land_in_their_own_row_in_order() -> None:
+    """Views into one buffer (what the compiled tokenizer hands out), empty rows among them: each
+    row's IDs at the start of its own row, zeros and a 0 mask after them."""
+    rng = np.random.default_rng(7)
+    flat = rng.integers(1, 30_000, size=2_000)
+    lengths = rng.integers(0, 17, size=97)
+    lengths[[0, 50]] = 0
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    rows = [flat[s:s + n] for s, n in zip(starts, lengths)]
+    for pad_len in (None, 20):
+        ids, mask = pad_batch(rows, pad_len)
+        assert ids.shape[1] == (int(lengths.max()) if pad_len is None else pad_len)
+        for i, row in enumerate(rows):
+            assert ids[i, :len(row)].tolist() == row.tolist() and not ids[i, len(row):].any()
+            assert mask[i].tolist() == [1] * len(row) + [0] * (ids.shape[1] - len(row))

@@ -45,7 +45,34 @@ class Bucket:
     max_batch: int
     lane: int
     items: deque[Item] = field(default_factory=deque)
-    longest: int = 0  # longest item queued (an upper bound after pops until recomputed)
+    longest: int = 0  # longest item queued
+    # How many queued items have each token count: `longest` after a take, without reading the
+    # whole queue (a backlog queues thousands; a bucket's items span a few lengths).
+    lengths: dict[int, int] = field(default_factory=dict)
+
+    def add(self, item: Item, n: int) -> None:
+        """Queues `item` of `n` tokens."""
+        self.items.append(item)
+        self.lengths[n] = self.lengths.get(n, 0) + 1
+        if n > self.longest:
+            self.longest = n
+
+    def take_oldest(self, k: int) -> list[Item]:
+        taken = [self.items.popleft() for _ in range(k)]
+        lengths = self.lengths
+        for it in taken:
+            n = len(it.ids)
+            if lengths[n] == 1:
+                del lengths[n]
+            else:
+                lengths[n] -= 1
+        self.longest = max(lengths, default=0)
+        return taken
+
+    def clear(self) -> None:
+        self.items.clear()
+        self.lengths.clear()
+        self.longest = 0
 
 
 @dataclass(slots=True)
@@ -139,9 +166,7 @@ def snapshot(lanes: Sequence[Lane], buckets: Sequence[Bucket], pad_to: PadPolicy
 def take(b: Bucket, pad_to: PadPolicy, budget: int) -> list[Item]:
     """Pop the next batch of bucket b, oldest first, within max_batch and the token budget."""
     n = batch_count(len(b.items), (len(it.ids) for it in b.items), pad_to, b.limit, b.max_batch, budget)
-    taken = [b.items.popleft() for _ in range(n)]
-    b.longest = max((len(it.ids) for it in b.items), default=0)
-    return taken
+    return b.take_oldest(n)
 
 
 def take_flush(buckets: Sequence[Bucket], flush: Flush, pad_to: PadPolicy,
@@ -154,8 +179,7 @@ def take_flush(buckets: Sequence[Bucket], flush: Flush, pad_to: PadPolicy,
     members = [buckets[i] for i in flush.buckets]
     items = [it for m in members for it in m.items]
     for m in members:
-        m.items.clear()
-        m.longest = 0
+        m.clear()
     return max(members, key=lambda m: m.bound), items, len(members)
 
 

@@ -197,9 +197,7 @@ class Bucketer:
             wake = self._queued == 0
             for seq, row, (bucket, n) in zip(seqs, ids, picked):
                 was_empty = not bucket.items
-                bucket.items.append(Item(seq, row, now))
-                if n > bucket.longest:
-                    bucket.longest = n
+                bucket.add(Item(seq, row, now), n)
                 # Wake the former only when its decision can change: a bucket just became full, or
                 # a first item gives it a new deadline to wait for (a later item's deadline is never
                 # earlier than its bucket head's), or an idle dispatcher could take it right now.
@@ -283,7 +281,7 @@ class Bucketer:
             dropped = [it.seq for b in self._buckets for it in b.items]
             dropped += [it.seq for lane in self._lanes for batch in lane.ready for it in batch.items]
             for b in self._buckets:
-                b.items.clear()
+                b.clear()
             for lane in self._lanes:
                 lane.ready.clear()
             self._queued = 0

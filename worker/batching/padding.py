@@ -22,19 +22,21 @@ def pad_batch(rows: Sequence[np.ndarray], pad_len: int | None = None) -> tuple[n
     Both int64 [len(rows), pad_len]; the mask is 1 over each row's tokens. A row longer than
     pad_len is a ValueError (it belongs to a longer bucket).
     """
-    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     longest = int(lengths.max()) if len(rows) else 0
     if pad_len is None:
         pad_len = longest
     elif longest > pad_len:
         row = int(np.argmax(lengths))
         raise ValueError(f"pad: row {row} has {longest} tokens, more than pad_len {pad_len}")
+    # A row's tokens fill its first `length` columns: compare column positions with each row's length.
+    filled = np.arange(pad_len)[None, :] < lengths[:, None]
     input_ids = np.full((len(rows), pad_len), PAD_ID, dtype=np.int64)
-    for i, ids in enumerate(rows):
-        input_ids[i, :len(ids)] = ids
-    # A row's mask is 1 over its tokens: compare column positions with each row's length.
-    mask = (np.arange(pad_len)[None, :] < lengths[:, None]).astype(np.int64)
-    return input_ids, mask
+    if len(rows):
+        # Row-major order of the filled cells is the rows one after another: one copy of all
+        # of them, not a slice assignment a row (0.17 against 0.31 us a row at 256 rows).
+        input_ids[filled] = np.concatenate(rows)
+    return input_ids, filled.astype(np.int64)
 
 
 def length_batches(lengths: Sequence[int], max_rows: int, token_budget: int | None = None) -> list[list[int]]:
