@@ -60,8 +60,8 @@ class FakeProducer:
         self.poll_threads: set[str] = set()
         self.lock = threading.Lock()
 
-    def produce(self, topic: str, key: bytes | None = None, value: bytes | None = None, headers: Any = None,
-                on_delivery: Any = None) -> None:
+    def produce(self, topic: str, value: bytes | None = None, key: bytes | None = None, partition: int = -1,
+                on_delivery: Any = None, _alias: Any = None, timestamp: int = 0, headers: Any = None) -> None:
         with self.lock:
             if self.buffer_full:
                 self.buffer_full -= 1

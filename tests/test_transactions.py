@@ -461,7 +461,8 @@ def test_records_purged_by_an_abort_are_not_delivery_errors() -> None:
         def __init__(self, config: dict[str, Any]) -> None:
             self.reports: list[Any] = []
 
-        def produce(self, topic: str, key: Any, value: Any, headers: Any, on_delivery: Any) -> None:
+        def produce(self, topic: str, value: Any, key: Any, partition: int, on_delivery: Any, _alias: Any,
+                    timestamp: int, headers: Any) -> None:
             self.reports.append(on_delivery)
 
     latch = FatalLatch()
@@ -612,8 +613,8 @@ def test_a_refused_write_fails_its_transaction_before_its_record_leaves_the_in_f
             super().__init__()
             self.reports: list[Any] = []
 
-        def produce(self, topic: str, key: Any = None, value: Any = None, headers: Any = None,  # type: ignore[override]
-                    on_delivery: Any = None) -> None:
+        def produce(self, topic: str, value: Any = None, key: Any = None, partition: int = -1,  # type: ignore[override]
+                    on_delivery: Any = None, _alias: Any = None, timestamp: int = 0, headers: Any = None) -> None:
             if value == b"too large":
                 raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "Message size too large"))
             super().produce(value.decode())

@@ -53,8 +53,9 @@ class AckingProducer:
         self.acked: list[bytes] = []
         self.stuck = threading.Event()
 
-    def produce(self, topic: str, key: bytes | None = None, value: bytes | None = None, headers: Any = None,
-                on_delivery: Any = None) -> None:
+    def produce(self, topic: str, value: bytes | None = None, key: bytes | None = None, partition: int = -1,
+                on_delivery: Any = None, _alias: Any = None, timestamp: int = 0, headers: Any = None) -> None:
+        """confluent-kafka's positional order (the worker passes every argument by position)."""
         with self._lock:
             self._queued.append((key or b"", on_delivery))
 
