@@ -214,3 +214,56 @@ def test_acknowledgements_are_finished_together_after_the_poll() -> None:
     acks.flush()
     acks.flush()  # nothing noted: nothing happens
     assert p0.committable() == 13 and acks.embedded_count == 3 and len(table) == 1
+
+
+def test_flush_returns_once_the_last_acknowledgements_are_finished_not_when_the_queue_empties() -> None:
+    """The queue is empty once the last delivery callbacks ran, but their records are finished by
+    the hook after that poll: a final commit right after flush must see them done."""
+    import threading
+    import time
+    from typing import Any
+
+    from worker.delivery.acks import Acknowledger
+    from worker.operations.metrics import Metrics
+
+    class Client:
+        def __init__(self, config: dict[str, Any]) -> None:
+            self.reports: list[Any] = []
+            self.lock = threading.Lock()
+
+        def produce(self, topic: str, value: Any, key: Any, partition: int, on_delivery: Any, _alias: Any,
+                    timestamp: int, headers: Any) -> None:
+            with self.lock:
+                self.reports.append(on_delivery)
+
+        def poll(self, timeout: float) -> int:
+            with self.lock:
+                reports, self.reports = self.reports, []
+            for report in reports:
+                report(None, None)
+            if not reports:
+                time.sleep(timeout)
+            return len(reports)
+
+        def __len__(self) -> int:
+            with self.lock:
+                return len(self.reports)
+
+    part, table = PartitionOffsets("in", 0, 1), InFlightTable()
+    acks = Acknowledger(table, Metrics())
+    producer = OutputProducer({}, FatalLatch(), producer_factory=Client, poll_interval_s=0.01)
+
+    def slow_hook() -> None:
+        time.sleep(0.2)  # the window a commit right after the queue emptied would fall in
+        acks.flush()
+
+    producer.after_poll(slow_hook)
+    part.track(7)
+    table.add(0, InFlight(part, 7, "q", 3, False, None, 1, None, NO_HEADERS))
+    producer.start()
+    try:
+        assert producer.produce("out", b"q", b"v", [], acks.embedded(0))
+        assert producer.flush(Deadline.after(5.0)) == 0
+        assert len(table) == 0 and part.committable() == 8
+    finally:
+        producer.stop(2.0)

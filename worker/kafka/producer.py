@@ -118,6 +118,8 @@ class OutputProducer:
         # Run after each poll on the delivery thread (the acknowledgements' metrics, batched per poll).
         self._after_poll: Callable[[], None] | None = None
         self._delivered = False  # a record was delivered during the current poll (delivery thread)
+        # Polls finished, after_poll hook included (delivery thread writes; flush reads).
+        self._polls_done = 0
         self._thread = threading.Thread(target=guarded(latch, "kwe-delivery", self._serve), name="kwe-delivery")
 
     @property
@@ -236,6 +238,7 @@ class OutputProducer:
                 self._failures.connected()  # once per poll, not once per record (it takes a lock)
             if self._after_poll is not None:
                 self._after_poll()
+            self._polls_done += 1
             return True
         except KafkaException as exc:
             # librdkafka's fatal errors are raised from poll itself
@@ -267,11 +270,19 @@ class OutputProducer:
         """Waits until the deadline for outstanding records; returns how many are still unacknowledged.
 
         Waits on the queue length instead of calling Producer.flush, which would serve delivery
-        callbacks on this thread too; they belong to the delivery thread.
+        callbacks on this thread too; they belong to the delivery thread. The queue is empty once
+        the last callbacks ran, but what they acknowledged is finished by the after_poll hook at the
+        end of that poll (worker/delivery/acks.py): so it also waits for a poll to end after the
+        queue was seen empty, or a final commit would miss the last poll's records.
         """
         while len(self._producer) and not deadline.expired() and self._thread.is_alive():
             time.sleep(0.01)
-        return len(self._producer)
+        left = len(self._producer)
+        if not left:
+            seen = self._polls_done
+            while self._polls_done == seen and not deadline.expired() and self._thread.is_alive():
+                time.sleep(0.002)
+        return left
 
     def interrupt(self) -> None:
         """Nothing more is written: produce() returns False from now on (an abort, or a wrapper's
