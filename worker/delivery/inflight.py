@@ -63,11 +63,8 @@ class InFlightTable:
 
     def finish(self, seq: int) -> InFlight | None:
         """Removes the record (acknowledged, or dropped after a revoke); None if it was gone."""
-        with self._lock:
-            rec = self._items.pop(seq, None)
-            if rec is not None:
-                self._bytes -= rec.nbytes
-            return rec
+        recs = self.finish_many((seq,))
+        return recs[0] if recs else None
 
     def finish_many(self, seqs: Iterable[int]) -> list[InFlight]:
         """finish() of many records under one lock; the ones that were still here, in `seqs`' order."""

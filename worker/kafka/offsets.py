@@ -149,13 +149,7 @@ class PartitionOffsets:
             return list(self._epochs)
 
     def done(self, offset: int) -> None:
-        with self._lock:
-            cell = self._cells.pop(offset, None)
-            if cell is None:
-                return
-            cell[1] = True
-            while self._order and self._order[0][1]:
-                self._order.popleft()
+        self.done_many((offset,))
 
     def done_many(self, offsets: Iterable[int]) -> None:
         """done() of many offsets under one lock."""

@@ -115,7 +115,7 @@ class OutputProducer:
         self._interrupt = threading.Event()
         # Where a fatal error raised from poll goes first (`route_fatal`); set once, before start.
         self._fatal_route: Callable[[KafkaError], bool] | None = None
-        # Run after each poll on the delivery thread (the acknowledgements' metrics, batched per poll).
+        # Run after each poll on the delivery thread (the poll's acknowledgements, finished together).
         self._after_poll: Callable[[], None] | None = None
         self._delivered = False  # a record was delivered during the current poll (delivery thread)
         # Polls finished, after_poll hook included (delivery thread writes; flush reads).

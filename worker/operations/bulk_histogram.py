@@ -30,12 +30,12 @@ from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
+
 class HistogramChild:
     """One label combination's buckets, count and sum."""
 
     def __init__(self, bounds: np.ndarray) -> None:
-        self._bounds = bounds
-        self._bound_list = bounds.tolist()  # one value: bisect beats numpy's per-call overhead
+        self._bound_list = bounds.tolist()  # bisected, in C and holding the interpreter lock
         self._lock = threading.Lock()
         # Plain ints, one per bucket; the last one: above every bound (+Inf).
         self._counts = [0] * (len(bounds) + 1)
