@@ -20,6 +20,7 @@ from worker.delivery.acks import Acknowledger
 from worker.delivery.inflight import InFlightTable
 from worker.embedding_cache import EmbeddingCache
 from worker.embedding_cache import key as cache_key
+from worker.formats.messages import Keyword, Rejection
 from worker.intake.stage import Intake
 from worker.intake.tokenize import KeywordTokenizer
 from worker.kafka.offsets import OffsetTracker
@@ -111,3 +112,93 @@ def test_the_whole_worker_pipeline_runs_broker_free_on_the_benchmark_doubles() -
     # Every keyword's output was produced: float-list JSON of 384 numbers each.
     assert result["produced_value_bytes"] > 800 * 384 * 2
     assert {"poll", "kwe-output", "kwe-delivery", "kwe-bucket-former"} <= set(result["threads_us_per_keyword"])
+
+
+# Records for the inline JSON read against decode_input: the plain ones it takes itself, and every
+# other shape, which must reach decode_input and get the same keyword or the same reason.
+INTAKE_VALUES: list[tuple[bytes | None, bytes | None]] = [
+    (b"k", orjson.dumps({"id": "a", "text": "cheap flights"})),
+    (b"k", orjson.dumps({"id": "b", "text": "café au lait", "extra": [1, 2]})),
+    (None, orjson.dumps({"id": "c", "text": "éclair recipe"})),  # first character not ASCII: the full check
+    (b"k", orjson.dumps({"id": "d", "text": "  leading spaces"})),
+    (b"k", orjson.dumps({"id": "e", "text": "\u200b\u200b"})),  # invisible only: empty_text
+    (b"k", orjson.dumps({"id": "f", "text": " \t "})),
+    (b"k", orjson.dumps({"id": "", "text": "shoes"})),
+    (b"k", orjson.dumps({"id": 7, "text": "shoes"})),
+    (b"k", orjson.dumps({"id": "g"})),
+    (b"k", orjson.dumps({"text": "shoes"})),
+    (b"k", orjson.dumps({"id": "h", "text": ["shoes"]})),
+    (b"k", orjson.dumps([{"id": "i", "text": "shoes"}])),
+    (b"k", b"{not json"),
+    (b"k", b"\xff\xfe{}"),
+    (b"k", None),
+    (b"k" * 60, orjson.dumps({"id": "j", "text": "x" * 30})),  # oversized by its key (limit 100 below)
+    (b"k", orjson.dumps({"id": "l", "text": "x" * 80})),  # 95 bytes with its key: within the limit
+    (b"k", orjson.dumps({"id": "m", "text": "9 to 5"})),
+]
+
+
+def test_the_inline_json_read_keeps_what_decode_input_would_say_of_every_record() -> None:
+    from worker.formats.messages import decode_input
+
+    tok = KeywordTokenizer(Tokenizer.from_file(str(default_model_dir() / "tokenizer.json")), 256)
+    tracker = OffsetTracker()
+    tracker.assign("in", 0)
+    inflight, metrics = InFlightTable(), Metrics()
+    writer = _Writer()
+    submitted: list[tuple[list[int], list[np.ndarray]]] = []
+    settings = Settings(max_message_bytes=100)
+    intake = Intake(settings, tok, tracker, inflight, lambda seqs, ids: submitted.append((list(seqs), list(ids))),
+                    DeadLetters("dlq", 1 << 20, writer, Acknowledger(inflight, metrics)), metrics)  # type: ignore[arg-type]
+    intake.handle([MemoryMessage("in", 0, i, k, v, 0) for i, (k, v) in enumerate(INTAKE_VALUES)])
+
+    dead = {seq: reason for seq, _, reason, _ in writer.records}
+    texts: dict[int, list[int]] = {}
+    expected_dead: dict[int, str] = {}
+    for seq, (key, value) in enumerate(INTAKE_VALUES):
+        got = decode_input(key, value, fmt="json", max_bytes=100)
+        if isinstance(got, Rejection):
+            expected_dead[seq] = got.reason
+        else:
+            texts[seq] = tok.encode([got.text])[0].ids.tolist()
+            assert inflight.get(seq) is not None and inflight.get(seq).qid == got.id  # type: ignore[union-attr]
+    assert dead == expected_dead
+    assert {"not_utf8", "malformed_json", "oversized", "empty_text", "empty_id", "null_value"} <= set(dead.values())
+    [(seqs, ids)] = submitted
+    assert {seq: row.tolist() for seq, row in zip(seqs, ids)} == texts
+    # Every record has its number once, in consumption order, and stays tracked until its fate.
+    assert sorted(seqs + list(dead)) == list(range(len(INTAKE_VALUES)))
+    assert tracker.get("in", 0).unfinished() == len(INTAKE_VALUES)  # type: ignore[union-attr]
+
+
+def test_a_decoder_that_raises_mid_poll_leaves_no_number_given_twice() -> None:
+    from worker.errors import WorkerError
+
+    tok = KeywordTokenizer(Tokenizer.from_file(str(default_model_dir() / "tokenizer.json")), 256)
+    tracker = OffsetTracker()
+    tracker.assign("in", 0)
+    inflight, metrics = InFlightTable(), Metrics()
+    writer = _Writer()
+    calls = {"n": 0}
+
+    def decode(topic: str, key: bytes | None, value: bytes | None, headers: Any, size: int) -> Any:
+        calls["n"] += 1
+        if value == b"registry down":
+            raise WorkerError("the registry is unreachable")
+        if value == b"bad":
+            return Rejection("malformed_json", "not a record")
+        return Keyword("q", value.decode())  # type: ignore[union-attr]
+
+    intake = Intake(Settings(), tok, tracker, inflight, lambda seqs, ids: None,
+                    DeadLetters("dlq", 1 << 20, writer, Acknowledger(inflight, metrics)), metrics,  # type: ignore[arg-type]
+                    decode=decode)
+    try:
+        intake.handle([MemoryMessage("in", 0, 0, None, b"bad", 0), MemoryMessage("in", 0, 1, None, b"registry down", 0)])
+    except WorkerError:
+        pass
+    intake.handle([MemoryMessage("in", 0, 2, None, b"bad", 0), MemoryMessage("in", 0, 3, None, b"shoes", 0)])
+    # The first poll's dead letter keeps number 0 (the record the decoder failed on got none); the
+    # second poll's records are numbered after it, so no two in-flight records share a number.
+    assert [seq for seq, _, _, _ in writer.records] == [0, 1]
+    assert {seq: inflight.get(seq).offset for seq in range(3)} == {0: 0, 1: 2, 2: 3}  # type: ignore[union-attr]
+    assert inflight.get(3) is None

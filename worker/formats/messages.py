@@ -109,16 +109,24 @@ def check_size(key: bytes | None, value: bytes | None, *, max_bytes: int, header
     return None
 
 
-def keyword_from_object(obj: object) -> Keyword | Rejection:
-    """The keyword of a decoded {"id", "text"} object (JSON, or a registry format's record)."""
+def plain_keyword(obj: object) -> tuple[str, str] | None:
+    """(ID, text) of nearly every record: a dict of two strings, an ID and a text that starts with
+    a letter or digit, so neither can be empty or blank. None: `keyword_from_object` decides, with
+    its reason (intake calls this first, per record, so that the common case builds no Keyword)."""
     if type(obj) is dict:
-        # Nearly every record: two strings, an ID and a text that starts with a letter or digit,
-        # so neither can be empty or blank; everything else takes the checks below, in order.
         qid, text = obj.get("id"), obj.get("text")
         if type(qid) is str and type(text) is str and qid:
             first = text[:1]
             if first.isascii() and first.isalnum():
-                return Keyword(qid, text)
+                return qid, text
+    return None
+
+
+def keyword_from_object(obj: object) -> Keyword | Rejection:
+    """The keyword of a decoded {"id", "text"} object (JSON, or a registry format's record)."""
+    plain = plain_keyword(obj)
+    if plain is not None:
+        return Keyword(*plain)
     if not isinstance(obj, dict):
         return Rejection("not_an_object", f"value is a JSON {type(obj).__name__}, expected an object")
     if "id" not in obj:
@@ -337,9 +345,10 @@ class OutputCodec:
             embeddings = [base64.b64encode(r) for r in _BATCH_BYTES[self.encoding](rows, self.int8_range)]
             opening, closing = b',"embedding":"', b'"'
         fixed, tail = self._fixed
+        middle = closing + fixed
+        cut_end, whole_end = b',"truncated":true' + tail, b',"truncated":false' + tail
         dumps = orjson.dumps
-        return [b"".join((b'{"id":', dumps(q), opening, e, closing, fixed, b"%d" % t,
-                          b',"truncated":true' if cut else b',"truncated":false', tail))
+        return [b"".join((b'{"id":', dumps(q), opening, e, middle, b"%d" % t, cut_end if cut else whole_end))
                 for q, e, t, cut in zip(qids, embeddings, tokens, truncated)]
 
     def _fixed_json(self) -> tuple[bytes, bytes]:

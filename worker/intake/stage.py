@@ -10,12 +10,12 @@ straight to the output stage.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+import orjson
 import structlog
 from confluent_kafka import Message
 
@@ -23,7 +23,7 @@ from worker.delivery.inflight import InFlight, InFlightTable
 from worker.embedding_cache import EmbeddingCache
 from worker.embedding_cache import key as cache_key
 from worker.formats.headers import read_headers
-from worker.formats.messages import Headers, Keyword, Rejection, decode_input
+from worker.formats.messages import Headers, Keyword, Rejection, decode_input, plain_keyword
 from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched, Watermarks
 from worker.operations.metrics import Metrics
 from worker.output.dead_letters import DeadLetters
@@ -58,7 +58,7 @@ class Intake:
         self._metrics = metrics
         self._cache = cache
         self._answer = answer
-        self._seq = itertools.count()
+        self._next_seq = 0  # the next record's in-flight number
         self.consumed = 0
 
     def handle(self, msgs: Sequence[Message]) -> None:
@@ -67,75 +67,95 @@ class Intake:
         s = self._settings
         polled = time.monotonic()
         now_s = time.time()
-        fmt, max_bytes, decode = s.input_format, s.max_message_bytes, self._decode
+        fmt, max_bytes, decode, watermarks = s.input_format, s.max_message_bytes, self._decode, self._watermarks
+        # A JSON record that is a plain {"id", "text"} (nearly every one) is read here inline;
+        # anything else takes decode_input (or the registry's decoder), which gives the reason.
+        loads = orjson.loads if decode is None and fmt == "json" else None
         # Each partition's offset state, looked up once per poll (None: no longer ours).
         parts: dict[tuple[str, int], PartitionOffsets | None] = {}
-        good: list[tuple[int, Keyword, InFlight]] = []
+        seqs: list[int] = []
+        qids: list[str] = []
+        texts: list[str] = []
+        recs: list[InFlight] = []
         timestamps: list[int] = []
-        consumed = 0
-        for msg in msgs:
-            tp = (msg.topic(), msg.partition())
-            part = parts[tp] if tp in parts else parts.setdefault(tp, self._tracker.get(*tp))
-            if part is None:
-                continue  # delivered for a partition no longer ours (revoked between fetch and here)
-            rec = self._track(part, msg)
-            if rec is None:
-                continue
-            if rec.part is not part:
-                parts[tp] = rec.part  # the partition started over (OffsetWentBack): the rest go to its new state
-            consumed += 1
-            if rec.timestamp_ms is not None and rec.timestamp_ms > 0:
-                timestamps.append(rec.timestamp_ms)
-            seq = next(self._seq)
-            size = rec.headers.size
-            if decode is None:
-                decoded = decode_input(msg.key(), msg.value(), fmt=fmt,  # type: ignore[arg-type]
-                                       max_bytes=max_bytes, headers_bytes=size)
-            else:
-                decoded = decode(msg.topic(), msg.key(), msg.value(), rec.headers.headers, size)
-            if isinstance(decoded, Rejection):
-                self._reject(seq, rec, decoded)
-            else:
-                good.append((seq, decoded, rec))
+        first = seq = self._next_seq
+        try:
+            for msg in msgs:
+                tp = (msg.topic(), msg.partition())
+                part = parts[tp] if tp in parts else parts.setdefault(tp, self._tracker.get(*tp))
+                if part is None:
+                    continue  # delivered for a partition no longer ours (revoked between fetch and here)
+                offset = msg.offset()
+                try:
+                    part.track(offset, msg.leader_epoch(), watermarks)
+                except (Refetched, OffsetWentBack) as exc:
+                    part = self._track_again(part, offset, msg.leader_epoch(), exc)
+                    if part is None:
+                        continue
+                    parts[tp] = part  # the partition started over (OffsetWentBack): the rest go to its new state
+                key, value = msg.key(), msg.value()
+                headers = read_headers(msg)  # never msg.headers(): a header name need not be UTF-8
+                size = headers.size
+                nbytes = (len(key) if key is not None else 0) + (len(value) if value is not None else 0) + size
+                ts_type, ts = msg.timestamp()
+                rec = InFlight(part, offset, "", 0, False, ts if ts_type else None, nbytes, msg, headers)
+                if ts_type and ts > 0:
+                    timestamps.append(ts)
+                plain = None
+                if loads is not None and value is not None and nbytes <= max_bytes:
+                    try:
+                        plain = plain_keyword(loads(value))
+                    except orjson.JSONDecodeError:
+                        pass  # decode_input says which reason
+                if plain is None:
+                    decoded = (decode_input(key, value, fmt=fmt, max_bytes=max_bytes, headers_bytes=size)  # type: ignore[arg-type]
+                               if decode is None else decode(msg.topic(), key, value, headers.headers, size))
+                    if isinstance(decoded, Rejection):
+                        self._reject(seq, rec, decoded)
+                        seq += 1
+                        continue
+                    plain = decoded.id, decoded.text
+                seqs.append(seq)
+                qids.append(plain[0])
+                texts.append(plain[1])
+                recs.append(rec)
+                seq += 1
+        finally:
+            self._next_seq = seq  # numbers given to records stay given, even when a decoder raised
+        consumed = seq - first
         self.consumed += consumed
         self._metrics.count_consumed(consumed)
         if timestamps:
             self._metrics.observe_hop_since("input_to_poll", timestamps, now_s)
-        if good:
-            self._embed(good, polled)
+        if seqs:
+            self._embed(seqs, qids, texts, recs, polled)
 
-    def _track(self, part: PartitionOffsets, msg: Message) -> InFlight | None:
-        offset = msg.offset()
-        ts_type, ts = msg.timestamp()
-        key, value = msg.key() or b"", msg.value() or b""
-        epoch = msg.leader_epoch()
-        try:
-            part.track(offset, epoch, self._watermarks)
-        except Refetched as exc:
+    def _track_again(self, part: PartitionOffsets, offset: int, epoch: int,
+                     exc: Refetched | OffsetWentBack) -> PartitionOffsets | None:
+        """After `part.track` refused a record: None to skip it, or the partition state that now
+        tracks it."""
+        if isinstance(exc, Refetched):
             # Already in flight or done here, or committed before this owner began: writing it
             # again would duplicate it, even for a read_committed reader.
             if exc.first:
                 log.warning("partition fetched again by the client (an offset reset to the log start, or "
                             "a re-fetch); the records already processed are skipped", error=str(exc))
             return None
-        except OffsetWentBack as exc:
-            # The lower offsets are new records (a recreated topic, a log truncated and rewritten).
-            # The partition starts over from here; nothing is skipped.
-            log.warning("partition offsets went back: the input log was reset (topic recreated or "
-                        "truncated); the records from here on are processed as new", error=str(exc))
-            part = self._tracker.restart(part.topic, part.partition)
-            part.track(offset, epoch)
-        headers = read_headers(msg)  # never msg.headers(): a header name need not be UTF-8
-        nbytes = len(key) + len(value) + headers.size
-        return InFlight(part, offset, "", 0, False, ts if ts_type else None, nbytes, msg, headers)
+        # The lower offsets are new records (a recreated topic, a log truncated and rewritten).
+        # The partition starts over from here; nothing is skipped.
+        log.warning("partition offsets went back: the input log was reset (topic recreated or "
+                    "truncated); the records from here on are processed as new", error=str(exc))
+        part = self._tracker.restart(part.topic, part.partition)
+        part.track(offset, epoch)
+        return part
 
     def _reject(self, seq: int, rec: InFlight, rejection: Rejection) -> None:
         self._inflight.add(seq, rec)
         assert rec.msg is not None
         self._dead_letters.send(seq, rec.msg, rec.headers, rejection)
 
-    def _embed(self, good: list[tuple[int, Keyword, InFlight]], polled: float) -> None:
-        texts = [kw.text for _, kw, _ in good]
+    def _embed(self, good_seqs: list[int], qids: list[str], texts: list[str], good_recs: list[InFlight],
+               polled: float) -> None:
         try:
             encoded: list[Any] = self._tokenizer.encode(texts)
         except Exception:  # noqa: BLE001 - one bad text must not cost the batch: find it alone
@@ -152,7 +172,7 @@ class Intake:
         submit_seqs: list[int] = []
         submit_ids: list[np.ndarray] = []
         hits: list[tuple[int, Any]] = []
-        for (seq, kw, rec), enc in zip(good, encoded):
+        for seq, qid, rec, enc in zip(good_seqs, qids, good_recs, encoded):
             if isinstance(enc, Exception):
                 self._reject(seq, rec, Rejection("tokenize_error", f"the tokenizer failed on this text: {enc!r}"))
                 continue
@@ -160,7 +180,7 @@ class Intake:
                 # Visible to is_blank but nothing to the model (e.g. only combining marks).
                 self._reject(seq, rec, Rejection("empty_text", "'text' has no tokens once normalised"))
                 continue
-            rec.qid, rec.tokens, rec.truncated = kw.id, enc.length, enc.truncated
+            rec.qid, rec.tokens, rec.truncated = qid, enc.length, enc.truncated
             seqs.append(seq)
             recs.append(rec)
             if cache is not None:
