@@ -687,3 +687,21 @@ def test_a_bucket_knows_its_longest_item_after_every_take() -> None:
         assert bucket.longest == max(queued, default=0) and len(bucket.items) == len(queued)
     bucket.clear()
     assert bucket.longest == 0 and not bucket.items and not bucket.lengths
+
+
+def test_a_take_holds_what_batch_count_allows_with_or_without_the_budget_shortcut() -> None:
+    from worker.batching.bucket_queues import Bucket, Item, take
+    from worker.batching.flush_policy import batch_count
+
+    rng = np.random.default_rng(11)
+    for trial in range(300):
+        max_batch = int(rng.integers(1, 40))
+        budget = int(rng.integers(8, 400))
+        bucket = Bucket(index=0, bound=16, limit=max_batch, max_batch=max_batch, lane=0)
+        lengths = [int(n) for n in rng.integers(3, 17, size=int(rng.integers(1, 60)))]
+        for i, n in enumerate(lengths):
+            bucket.add(Item(i, np.arange(n), 0.0), n)
+        expected = batch_count(len(lengths), iter(lengths), "longest", max_batch, max_batch, budget)
+        taken = take(bucket, "longest", budget)
+        assert [it.seq for it in taken] == list(range(expected)), (trial, lengths, max_batch, budget)
+        assert max(lengths[:expected], default=0) * len(taken) <= max(budget, max(lengths[:1], default=0))

@@ -17,7 +17,7 @@ closes all the contexts, still bucket i on context i.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -58,14 +58,16 @@ class Bucket:
             self.longest = n
 
     def take_oldest(self, k: int) -> list[Item]:
-        taken = [self.items.popleft() for _ in range(k)]
+        popleft = self.items.popleft
+        taken = [popleft() for _ in range(k)]
         lengths = self.lengths
-        for it in taken:
-            n = len(it.ids)
-            if lengths[n] == 1:
-                del lengths[n]
+        # Counted in C, then one update per length (a bucket's items span a few lengths).
+        for n, c in Counter([len(it.ids) for it in taken]).items():
+            left = lengths[n] - c
+            if left:
+                lengths[n] = left
             else:
-                lengths[n] -= 1
+                del lengths[n]
         self.longest = max(lengths, default=0)
         return taken
 
@@ -165,6 +167,10 @@ def snapshot(lanes: Sequence[Lane], buckets: Sequence[Bucket], pad_to: PadPolicy
 
 def take(b: Bucket, pad_to: PadPolicy, budget: int) -> list[Item]:
     """Pop the next batch of bucket b, oldest first, within max_batch and the token budget."""
+    if pad_to == "longest" and b.longest * min(len(b.items), b.max_batch) <= budget:
+        # Padded to the queue's longest item, as many as max_batch allows still fit the budget:
+        # batch_count would read each of them to say so (a backlog's every take).
+        return b.take_oldest(min(len(b.items), b.max_batch))
     n = batch_count(len(b.items), (len(it.ids) for it in b.items), pad_to, b.limit, b.max_batch, budget)
     return b.take_oldest(n)
 

@@ -15,8 +15,10 @@ Threads and what each one owns:
   batch's records can never finish, so going on would only stall the commit point behind them.
 
 All shared state (bucket queues, ready queues, counters, flags) sits behind one lock with
-three conditions on it: the former waits on `_form_cv`, dispatchers on `_ready_cv`, and
-`stop()` on `_idle_cv`.
+conditions on it: the former waits on `_form_cv`, each lane's dispatchers on that lane's
+`_ready_cvs` entry, and `stop()` on `_idle_cv`. A formed batch wakes one dispatcher of its lane,
+not all of them: with the lanes' dispatchers on one condition, every batch woke each idle one,
+and each that found the batch gone told the former it was idle, waking it for nothing too.
 
 Lanes (which buckets share a ready queue, which contexts each dispatcher owns), the queue
 records and the snapshot / take / pad operations on them: worker/batching/bucket_queues.py, called here
@@ -115,6 +117,9 @@ class Bucketer:
         layout = plan_layout(profile, backend, dispatchers)
         self._lanes = layout.lanes
         self._buckets = layout.buckets
+        # The bucket of each token count up to the profile's last bound: a submit's per-item lookup
+        # (Profile.bucket_for bisects a tuple it builds per call).
+        self._bucket_of_length = [self._buckets[profile.bucket_for(n)] for n in range(profile.max_len + 1)]
         # Which contexts each dispatcher thread creates, owns and runs, and whether it picks the
         # context by the batch's bucket (context i = bucket i) or runs every batch on its one context.
         self._thread_contexts = layout.thread_contexts
@@ -123,7 +128,7 @@ class Bucketer:
 
         self._lock = threading.Lock()
         self._form_cv = threading.Condition(self._lock)
-        self._ready_cv = threading.Condition(self._lock)
+        self._ready_cvs = [threading.Condition(self._lock) for _ in self._lanes]
         self._idle_cv = threading.Condition(self._lock)
         self._queued = 0  # items in bucket queues
         self._pending = 0  # submitted, not yet completed or errored
@@ -163,7 +168,7 @@ class Bucketer:
         if self._start_errors:
             with self._lock:
                 self._abort = self._stopping = True
-                self._ready_cv.notify_all()
+                self._wake_dispatchers()
             for t in self._threads:
                 t.join()
             raise BucketerError(f"cannot create backend contexts: {self._start_errors[0]!r}") \
@@ -180,33 +185,39 @@ class Bucketer:
     def submit_many(self, seqs: Sequence[int], ids: Sequence[np.ndarray]) -> None:
         """Queue a poll's tokenized items under one lock; thread-safe. Each item's `ids` must
         already be cut at the model's max; a wrong item raises before any is queued."""
-        profile = self.profile
+        bucket_of, max_len = self._bucket_of_length, len(self._bucket_of_length) - 1
         picked = []
         for seq, row in zip(seqs, ids, strict=True):
             if not isinstance(row, np.ndarray) or row.ndim != 1:
                 raise ValueError(f"item {seq}: ids must be a 1-D numpy array of token ids")
             n = len(row)
-            if n > profile.max_len:
+            if n > max_len:
                 raise ValueError(f"item {seq} has {n} tokens, more than the profile's last bound "
-                                 f"{profile.max_len}; truncate at the model's max first")
-            picked.append((self._buckets[profile.bucket_for(n)], n))
+                                 f"{max_len}; truncate at the model's max first")
+            picked.append((bucket_of[n], n))
         with self._lock:
             if self._stopping or not self._started:
                 raise BucketerStoppedError("bucketer is stopped" if self._stopping else "bucketer not started")
             now = self._clock()
             wake = self._queued == 0
+            # The buckets empty before this call (a first item gives a bucket a deadline).
+            empty = None if wake else [not b.items for b in self._buckets]
             for seq, row, (bucket, n) in zip(seqs, ids, picked):
-                was_empty = not bucket.items
                 bucket.add(Item(seq, row, now), n)
-                # Wake the former only when its decision can change: a bucket just became full, or
-                # a first item gives it a new deadline to wait for (a later item's deadline is never
-                # earlier than its bucket head's), or an idle dispatcher could take it right now.
-                if not wake:
-                    lane = self._lanes[bucket.lane]
-                    wake = lane.has_room() and (
-                        self._is_full(bucket) or (was_empty and lane.idle > len(lane.ready) + lane.forming))
             self._queued += len(picked)
             self._pending += len(picked)
+            if empty is not None:
+                # Wake the former only when its decision can change: a bucket it touched is full,
+                # or was empty and so has a new deadline to wait for (a later item's deadline is
+                # never earlier than its bucket head's), or an idle dispatcher could take it now.
+                # Read once per bucket after the adds, not once per item.
+                for index in {b.index for b, _ in picked}:
+                    bucket = self._buckets[index]
+                    lane = self._lanes[bucket.lane]
+                    if lane.has_room() and (self._is_full(bucket) or (
+                            empty[index] and lane.idle > len(lane.ready) + lane.forming)):
+                        wake = True
+                        break
             if wake:
                 self._form_cv.notify()
 
@@ -254,7 +265,7 @@ class Bucketer:
             if not drain:
                 self._abort = True
             self._form_cv.notify_all()
-            self._ready_cv.notify_all()
+            self._wake_dispatchers()
             if drain:
                 while not self._finished_locked():
                     remaining = deadline.left()
@@ -265,7 +276,7 @@ class Bucketer:
                 if not self._finished_locked():
                     self._abort = True
                     self._form_cv.notify_all()
-                    self._ready_cv.notify_all()
+                    self._wake_dispatchers()
         # A call under way gets JOIN_GRACE_S from now even when the deadline expired long ago
         # (a shutdown timeout below the pipeline's reserves): most calls end within it, and a
         # thread left inside a backend at exit aborts the interpreter's teardown.
@@ -287,6 +298,11 @@ class Bucketer:
             self._queued = 0
             self._pending -= len(dropped)
         return dropped
+
+    def _wake_dispatchers(self) -> None:
+        """Every dispatcher of every lane re-reads the state (stopping, aborting); lock held."""
+        for cv in self._ready_cvs:
+            cv.notify_all()
 
     # ------------------------------------------------------------------ flush rules (lock held)
     # The decisions are worker/batching/flush_policy.py's pure functions, fed by worker/batching/bucket_queues.py.
@@ -328,18 +344,18 @@ class Bucketer:
                 with self._lock:
                     lane.forming -= 1
                     lane.ready.append(batch)
-                    self._ready_cv.notify_all()
+                    self._ready_cvs[decision.lane].notify()
         finally:
             with self._lock:
                 self._former_done = True
-                self._ready_cv.notify_all()
+                self._wake_dispatchers()
                 self._idle_cv.notify_all()
 
     def _pad(self, b: Bucket, items: list[Item], merged: int = 1) -> Batch:
         return pad(b, items, self.pad_to, merged)
 
     def _dispatch_loop(self, lane_no: int, ctx_ids: tuple[int, ...]) -> None:
-        lane = self._lanes[lane_no]
+        lane, ready_cv = self._lanes[lane_no], self._ready_cvs[lane_no]
         contexts: dict[int, InferenceContext] = {}
         try:
             for i in ctx_ids:
@@ -362,7 +378,7 @@ class Bucketer:
                         # Due partial batches (and, eager, any partial batch) are formed for
                         # an idle dispatcher: tell the former one is waiting.
                         self._form_cv.notify()
-                        self._ready_cv.wait()
+                        ready_cv.wait()
                         lane.idle -= 1
                     if self._abort:
                         return
@@ -377,7 +393,8 @@ class Bucketer:
                     with self._lock:
                         lane.running -= 1
                         self._pending -= len(batch.items)
-                        self._idle_cv.notify_all()
+                        if self._stopping:  # only stop() waits on it (notify_all costs even with no waiter)
+                            self._idle_cv.notify_all()
         finally:
             self._close_contexts(contexts)
             self._dispatcher_exit()
