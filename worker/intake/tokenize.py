@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -23,13 +23,18 @@ from worker.core.model import ModelError, ModelInfo, Prompt
 from worker.intake.wordpiece import FastWordPiece, WordCache
 
 
-@dataclass(slots=True)
-class Encoded:
+class Encoded(NamedTuple):
+    """One text's encoding. A named tuple, not a dataclass: `encode` makes one per keyword with
+    tuple.__new__, a C call, where a dataclass's __init__ ran a Python frame per keyword."""
+
     # Token ids with special tokens, already cut at max_len: what the model sees.
     ids: np.ndarray
     # Token count with special tokens *before* truncation (for metrics and bucketing decisions).
     length: int
     truncated: bool
+
+
+_new_encoded = tuple.__new__
 
 
 class KeywordTokenizer:
@@ -128,7 +133,7 @@ class KeywordTokenizer:
             slow = list(range(len(full)))
         else:
             views, counts = fast.encode_many(full, cut)
-            out = [None if n is None else Encoded(ids, n, n > cut) for ids, n in zip(views, counts)]
+            out = [None if n is None else _new_encoded(Encoded, (ids, n, n > cut)) for ids, n in zip(views, counts)]
             if None in counts:
                 slow = [i for i, n in enumerate(counts) if n is None]
         if slow:
