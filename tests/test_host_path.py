@@ -114,6 +114,14 @@ def test_the_whole_worker_pipeline_runs_broker_free_on_the_benchmark_doubles() -
     assert {"poll", "kwe-output", "kwe-delivery", "kwe-bucket-former"} <= set(result["threads_us_per_keyword"])
 
 
+def _intake_parts() -> tuple[KeywordTokenizer, OffsetTracker, InFlightTable, Metrics, _Writer]:
+    """The real tokenizer, partition in[0] assigned, an empty in-flight table and a recording writer."""
+    tracker = OffsetTracker()
+    tracker.assign("in", 0)
+    return (KeywordTokenizer(Tokenizer.from_file(str(default_model_dir() / "tokenizer.json")), 256), tracker,
+            InFlightTable(), Metrics(), _Writer())
+
+
 # Records for the inline JSON read against decode_input: the plain ones it takes itself, and every
 # other shape, which must reach decode_input and get the same keyword or the same reason.
 INTAKE_VALUES: list[tuple[bytes | None, bytes | None]] = [
@@ -141,11 +149,7 @@ INTAKE_VALUES: list[tuple[bytes | None, bytes | None]] = [
 def test_the_inline_json_read_keeps_what_decode_input_would_say_of_every_record() -> None:
     from worker.formats.messages import decode_input
 
-    tok = KeywordTokenizer(Tokenizer.from_file(str(default_model_dir() / "tokenizer.json")), 256)
-    tracker = OffsetTracker()
-    tracker.assign("in", 0)
-    inflight, metrics = InFlightTable(), Metrics()
-    writer = _Writer()
+    tok, tracker, inflight, metrics, writer = _intake_parts()
     submitted: list[tuple[list[int], list[np.ndarray]]] = []
     settings = Settings(max_message_bytes=100)
     intake = Intake(settings, tok, tracker, inflight, lambda seqs, ids: submitted.append((list(seqs), list(ids))),
@@ -174,15 +178,9 @@ def test_the_inline_json_read_keeps_what_decode_input_would_say_of_every_record(
 def test_a_decoder_that_raises_mid_poll_leaves_no_number_given_twice() -> None:
     from worker.errors import WorkerError
 
-    tok = KeywordTokenizer(Tokenizer.from_file(str(default_model_dir() / "tokenizer.json")), 256)
-    tracker = OffsetTracker()
-    tracker.assign("in", 0)
-    inflight, metrics = InFlightTable(), Metrics()
-    writer = _Writer()
-    calls = {"n": 0}
+    tok, tracker, inflight, metrics, writer = _intake_parts()
 
     def decode(topic: str, key: bytes | None, value: bytes | None, headers: Any, size: int) -> Any:
-        calls["n"] += 1
         if value == b"registry down":
             raise WorkerError("the registry is unreachable")
         if value == b"bad":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -139,7 +140,20 @@ def main() -> int:
                                   "threads_us_per_keyword_median": threads}
 
     def paired(a: str, b: str, key: str) -> dict[str, float]:
-        return quartiles([x["sides"][a][key] / x["sides"][b][key] for x in rounds])
+        got = quartiles([x["sides"][a][key] / x["sides"][b][key] for x in rounds])
+        # By which of the two ran first in its round: on this shared box the second run of a round
+        # was the faster one in most rounds, whichever side it was (2026-12-06), so the order
+        # shifts each ratio. Rounds rotate the order; `balanced` (the geometric mean of the two
+        # orders' geometric means) takes the order out, once both orders have run.
+        first: dict[str, list[float]] = {a: [], b: []}
+        for x in rounds:
+            lead = next(s for s in x["order"] if s in (a, b))
+            first[lead].append(x["sides"][a][key] / x["sides"][b][key])
+        if first[a] and first[b]:
+            means = [math.exp(sum(map(math.log, v)) / len(v)) for v in first.values()]
+            got["balanced"] = math.sqrt(means[0] * means[1])
+            got[f"{a} first"], got[f"{b} first"] = (quartiles(v)["median"] for v in first.values())
+        return got
 
     if args.baseline_root is not None:
         summary["ratios"]["new/old keywords_per_s"] = paired("new-p1", "old-p1", "keywords_per_s")
@@ -159,7 +173,8 @@ def main() -> int:
         print(f"{name}: {k['median']:8.0f} kw/s ({k['q1']:.0f}-{k['q3']:.0f}), CPU {c['median']:.1f} us/keyword "
               f"({c['q1']:.1f}-{c['q3']:.1f}); by thread {side['threads_us_per_keyword_median']}")
     for name, q in summary["ratios"].items():
-        print(f"{name}: median {q['median']:.3f} (q1 {q['q1']:.3f}, q3 {q['q3']:.3f})")
+        balanced = f"; order-balanced {q['balanced']:.3f}" if "balanced" in q else ""
+        print(f"{name}: median {q['median']:.3f} (q1 {q['q1']:.3f}, q3 {q['q3']:.3f}){balanced}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({**summary, "rounds": rounds}, indent=2) + "\n")
