@@ -705,3 +705,39 @@ def test_a_take_holds_what_batch_count_allows_with_or_without_the_budget_shortcu
         taken = take(bucket, "longest", budget)
         assert [it.seq for it in taken] == list(range(expected)), (trial, lengths, max_batch, budget)
         assert max(lengths[:expected], default=0) * len(taken) <= max(budget, max(lengths[:1], default=0))
+
+
+@pytest.mark.parametrize("layout", ["shared lane", "a lane per bucket", "serial"])
+def test_every_item_of_polls_submitted_at_once_completes_exactly_once_on_every_lane_layout(layout: str) -> None:
+    """Polls of items (submit_many, from feeders at once) over each lane layout: a formed batch
+    wakes one dispatcher of its lane, and none may be left waiting with a batch ready."""
+    rng = np.random.default_rng(17)
+    bounds = (4, 6, 8, 12, 16, 32)
+    prof = profile(bounds=bounds, max_batch=16, budget=256, pad_to="longest")
+    res = Results()
+    backend = FakeBackend(max_contexts=None if layout == "shared lane" else len(bounds))
+    backend.requires_serial_dispatch = layout == "serial"
+    b = Bucketer(prof, backend, res.on_complete, on_error=res.on_error, max_queue_delay_ms=1.0, dispatchers=3)
+    b.start()
+    lengths: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def feed(start: int) -> None:
+        for poll in range(40):
+            seqs = list(range(start + poll * 50, start + poll * 50 + 50))
+            ns = [int(rng.integers(3, 33)) for _ in seqs]
+            with lock:
+                lengths.update(zip(seqs, ns))
+            b.submit_many(seqs, [ids(seq, n) for seq, n in zip(seqs, ns)])
+
+    feeders = [threading.Thread(target=feed, args=(k * 10_000,)) for k in range(3)]
+    for t in feeders:
+        t.start()
+    for t in feeders:
+        t.join()
+    res.wait_items(6000)  # before stop: a batch left unwoken would wait here, not be drained by stop
+    assert b.stop(drain=True) == []
+    counts = Counter(res.seqs())
+    assert len(counts) == 6000 and set(counts.values()) == {1}
+    check_rows(res.batches, lengths)
+    assert no_worker_threads()
