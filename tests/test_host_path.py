@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import orjson
+import pytest
 from tokenizers import Tokenizer
 
 from benchmarks.host.doubles import MemoryMessage
@@ -20,7 +21,8 @@ from worker.delivery.acks import Acknowledger
 from worker.delivery.inflight import InFlightTable
 from worker.embedding_cache import EmbeddingCache
 from worker.embedding_cache import key as cache_key
-from worker.formats.messages import Keyword, Rejection
+from worker.errors import WorkerError
+from worker.formats.messages import Keyword, Rejection, decode_input
 from worker.intake.stage import Intake
 from worker.intake.tokenize import KeywordTokenizer
 from worker.kafka.offsets import OffsetTracker
@@ -147,8 +149,6 @@ INTAKE_VALUES: list[tuple[bytes | None, bytes | None]] = [
 
 
 def test_the_inline_json_read_keeps_what_decode_input_would_say_of_every_record() -> None:
-    from worker.formats.messages import decode_input
-
     tok, tracker, inflight, metrics, writer = _intake_parts()
     submitted: list[tuple[list[int], list[np.ndarray]]] = []
     settings = Settings(max_message_bytes=100)
@@ -176,8 +176,6 @@ def test_the_inline_json_read_keeps_what_decode_input_would_say_of_every_record(
 
 
 def test_a_decoder_that_raises_mid_poll_leaves_no_number_given_twice() -> None:
-    from worker.errors import WorkerError
-
     tok, tracker, inflight, metrics, writer = _intake_parts()
 
     def decode(topic: str, key: bytes | None, value: bytes | None, headers: Any, size: int) -> Any:
@@ -190,10 +188,8 @@ def test_a_decoder_that_raises_mid_poll_leaves_no_number_given_twice() -> None:
     intake = Intake(Settings(), tok, tracker, inflight, lambda seqs, ids: None,
                     DeadLetters("dlq", 1 << 20, writer, Acknowledger(inflight, metrics)), metrics,  # type: ignore[arg-type]
                     decode=decode)
-    try:
+    with pytest.raises(WorkerError, match="registry"):  # the registry's failure stops the worker, as before
         intake.handle([MemoryMessage("in", 0, 0, None, b"bad", 0), MemoryMessage("in", 0, 1, None, b"registry down", 0)])
-    except WorkerError:
-        pass
     intake.handle([MemoryMessage("in", 0, 2, None, b"bad", 0), MemoryMessage("in", 0, 3, None, b"shoes", 0)])
     # The first poll's dead letter keeps number 0 (the record the decoder failed on got none); the
     # second poll's records are numbered after it, so no two in-flight records share a number.

@@ -167,10 +167,11 @@ def snapshot(lanes: Sequence[Lane], buckets: Sequence[Bucket], pad_to: PadPolicy
 
 def take(b: Bucket, pad_to: PadPolicy, budget: int) -> list[Item]:
     """Pop the next batch of bucket b, oldest first, within max_batch and the token budget."""
-    if pad_to == "longest" and b.longest * min(len(b.items), b.max_batch) <= budget:
+    most = min(len(b.items), b.max_batch)
+    if pad_to == "longest" and b.longest * most <= budget:
         # Padded to the queue's longest item, as many as max_batch allows still fit the budget:
         # batch_count would read each of them to say so (a backlog's every take).
-        return b.take_oldest(min(len(b.items), b.max_batch))
+        return b.take_oldest(most)
     n = batch_count(len(b.items), (len(it.ids) for it in b.items), pad_to, b.limit, b.max_batch, budget)
     return b.take_oldest(n)
 

@@ -113,7 +113,6 @@ class OutputProducer:
         self._stop = threading.Event()
         # Set when the worker aborts: callers waiting for queue room give up instead.
         self._interrupt = threading.Event()
-        self._interrupted = False  # the event's flag, read per record without a call into threading
         # Where a fatal error raised from poll goes first (`route_fatal`); set once, before start.
         self._fatal_route: Callable[[KafkaError], bool] | None = None
         # Run after each poll on the delivery thread (the poll's acknowledgements, finished together).
@@ -190,7 +189,7 @@ class OutputProducer:
                 self._latch.trip(ThreadDiedError(f"delivery accounting failed for topic {topic!r}: {exc!r}"))
 
         while True:
-            if self._interrupted:
+            if self._interrupt.is_set():
                 return False
             try:
                 # Every argument by position, in the order of the C function's keyword list (topic,
@@ -288,7 +287,6 @@ class OutputProducer:
     def interrupt(self) -> None:
         """Nothing more is written: produce() returns False from now on (an abort, or a wrapper's
         shutdown step after which a write would fail)."""
-        self._interrupted = True
         self._interrupt.set()
 
     def stop(self, timeout_s: float) -> None:
