@@ -106,7 +106,9 @@ def test_a_thread_that_ended_meanwhile_is_skipped() -> None:
 
 
 @linux_only
-def test_a_pipeline_with_interpreter_cpu_runs_its_poll_and_worker_threads_on_it() -> None:
+@pytest.mark.parametrize("setting", ["last CPU", "auto"])
+def test_a_pipeline_holds_its_poll_and_worker_threads_on_one_cpu_and_lets_the_poll_thread_go_after(
+        setting: str) -> None:
     from tests.fakes.consumer import FakeGroupConsumer
     from tests.fakes.pipeline import AckingProducer, HalvesBackend, ThreeTokens
     from worker.app import wire_pipeline
@@ -116,14 +118,13 @@ def test_a_pipeline_with_interpreter_cpu_runs_its_poll_and_worker_threads_on_it(
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("one CPU here: nothing to tell held from free")
-    cpu = cpus[-1]
     made: dict[str, Any] = {}
 
     class GpuBackend(HalvesBackend):
         name = "tensorrt"  # its dispatchers launch work and wait: held with the rest
 
     s = Settings(input_format="raw", pad_to="bucket", shutdown_timeout_s=5.0, max_queue_delay_ms=1, dispatchers=1,
-                 interpreter_cpu=str(cpu))
+                 interpreter_cpu=str(cpus[-1]) if setting == "last CPU" else "auto")
     pipeline = wire_pipeline(s, tokenizer=ThreeTokens(), backend=GpuBackend(),
                              profile=Profile("test", (Bucket(8, 16, 16),), token_budget=256, pad_to="bucket"),
                              model_name="m",
@@ -133,21 +134,25 @@ def test_a_pipeline_with_interpreter_cpu_runs_its_poll_and_worker_threads_on_it(
 
     def poll_thread() -> None:
         pipeline.run()
-        seen["poll"] = sorted(os.sched_getaffinity(0))
+        seen["poll after"] = sorted(os.sched_getaffinity(0))
 
     runner = threading.Thread(target=poll_thread, name="poll", daemon=True)
     runner.start()
     deadline = time.monotonic() + 20
-    while not {"kwe-output", "kwe-dispatch-0"} <= seen.keys() and time.monotonic() < deadline:
+    while not {"kwe-output", "kwe-dispatch-0", "poll"} <= seen.keys() and time.monotonic() < deadline:
         for t in threading.enumerate():
-            if t.name in ("kwe-output", "kwe-delivery", "kwe-dispatch-0") and t.native_id is not None:
+            if t.name in ("kwe-output", "kwe-delivery", "kwe-dispatch-0", "poll") and t.native_id is not None:
                 got = sorted(os.sched_getaffinity(t.native_id))
-                if got == [cpu]:
+                if len(got) == 1:
                     seen[t.name] = got
         time.sleep(0.01)
+    held = pipeline.metrics.interpreter_cpu._value.get()  # noqa: SLF001
     pipeline.request_stop()
     runner.join(20)
-    assert seen.get("kwe-output") == seen.get("kwe-dispatch-0") == seen.get("poll") == [cpu]
+    assert seen.get("kwe-output") == seen.get("kwe-dispatch-0") == seen.get("poll") == [int(held)]
+    if setting == "last CPU":
+        assert held == cpus[-1]
+    assert seen.get("poll after") == cpus, "the poll thread was let go once the pipeline stopped"
     assert sorted(os.sched_getaffinity(0)) == cpus, "this (pytest's) thread was not held"
 
 
@@ -165,7 +170,8 @@ def test_run_refuses_a_cpu_outside_its_set_in_one_line_before_the_broker() -> No
 
 
 @linux_only
-def test_a_cpu_backends_dispatchers_are_left_free() -> None:
+@pytest.mark.parametrize("setting", ["first CPU", "auto"])
+def test_a_cpu_backends_dispatchers_are_left_free_and_on_auto_nothing_is_held(setting: str) -> None:
     from tests.fakes.consumer import FakeGroupConsumer
     from tests.fakes.pipeline import AckingProducer, HalvesBackend, ThreeTokens
     from worker.app import wire_pipeline
@@ -175,27 +181,25 @@ def test_a_cpu_backends_dispatchers_are_left_free() -> None:
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         pytest.skip("one CPU here: nothing to tell held from free")
-
+    made: dict[str, Any] = {}
     s = Settings(input_format="raw", pad_to="bucket", shutdown_timeout_s=5.0, max_queue_delay_ms=1, dispatchers=1,
-                 interpreter_cpu=str(cpus[0]))
+                 interpreter_cpu=str(cpus[0]) if setting == "first CPU" else "auto")
     pipeline = wire_pipeline(s, tokenizer=ThreeTokens(), backend=HalvesBackend(),  # named onnxruntime: a CPU backend
                              profile=Profile("test", (Bucket(8, 16, 16),), token_budget=256, pad_to="bucket"),
-                             model_name="m", consumer_factory=lambda c: FakeGroupConsumer(c, records=5),
+                             model_name="m",
+                             consumer_factory=lambda c: made.setdefault("consumer", FakeGroupConsumer(c, records=5)),
                              producer_factory=lambda c: AckingProducer(c))
     runner = threading.Thread(target=pipeline.run, name="poll", daemon=True)
     runner.start()
-    seen: dict[str, list[int]] = {}
     deadline = time.monotonic() + 20
-    while "kwe-output" not in seen and time.monotonic() < deadline:
-        for t in threading.enumerate():
-            if t.name == "kwe-output" and t.native_id is not None and sorted(os.sched_getaffinity(t.native_id)) == [cpus[0]]:
-                seen["kwe-output"] = [cpus[0]]
-                seen["kwe-dispatch-0"] = next(sorted(os.sched_getaffinity(d.native_id)) for d in threading.enumerate()
-                                              if d.name == "kwe-dispatch-0" and d.native_id is not None)
-        time.sleep(0.01)
+    while not ("consumer" in made and made["consumer"].calls > 2) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the poll loop runs: any hold came before its first consume
+    seen = {t.name: sorted(os.sched_getaffinity(t.native_id)) for t in threading.enumerate()
+            if t.name in ("kwe-output", "kwe-dispatch-0", "poll") and t.native_id is not None}
     pipeline.request_stop()
     runner.join(20)
-    assert seen.get("kwe-output") == [cpus[0]], "the output thread was held"
+    held = [cpus[0]] if setting == "first CPU" else cpus
+    assert seen.get("kwe-output") == seen.get("poll") == held, "the output and poll threads held as set"
     assert seen.get("kwe-dispatch-0") == cpus, "the CPU backend's dispatcher keeps the whole set"
 
 

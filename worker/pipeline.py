@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
 from worker.backends.base import CPU_BACKENDS
-from worker.core.os_threads import hold_interpreter_threads
+from worker.core.interpreter_hold import InterpreterHold
+from worker.core.os_threads import allowed_cpus, current_cpu
 from worker.deadline import Deadline
 from worker.delivery.acks import Acknowledger
 from worker.delivery.guarantees import Delivery
@@ -154,6 +155,8 @@ class Pipeline:
         self._held_since: float | None = None
         self._holds_unlogged = 0
         self._hold_logged_at = float("-inf")
+        # The one CPU the interpreter's threads are held on, where auto moves them (poll thread).
+        self._interpreter: InterpreterHold | None = None
         # What the start log states beside the settings (the model, its fingerprint and precision),
         # set by the assembly (worker.app.build_pipeline).
         self.identity: dict[str, str] = {}
@@ -204,8 +207,7 @@ class Pipeline:
                      max_in_flight=s.max_in_flight, max_in_flight_bytes=s.max_in_flight_bytes, **self.identity)
             self._delivery.start()
             self._member.subscribe(s.input_topic, self._delivery)
-            if s.interpreter_cpu.isdigit():
-                self._hold_interpreter(int(s.interpreter_cpu))
+            self._interpreter = self._hold_interpreter()
             while not self._stop.is_set() and not self.latch.is_set():
                 self._poll_once()
             if not self.latch.is_set() and not self._abort.is_set():
@@ -219,6 +221,8 @@ class Pipeline:
             # Stopping on a fatal error: the same deadline applies (a no-op after a stop request).
             self.deadline.start(s.shutdown_timeout_s)
             self._shutdown()
+            if self._interpreter is not None:
+                self._interpreter.release()
         error = self.latch.error
         if error is not None:
             log.error("worker stopped on a fatal error", error=str(error))
@@ -227,7 +231,10 @@ class Pipeline:
 
     def _poll_once(self) -> None:
         pending = self._committer.uncommitted()
-        self._flow.observe(time.monotonic(), self._acks.embedded_count + self._acks.dead_lettered_count,
+        now = time.monotonic()
+        if self._interpreter is not None:
+            self._interpreter.check(now)  # one comparison but once a second
+        self._flow.observe(now, self._acks.embedded_count + self._acks.dead_lettered_count,
                            busy=pending > 0)
         pause = self._delivery.poll_step(flow_paused=self._flow.update(pending, self._inflight.bytes))
         # Intake stops (the bound, a transaction closing): True when the delivery brings the room
@@ -254,19 +261,41 @@ class Pipeline:
             log.info("the run's work is done: stopping")
             self.request_stop()
 
-    def _hold_interpreter(self, cpu: int) -> None:
+    def _hold_interpreter(self) -> InterpreterHold | None:
         """This thread and the kwe-* threads, all started by now, on one CPU (the clients' and the
         runtimes' own threads, started before, keep the process's set; so do a CPU backend's
-        dispatchers, which compute). A refusal costs speed, not correctness: logged, and the
-        worker runs on unheld."""
-        leave = ("kwe-dispatch",) if self._bucketer.backend_name in CPU_BACKENDS else ()
+        dispatchers, which compute): a CPU number holds them there for good; auto, on a backend
+        that does not compute on the CPU, holds them where this thread runs now and returns the
+        hold that moves them when another process takes that CPU (worker/core/interpreter_hold.py).
+        A refusal costs speed, not correctness: logged, and the worker runs on unheld."""
+        setting, backend = self.settings.interpreter_cpu, self._bucketer.backend_name
+        cpus = allowed_cpus()
+        if setting.isdigit():
+            cpu: int | None = int(setting)
+        elif setting == "auto" and backend not in CPU_BACKENDS and len(cpus) > 1:
+            cpu = current_cpu()
+        else:
+            return None  # off; or auto where the model's own threads need the cores, or one CPU
+        if cpu is None:
+            return None
+        moves = setting == "auto"
+        hold = InterpreterHold(cpus, leave=("kwe-dispatch",) if backend in CPU_BACKENDS else (),
+                               on_move=self._interpreter_moved, adaptive=moves)
         try:
-            held = hold_interpreter_threads(cpu, leave=leave)
+            held = hold.start(cpu, time.monotonic())
         except OSError as exc:
             log.warning("interpreter threads not held on one CPU; they run where the OS puts them",
                         cpu=cpu, error=str(exc))
-            return
-        log.info("interpreter threads held on one CPU", cpu=cpu, threads=len(held))
+            return None
+        self.metrics.set_interpreter_cpu(cpu)
+        log.info("interpreter threads held on one CPU", cpu=cpu, threads=len(held),
+                 moves="when another process takes it" if moves else "never (interpreter_cpu set)")
+        return hold
+
+    def _interpreter_moved(self, previous: int, cpu: int, loads: Mapping[int, float]) -> None:
+        self.metrics.set_interpreter_cpu(cpu)
+        log.info("interpreter threads moved to a freer CPU", previous=previous, cpu=cpu,
+                 foreign_load={str(c): round(v, 2) for c, v in sorted(loads.items())})
 
     def _hold(self, pending: int, reason: str) -> bool:
         """Intake stopped (`reason`: the in-flight bound, a transaction closing) and the delivery

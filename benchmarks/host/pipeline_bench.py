@@ -14,7 +14,9 @@ Comparing a checkout with itself (`--baseline-root .`) gives the A/A noise floor
 With --processes N the side runs N such processes at once (each on its own slice of the data),
 and reports their total keywords/s and the scaling over one process of the same round. With
 --hold each process count runs a second time with process i's poll and kwe-* threads held on the
-ith CPU of the set (what `interpreter_cpu` auto does under `run --processes N`), paired with it.
+ith CPU of the set (what `interpreter_cpu` auto does under `run --processes N`), paired with it;
+with --free a second time with `interpreter_cpu=off` (the threads left to the scheduler; the
+default, auto, holds a lone process's where it starts and moves them off a CPU another takes).
 No broker, no GPU needed: it runs wherever the worker's Python dependencies do.
 """
 
@@ -104,12 +106,16 @@ def main() -> int:
     ap.add_argument("--hold", action="store_true",
                     help="also run each process count with each process's Python threads held on a CPU of "
                          "its own (interpreter_cpu), paired against the same count unheld")
+    ap.add_argument("--free", action="store_true",
+                    help="also run each process count with interpreter_cpu=off, paired against the default")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
     sides: list[tuple[str, Path, int, bool]] = [(f"new-p{p}", ROOT, p, False) for p in args.processes]
     if args.hold:
         sides += [(f"new-p{p}-held", ROOT, p, True) for p in args.processes]
+    if args.free:
+        sides += [(f"new-p{p}-off", ROOT, p, False) for p in args.processes]
     if args.baseline_root is not None:
         sides.append(("old-p1", args.baseline_root.resolve(), 1, False))
     rounds: list[dict[str, Any]] = []
@@ -119,7 +125,9 @@ def main() -> int:
             order = sides[r % len(sides):] + sides[:r % len(sides)]
             got: dict[str, Any] = {}
             for name, root, processes, hold in order:
-                results = run_side(root, path, args, processes, args.setting, hold)
+                # Held by the benchmark, or left free: either way the worker's own hold stays out.
+                off = ["interpreter_cpu=off"] if hold or name.endswith("-off") else []
+                results = run_side(root, path, args, processes, args.setting + off, hold)
                 got[name] = {"keywords_per_s": sum(x["keywords_per_s"] for x in results),
                              "cpu_us_per_keyword": sum(x["cpu_us_per_keyword"] for x in results) / len(results),
                              "threads_us_per_keyword": results[0]["threads_us_per_keyword"],
@@ -168,6 +176,16 @@ def main() -> int:
         if args.baseline_root is not None:
             summary["ratios"]["new held/old keywords_per_s"] = paired("new-p1-held", "old-p1", "keywords_per_s")
             summary["ratios"]["old/new held cpu_us_per_keyword"] = paired("old-p1", "new-p1-held", "cpu_us_per_keyword")
+    if args.free:
+        for p in args.processes:
+            summary["ratios"][f"p{p} default/off keywords_per_s"] = paired(f"new-p{p}", f"new-p{p}-off", "keywords_per_s")
+            summary["ratios"][f"p{p} off/default cpu_us_per_keyword"] = paired(f"new-p{p}-off", f"new-p{p}",
+                                                                              "cpu_us_per_keyword")
+            if args.hold:
+                summary["ratios"][f"p{p} default/held keywords_per_s"] = paired(f"new-p{p}", f"new-p{p}-held",
+                                                                               "keywords_per_s")
+        if args.baseline_root is not None:
+            summary["ratios"]["new off/old keywords_per_s"] = paired("new-p1-off", "old-p1", "keywords_per_s")
     for name, side in summary["sides"].items():
         k, c = side["keywords_per_s"], side["cpu_us_per_keyword"]
         print(f"{name}: {k['median']:8.0f} kw/s ({k['q1']:.0f}-{k['q3']:.0f}), CPU {c['median']:.1f} us/keyword "

@@ -82,7 +82,16 @@ def allowed_cpus() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def _set_affinity(tid: int, cpus: set[int]) -> None:
+def current_cpu() -> int | None:
+    """The CPU the calling thread runs on now (sched_getcpu); None where the OS does not say."""
+    call = _libc_function("sched_getcpu")
+    if call is None:
+        return None
+    cpu = call()
+    return cpu if cpu >= 0 else None
+
+
+def set_affinity(tid: int, cpus: set[int]) -> None:
     if not hasattr(os, "sched_setaffinity"):
         raise OSError("this OS cannot hold a thread on a CPU (no sched_setaffinity)")
     os.sched_setaffinity(tid, cpus)
@@ -100,7 +109,7 @@ def interpreter_threads(threads: Iterable[threading.Thread] | None = None, *, le
 
 
 def hold_interpreter_threads(cpu: int, *, leave: tuple[str, ...] = (), threads: Iterable[threading.Thread] | None = None,
-                             set_affinity: Callable[[int, set[int]], None] = _set_affinity) -> list[int]:
+                             set_affinity: Callable[[int, set[int]], None] = set_affinity) -> list[int]:
     """Holds the calling thread and every running kwe-* thread (but those named with a prefix in
     `leave`) on `cpu`; the thread IDs held.
     A thread that ended meanwhile is skipped; `cpu` outside the process's set is the OS's refusal

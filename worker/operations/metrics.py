@@ -94,6 +94,9 @@ class Metrics:
                                "Keywords consumed and not yet acknowledged by the broker.", registry=r)
         self.paused_partitions = Gauge(f"{PREFIX}paused_partitions",
                                        "Assigned partitions paused by flow control.", registry=r)
+        self.interpreter_cpu = Gauge(f"{PREFIX}interpreter_cpu", "The CPU the worker's Python threads are held "
+                                     "on (interpreter_cpu); -1 where they run unheld.", registry=r)
+        self.interpreter_cpu.set(-1)
         self.intake_holds = Counter(f"{PREFIX}intake_holds", "Times intake held at the in-flight bound (consumed "
                                     "nothing while room came back, partitions not paused).", registry=r)
         self.batch_size = Histogram(f"{PREFIX}batch_size", "Keywords per dispatched batch, by bucket bound.",
@@ -224,6 +227,9 @@ class Metrics:
 
     def set_paused_partitions(self, n: int) -> None:
         self.paused_partitions.set(n)
+
+    def set_interpreter_cpu(self, cpu: int) -> None:
+        self.interpreter_cpu.set(cpu)
 
     def count_intake_hold(self) -> None:
         self.intake_holds.inc()

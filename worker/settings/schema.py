@@ -297,12 +297,14 @@ class Settings:
     interpreter_cpu: str = _setting("auto", "The CPU the worker's Python threads run on (the poll thread and "
                                     "its own kwe-* threads; librdkafka's threads, the inference "
                                     "runtimes' pools and a CPU backend's dispatchers keep the process's "
-                                    "whole set): a CPU number, 'off', or "
-                                    "'auto' (with processes above 1 on a GPU backend, each process one CPU of "
-                                    "the machine's set in turn; else off). The interpreter lock runs one of "
-                                    "them at a time anyway; spread over cores they hand it between caches "
-                                    "(held on one, 23-26 against 32-33 us of CPU a keyword through the broker, "
-                                    "the model taken out: docs/performance.md, The host path).")
+                                    "whole set): a CPU number, 'off', or 'auto': on a backend that does "
+                                    "not compute on the CPU (a GPU's), one process is held on the CPU it "
+                                    "starts on and moved to a freer one when another process takes that "
+                                    "CPU; with processes above 1 each is held on one CPU of the machine's "
+                                    "set in turn; on ONNX Runtime and OpenVINO, off (the model needs the "
+                                    "cores). The interpreter lock runs one of them at a time anyway; "
+                                    "spread over cores they hand it between caches (docs/performance.md, "
+                                    "The host path).")
     metrics_port: int = _setting(0, "Port for /metrics, /healthz and /readyz (on metrics_host); 0 disables "
                                  "them.", minimum=0, maximum=65535)
     metrics_host: str = _setting("0.0.0.0", "Address the metrics server binds to.")
