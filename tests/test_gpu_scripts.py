@@ -359,8 +359,9 @@ def test_dry_run_of_the_device_run_on_the_fake_torch(tmp_path: Path) -> None:
     assert [(s["batch"], s["len"]) for s in shapes][:4] == [(16, 8), (8, 16), (8, 32), (4, 64)]
     assert shapes[-1]["batch"] == 2 and all(s["ms"] > 0 and s["rows_per_s"] > 0 for s in shapes)
     host = json.loads((out / "host-path.json").read_text())
-    assert set(host["sides"]) == {"new-p1", "new-p2", "new-p1-held", "new-p2-held"} and host["backend"] == "torch"
-    assert {"p1 held/free keywords_per_s", "p2 held/free keywords_per_s"} <= host["ratios"].keys()
+    assert set(host["sides"]) == {"new-p1", "new-p2", "new-p1-held", "new-p2-held", "new-p1-off", "new-p2-off"} \
+        and host["backend"] == "torch"
+    assert {"p1 held/default keywords_per_s", "p2 default/off keywords_per_s"} <= host["ratios"].keys()
     assert all(s["keywords_per_s"]["median"] > 0 for s in host["sides"].values())
     summary = (out / "summary.md").read_text()
     for stage in ("open", "parity", "shapes", "host-path"):

@@ -170,8 +170,10 @@ def main() -> int:
         summary["ratios"][f"p{p}/p1 keywords_per_s"] = paired(f"new-p{p}", "new-p1", "keywords_per_s")
     if args.hold:
         for p in args.processes:
-            summary["ratios"][f"p{p} held/free keywords_per_s"] = paired(f"new-p{p}-held", f"new-p{p}", "keywords_per_s")
-            summary["ratios"][f"p{p} free/held cpu_us_per_keyword"] = paired(f"new-p{p}", f"new-p{p}-held",
+            # "default": interpreter_cpu as the settings have it (auto); before 2026-12-06 a lone
+            # process ran free by default, and these ratios were named held/free.
+            summary["ratios"][f"p{p} held/default keywords_per_s"] = paired(f"new-p{p}-held", f"new-p{p}", "keywords_per_s")
+            summary["ratios"][f"p{p} default/held cpu_us_per_keyword"] = paired(f"new-p{p}", f"new-p{p}-held",
                                                                             "cpu_us_per_keyword")
         if args.baseline_root is not None:
             summary["ratios"]["new held/old keywords_per_s"] = paired("new-p1-held", "old-p1", "keywords_per_s")
@@ -181,9 +183,6 @@ def main() -> int:
             summary["ratios"][f"p{p} default/off keywords_per_s"] = paired(f"new-p{p}", f"new-p{p}-off", "keywords_per_s")
             summary["ratios"][f"p{p} off/default cpu_us_per_keyword"] = paired(f"new-p{p}-off", f"new-p{p}",
                                                                               "cpu_us_per_keyword")
-            if args.hold:
-                summary["ratios"][f"p{p} default/held keywords_per_s"] = paired(f"new-p{p}", f"new-p{p}-held",
-                                                                               "keywords_per_s")
         if args.baseline_root is not None:
             summary["ratios"]["new off/old keywords_per_s"] = paired("new-p1-off", "old-p1", "keywords_per_s")
     for name, side in summary["sides"].items():
