@@ -93,11 +93,11 @@ class Machine:
     def stat(self) -> dict[int, CpuTimes]:
         return {c: CpuTimes(round(self.busy[c] * 100), round(self.total[c] * 100)) for c in self.cpus}
 
-    def hold_for(self, name: str, seed: int, rule: HoldRule = HoldRule()) -> InterpreterHold:
+    def hold_for(self, name: str, seed: int) -> InterpreterHold:
         def hold(cpu: int) -> list[int]:
             self.where[name] = cpu
             return [1]
-        return InterpreterHold(self.cpus, rule=rule, rng=random.Random(seed), hold=hold, read_cpus=self.stat,
+        return InterpreterHold(self.cpus, rng=random.Random(seed), hold=hold, read_cpus=self.stat,
                                read_own_ns=lambda tids: round(self.own[name] * 1e9))
 
 

@@ -146,7 +146,7 @@ def test_a_pipeline_holds_its_poll_and_worker_threads_on_one_cpu_and_lets_the_po
                 if len(got) == 1:
                     seen[t.name] = got
         time.sleep(0.01)
-    held = pipeline.metrics.interpreter_cpu._value.get()  # noqa: SLF001
+    held = pipeline.metrics.interpreter_cpu._value.get()
     pipeline.request_stop()
     runner.join(20)
     assert seen.get("kwe-output") == seen.get("kwe-dispatch-0") == seen.get("poll") == [int(held)]
