@@ -168,23 +168,20 @@ def main() -> int:
         summary["ratios"]["old/new cpu_us_per_keyword"] = paired("old-p1", "new-p1", "cpu_us_per_keyword")
     for p in args.processes[1:]:
         summary["ratios"][f"p{p}/p1 keywords_per_s"] = paired(f"new-p{p}", "new-p1", "keywords_per_s")
-    if args.hold:
+    # Each variant against the default (interpreter_cpu as the settings have it, auto; before
+    # 2026-12-06 a lone process ran free by default, and held/default was named held/free).
+    variants = [("held", "held/default", True)] if args.hold else []
+    variants += [("off", "default/off", False)] if args.free else []
+    for suffix, label, variant_first in variants:
         for p in args.processes:
-            # "default": interpreter_cpu as the settings have it (auto); before 2026-12-06 a lone
-            # process ran free by default, and these ratios were named held/free.
-            summary["ratios"][f"p{p} held/default keywords_per_s"] = paired(f"new-p{p}-held", f"new-p{p}", "keywords_per_s")
-            summary["ratios"][f"p{p} default/held cpu_us_per_keyword"] = paired(f"new-p{p}", f"new-p{p}-held",
-                                                                            "cpu_us_per_keyword")
+            a, b = (f"new-p{p}-{suffix}", f"new-p{p}") if variant_first else (f"new-p{p}", f"new-p{p}-{suffix}")
+            inverse = "/".join(reversed(label.split("/")))
+            summary["ratios"][f"p{p} {label} keywords_per_s"] = paired(a, b, "keywords_per_s")
+            summary["ratios"][f"p{p} {inverse} cpu_us_per_keyword"] = paired(b, a, "cpu_us_per_keyword")
         if args.baseline_root is not None:
-            summary["ratios"]["new held/old keywords_per_s"] = paired("new-p1-held", "old-p1", "keywords_per_s")
-            summary["ratios"]["old/new held cpu_us_per_keyword"] = paired("old-p1", "new-p1-held", "cpu_us_per_keyword")
-    if args.free:
-        for p in args.processes:
-            summary["ratios"][f"p{p} default/off keywords_per_s"] = paired(f"new-p{p}", f"new-p{p}-off", "keywords_per_s")
-            summary["ratios"][f"p{p} off/default cpu_us_per_keyword"] = paired(f"new-p{p}-off", f"new-p{p}",
-                                                                              "cpu_us_per_keyword")
-        if args.baseline_root is not None:
-            summary["ratios"]["new off/old keywords_per_s"] = paired("new-p1-off", "old-p1", "keywords_per_s")
+            summary["ratios"][f"new {suffix}/old keywords_per_s"] = paired(f"new-p1-{suffix}", "old-p1", "keywords_per_s")
+            summary["ratios"][f"old/new {suffix} cpu_us_per_keyword"] = paired("old-p1", f"new-p1-{suffix}",
+                                                                             "cpu_us_per_keyword")
     for name, side in summary["sides"].items():
         k, c = side["keywords_per_s"], side["cpu_us_per_keyword"]
         print(f"{name}: {k['median']:8.0f} kw/s ({k['q1']:.0f}-{k['q3']:.0f}), CPU {c['median']:.1f} us/keyword "
