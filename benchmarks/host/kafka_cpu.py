@@ -137,6 +137,15 @@ def thread_seconds(pid: int) -> dict[str, float]:
     return groups
 
 
+def poll_thread_cpus(pid: int) -> str:
+    """The CPUs the worker's poll (main) thread may run on now, as the kernel lists them ("1", "0-1")."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/status", encoding="ascii") as f:
+            return next((line.split()[1] for line in f if line.startswith("Cpus_allowed_list:")), "")
+    except OSError:
+        return ""
+
+
 def parse_side(spec: str, backend: str) -> Side:
     """`KIND[@ROOT][#FLAGS]`: FLAGS are extra `run` flags of this side only (space-separated)."""
     spec, _, flags = spec.partition("#")
@@ -157,6 +166,9 @@ def main() -> int:
     ap.add_argument("--worker-args", default="", help="extra `run` flags for every side (one string)")
     ap.add_argument("--backlog", action="store_true",
                     help="publish each round while the worker is stopped, then measure it working the backlog")
+    ap.add_argument("--neighbour", type=int, default=None, metavar="CPU",
+                    help="once every side is ready, a process spinning on this CPU for the rest of the run "
+                         "(another pod taking it: where does each side's poll thread go?)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     bootstrap = kafka_bootstrap_from_env()
@@ -171,6 +183,7 @@ def main() -> int:
         runner = runner_dir(Path(tmp))
         for name in ("null_worker.py", "kafka_relay.py"):
             shutil.copy(Path(__file__).with_name(name), runner / "kwe_host" / name)
+        neighbour = None
         try:
             for side in sides:
                 side.start(bootstrap, runner, logdir)
@@ -178,6 +191,9 @@ def main() -> int:
                 side.wait_ready()
                 side.reader.consume(1, timeout=3.0)
                 kafka_round(f"warm-{side.name}", rows[:1000], bootstrap, side.topics[0], side.reader)
+            if args.neighbour is not None:
+                neighbour = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{args.neighbour}}})"
+                                              "\nwhile True: pass"])
             at = 0
             for r in range(args.rounds):
                 order = sides[r % len(sides):] + sides[:r % len(sides)]
@@ -219,22 +235,29 @@ def main() -> int:
                     got[side.name] = {"keywords_per_s": args.n / wall, "worker_cpu_us_per_keyword": cpu * 1e6 / args.n,
                                       "librdkafka_cpu_us_per_keyword": rdk,
                                       "broker_cpu_us_per_keyword": broker * 1e6 / args.n,
-                                      "thread_cpu_us_per_keyword": threads}
+                                      "thread_cpu_us_per_keyword": threads,
+                                      "poll_thread_cpus": poll_thread_cpus(proc.pid)}
                 results.append({"round": r, "order": [s.name for s in order], "sides": got})
                 print(f"round {r}: " + "  ".join(f"{k}: {v['keywords_per_s']:6.0f} kw/s worker "
                                                   f"{v['worker_cpu_us_per_keyword']:6.1f} us/kw "
-                                                  f"(librdkafka {v['librdkafka_cpu_us_per_keyword']:4.1f})"
+                                                  f"(librdkafka {v['librdkafka_cpu_us_per_keyword']:4.1f}; "
+                                                  f"poll thread on {v['poll_thread_cpus']})"
                                                   for k, v in got.items()), flush=True)
         finally:
+            if neighbour is not None:
+                neighbour.kill()
+                neighbour.wait()
             for side in sides:
                 side.stop()
     summary: dict[str, Any] = {"data": args.data.name, "n": args.n, "rounds_run": len(results),
                                "cpu_count": os.cpu_count(), "worker_args": args.worker_args,
-                               "regime": "backlog" if args.backlog else "live", "sides": {},
+                               "regime": "backlog" if args.backlog else "live", "neighbour_cpu": args.neighbour,
+                               "sides": {},
                                "ratios": {}}
     for side in sides:
         per = [x["sides"][side.name] for x in results]
-        summary["sides"][side.name] = {k: quartiles([p[k] for p in per]) for k in per[0] if k != "thread_cpu_us_per_keyword"}
+        summary["sides"][side.name] = {k: quartiles([p[k] for p in per]) for k in per[0]
+                                       if k not in ("thread_cpu_us_per_keyword", "poll_thread_cpus")}
         groups = sorted({g for p in per for g in p["thread_cpu_us_per_keyword"]})
         by_thread = {g: quartiles([p["thread_cpu_us_per_keyword"].get(g, 0.0) for p in per]) for g in groups}
         summary["sides"][side.name]["thread_cpu_us_per_keyword"] = by_thread
