@@ -106,7 +106,7 @@ def test_a_thread_that_ended_meanwhile_is_skipped() -> None:
 
 
 @linux_only
-@pytest.mark.parametrize("setting", ["last CPU", "auto"])
+@pytest.mark.parametrize("setting", ["last CPU", "auto", "a supervisor's CPU"])
 def test_a_pipeline_holds_its_poll_and_worker_threads_on_one_cpu_and_lets_the_poll_thread_go_after(
         setting: str) -> None:
     from tests.fakes.consumer import FakeGroupConsumer
@@ -124,12 +124,13 @@ def test_a_pipeline_holds_its_poll_and_worker_threads_on_one_cpu_and_lets_the_po
         name = "tensorrt"  # its dispatchers launch work and wait: held with the rest
 
     s = Settings(input_format="raw", pad_to="bucket", shutdown_timeout_s=5.0, max_queue_delay_ms=1, dispatchers=1,
-                 interpreter_cpu=str(cpus[-1]) if setting == "last CPU" else "auto")
+                 interpreter_cpu="auto" if setting == "auto" else str(cpus[-1]))
     pipeline = wire_pipeline(s, tokenizer=ThreeTokens(), backend=GpuBackend(),
                              profile=Profile("test", (Bucket(8, 16, 16),), token_budget=256, pad_to="bucket"),
                              model_name="m",
                              consumer_factory=lambda c: made.setdefault("consumer", FakeGroupConsumer(c, records=50)),
                              producer_factory=lambda c: made.setdefault("producer", AckingProducer(c)))
+    pipeline.interpreter_cpu_is_start = setting == "a supervisor's CPU"
     seen: dict[str, list[int]] = {}
 
     def poll_thread() -> None:
@@ -147,11 +148,13 @@ def test_a_pipeline_holds_its_poll_and_worker_threads_on_one_cpu_and_lets_the_po
                     seen[t.name] = got
         time.sleep(0.01)
     held = pipeline.metrics.interpreter_cpu._value.get()
+    cpu, moves = pipeline.interpreter_cpu
     pipeline.request_stop()
     runner.join(20)
-    assert seen.get("kwe-output") == seen.get("kwe-dispatch-0") == seen.get("poll") == [int(held)]
-    if setting == "last CPU":
+    assert seen.get("kwe-output") == seen.get("kwe-dispatch-0") == seen.get("poll") == [int(held)] == [cpu]
+    if setting != "auto":
         assert held == cpus[-1]
+    assert moves is (setting != "last CPU"), "auto's hold, and a supervisor's pick, move off a CPU another takes"
     assert seen.get("poll after") == cpus, "the poll thread was let go once the pipeline stopped"
     assert sorted(os.sched_getaffinity(0)) == cpus, "this (pytest's) thread was not held"
 

@@ -164,3 +164,13 @@ def test_a_cpu_number_is_for_one_process() -> None:
         with pytest.raises(SettingsError, match="interpreter_cpu.*same CPU"):
             Settings(interpreter_cpu="0", processes=processes)
     assert Settings(interpreter_cpu="auto", processes="4").interpreter_cpu == "auto"
+
+
+def test_only_a_supervisors_cpu_number_is_where_a_hold_starts_not_where_it_stays() -> None:
+    from worker.commands.run import interpreter_cpu_is_start
+    from worker.operations.supervisor import ENV_PROCESS
+
+    assert interpreter_cpu_is_start(Settings(interpreter_cpu="3"), {ENV_PROCESS: "2"})
+    assert not interpreter_cpu_is_start(Settings(interpreter_cpu="3"), {}), "a lone process's number holds for good"
+    assert not interpreter_cpu_is_start(Settings(interpreter_cpu="auto"), {ENV_PROCESS: "0"})
+    assert not interpreter_cpu_is_start(Settings(interpreter_cpu="off"), {ENV_PROCESS: "1"})

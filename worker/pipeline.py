@@ -157,6 +157,11 @@ class Pipeline:
         self._hold_logged_at = float("-inf")
         # The one CPU the interpreter's threads are held on, where auto moves them (poll thread).
         self._interpreter: InterpreterHold | None = None
+        # Set by `run` in one of a supervisor's processes: the CPU number the supervisor gave
+        # (interpreter_cpu auto, a CPU each) is where the hold starts, and it moves from there as a
+        # lone process's does; two pods' supervisors that both start at CPU 0 part. Else a CPU
+        # number set is a hold for good.
+        self.interpreter_cpu_is_start = False
         # What the start log states beside the settings (the model, its fingerprint and precision),
         # set by the assembly (worker.app.build_pipeline).
         self.identity: dict[str, str] = {}
@@ -278,7 +283,7 @@ class Pipeline:
             return None  # off; or auto where the model's own threads need the cores, or one CPU
         if cpu is None:
             return None
-        moves = setting == "auto"
+        moves = setting == "auto" or self.interpreter_cpu_is_start
         hold = InterpreterHold(cpus, leave=("kwe-dispatch",) if backend in CPU_BACKENDS else (),
                                on_move=self._interpreter_moved, adaptive=moves)
         try:
@@ -291,6 +296,12 @@ class Pipeline:
         log.info("interpreter threads held on one CPU", cpu=cpu, threads=len(held),
                  moves="when another process takes it" if moves else "never (interpreter_cpu set)")
         return hold
+
+    @property
+    def interpreter_cpu(self) -> tuple[int | None, bool]:
+        """The CPU the interpreter's threads are held on (None: unheld), and whether the hold moves."""
+        hold = self._interpreter
+        return (None, False) if hold is None else (hold.cpu, hold.adaptive)
 
     def _interpreter_moved(self, previous: int, cpu: int, loads: Mapping[int, float]) -> None:
         self.metrics.set_interpreter_cpu(cpu)

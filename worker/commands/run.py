@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
@@ -62,6 +63,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
         print(f"keyword-embedder run: {exc}", file=sys.stderr)
         return 2
     pipeline = assembled.pipeline
+    pipeline.interpreter_cpu_is_start = interpreter_cpu_is_start(settings, os.environ)
     signals.on_stop = pipeline.request_stop
     from worker.operations.probes import run_served
 
@@ -153,6 +155,13 @@ def interpreter_cpus(settings: Any, processes: int, *, gpu: bool | None = None,
 
     machine = cpus if cpus is not None else allowed_cpus()
     return [machine[i % len(machine)] for i in range(processes)]
+
+
+def interpreter_cpu_is_start(settings: Any, environ: Mapping[str, str]) -> bool:
+    """True in one of a supervisor's processes given a CPU number: the supervisor's pick (settings
+    refuse a number with processes above 1, so a user's never reaches a child), where the hold
+    starts and moves from, as auto's does; a lone process's number is a hold for good."""
+    return bool(environ.get(ENV_PROCESS)) and settings.interpreter_cpu.isdigit()
 
 
 def _supervise(args: argparse.Namespace, settings: Any, processes: int, signals: StopSignals) -> int:

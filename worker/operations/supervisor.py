@@ -8,7 +8,8 @@ files and the caches on disk; on a GPU, sharing the device), and this supervisor
 - starts them with the same settings (`run`'s own command line, then `--processes 1`, a distinct
   `--member-id` (exactly-once's transactional IDs must differ), when metrics are on, a loopback
   metrics port of its own and, where `interpreter_cpu` is auto on a GPU, a CPU of its own for its
-  Python threads);
+  Python threads to start on: the child moves them off it when another process takes it, so two
+  pods' supervisors that both start at CPU 0 part);
 - forwards SIGTERM/SIGINT to every child (a second signal, forwarded again, aborts them);
 - serves one /metrics for the machine on `metrics_port` (every child's series with a `process`
   label, merged at scrape time), /readyz (ready when every child is) and /healthz (alive while

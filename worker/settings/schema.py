@@ -300,8 +300,8 @@ class Settings:
                                     "whole set): a CPU number, 'off', or 'auto': on a backend that does "
                                     "not compute on the CPU (a GPU's), one process is held on the CPU it "
                                     "starts on and moved to a freer one when another process takes that "
-                                    "CPU; with processes above 1 each is held on one CPU of the machine's "
-                                    "set in turn; on ONNX Runtime and OpenVINO, off (the model needs the "
+                                    "CPU; with processes above 1 each starts on one CPU of the machine's "
+                                    "set in turn and moves the same way; on ONNX Runtime and OpenVINO, off (the model needs the "
                                     "cores). The interpreter lock runs one of them at a time anyway; "
                                     "spread over cores they hand it between caches (docs/performance.md, "
                                     "The host path).")
