@@ -28,9 +28,9 @@ from pathlib import Path
 
 from confluent_kafka import Consumer
 
+from benchmarks.host.pipeline_bench import paired_ratios
 from benchmarks.kafka_vs_offline import DEFAULT_DATA, FALLBACK_DATA, kafka_bootstrap_from_env, kafka_round
 from tests.kafka_tools import WorkerProcess
-from worker.benchmark.report import quartiles
 from worker.formats.keyword_files import read_keywords
 from worker.kafka.admin import ensure_topics
 
@@ -84,11 +84,13 @@ def main() -> int:
         for worker, reader, _ in sides.values():
             reader.close()
             worker.stop()
-    ratio = quartiles([x["ratio"] for x in results])
+    ratio = paired_ratios([{"order": x["order"], "sides": {"new": {"kw_s": x["new_kw_s"]}, "old": {"kw_s": x["old_kw_s"]}}}
+                           for x in results], "new", "old", "kw_s")
     summary = {"dataset": args.data.name, "n": len(rows), "rounds": args.rounds, "cpu_count": os.cpu_count(),
                "new_args": args.new_args, "old_args": args.old_args,
                "ratio_new_over_old": ratio, "rounds_detail": results}
-    print(f"new/old: median {ratio['median']:.3f} (q1 {ratio['q1']:.3f}, q3 {ratio['q3']:.3f})")
+    balanced = f"; order-balanced {ratio['balanced']:.3f}" if "balanced" in ratio else ""
+    print(f"new/old: median {ratio['median']:.3f} (q1 {ratio['q1']:.3f}, q3 {ratio['q3']:.3f}){balanced}")
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2) + "\n")
     return 0

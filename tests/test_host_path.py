@@ -196,3 +196,18 @@ def test_a_decoder_that_raises_mid_poll_leaves_no_number_given_twice() -> None:
     assert [seq for seq, _, _, _ in writer.records] == [0, 1]
     assert {seq: inflight.get(seq).offset for seq in range(3)} == {0: 0, 1: 2, 2: 3}  # type: ignore[union-attr]
     assert inflight.get(3) is None
+
+
+def test_paired_ratios_take_the_order_of_a_round_out_once_both_orders_ran() -> None:
+    from benchmarks.host.pipeline_bench import paired_ratios
+
+    # The second run of a round reads 10% faster whichever side it is: a/b is 1.1 with b first
+    # and 1/1.1 with a first, and the sides are equal.
+    rounds = [{"order": ["a", "b"] if r % 2 == 0 else ["b", "a"],
+               "sides": {"a": {"kw": 100.0 if r % 2 == 0 else 110.0}, "b": {"kw": 110.0 if r % 2 == 0 else 100.0}}}
+              for r in range(6)]
+    got = paired_ratios(rounds, "a", "b", "kw")
+    assert got["balanced"] == pytest.approx(1.0)
+    assert got["a first"] == pytest.approx(100 / 110) and got["b first"] == pytest.approx(1.1)
+    one_order = paired_ratios(rounds[::2], "a", "b", "kw")
+    assert "balanced" not in one_order and one_order["median"] == pytest.approx(100 / 110)

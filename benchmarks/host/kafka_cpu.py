@@ -39,7 +39,7 @@ from typing import Any
 
 from confluent_kafka import Consumer
 
-from benchmarks.host.pipeline_bench import DEFAULT_DATA, quartiles, runner_dir
+from benchmarks.host.pipeline_bench import DEFAULT_DATA, paired_ratios, quartiles, runner_dir
 from benchmarks.kafka_vs_offline import BROKER_PID, cpu_seconds, kafka_bootstrap_from_env, kafka_round, stat_cpu_seconds
 from tests.kafka_tools import free_port
 from worker.formats.keyword_files import read_keywords
@@ -192,8 +192,8 @@ def main() -> int:
                 side.reader.consume(1, timeout=3.0)
                 kafka_round(f"warm-{side.name}", rows[:1000], bootstrap, side.topics[0], side.reader)
             if args.neighbour is not None:
-                neighbour = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{args.neighbour}}})"
-                                              "\nwhile True: pass"])
+                spin = f"import os\nos.sched_setaffinity(0, {{{args.neighbour}}})\nwhile True: pass"
+                neighbour = subprocess.Popen([sys.executable, "-c", spin])
             at = 0
             for r in range(args.rounds):
                 order = sides[r % len(sides):] + sides[:r % len(sides)]
@@ -266,10 +266,12 @@ def main() -> int:
         print(f"{side.name}: worker {c['median']:.1f} us/keyword ({c['q1']:.1f}-{c['q3']:.1f}); by thread: {split}")
     first = sides[0].name
     for side in sides[1:]:
-        q = quartiles([x["sides"][side.name]["worker_cpu_us_per_keyword"] / x["sides"][first]["worker_cpu_us_per_keyword"]
-                       for x in results])
-        summary["ratios"][f"{side.name}/{first} worker_cpu"] = q
-        print(f"{side.name}/{first} worker CPU per keyword: median {q['median']:.3f} (q1 {q['q1']:.3f}, q3 {q['q3']:.3f})")
+        for key, label, what in (("worker_cpu_us_per_keyword", "worker_cpu", "worker CPU per keyword"),
+                                 ("keywords_per_s", "keywords_per_s", "keywords/s")):
+            q = paired_ratios(results, side.name, first, key)
+            summary["ratios"][f"{side.name}/{first} {label}"] = q
+            balanced = f"; order-balanced {q['balanced']:.3f}" if "balanced" in q else ""
+            print(f"{side.name}/{first} {what}: median {q['median']:.3f} (q1 {q['q1']:.3f}, q3 {q['q3']:.3f}){balanced}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({**summary, "rounds": results}, indent=2) + "\n")

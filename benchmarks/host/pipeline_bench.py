@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,24 @@ def quartiles(values: list[float]) -> dict[str, float]:
         return {"median": values[0], "q1": values[0], "q3": values[0]}
     q = statistics.quantiles(values, n=4, method="inclusive")
     return {"median": statistics.median(values), "q1": q[0], "q3": q[2]}
+
+
+def paired_ratios(rounds: Sequence[Mapping[str, Any]], a: str, b: str, key: str) -> dict[str, float]:
+    """Side a's `key` over side b's, paired per round (a round: its `order` of sides, and `sides`,
+    each side's measures), as quartiles; and, once both orders have run, `balanced` and the median
+    with each side first. On this shared box the second run of a round was the faster one in most
+    rounds, whichever side it was (2026-12-06), so the order shifts each ratio. Rounds rotate the
+    order; `balanced`, the geometric mean of the two orders' geometric means, takes it out."""
+    got = quartiles([x["sides"][a][key] / x["sides"][b][key] for x in rounds])
+    first: dict[str, list[float]] = {a: [], b: []}
+    for x in rounds:
+        lead = next(s for s in x["order"] if s in (a, b))
+        first[lead].append(x["sides"][a][key] / x["sides"][b][key])
+    if first[a] and first[b]:
+        means = [math.exp(sum(map(math.log, v)) / len(v)) for v in first.values()]
+        got["balanced"] = math.sqrt(means[0] * means[1])
+        got[f"{a} first"], got[f"{b} first"] = (quartiles(v)["median"] for v in first.values())
+    return got
 
 
 def runner_dir(tmp: Path) -> Path:
@@ -147,21 +166,9 @@ def main() -> int:
                                   "cpu_us_per_keyword": quartiles([row["cpu_us_per_keyword"] for row in rows]),
                                   "threads_us_per_keyword_median": threads}
 
+
     def paired(a: str, b: str, key: str) -> dict[str, float]:
-        got = quartiles([x["sides"][a][key] / x["sides"][b][key] for x in rounds])
-        # By which of the two ran first in its round: on this shared box the second run of a round
-        # was the faster one in most rounds, whichever side it was (2026-12-06), so the order
-        # shifts each ratio. Rounds rotate the order; `balanced` (the geometric mean of the two
-        # orders' geometric means) takes the order out, once both orders have run.
-        first: dict[str, list[float]] = {a: [], b: []}
-        for x in rounds:
-            lead = next(s for s in x["order"] if s in (a, b))
-            first[lead].append(x["sides"][a][key] / x["sides"][b][key])
-        if first[a] and first[b]:
-            means = [math.exp(sum(map(math.log, v)) / len(v)) for v in first.values()]
-            got["balanced"] = math.sqrt(means[0] * means[1])
-            got[f"{a} first"], got[f"{b} first"] = (quartiles(v)["median"] for v in first.values())
-        return got
+        return paired_ratios(rounds, a, b, key)
 
     if args.baseline_root is not None:
         summary["ratios"]["new/old keywords_per_s"] = paired("new-p1", "old-p1", "keywords_per_s")
