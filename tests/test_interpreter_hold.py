@@ -214,6 +214,28 @@ def test_without_counters_the_threads_stay_held_where_they_are() -> None:
     assert held == [1] and hold.cpu == 1
 
 
+def test_counters_that_stop_being_readable_mid_run_leave_the_threads_held_where_they_are() -> None:
+    machine = Machine(2, foreign={0: 1.0})
+    machine.add("worker", 0.5)
+    hold = machine.hold_for("worker", seed=0)
+    hold.rng = Heads()
+    readable = [True]
+
+    def stat() -> dict[int, CpuTimes]:
+        if not readable[0]:
+            raise PermissionError("/proc/stat")
+        return machine.stat()
+    hold.read_cpus = stat
+    hold.start(0, now=0.0)
+    machine.step()
+    hold.check(1.0)  # contested once
+    readable[0] = False
+    for second in range(2, 8):  # the poll thread calls on: no error reaches it, and no move
+        machine.step()
+        hold.check(float(second))
+    assert hold.cpu == 0 and hold.moves == 0 and machine.where["worker"] == 0
+
+
 @linux_only
 def test_a_process_spinning_on_the_held_cpu_moves_the_threads_on_the_kernels_own_counters() -> None:
     cpus = sorted(os.sched_getaffinity(0))

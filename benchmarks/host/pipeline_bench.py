@@ -54,11 +54,11 @@ def paired_ratios(rounds: Sequence[Mapping[str, Any]], a: str, b: str, key: str)
     with each side first. On this shared box the second run of a round was the faster one in most
     rounds, whichever side it was (2026-12-06), so the order shifts each ratio. Rounds rotate the
     order; `balanced`, the geometric mean of the two orders' geometric means, takes it out."""
-    got = quartiles([x["sides"][a][key] / x["sides"][b][key] for x in rounds])
+    ratios = [x["sides"][a][key] / x["sides"][b][key] for x in rounds]
+    got = quartiles(ratios)
     first: dict[str, list[float]] = {a: [], b: []}
-    for x in rounds:
-        lead = next(s for s in x["order"] if s in (a, b))
-        first[lead].append(x["sides"][a][key] / x["sides"][b][key])
+    for x, ratio in zip(rounds, ratios):
+        first[next(s for s in x["order"] if s in (a, b))].append(ratio)
     if first[a] and first[b]:
         means = [math.exp(sum(map(math.log, v)) / len(v)) for v in first.values()]
         got["balanced"] = math.sqrt(means[0] * means[1])
@@ -124,7 +124,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--hold", action="store_true",
                     help="also run each process count with each process's Python threads held on a CPU of "
-                         "its own (interpreter_cpu), paired against the same count unheld")
+                         "its own (interpreter_cpu), paired against the same count run with the default")
     ap.add_argument("--free", action="store_true",
                     help="also run each process count with interpreter_cpu=off, paired against the default")
     ap.add_argument("--json", type=Path)
@@ -165,7 +165,6 @@ def main() -> int:
         summary["sides"][name] = {"keywords_per_s": quartiles([row["keywords_per_s"] for row in rows]),
                                   "cpu_us_per_keyword": quartiles([row["cpu_us_per_keyword"] for row in rows]),
                                   "threads_us_per_keyword_median": threads}
-
 
     def paired(a: str, b: str, key: str) -> dict[str, float]:
         return paired_ratios(rounds, a, b, key)

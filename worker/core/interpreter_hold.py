@@ -145,23 +145,24 @@ class InterpreterHold:
         """Holds the threads on `cpu` and starts watching it; the thread IDs held. OSError: refused."""
         self._tids = self._hold(cpu)
         self.cpu = cpu
-        self._sample(now)
+        if self.adaptive:  # a hold for good never reads the counters
+            self._sample(now)
         return self._tids
 
     def check(self, now: float) -> None:
         """Once an interval: reads the counters and moves the threads where the rule says. Cheap
         (one comparison) between intervals."""
-        if now < self._due or not self.adaptive or self.cpu is None or self._last is None:
+        held = self.cpu
+        if now < self._due or self._last is None or held is None:  # no counters: not adaptive, or unreadable
             return
         then, cpus_before, own_before = self._last
-        interval = now - then
         self._sample(now)
-        if interval <= 0:
+        if self._last is None:
             return
         _, cpus_after, own_after = self._last
-        own_share = (own_after - own_before) / 1e9 / interval
-        loads = foreign_loads(cpus_before, cpus_after, self.cpus, self.cpu, own_share)
-        target = self.rule.better_cpu(loads, self.cpu, self.rng)
+        own_share = (own_after - own_before) / 1e9 / (now - then)  # now - then >= interval_s
+        loads = foreign_loads(cpus_before, cpus_after, self.cpus, held, own_share)
+        target = self.rule.better_cpu(loads, held, self.rng)
         if target is None:
             self._strikes = 0
             return
@@ -170,7 +171,6 @@ class InterpreterHold:
         # then finds its CPU its own (its strikes start again).
         if self._strikes < self.rule.patience or self.rng.random() < 0.5:
             return
-        previous = self.cpu
         try:
             self._tids = self._hold(target)
         except OSError:
@@ -183,7 +183,7 @@ class InterpreterHold:
         self.cpu, self._strikes = target, -self.rng.randrange(1 << min(self.moves, 5))
         self._sample(now)  # the threads' own time so far was on the old CPU
         if self.on_move is not None:
-            self.on_move(previous, target, loads)
+            self.on_move(held, target, loads)
 
     def release(self) -> None:
         """The calling thread (the poll thread, its work done) back on the whole set it started with:
@@ -191,7 +191,7 @@ class InterpreterHold:
         The kwe-* threads have ended by then."""
         if self.cpu is None:
             return
-        self.cpu = None
+        self.cpu, self._last = None, None
         try:
             self.set_affinity(threading.get_native_id(), set(self.cpus))
         except OSError:
