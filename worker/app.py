@@ -38,7 +38,7 @@ from worker.kafka.committer import Committer
 from worker.kafka.consumer import GroupMember, consumer_config
 from worker.kafka.errors import FailurePolicy
 from worker.kafka.offsets import OffsetTracker
-from worker.kafka.producer import OutputProducer, producer_config
+from worker.kafka.producer import REPORTS_COMPILED, OutputProducer, producer_config
 from worker.latch import guarded
 from worker.names import REGISTRY_FORMATS
 from worker.operations.health import Liveness
@@ -130,7 +130,8 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: 
              buckets=list(profile.bounds), max_len=tokenizer.max_len, pad_to=loaded.settings.pad_to,
              prompt_name=prompt.name, prompt=prompt.text or None, output_dim=codec.dim,
              output_encoding=codec.encoding, fingerprint=codec.fingerprint,
-             precision=precision_label(loaded.settings), tokenizer_fast_path=tokenizer.fast_path)
+             precision=precision_label(loaded.settings), tokenizer_fast_path=tokenizer.fast_path,
+             delivery_reports="compiled" if REPORTS_COMPILED else "python")
     metrics = metrics if metrics is not None else Metrics()
     # Set once the choice is made: the metrics server (and /readyz) only starts after this returns.
     # `reason`: why this backend (auto: what was passed over and measured); `device`: the GPU, where one runs.

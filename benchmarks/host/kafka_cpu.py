@@ -68,7 +68,8 @@ class Side:
                  "--group-id", run, "--metrics-port", str(self.port), "--metrics-host", "127.0.0.1"]
         if self.kind.startswith("relay"):
             cmd = [sys.executable, "-m", "kwe_host.kafka_relay", "run", *where,
-                   *(["--batch"] if self.kind == "relay-batch" else [])]
+                   *(["--batch"] if self.kind == "relay-batch" else []),
+                   *(["--headers"] if self.kind == "relay-headers" else [])]
         else:
             module = "kwe_host.null_worker" if self.kind == "null" else "worker.cli"
             cmd = [sys.executable, "-m", module, "run", *where, "--dead-letter-topic", self.topics[2],
@@ -150,8 +151,8 @@ def parse_side(spec: str, backend: str) -> Side:
     """`KIND[@ROOT][#FLAGS]`: FLAGS are extra `run` flags of this side only (space-separated)."""
     spec, _, flags = spec.partition("#")
     kind, _, root = spec.partition("@")
-    if kind not in ("null", "model", "relay", "relay-batch"):
-        raise SystemExit(f"side {spec!r}: null, model, relay or relay-batch, optionally @ROOT")
+    if kind not in ("null", "model", "relay", "relay-batch", "relay-headers"):
+        raise SystemExit(f"side {spec!r}: null, model, relay, relay-batch or relay-headers, optionally @ROOT")
     name = f"{spec}#{flags}" if flags else spec
     return Side(name, kind, Path(root).resolve() if root else ROOT, backend, flags.split())
 

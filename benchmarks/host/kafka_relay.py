@@ -5,7 +5,9 @@ input's key, with a prebuilt value of the null worker's size (a 384-float unit v
 counts the delivery reports; it commits once a second. No decode, no validation, no tokenizer, no
 batching, no encoding, no offset tracking: what is left is confluent-kafka and librdkafka's own cost,
 which no change inside the worker's Python can remove. For benchmarks/host/kafka_cpu.py (side
-`relay`, or `relay-batch`: the outputs through `Producer.produce_batch`, one call per poll).
+`relay`; `relay-batch`: the outputs through `Producer.produce_batch`, one call per poll;
+`relay-headers`: each output with the worker's own headers, the default model's: what every
+produce call and delivery report of the worker carries, and the relay's floor for its output).
 
     python -m kwe_host.kafka_relay run --bootstrap-servers ... --input-topic ... --output-topic ... \\
         --group-id ... --metrics-port N [--batch]
@@ -42,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--metrics-port", type=int, required=True)
     ap.add_argument("--metrics-host", default="127.0.0.1")
     ap.add_argument("--batch", action="store_true", help="produce_batch, one call per poll")
+    ap.add_argument("--headers", action="store_true", help="the worker's output headers on every record")
     args, _ = ap.parse_known_args(argv)
 
     settings = Settings(bootstrap_servers=args.bootstrap_servers, input_topic=args.input_topic,
@@ -71,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     # The null worker's value: a unit vector's 384 floats as JSON, the ID spliced in.
     head = b'{"id":"'
     tail = b'","embedding":' + orjson.dumps([1.0] + [0.0] * 383) + b"}"
+    # The headers the worker writes on every output record (worker/formats/messages.py's OutputCodec,
+    # the default model's, with a fingerprint of the length the worker writes).
+    headers = ([("kwe-model", b"all-MiniLM-L6-v2"), ("kwe-encoding", b"float-list"),
+                ("kwe-dim", b"384"), ("kwe-fingerprint", b"v1-0123456789abcdef")] if args.headers else None)
     delivered = [0]
 
     def on_delivery(err: Any, msg: Any) -> None:
@@ -88,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
                 for m in msgs:
                     if m.error() is None:
                         key = m.key()
-                        producer.produce(out, key=key, value=head + key + tail, on_delivery=on_delivery)
+                        producer.produce(out, key=key, value=head + key + tail, on_delivery=on_delivery,
+                                         headers=headers)
         producer.poll(0)
         now = time.monotonic()
         if now - last_commit > 1.0 and consumer.assignment():

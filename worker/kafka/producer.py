@@ -43,6 +43,14 @@ from worker.kafka.throttle import ThrottledLog
 from worker.latch import FatalLatch, guarded
 from worker.settings.schema import Settings
 
+try:  # compiled by setup.py where a C compiler is found; else the same callbacks in Python (_PythonSink)
+    from worker.kafka import _reports
+except ImportError:  # pragma: no cover - exercised by tests/test_reports.py's Python form
+    _reports = None  # type: ignore[assignment]
+
+# Whether each record's delivery callback is the compiled one (logged at start, beside the tokenizer's path).
+REPORTS_COMPILED = _reports is not None
+
 log = structlog.get_logger(__name__)
 
 # An outage shorter than this is ridden out by librdkafka's own retries.
@@ -63,6 +71,53 @@ class RecordWriter(Protocol):
 
     def write(self, seq: int, topic: str, key: bytes | None, value: bytes, headers: Headers,
               on_delivered: Callable[[], None]) -> bool: ...
+
+
+class ReportSink(Protocol):
+    """Makes each record's delivery callback and counts deliveries (delivery thread): the compiled
+    `worker.kafka._reports.Sink`, or `_PythonSink` where it was not built. A callback of (err, msg)
+    calls `on_delivered()` for a delivery, `refused(topic, err, on_failed)` for a failed write, and
+    `broken(topic, exc)` when on_delivered raised an Exception."""
+
+    def report(self, topic: str, on_delivered: Callable[[], None], on_failed: Failed | None, /) -> Callable[[KafkaError | None, Message], None]: ...
+
+    def take_delivered(self) -> int: ...
+
+
+class _PythonSink:
+    """`worker/kafka/_reports.c`'s Sink, in Python: two frames a record on the delivery thread where
+    the compiled one runs none (tests/test_reports.py holds the two against each other)."""
+
+    def __init__(self, refused: Callable[[str, KafkaError, Failed | None], object],
+                 broken: Callable[[str, Exception], object]) -> None:
+        self._refused = refused
+        self._broken = broken
+        self._delivered = 0
+
+    def report(self, topic: str, on_delivered: Callable[[], None],
+               on_failed: Failed | None, /) -> Callable[[KafkaError | None, Message], None]:
+        def delivered(err: KafkaError | None, msg: Message) -> None:
+            if err is not None:
+                self._refused(topic, err, on_failed)
+                return
+            self._delivered += 1
+            try:
+                on_delivered()
+            except Exception as exc:  # noqa: BLE001 - the sink's owner stops the worker on it
+                self._broken(topic, exc)
+        return delivered
+
+    def take_delivered(self) -> int:
+        n, self._delivered = self._delivered, 0
+        return n
+
+
+def report_sink(refused: Callable[[str, KafkaError, Failed | None], object],
+                broken: Callable[[str, Exception], object], *, compiled: bool = True) -> ReportSink:
+    """The compiled sink where it was built (and `compiled`), else the Python one."""
+    if compiled and _reports is not None:
+        return _reports.Sink(refused, broken)  # type: ignore[no-any-return]
+    return _PythonSink(refused, broken)
 
 
 def producer_config(settings: Settings) -> dict[str, Any]:
@@ -96,7 +151,8 @@ def describe(err: KafkaError) -> str:
 
 class OutputProducer:
     def __init__(self, config: dict[str, Any], latch: FatalLatch, *, failures: FailurePolicy | None = None,
-                 producer_factory: Callable[[dict[str, Any]], Any] = Producer, poll_interval_s: float = 0.05) -> None:
+                 producer_factory: Callable[[dict[str, Any]], Any] = Producer, poll_interval_s: float = 0.05,
+                 compiled_reports: bool = True) -> None:
         self._latch = latch
         # Authentication, TLS and ACL errors: which stop the worker, with which message.
         self._failures = failures if failures is not None else FailurePolicy()
@@ -117,7 +173,8 @@ class OutputProducer:
         self._fatal_route: Callable[[KafkaError], bool] | None = None
         # Run after each poll on the delivery thread (the poll's acknowledgements, finished together).
         self._after_poll: Callable[[], None] | None = None
-        self._delivered = False  # a record was delivered during the current poll (delivery thread)
+        # Each record's delivery callback (compiled where it could be built: no Python frame a record).
+        self._sink = report_sink(self._refused_report, self._accounting_failed, compiled=compiled_reports)
         # Polls finished, after_poll hook included (delivery thread writes; flush reads).
         self._polls_done = 0
         self._thread = threading.Thread(target=guarded(latch, "kwe-delivery", self._serve), name="kwe-delivery")
@@ -178,16 +235,7 @@ class OutputProducer:
         worker, unless `on_failed` takes it over (see the module docstring); produce() returns
         True for a record taken over so: it is accounted for.
         """
-        def delivered(err: KafkaError | None, msg: Message) -> None:
-            if err is not None:
-                self._refused(topic, err, "could not write to topic", on_failed)
-                return
-            self._delivered = True  # the credentials work: told to the failure policy after the poll
-            try:
-                on_delivered()
-            except Exception as exc:  # noqa: BLE001 - a bug in accounting must stop the worker, visibly
-                self._latch.trip(ThreadDiedError(f"delivery accounting failed for topic {topic!r}: {exc!r}"))
-
+        delivered = self._sink.report(topic, on_delivered, on_failed)
         while True:
             if self._interrupt.is_set():
                 return False
@@ -208,6 +256,14 @@ class OutputProducer:
                 # authorised (known from metadata), a state the client refuses writes in (_STATE), ...
                 # None of these succeed on a retry of the same call.
                 return self._refused(topic, exc.args[0], "cannot write to topic", on_failed)
+
+    def _refused_report(self, topic: str, err: KafkaError, on_failed: Failed | None) -> None:
+        """A delivery callback's failed write (delivery thread)."""
+        self._refused(topic, err, "could not write to topic", on_failed)
+
+    def _accounting_failed(self, topic: str, exc: Exception) -> None:
+        """A record's on_delivered raised: a bug in accounting must stop the worker, visibly."""
+        self._latch.trip(ThreadDiedError(f"delivery accounting failed for topic {topic!r}: {exc!r}"))
 
     def _refused(self, topic: str, err: KafkaError, what: str, on_failed: Failed | None) -> bool:
         """A failed write; True when `on_failed` took it over."""
@@ -233,9 +289,9 @@ class OutputProducer:
         generation = self._generation
         try:
             self._producer.poll(timeout_s)
-            if self._delivered:
-                self._delivered = False
-                self._failures.connected()  # once per poll, not once per record (it takes a lock)
+            if self._sink.take_delivered():
+                # The credentials work: told once per poll, not once per record (it takes a lock).
+                self._failures.connected()
             if self._after_poll is not None:
                 self._after_poll()
             self._polls_done += 1
