@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import pytest
 
 from worker.core.interpreter_hold import CpuTimes, HoldRule, InterpreterHold, foreign_loads, parse_cpu_times
+from worker.core.os_threads import move_threads_held_on
 
 linux_only = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity (Linux)")
 
@@ -237,6 +238,41 @@ def test_counters_that_stop_being_readable_mid_run_leave_the_threads_held_where_
 
 
 @linux_only
+def test_threads_started_after_the_hold_follow_a_move_and_nothing_follows_without_one() -> None:
+    machine = Machine(2)
+    machine.add("worker", 0.8)
+    follows: list[tuple[int, int, list[int]]] = []
+
+    def follow(old: int, new: int, held: list[int]) -> int:
+        follows.append((old, new, held))
+        return 3
+
+    hold = machine.hold_for("worker", seed=1)
+    hold.rng, hold.follow = Heads(), follow
+    hold.start(0, now=0.0)
+    for second in range(1, 4):
+        machine.step()
+        hold.check(float(second))
+    assert follows == [] and hold.followers == 0
+    machine.foreign[0] = 1.0
+    for second in range(4, 6):
+        machine.step()
+        hold.check(float(second))
+    assert hold.cpu == 1 and follows == [(0, 1, hold._tids)] and hold.followers == 3
+
+    def unreadable(old: int, new: int, held: list[int]) -> int:
+        raise OSError("no /proc")
+
+    hold.follow = unreadable
+    machine.foreign[1], machine.foreign[0] = 1.0, 0.0
+    for second in range(6, 60):
+        machine.step()
+        hold.check(float(second))
+        if hold.cpu == 0:
+            break
+    assert hold.cpu == 0 and hold.moves == 2 and hold.followers == 3  # the move stands; the rest stayed
+
+
 def test_a_process_spinning_on_the_held_cpu_moves_the_threads_on_the_kernels_own_counters() -> None:
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
@@ -253,6 +289,13 @@ def test_a_process_spinning_on_the_held_cpu_moves_the_threads_on_the_kernels_own
     thread = threading.Thread(target=interpreter_thread, name="held", daemon=True)
     thread.start()
     ready.wait(5)
+    follower_tid: list[int] = []
+    follower_ready = threading.Event()
+
+    def follower() -> None:  # started by a held thread after the hold: a renewed producer's librdkafka thread
+        follower_tid.append(threading.get_native_id())
+        follower_ready.set()
+        quiet.wait(30)
 
     def hold(cpu: int) -> list[int]:
         os.sched_setaffinity(tid[0], {cpu})
@@ -262,10 +305,16 @@ def test_a_process_spinning_on_the_held_cpu_moves_the_threads_on_the_kernels_own
     spin = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{start}}})\nwhile True: pass"])
     moved: list[tuple[int, int]] = []
     held = InterpreterHold(cpus, rule=HoldRule(interval_s=0.25), rng=Heads(), hold=hold,
-                           on_move=lambda old, new, loads: moved.append((old, new)))
+                           on_move=lambda old, new, loads: moved.append((old, new)),
+                           follow=lambda old, new, tids: move_threads_held_on(old, new, skip=tids))
     try:
         time.sleep(0.3)  # the spinner runs
         held.start(start, now=time.monotonic())
+        os.sched_setaffinity(0, {start})  # this thread starts the follower as a held thread would
+        threading.Thread(target=follower, name="follower", daemon=True).start()
+        os.sched_setaffinity(0, set(cpus))
+        follower_ready.wait(5)
+        assert os.sched_getaffinity(follower_tid[0]) == {start}
         deadline = time.monotonic() + 15
         while held.cpu == start and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -276,4 +325,6 @@ def test_a_process_spinning_on_the_held_cpu_moves_the_threads_on_the_kernels_own
         quiet.set()
     assert moved and moved[0][0] == start and held.cpu != start, "held on the CPU another process spins on"
     assert os.sched_getaffinity(tid[0]) == {held.cpu}
+    assert os.sched_getaffinity(follower_tid[0]) == {held.cpu}, "a thread started held stayed on the CPU left"
+    assert held.followers == 1 and os.sched_getaffinity(0) == set(cpus)  # nothing else of this process moved
     thread.join(5)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.thread_tools import run_in_thread
-from worker.core.os_threads import PR_SET_NAME, hold_interpreter_threads, name_current_thread
+from worker.core.os_threads import PR_SET_NAME, hold_interpreter_threads, move_threads_held_on, name_current_thread
 from worker.latch import FatalLatch, guarded
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_NAME) is Linux's")
@@ -103,6 +103,25 @@ def test_a_thread_that_ended_meanwhile_is_skipped() -> None:
 
     held = hold_interpreter_threads(0, threads=[], set_affinity=set_affinity)
     assert held == [] and calls == [threading.get_native_id()]
+
+
+def test_only_threads_held_on_the_cpu_left_alone_follow_a_move(tmp_path: Path) -> None:
+    # Threads 1-6 of a process: 1 and 2 are the held ones (skipped: the hold moves them itself), 3 was
+    # started by a held thread (on CPU 0 alone), 4 runs anywhere, 5 is on CPU 0 and another, 6 ends
+    # between the listing and the move.
+    affinity = {1: {0}, 2: {0}, 3: {0}, 4: {0, 1}, 5: {0, 1}, 6: {0}}
+    for tid in affinity:
+        (tmp_path / str(tid)).mkdir()
+    moved: list[tuple[int, set[int]]] = []
+
+    def get(tid: int) -> set[int]:
+        if tid == 6:
+            raise ProcessLookupError
+        return affinity[tid]
+
+    n = move_threads_held_on(0, 1, skip=[1, 2], task_dir=str(tmp_path), get_affinity=get,
+                             set_affinity=lambda tid, cpus: moved.append((tid, cpus)))
+    assert (n, moved) == (1, [(3, {1})])
 
 
 @linux_only

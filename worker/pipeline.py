@@ -38,7 +38,7 @@ import structlog
 
 from worker.backends.base import CPU_BACKENDS
 from worker.core.interpreter_hold import InterpreterHold
-from worker.core.os_threads import allowed_cpus, current_cpu
+from worker.core.os_threads import allowed_cpus, current_cpu, move_threads_held_on
 from worker.deadline import Deadline
 from worker.delivery.acks import Acknowledger
 from worker.delivery.guarantees import Delivery
@@ -285,7 +285,9 @@ class Pipeline:
             return None
         moves = setting == "auto" or self.interpreter_cpu_is_start
         hold = InterpreterHold(cpus, leave=("kwe-dispatch",) if backend in CPU_BACKENDS else (),
-                               on_move=self._interpreter_moved, adaptive=moves)
+                               on_move=lambda old, new, loads: self._interpreter_moved(old, new, loads, hold.followers),
+                               adaptive=moves,
+                               follow=lambda old, new, held: move_threads_held_on(old, new, skip=held))
         try:
             held = hold.start(cpu, time.monotonic())
         except OSError as exc:
@@ -303,10 +305,11 @@ class Pipeline:
         hold = self._interpreter
         return (None, False) if hold is None else (hold.cpu, hold.adaptive)
 
-    def _interpreter_moved(self, previous: int, cpu: int, loads: Mapping[int, float]) -> None:
+    def _interpreter_moved(self, previous: int, cpu: int, loads: Mapping[int, float], followers: int) -> None:
         self.metrics.set_interpreter_cpu(cpu)
         log.info("interpreter threads moved to a freer CPU", previous=previous, cpu=cpu,
-                 foreign_load={str(c): round(v, 2) for c, v in sorted(loads.items())})
+                 foreign_load={str(c): round(v, 2) for c, v in sorted(loads.items())},
+                 followers_so_far=followers)
 
     def _hold(self, pending: int, reason: str) -> bool:
         """Intake stopped (`reason`: the in-flight bound, a transaction closing) and the delivery

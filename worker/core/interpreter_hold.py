@@ -134,8 +134,13 @@ class InterpreterHold:
     # False: held where `start` says for good (a CPU number set by the user or a supervisor).
     adaptive: bool = True
     set_affinity: Callable[[int, set[int]], None] = set_affinity
+    # On a move, (old CPU, new CPU, the held threads) -> how many other threads followed: those a
+    # held thread started after the hold, which inherited its CPU (os_threads.move_threads_held_on
+    # in the worker; None: only the held threads move).
+    follow: Callable[[int, int, list[int]], int] | None = None
     cpu: int | None = None
     moves: int = 0
+    followers: int = 0  # threads that followed the held ones, over every move
     _tids: list[int] = field(default_factory=list)
     _due: float = 0.0
     _last: tuple[float, Mapping[int, CpuTimes], int] | None = None
@@ -178,6 +183,11 @@ class InterpreterHold:
             self._strikes = 0
             return
         self.moves += 1
+        if self.follow is not None:
+            try:
+                self.followers += self.follow(held, target, self._tids)
+            except OSError:
+                pass  # no thread list to read: the held threads moved, the rest stay where they are
         # A random wait (in checks, doubling with each move, up to 32) before the next move may
         # count: two workers that left one CPU in the same second and met again do not do so in step.
         self.cpu, self._strikes = target, -self.rng.randrange(1 << min(self.moves, 5))

@@ -124,6 +124,31 @@ def hold_interpreter_threads(cpu: int, *, leave: tuple[str, ...] = (), threads: 
     return held
 
 
+def move_threads_held_on(old: int, new: int, *, skip: Iterable[int] = (), task_dir: str = "/proc/self/task",
+                         get_affinity: Callable[[int], set[int]] | None = None,
+                         set_affinity: Callable[[int, set[int]], None] = set_affinity) -> int:
+    """Moves to `new` every thread of this process held on `old` alone (its CPU set exactly {old}),
+    but those in `skip`; how many moved. A thread a held thread starts inherits its CPU set (a
+    renewed producer's librdkafka threads, a GPU runtime's own), so it was held with them: when
+    the held threads move, it follows instead of staying on the CPU they left. A thread that
+    ended meanwhile is skipped; OSError where the threads cannot be listed."""
+    get = get_affinity if get_affinity is not None else os.sched_getaffinity
+    skipped = set(skip)
+    moved = 0
+    for name in os.listdir(task_dir):
+        tid = int(name)
+        if tid in skipped:
+            continue
+        try:
+            if get(tid) != {old}:
+                continue
+            set_affinity(tid, {new})
+        except (ProcessLookupError, FileNotFoundError):
+            continue  # ended between the listing and here
+        moved += 1
+    return moved
+
+
 class _SignalStack(ctypes.Structure):  # stack_t
     _fields_ = [("ss_sp", ctypes.c_void_p), ("ss_flags", ctypes.c_int), ("ss_size", ctypes.c_size_t)]
 
