@@ -25,7 +25,7 @@ from worker.errors import WorkerError
 from worker.formats.messages import Keyword, Rejection, decode_input
 from worker.intake.stage import Intake
 from worker.intake.tokenize import KeywordTokenizer
-from worker.kafka.offsets import OffsetTracker
+from worker.kafka.offsets import OffsetTracker, OffsetWentBack, Refetched
 from worker.operations.metrics import Metrics
 from worker.output.dead_letters import DeadLetters
 from worker.settings.schema import Settings
@@ -175,6 +175,89 @@ def test_the_inline_json_read_keeps_what_decode_input_would_say_of_every_record(
     assert tracker.get("in", 0).unfinished() == len(INTAKE_VALUES)  # type: ignore[union-attr]
 
 
+class _EpochMessage(MemoryMessage):
+    __slots__ = ("_epoch",)
+
+    def __init__(self, partition: int, offset: int, epoch: int | None) -> None:
+        super().__init__("in", partition, offset, b"k", orjson.dumps({"id": f"{partition}-{offset}", "text": "shoes"}), 0)
+        self._epoch = epoch
+
+    def leader_epoch(self) -> int | None:  # type: ignore[override]
+        return self._epoch
+
+
+def _offset_state(tracker: OffsetTracker, partition: int) -> tuple[Any, ...]:
+    part = tracker.get("in", partition)
+    assert part is not None
+    return (list(map(list, part._order)), sorted(part._cells), part.epoch_runs(), part._next, part._first,
+            part._refetch_at, part.unfinished())
+
+
+def _pairs(poll: list[_EpochMessage]) -> list[tuple[int, int]]:
+    return [(m.partition(), m.offset()) for m in poll]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_tracking_a_polls_runs_together_leaves_each_partition_as_tracking_each_record_would(seed: int) -> None:
+    # Polls of three partitions, interleaved, with gaps (compaction, transaction markers), leader
+    # epochs that change (and a partition without one), re-fetched records and offsets that go back
+    # (partition 2's log ends below what was read on odd seeds: a reset, not a re-fetch).
+    rng = np.random.default_rng(seed)
+    tok, tracker, inflight, metrics, writer = _intake_parts()
+    reference = OffsetTracker()
+    for p in (1, 2):
+        tracker.assign("in", p)
+    for p in (0, 1, 2):
+        reference.assign("in", p)
+    log_end = {0: 10_000, 1: 10_000, 2: 10_000 if seed % 2 else 0}
+
+    def watermarks(topic: str, partition: int) -> tuple[int, int]:
+        return 0, log_end[partition]
+
+    intake = Intake(Settings(), tok, tracker, inflight, lambda seqs, ids: None,
+                    DeadLetters("dlq", 1 << 20, writer, Acknowledger(inflight, metrics)), metrics,  # type: ignore[arg-type]
+                    watermarks=watermarks)
+    position = {0: 0, 1: 100, 2: 5}
+    epoch: dict[int, int | None] = {0: 3, 1: None, 2: 1}
+    runs = went_back = 0
+    for _ in range(25):
+        poll = []
+        for _ in range(int(rng.integers(1, 40))):
+            p = int(rng.integers(0, 3))
+            roll = rng.random()
+            if roll < 0.08:
+                position[p] = max(0, position[p] - int(rng.integers(1, 6)))  # a re-fetch, or the log went back
+            elif roll < 0.16:
+                position[p] += int(rng.integers(1, 4))  # a gap
+            elif roll < 0.2 and epoch[p] is not None:
+                epoch[p] += 1  # type: ignore[operator]  # a new leader
+            poll.append(_EpochMessage(p, position[p], epoch[p]))
+            position[p] += 1
+        first = intake._next_seq
+        intake.handle(poll)
+        got = [(rec.part.partition, rec.offset) for seq in range(first, intake._next_seq)
+               if (rec := inflight.get(seq)) is not None]
+        expected: list[tuple[int, int]] = []
+        for msg in poll:  # what the loop did before runs: track() each record, and its fallbacks
+            part = reference.get("in", msg.partition())
+            assert part is not None
+            try:
+                part.track(msg.offset(), msg.leader_epoch(), watermarks)
+            except Refetched:
+                continue
+            except OffsetWentBack:
+                part = reference.restart("in", msg.partition())
+                part.track(msg.offset(), msg.leader_epoch())
+            expected.append((msg.partition(), msg.offset()))
+        assert got == expected
+        for p in (0, 1, 2):
+            assert _offset_state(tracker, p) == _offset_state(reference, p)
+        pairs = _pairs(poll)
+        runs += sum(a[0] == b[0] and b[1] == a[1] + 1 for a, b in zip(got, got[1:]))
+        went_back += sum(a[0] == b[0] and b[1] <= a[1] for a, b in zip(pairs, pairs[1:]))
+    assert runs > 50 and went_back > 3  # runs, and offsets that go back, were there to track
+
+
 def test_a_decoder_that_raises_mid_poll_leaves_no_number_given_twice() -> None:
     tok, tracker, inflight, metrics, writer = _intake_parts()
 
@@ -196,6 +279,9 @@ def test_a_decoder_that_raises_mid_poll_leaves_no_number_given_twice() -> None:
     assert [seq for seq, _, _, _ in writer.records] == [0, 1]
     assert {seq: inflight.get(seq).offset for seq in range(3)} == {0: 0, 1: 2, 2: 3}  # type: ignore[union-attr]
     assert inflight.get(3) is None
+    # Every record read stays tracked, the one the decoder failed on too (its offset is never done,
+    # so nothing past it is committed), as when each record was tracked before it was decoded.
+    assert tracker.get("in", 0).unfinished() == 4  # type: ignore[union-attr]
 
 
 def test_paired_ratios_take_the_order_of_a_round_out_once_both_orders_ran() -> None:

@@ -24,7 +24,7 @@ from worker.embedding_cache import EmbeddingCache
 from worker.embedding_cache import key as cache_key
 from worker.formats.headers import read_headers
 from worker.formats.messages import Headers, Keyword, Rejection, decode_input, plain_keyword
-from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched, Watermarks
+from worker.kafka.offsets import NO_EPOCH, OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched, Watermarks
 from worker.operations.metrics import Metrics
 from worker.output.dead_letters import DeadLetters
 from worker.settings.schema import Settings
@@ -79,6 +79,14 @@ class Intake:
         recs: list[InFlight] = []
         timestamps: list[int] = []
         first = seq = self._next_seq
+        # A poll's records of a partition come in runs of rising offsets: the first of a run is
+        # tracked alone (track() checks it against the partition's state), the ones after it are
+        # gathered and tracked together (track_run) once the run ends: at another partition, an
+        # offset not above the last, another leader epoch, or the end of the poll.
+        run: list[int] = []
+        run_part: PartitionOffsets | None = None
+        run_epoch: int | None = None
+        run_next = 0
         try:
             for msg in msgs:
                 tp = (msg.topic(), msg.partition())
@@ -86,13 +94,23 @@ class Intake:
                 if part is None:
                     continue  # delivered for a partition no longer ours (revoked between fetch and here)
                 offset = msg.offset()
-                try:
-                    part.track(offset, msg.leader_epoch(), watermarks)
-                except (Refetched, OffsetWentBack) as exc:
-                    part = self._track_again(part, offset, msg.leader_epoch(), exc)
-                    if part is None:
-                        continue
-                    parts[tp] = part  # the partition started over (OffsetWentBack): the rest go to its new state
+                epoch = msg.leader_epoch()
+                if part is run_part and offset >= run_next and epoch == run_epoch:
+                    run.append(offset)
+                    run_next = offset + 1
+                else:
+                    if run:
+                        run_part.track_run(run, NO_EPOCH if run_epoch is None else run_epoch)  # type: ignore[union-attr]
+                        run = []
+                    run_part = None
+                    try:
+                        part.track(offset, epoch, watermarks)
+                    except (Refetched, OffsetWentBack) as exc:
+                        part = self._track_again(part, offset, epoch, exc)
+                        if part is None:
+                            continue
+                        parts[tp] = part  # the partition started over (OffsetWentBack): the rest go to its new state
+                    run_part, run_epoch, run_next = part, epoch, offset + 1
                 key, value = msg.key(), msg.value()
                 headers = read_headers(msg)  # never msg.headers(): a header name need not be UTF-8
                 size = headers.size
@@ -121,6 +139,8 @@ class Intake:
                 recs.append(rec)
                 seq += 1
         finally:
+            if run:  # tracked as each record was read, as before: a decoder that raised leaves the same state
+                run_part.track_run(run, NO_EPOCH if run_epoch is None else run_epoch)  # type: ignore[union-attr]
             self._next_seq = seq  # numbers given to records stay given, even when a decoder raised
         consumed = seq - first
         self.consumed += consumed

@@ -84,6 +84,24 @@ class PartitionOffsets:
             self._cells[offset] = cell
             self._next = offset + 1
 
+    def track_run(self, offsets: list[int], epoch: int) -> None:
+        """track() of offsets that follow the last one tracked, each above the one before, all of
+        one epoch (NO_EPOCH for none), as the caller checked record by record against the last offset
+        it tracked (worker/intake/stage.py: a poll's records of one partition come in runs). One lock
+        and a few C-level calls for the run, where track() takes a lock and a method call a record."""
+        if not offsets:
+            return
+        with self._lock:
+            self._refetch_at = None
+            if self._first is None:
+                self._first = offsets[0]
+            if not self._epochs or self._epochs[-1][1] != epoch:
+                self._epochs.append((offsets[0], epoch))
+            cells = [[offset, False] for offset in offsets]
+            self._order.extend(cells)
+            self._cells.update(zip(offsets, cells))
+            self._next = offsets[-1] + 1
+
     def _went_back(self, offset: int, epoch: int, watermarks: Watermarks | None) -> None:
         """The position went back with no new assignment and no rewind of ours (both give a fresh
         state, and records fetched before them are dropped: GroupMember.consume). librdkafka moves
