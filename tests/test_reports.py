@@ -10,13 +10,15 @@ import os
 import sys
 import time
 import weakref
+from functools import partial
 from typing import Any
 
 import pytest
-from confluent_kafka import KafkaError, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 
 from worker.kafka import producer as producer_module
-from worker.kafka.producer import report_sink
+from worker.kafka.producer import OutputProducer, report_sink
+from worker.latch import FatalLatch
 
 FORMS = ["compiled", "python"]
 
@@ -162,3 +164,96 @@ def test_confluent_kafka_calls_the_callback_with_a_real_delivery_failure(form: s
     assert (topic, on_failed, acked) == ("out", None, [])
     assert err.code() == KafkaError._MSG_TIMED_OUT
     assert client.flush(5) == 0
+
+
+class Client:
+    """confluent-kafka's Producer.produce as OutputProducer calls it (every argument by position),
+    refusing the calls it is told to: `full` raises BufferError that many times first,
+    `refuse` a KafkaException for those values."""
+
+    def __init__(self, full: int = 0, refuse: tuple[bytes, ...] = ()) -> None:
+        self.queued: list[tuple[Any, ...]] = []
+        self.full = full
+        self.refuse = refuse
+
+    def produce(self, topic: str, value: bytes, key: bytes, partition: int, callback: Any, on_delivery: Any,
+                timestamp: int, headers: Any) -> None:
+        if self.full:
+            self.full -= 1
+            raise BufferError("queue full")
+        if value in self.refuse:
+            raise KafkaException(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
+        self.queued.append((topic, value, key, partition, callback, on_delivery, timestamp, headers))
+
+    def deliver(self) -> None:
+        for entry in self.queued:
+            entry[4](None, None)
+        self.queued.clear()
+
+
+def batch(n: int) -> tuple[list[bytes], list[bytes], list[int], list[Any]]:
+    acked: list[int] = []
+    return ([f"k{i}".encode() for i in range(n)], [f"v{i}".encode() for i in range(n)], acked,
+            [partial(acked.append, i) for i in range(n)])
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_produce_many_queues_each_record_in_order_with_its_own_report(form: str) -> None:
+    owner, client = Owner(), Client()
+    sink = sink_of(form, owner)
+    keys, values, acked, on_delivered = batch(5)
+    headers = [("kwe-model", b"m")]
+    assert sink.produce_many(client.produce, "out", keys, values, headers, on_delivered, None, 0) == (5, None)
+    assert [(q[0], q[1], q[2], q[3], q[5], q[6], q[7]) for q in client.queued] == \
+        [("out", v, k, -1, None, 0, headers) for k, v in zip(keys, values)]
+    assert len({id(q[4]) for q in client.queued}) == 5
+    client.deliver()
+    assert acked == [0, 1, 2, 3, 4] and sink.take_delivered() == 5
+    assert sink.produce_many(client.produce, "out", keys, values, headers, on_delivered, None, 5) == (5, None)
+    assert client.queued == []
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_produce_many_stops_at_a_call_that_raises_and_at_an_interrupt(form: str) -> None:
+    owner = Owner()
+    sink = sink_of(form, owner)
+    keys, values, _, on_delivered = batch(4)
+    client = Client(refuse=(b"v2",))
+    done, exc = sink.produce_many(client.produce, "out", keys, values, [], on_delivered, None, 0)
+    assert done == 2 and isinstance(exc, KafkaException) and exc.__traceback__ is not None
+    assert sink.produce_many(client.produce, "out", keys, values, [], on_delivered, None, 3) == (4, None)
+    assert [q[1] for q in client.queued] == [b"v0", b"v1", b"v3"]
+    sink.interrupted = True
+    assert sink.produce_many(client.produce, "out", keys, values, [], on_delivered, None, 0) == (0, None)
+    with pytest.raises(ValueError):
+        sink.produce_many(client.produce, "out", keys, values[:3], [], on_delivered, None, 0)
+    with pytest.raises(ValueError):
+        sink.produce_many(client.produce, "out", keys, values, [], on_delivered, None, 5)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_producer_waits_out_a_full_queue_and_refuses_a_record_as_produce_does(form: str) -> None:
+    if form == "compiled" and producer_module._reports is None:
+        pytest.skip("worker/kafka/_reports.c is not built")
+    client = Client(full=3, refuse=(b"v3",))
+    latch = FatalLatch()
+    producer = OutputProducer({}, latch, producer_factory=lambda config: client, compiled_reports=form == "compiled")
+    keys, values, acked, on_delivered = batch(6)
+    taken: list[str] = []
+
+    def take_over(err: KafkaError, why: str) -> bool:
+        taken.append(why)
+        return True
+
+    # A full queue three times, then a record too large that the wrapper takes over: all accounted for.
+    assert producer.produce_many("out", keys, values, [], on_delivered, take_over) == 6
+    assert [q[1] for q in client.queued] == [b"v0", b"v1", b"v2", b"v4", b"v5"] and len(taken) == 1
+    assert not latch.is_set()
+    client.deliver()
+    assert acked == [0, 1, 2, 4, 5]
+    # Without a taker the refusal stops the worker: what was queued before it stays the count.
+    assert producer.write_many([0, 1, 2, 3], "out", keys[:4], values[:4], [], on_delivered[:4]) == 3
+    assert latch.is_set() and "cannot write to topic" in str(latch.error)
+    # Interrupted: nothing more is queued.
+    producer.interrupt()
+    assert producer.write_many([4], "out", keys[4:5], values[4:5], [], on_delivered[4:5]) == 0

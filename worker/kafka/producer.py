@@ -72,6 +72,12 @@ class RecordWriter(Protocol):
     def write(self, seq: int, topic: str, key: bytes | None, value: bytes, headers: Headers,
               on_delivered: Callable[[], None]) -> bool: ...
 
+    def write_many(self, seqs: list[int], topic: str, keys: list[bytes | None], values: list[bytes],
+                   headers: Headers, on_delivered: list[Callable[[], None]]) -> int:
+        """write() of a batch's records in order, one header list for all; how many were written
+        (fewer than all: the worker is stopping, and the rest stay in flight, never committed)."""
+        ...
+
 
 class ReportSink(Protocol):
     """Makes each record's delivery callback and counts deliveries (delivery thread): the compiled
@@ -83,6 +89,17 @@ class ReportSink(Protocol):
 
     def take_delivered(self) -> int: ...
 
+    # Set by the producer's interrupt(): produce_many queues nothing more.
+    interrupted: bool
+
+    def produce_many(self, produce: Callable[..., Any], topic: str, keys: list[bytes | None], values: list[bytes],
+                     headers: Headers, on_delivered: list[Callable[[], None]], on_failed: Failed | None,
+                     start: int, /) -> tuple[int, BaseException | None]:
+        """produce(topic, value, key, PARTITION_UNASSIGNED, report, None, 0, headers) for records
+        start, start + 1, ..., each with its report: (len(values), None) when all were queued, else the
+        index of the record it stopped before and the exception its call raised (None: interrupted)."""
+        ...
+
 
 class _PythonSink:
     """`worker/kafka/_reports.c`'s Sink, in Python: two frames a record on the delivery thread where
@@ -93,6 +110,7 @@ class _PythonSink:
         self._refused = refused
         self._broken = broken
         self._delivered = 0
+        self.interrupted = False
 
     def report(self, topic: str, on_delivered: Callable[[], None],
                on_failed: Failed | None, /) -> Callable[[KafkaError | None, Message], None]:
@@ -110,6 +128,24 @@ class _PythonSink:
     def take_delivered(self) -> int:
         n, self._delivered = self._delivered, 0
         return n
+
+    def produce_many(self, produce: Callable[..., Any], topic: str, keys: list[bytes | None], values: list[bytes],
+                     headers: Headers, on_delivered: list[Callable[[], None]], on_failed: Failed | None,
+                     start: int, /) -> tuple[int, BaseException | None]:
+        if not (len(keys) == len(values) == len(on_delivered)):
+            raise ValueError("keys, values and on_delivered must be of one length")
+        if not 0 <= start <= len(values):
+            raise ValueError("start must be within the records")
+        report = self.report
+        for i in range(start, len(values)):
+            if self.interrupted:
+                return i, None
+            try:
+                produce(topic, values[i], keys[i], PARTITION_UNASSIGNED, report(topic, on_delivered[i], on_failed),
+                        None, 0, headers)
+            except Exception as exc:  # noqa: BLE001 - handed back: the caller waits for room, or refuses the record
+                return i, exc
+        return len(values), None
 
 
 def report_sink(refused: Callable[[str, KafkaError, Failed | None], object],
@@ -257,6 +293,38 @@ class OutputProducer:
                 # None of these succeed on a retry of the same call.
                 return self._refused(topic, exc.args[0], "cannot write to topic", on_failed)
 
+    def write_many(self, seqs: list[int], topic: str, keys: list[bytes | None], values: list[bytes],
+                   headers: Headers, on_delivered: list[Callable[[], None]]) -> int:
+        """The output stage's write of a batch (in-flight records `seqs`, unused here)."""
+        return self.produce_many(topic, keys, values, headers, on_delivered)
+
+    def produce_many(self, topic: str, keys: list[bytes | None], values: list[bytes], headers: Headers,
+                     on_delivered: list[Callable[[], None]], on_failed: Failed | None = None) -> int:
+        """produce() of many records in order, one header list for all, in one compiled loop where
+        _reports.c was built (no Python frame a record); how many were queued or taken over by
+        `on_failed`. Fewer than all: the worker is stopping (as produce() returning False), and the
+        rest are never written. A full queue is waited out, a record refused before queueing goes
+        to `on_failed` or stops the worker, as in produce()."""
+        n, done = len(values), 0
+        while done < n:
+            if self._interrupt.is_set():
+                return done
+            done, exc = self._sink.produce_many(self._producer.produce, topic, keys, values, headers, on_delivered,
+                                                on_failed, done)
+            if exc is None:
+                return done  # all of them, or interrupted
+            if isinstance(exc, BufferError):
+                if self._latch.is_set():
+                    return done
+                self._interrupt.wait(BUFFER_WAIT_S)
+            elif isinstance(exc, KafkaException):
+                if not self._refused(topic, exc.args[0], "cannot write to topic", on_failed):
+                    return done
+                done += 1  # taken over by on_failed: accounted for
+            else:
+                raise exc
+        return done
+
     def _refused_report(self, topic: str, err: KafkaError, on_failed: Failed | None) -> None:
         """A delivery callback's failed write (delivery thread)."""
         self._refused(topic, err, "could not write to topic", on_failed)
@@ -341,9 +409,10 @@ class OutputProducer:
         return left
 
     def interrupt(self) -> None:
-        """Nothing more is written: produce() returns False from now on (an abort, or a wrapper's
-        shutdown step after which a write would fail)."""
+        """Nothing more is written: produce() returns False from now on, and produce_many stops before
+        its next record (an abort, or a wrapper's shutdown step after which a write would fail)."""
         self._interrupt.set()
+        self._sink.interrupted = True
 
     def stop(self, timeout_s: float) -> None:
         self._stop.set()
