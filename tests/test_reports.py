@@ -1,5 +1,5 @@
 """A produced record's delivery callback (worker/kafka/_reports.c, and its Python form in
-worker/kafka/producer.py): what each outcome calls, the delivery count the delivery thread reads
+worker/kafka/reports.py): what each outcome calls, the delivery count the delivery thread reads
 after a poll, that the compiled one holds no reference too many, and that confluent-kafka's own C
 code calls it as it calls a Python function."""
 
@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from worker.kafka import producer as producer_module
-from worker.kafka.producer import OutputProducer, report_sink
+from worker.kafka import reports as reports_module
+from worker.kafka.producer import OutputProducer
+from worker.kafka.reports import report_sink
 from worker.latch import FatalLatch
 
 FORMS = ["compiled", "python"]
@@ -38,13 +39,13 @@ class Owner:
 
 
 def sink_of(form: str, owner: Owner) -> Any:
-    if form == "compiled" and producer_module._reports is None:
+    if form == "compiled" and reports_module._reports is None:
         pytest.skip("worker/kafka/_reports.c is not built (test_the_compiled_sink_is_built says why)")
     return report_sink(owner.on_refused, owner.on_broken, compiled=form == "compiled")
 
 
 def test_the_compiled_sink_is_built() -> None:
-    if producer_module._reports is None:
+    if reports_module._reports is None:
         reason = os.environ.get("KWE_COMPILED_UNAVAILABLE")
         if reason:
             pytest.skip(reason)
@@ -233,7 +234,7 @@ def test_produce_many_stops_at_a_call_that_raises_and_at_an_interrupt(form: str)
 
 @pytest.mark.parametrize("form", FORMS)
 def test_the_producer_waits_out_a_full_queue_and_refuses_a_record_as_produce_does(form: str) -> None:
-    if form == "compiled" and producer_module._reports is None:
+    if form == "compiled" and reports_module._reports is None:
         pytest.skip("worker/kafka/_reports.c is not built")
     client = Client(full=3, refuse=(b"v3",))
     latch = FatalLatch()

@@ -38,7 +38,8 @@ from worker.kafka.committer import Committer
 from worker.kafka.consumer import GroupMember, consumer_config
 from worker.kafka.errors import FailurePolicy
 from worker.kafka.offsets import OffsetTracker
-from worker.kafka.producer import REPORTS_COMPILED, OutputProducer, producer_config
+from worker.kafka.producer import OutputProducer, producer_config
+from worker.kafka.reports import REPORTS_COMPILED
 from worker.latch import guarded
 from worker.names import REGISTRY_FORMATS
 from worker.operations.health import Liveness

@@ -1,5 +1,5 @@
 """What a produced record's delivery callback costs the worker's threads, compiled
-(worker/kafka/_reports.c) against its Python form (worker/kafka/producer.py's _PythonSink),
+(worker/kafka/_reports.c) against its Python form (worker/kafka/reports.py's _PythonSink),
 alternated and paired:
 
     python -m benchmarks.host.delivery_reports --rounds 15 --json benchmarks/results/host/delivery_reports.json
@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from benchmarks.host.json_rows import cpu_model, quartiles
-from worker.kafka.producer import REPORTS_COMPILED, report_sink
+from worker.kafka.reports import REPORTS_COMPILED, report_sink
 
 
 def nothing(*_: Any) -> None:

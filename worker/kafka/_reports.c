@@ -1,4 +1,4 @@
-/* A produced record's delivery callback, compiled (worker/kafka/producer.py, `ReportSink`).
+/* A produced record's delivery callback, compiled (worker/kafka/reports.py, `ReportSink`).
 
    librdkafka reports every record once, and confluent-kafka calls the record's callback with
    (err, msg) on the thread that polls the producer, taking the interpreter lock for each. In
@@ -13,7 +13,7 @@
        on_delivered raised an Exception -> sink.broken(topic, exc): the producer stops the
                       worker, visibly (anything else, such as KeyboardInterrupt, propagates)
 
-   `produce_many` is the output stage's loop over a batch's records (OutputProducer.produce_many):
+   `produce_many` is the output stage's loop over a batch's records (producer.py's produce_many):
    each record's produce call, with its report, made here, so the output thread runs no Python
    frame a record either; it stops at a call that raises (a full queue, a refused record) and hands
    the exception back with the record's index, for producer.py to wait or refuse as produce() does.
@@ -21,7 +21,7 @@
    The sink's count is read and reset by the delivery thread after each poll (`take_delivered`),
    so a poll with a delivery tells the failure policy once that the credentials work. Every
    call runs with the interpreter lock held; no state outside the objects. tests/test_reports.py
-   holds this against the Python form in producer.py. */
+   holds this against the Python form in reports.py. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -276,7 +276,7 @@ static PyTypeObject SinkType = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_reports",
-    .m_doc = "Delivery callbacks without Python frames (worker/kafka/producer.py).",
+    .m_doc = "Delivery callbacks without Python frames (worker/kafka/reports.py).",
     .m_size = -1,
 };
 
