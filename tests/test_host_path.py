@@ -258,6 +258,34 @@ def test_tracking_a_polls_runs_together_leaves_each_partition_as_tracking_each_r
     assert runs > 50 and went_back > 3  # runs, and offsets that go back, were there to track
 
 
+class _AckingWriter(_Writer):
+    """Acknowledges each dead letter as it is written, as a fast broker can before the poll ends."""
+
+    def write(self, seq: int, topic: str, key: bytes | None, value: bytes, headers: Any, on_delivered: Any) -> bool:
+        super().write(seq, topic, key, value, headers, on_delivered)
+        on_delivered()
+        return True
+
+
+def test_a_dead_letter_acknowledged_before_its_poll_ends_has_its_offset_done() -> None:
+    # Bad records in the middle of a run of one partition's offsets: each dead letter is acknowledged
+    # at once (its offset done); the offset was tracked before, so the commit point passes it.
+    tok, tracker, inflight, metrics, _ = _intake_parts()
+    writer = _AckingWriter()
+    intake = Intake(Settings(), tok, tracker, inflight, lambda seqs, ids: None,
+                    DeadLetters("dlq", 1 << 20, writer, Acknowledger(inflight, metrics)), metrics)  # type: ignore[arg-type]
+    values = [b"{not json" if i % 4 == 2 else orjson.dumps({"id": f"q{i}", "text": "shoes"}) for i in range(20)]
+    intake.handle([MemoryMessage("in", 0, i, b"k", v, 0) for i, v in enumerate(values)])
+    part = tracker.get("in", 0)
+    assert part is not None and len(writer.records) == 5
+    assert part.unfinished() == 15  # the five dead letters are done; the fifteen embeddings in flight
+    for seq in range(20):
+        rec = inflight.get(seq)
+        if rec is not None:
+            part.done(rec.offset)
+    assert part.unfinished() == 0 and part.committable() == 20
+
+
 def test_a_decoder_that_raises_mid_poll_leaves_no_number_given_twice() -> None:
     tok, tracker, inflight, metrics, writer = _intake_parts()
 

@@ -129,6 +129,11 @@ class Intake:
                     decoded = (decode_input(key, value, fmt=fmt, max_bytes=max_bytes, headers_bytes=size)  # type: ignore[arg-type]
                                if decode is None else decode(msg.topic(), key, value, headers.headers, size))
                     if isinstance(decoded, Rejection):
+                        if run:
+                            # Its dead letter may be acknowledged (its offset done) before this poll
+                            # ends: the offset must be tracked before it is written.
+                            run_part.track_run(run, NO_EPOCH if run_epoch is None else run_epoch)  # type: ignore[union-attr]
+                            run = []
                         self._reject(seq, rec, decoded)
                         seq += 1
                         continue
