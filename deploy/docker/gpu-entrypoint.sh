@@ -62,25 +62,19 @@ fi
 onnx_args=()
 [[ -n "${KWE_ONNX_PATH:-}" ]] && onnx_args=(--onnx "$KWE_ONNX_PATH")
 
-# Runs "$@" as a child the TERM/INT trap can stop, and sets rc to its exit status.
+# Runs "$@" as a child the TERM/INT trap can stop, and sets rc to its exit status. A trapped
+# signal interrupts `wait` (status > 128); wait again until the child has really exited.
 run_child() {
   "$@" &
   child=$!
   # A signal that came between the fork and the line above found no child to stop (the trap saw
   # child=""): stop it now, or the wait below outlasts the build (seen once in CI, under load).
   if [[ -n "$stop_signal" ]]; then kill -TERM "$child" 2>/dev/null || true; fi
-  # Waits in slices of a tenth of a second, not in one `wait` on the build: a signal that lands
-  # just as `wait` starts can have its trap held until the waited-for process ends (seen in CI
-  # under load: SIGINT during an hour-long build went unanswered), and that must be the slice,
-  # not the build. bash reaps the child when it exits (its SIGCHLD handler), so `kill -0` then
-  # fails and the last `wait` returns its saved status.
-  while kill -0 "$child" 2>/dev/null; do
-    if [[ -n "$stop_signal" ]]; then kill -TERM "$child" 2>/dev/null || true; fi
-    sleep 0.1 &
-    wait "$!" 2>/dev/null || true
+  while :; do
+    rc=0
+    wait "$child" || rc=$?
+    if [[ -z "$stop_signal" ]] || ! kill -0 "$child" 2>/dev/null; then break; fi
   done
-  rc=0
-  wait "$child" || rc=$?
   child=""
 }
 
