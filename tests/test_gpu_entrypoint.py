@@ -70,18 +70,13 @@ def _calls(env: dict[str, str]) -> list[list[str]]:
     return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _default_signals() -> None:
-    # The entry point as a container starts it: SIGINT and SIGTERM at their defaults. A test run
-    # started in the background by a non-interactive shell (`.ci/run &`) ignores SIGINT, the
-    # child inherits that, and bash cannot trap a signal ignored on entry: the SIGINT test then
-    # waits out the build however the script is written.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def _start(env: dict[str, str], **extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([str(ENTRYPOINT), "--max-in-flight", "8"], env={**env, **extra}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_default_signals)
+    # The entry point as a container starts it, SIGINT and SIGTERM at their defaults (env execs it:
+    # the same PID). A test run started in the background by a non-interactive shell (`.ci/run &`)
+    # ignores SIGINT, a child inherits that, and bash cannot trap a signal ignored on entry: the
+    # SIGINT test would wait out the build however the script is written.
+    return subprocess.Popen(["env", "--default-signal=INT,TERM", str(ENTRYPOINT), "--max-in-flight", "8"],
+                            env={**env, **extra}, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def _run(env: dict[str, str], **extra: str) -> tuple[int, str, int]:
