@@ -24,7 +24,7 @@ from worker.embedding_cache import EmbeddingCache
 from worker.embedding_cache import key as cache_key
 from worker.formats.headers import read_headers
 from worker.formats.messages import Headers, Keyword, Rejection, decode_input, plain_keyword
-from worker.kafka.offsets import NO_EPOCH, OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched, Watermarks
+from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched, Watermarks
 from worker.operations.metrics import Metrics
 from worker.output.dead_letters import DeadLetters
 from worker.settings.schema import Settings
@@ -100,7 +100,7 @@ class Intake:
                     run_next = offset + 1
                 else:
                     if run:
-                        run_part.track_run(run, NO_EPOCH if run_epoch is None else run_epoch)  # type: ignore[union-attr]
+                        run_part.track_run(run, run_epoch)  # type: ignore[union-attr]
                         run = []
                     run_part = None
                     try:
@@ -132,7 +132,7 @@ class Intake:
                         if run:
                             # Its dead letter may be acknowledged (its offset done) before this poll
                             # ends: the offset must be tracked before it is written.
-                            run_part.track_run(run, NO_EPOCH if run_epoch is None else run_epoch)  # type: ignore[union-attr]
+                            run_part.track_run(run, run_epoch)  # type: ignore[union-attr]
                             run = []
                         self._reject(seq, rec, decoded)
                         seq += 1
@@ -145,7 +145,7 @@ class Intake:
                 seq += 1
         finally:
             if run:  # tracked as each record was read, as before: a decoder that raised leaves the same state
-                run_part.track_run(run, NO_EPOCH if run_epoch is None else run_epoch)  # type: ignore[union-attr]
+                run_part.track_run(run, run_epoch)  # type: ignore[union-attr]
             self._next_seq = seq  # numbers given to records stay given, even when a decoder raised
         consumed = seq - first
         self.consumed += consumed

@@ -47,6 +47,19 @@ typedef struct {
 static PyTypeObject SinkType;
 static PyTypeObject ReportType;
 
+/* The exception being raised, taken out of the error indicator, normalized and with its
+   traceback: a new reference, or NULL where there is none. PyErr_GetRaisedException is 3.12's;
+   the worker runs on 3.11 too. */
+static PyObject *take_raised(void) {
+    PyObject *type, *exc, *tb;
+    PyErr_Fetch(&type, &exc, &tb);
+    PyErr_NormalizeException(&type, &exc, &tb);
+    if (tb != NULL && exc != NULL) PyException_SetTraceback(exc, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return exc;
+}
+
 /* ------------------------------------------------------------------ Report */
 
 static PyObject *report_deliver(Report *self, PyObject *err) {
@@ -58,14 +71,9 @@ static PyObject *report_deliver(Report *self, PyObject *err) {
     PyObject *r = PyObject_CallNoArgs(self->on_delivered);
     if (r != NULL) return r;
     if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
-    PyObject *type, *exc, *tb;
-    PyErr_Fetch(&type, &exc, &tb); /* PyErr_GetRaisedException is 3.12's; the worker runs on 3.11 too */
-    PyErr_NormalizeException(&type, &exc, &tb);
-    if (tb != NULL && exc != NULL) PyException_SetTraceback(exc, tb);
+    PyObject *exc = take_raised();
     r = exc != NULL ? PyObject_CallFunctionObjArgs(sink->broken, self->topic, exc, NULL) : NULL;
-    Py_XDECREF(type);
     Py_XDECREF(exc);
-    Py_XDECREF(tb);
     return r;
 }
 
@@ -201,12 +209,7 @@ static PyObject *sink_produce_many(Sink *self, PyObject *const *args, Py_ssize_t
         Py_DECREF(key);
         Py_DECREF(value);
         if (r == NULL) {
-            PyObject *type, *exc, *tb;
-            PyErr_Fetch(&type, &exc, &tb);
-            PyErr_NormalizeException(&type, &exc, &tb);
-            if (tb != NULL && exc != NULL) PyException_SetTraceback(exc, tb);
-            Py_XDECREF(type);
-            Py_XDECREF(tb);
+            PyObject *exc = take_raised();
             if (exc == NULL) goto done; /* no exception to hand back: nothing sensible to return */
             result = Py_BuildValue("(nN)", i, exc);
             goto done;

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 # (log start, log end) of a partition as the last fetch response gave them, or None when unknown
@@ -74,33 +74,28 @@ class PartitionOffsets:
         with self._lock:
             if self._next is not None and offset < self._next:
                 self._went_back(offset, e, watermarks)
-            self._refetch_at = None
-            if self._first is None:
-                self._first = offset
-            if not self._epochs or self._epochs[-1][1] != e:
-                self._epochs.append((offset, e))
-            cell = [offset, False]
-            self._order.append(cell)
-            self._cells[offset] = cell
-            self._next = offset + 1
+            self._add((offset,), e)
 
-    def track_run(self, offsets: list[int], epoch: int) -> None:
+    def track_run(self, offsets: list[int], epoch: int | None) -> None:
         """track() of offsets that follow the last one tracked, each above the one before, all of
-        one epoch (NO_EPOCH for none), as the caller checked record by record against the last offset
-        it tracked (worker/intake/stage.py: a poll's records of one partition come in runs). One lock
+        one epoch (None: none), as the caller checked record by record against the last offset it
+        tracked (worker/intake/stage.py: a poll's records of one partition come in runs). One lock
         and a few C-level calls for the run, where track() takes a lock and a method call a record."""
-        if not offsets:
-            return
-        with self._lock:
-            self._refetch_at = None
-            if self._first is None:
-                self._first = offsets[0]
-            if not self._epochs or self._epochs[-1][1] != epoch:
-                self._epochs.append((offsets[0], epoch))
-            cells = [[offset, False] for offset in offsets]
-            self._order.extend(cells)
-            self._cells.update(zip(offsets, cells))
-            self._next = offsets[-1] + 1
+        if offsets:
+            with self._lock:
+                self._add(offsets, NO_EPOCH if epoch is None else epoch)
+
+    def _add(self, offsets: Sequence[int], epoch: int) -> None:
+        """Appends offsets that follow the last one tracked, of one epoch (under the lock)."""
+        self._refetch_at = None
+        if self._first is None:
+            self._first = offsets[0]
+        if not self._epochs or self._epochs[-1][1] != epoch:
+            self._epochs.append((offsets[0], epoch))
+        cells = [[offset, False] for offset in offsets]
+        self._order.extend(cells)
+        self._cells.update(zip(offsets, cells))
+        self._next = offsets[-1] + 1
 
     def _went_back(self, offset: int, epoch: int, watermarks: Watermarks | None) -> None:
         """The position went back with no new assignment and no rewind of ours (both give a fresh
