@@ -51,6 +51,6 @@ def test_a_qwen3_model_delivers_every_id_with_the_embedders_vectors(
     assert got.shape == expected.shape == (len(queries), 48)
     diff = np.abs(got - expected).max()
     assert diff <= 1e-5, f"max |worker - Embedder| = {diff}"
-    # The fixture's texts (some cut at its 40 tokens) at sentence-transformers' own vectors.
+    # The fixture's texts (five cut at its 72 tokens, the prompt 48 of them) at sentence-transformers' vectors.
     worst = float(cosines(got[-len(fixture_texts):], reference).min())
     assert worst >= MIN_COS, worst
