@@ -161,6 +161,7 @@ def test_qwen3_is_causal_a_later_token_does_not_change_an_earlier_one(tmp_path: 
     ("qwen3", {"use_sliding_window": True}, "qwen3 with sliding-window layers .* is not supported"),
     ("qwen3", {"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
     ("modernbert", {"layer_types": ["full_attention"]}, "layer_types must list 3 entries"),
+    ("modernbert", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "modernbert with rope_scaling .* is not"),
     ("modernbert", {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
                                                            "rope_theta": 1e4}}},
      "full_attention rope type 'linear' is not supported"),

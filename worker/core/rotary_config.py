@@ -120,6 +120,9 @@ def _modernbert(reader: _Reader, *, hidden: int, heads: int, layers: int, act: s
     path = reader.path
     if hidden % heads:
         raise ModelError(f"{path}: hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    if reader.cfg.get("rope_scaling"):
+        # transformers applies it to both layer types; no scaled table is built here.
+        raise ModelError(f"{path}: modernbert with rope_scaling {reader.cfg['rope_scaling']!r} is not supported")
     every = reader.positive_int("global_attn_every_n_layers", 3)
     types = reader.layer_types(layers, default=tuple(FULL if i % every == 0 else SLIDING for i in range(layers)))
     local = reader.positive_int("local_attention", 128)
