@@ -244,3 +244,29 @@ def test_build_engine_refuses_an_fp16_plan_of_embeddinggemma_by_name(tmp_path: P
     folder = make_model(tmp_path / "g", "gemma3_text")
     assert main(["build-engine", "--model-dir", str(folder), "--fp16", "--output", str(tmp_path / "p.plan")]) == 2
     assert "is a gemma3_text model, whose activations overflow float16" in capsys.readouterr().err
+
+
+def test_a_graph_over_the_protobuf_limit_keeps_its_weights_beside_it(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-Embedding-0.6B in float32 is 2.4 GB, over the 2 GiB one protobuf holds: its export
+    keeps the weights in `<file>.data`, which ONNX Runtime and OpenVINO read from the path. Shown
+    here with the limit lowered to the small model's size."""
+    import onnxruntime as ort
+
+    import engines.onnx_export.export as export
+
+    folder = make_model(tmp_path / "q", "qwen3")
+    rows = [np.arange(5, 25, dtype=np.int64), np.arange(7, 10, dtype=np.int64)]
+    expected = _run(_session(folder), rows)
+    monkeypatch.setattr(export, "EXTERNAL_DATA_BYTES", 100_000)
+    with pytest.raises(ExportError, match="over the 2 GiB one protobuf holds; export it to a file"):
+        build_model(folder)
+    path = export.export_onnx(folder, tmp_path / "out" / "m.onnx", optimize=False)
+    assert sorted(p.name for p in path.parent.iterdir()) == ["m.onnx", "m.onnx.data"]
+    assert path.stat().st_size < 100_000 < (path.parent / "m.onnx.data").stat().st_size
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert np.abs(sess.run(None, dict(zip(INPUT_NAMES, pad_batch(rows))))[0] - expected).max() < 1e-6
+    from worker.backends.openvino import OpenVinoBackend
+
+    ov = OpenVinoBackend(path, precision="f32", cache_dir=tmp_path / "ov")
+    assert np.abs(ov.create_context(0).run(*pad_batch(rows)) - expected).max() < 1e-5

@@ -20,6 +20,7 @@ contents depend on the optimizer), and written atomically.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import onnx
@@ -38,10 +39,20 @@ from worker.core.model import FAMILIES, ModelError, ModelInfo, default_model_dir
 
 # Bump whenever the emitted graph changes (any module of this package): it is part of the cache key.
 EXPORTER_VERSION = "2"
+# One protobuf holds at most 2 GiB. A graph whose weights come near it (Qwen3-Embedding-0.6B in
+# float32: 2.4 GB) keeps them in one file beside it, `<file>.data` (ONNX's external data), which
+# ONNX Runtime, OpenVINO and TensorRT's parser read from the path; a margin is left for the rest.
+EXTERNAL_DATA_BYTES = 2**31 - 2**26
 
 
-def build_model(model_dir: str | Path | ModelInfo | None = None) -> onnx.ModelProto:
-    """The unfused ONNX graph of the model folder, with metadata_props (in memory, not cached)."""
+def build_model(model_dir: str | Path | ModelInfo | None = None, *, external_data: Path | None = None,
+                external_name: str | None = None) -> onnx.ModelProto:
+    """The unfused ONNX graph of the model folder, with metadata_props (in memory, not cached).
+
+    Weights of EXTERNAL_DATA_BYTES or more are written to `external_data`, and the graph refers to
+    them as `external_name` (default: that file's name), the file it is to be saved beside; without
+    one such a model is an ExportError.
+    """
     info = model_info(model_dir)
     if info.model_type not in FAMILIES:  # ModelInfo refuses these already; a hand-made one may not
         raise ExportError(f"{info.config_path}: model_type {info.model_type!r} is not supported; supported "
@@ -61,6 +72,7 @@ def build_model(model_dir: str | Path | ModelInfo | None = None) -> onnx.ModelPr
         splade(g, info.pipeline.sparse, decoder(weights, info), transform(g, weights, info, hidden), mask)
     else:
         head(g, info, load_dense(info), encode(g, load_weights(info), info, ids, mask), mask)
+    external = _move_weights_out(g, info, external_data, external_name)
     graph = helper.make_graph(
         g.nodes, f"{info.name}-{'sparse' if info.sparse else 'sentence'}-encoder",
         inputs=[helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"]) for n in INPUT_NAMES],
@@ -72,11 +84,39 @@ def build_model(model_dir: str | Path | ModelInfo | None = None) -> onnx.ModelPr
     # ir_version 8 keeps the file loadable by older runtimes (TensorRT's parser included).
     model.ir_version = 8
     _set_metadata(model, info, optimize=False)
+    if external:  # checked by path once saved beside its data (export_onnx)
+        return model
     try:
         onnx.checker.check_model(model, full_check=False)
     except onnx.checker.ValidationError as exc:
         raise ExportError(f"{info.model_dir}: exported graph is invalid ({exc})") from None
     return model
+
+
+def _move_weights_out(g: Graph, info: ModelInfo, path: Path | None, name: str | None) -> bool:
+    """Writes the initializers to `path` as ONNX external data when they come to EXTERNAL_DATA_BYTES."""
+    total = sum(len(t.raw_data) for t in g.inits)
+    if total < EXTERNAL_DATA_BYTES:
+        return False
+    if path is None:
+        raise ExportError(f"{info.model_dir}: the weights are {total / 2**30:.1f} GiB, over the 2 GiB one protobuf "
+                          "holds; export it to a file (export-onnx, or the worker's cached export), which keeps "
+                          "them in a .data file beside it")
+    from onnx.external_data_helper import set_external_data
+
+    try:
+        with open(path, "wb") as f:
+            for tensor in g.inits:
+                if len(tensor.raw_data) < 1024:
+                    continue  # small constants stay in the graph
+                offset = f.tell()
+                f.write(tensor.raw_data)
+                f.write(b"\0" * (-f.tell() % 64))  # aligned, as onnx writes it
+                set_external_data(tensor, location=name or path.name, offset=offset, length=len(tensor.raw_data))
+                tensor.ClearField("raw_data")
+    except OSError as exc:
+        raise ExportError(f"{path}: cannot write the ONNX weights ({exc.strerror or exc})") from None
+    return True
 
 
 # ---------------------------------------------------------------- metadata, hashing, cache
@@ -150,23 +190,40 @@ def default_cache_dir() -> Path:
 
 
 def export_onnx(model_dir: str | Path | ModelInfo | None, output: str | Path, *, optimize: bool = True) -> Path:
-    """Export the model folder to `output` (atomically) and return the path."""
+    """Export the model folder to `output` (atomically) and return the path; a graph over the
+    protobuf limit keeps its weights in `<output>.data` beside it."""
     info = model_info(model_dir)
-    model = build_model(info)
-    if optimize:
-        fused = fuse(model, info)
-        _set_metadata(fused, info, optimize=True)
-        check_fused(model, fused, info)
-        model = fused
-    if model.ByteSize() >= 2**31:
-        # One protobuf cannot exceed 2 GiB; external-data export is not implemented (BERT-large is 1.3 GB).
-        raise ExportError(f"{info.model_dir}: the graph is {model.ByteSize() / 2**30:.1f} GiB, over the 2 GiB "
-                          "protobuf limit (external-data export is not supported)")
     output = Path(output).expanduser()
+    data = output.with_name(f"{output.name}.data")
+    # The weights go to a temporary file first and take their final name just before the graph
+    # takes its own, so a reader that sees the graph finds its weights.
+    data_tmp = output.with_name(f".{output.name}.data.tmp")
     try:
-        write_atomic(output, lambda tmp: onnx.save_model(model, str(tmp)))
+        output.parent.mkdir(parents=True, exist_ok=True)
+        model = build_model(info, external_data=data_tmp, external_name=data.name)
+        external = data_tmp.is_file()
+        if optimize and external:
+            raise ExportError(f"{info.model_dir}: no offline-fused graph of a model over 2 GiB; use the plain graph")
+        if optimize:
+            fused = fuse(model, info)
+            _set_metadata(fused, info, optimize=True)
+            check_fused(model, fused, info)
+            model = fused
+
+        def write(tmp: Path) -> None:
+            if external:
+                os.replace(data_tmp, data)
+            onnx.save_model(model, str(tmp))
+
+        write_atomic(output, write)
+        if external:
+            onnx.checker.check_model(str(output))
     except OSError as exc:
         raise ExportError(f"{output}: cannot write the ONNX file ({exc.strerror or exc})") from None
+    except onnx.checker.ValidationError as exc:
+        raise ExportError(f"{info.model_dir}: exported graph is invalid ({exc})") from None
+    finally:
+        data_tmp.unlink(missing_ok=True)
     return output
 
 
