@@ -38,7 +38,7 @@ import structlog
 
 from worker.backends.base import CPU_BACKENDS
 from worker.core.interpreter_hold import InterpreterHold
-from worker.core.os_threads import allowed_cpus, current_cpu, move_threads_held_on
+from worker.core.os_threads import allowed_cpus, current_cpu, thread_affinities
 from worker.deadline import Deadline
 from worker.delivery.acks import Acknowledger
 from worker.delivery.guarantees import Delivery
@@ -286,8 +286,7 @@ class Pipeline:
         moves = setting == "auto" or self.interpreter_cpu_is_start
         hold = InterpreterHold(cpus, leave=("kwe-dispatch",) if backend in CPU_BACKENDS else (),
                                on_move=lambda old, new, loads: self._interpreter_moved(old, new, loads, hold.followers),
-                               adaptive=moves,
-                               follow=lambda old, new, held: move_threads_held_on(old, new, skip=held))
+                               adaptive=moves, threads=thread_affinities)
         try:
             held = hold.start(cpu, time.monotonic())
         except OSError as exc:
