@@ -14,7 +14,8 @@ and WordPiece of a word never depends on its neighbours, so each word's IDs are 
 model's own WordPiece once and kept (`WordCache`). Everything else goes to the full tokenizer: a
 text that is not ASCII (accents, CJK, other scripts), or that holds an added token's text
 (`[MASK]`, ...: matched before normalisation), or a tokenizer whose pipeline is not exactly this
-one (`FastWordPiece.of` returns None: RoBERTa, XLM-R, any other normaliser or template).
+one (`FastWordPiece.of` returns None: RoBERTa, XLM-R, any other normaliser or template, or an
+added token matched after normalisation, `"normalized": true`, as transformers' add_tokens makes).
 tests/test_wordpiece.py holds the fast path against the full tokenizer on every real query
 shipped with the tests and on random ASCII text.
 
@@ -97,7 +98,8 @@ class FastWordPiece:
     @classmethod
     def of(cls, tokenizer: Any, *, limit: int = DEFAULT_WORDS, compiled: bool = True) -> FastWordPiece | None:
         """The fast path for this tokenizer (a `tokenizers.Tokenizer`), or None when its pipeline is
-        not exactly BERT's uncased WordPiece with one special token on each side."""
+        not exactly BERT's uncased WordPiece with one special token on each side, or it has an added
+        token matched in the normalised text."""
         try:
             spec = json.loads(tokenizer.to_str())
         except Exception:  # noqa: BLE001 - anything unreadable runs on the full tokenizer
@@ -112,7 +114,15 @@ class FastWordPiece:
         ends = _special_ends(post)
         if ends is None:
             return None
-        added = tuple(str(t["content"]) for t in spec.get("added_tokens") or [])
+        tokens = spec.get("added_tokens") or []
+        # An added token with "normalized": true (what transformers' add_tokens gives, special or
+        # not) is matched in the normalised text: "E-\x01MAIL" holds "e-mail" only once the control
+        # character is dropped and the case folded. The fast path looks for added tokens in the raw
+        # text, which is exact only for tokens matched there ("normalized": false, as BERT's
+        # [CLS], [SEP], [MASK], ... are), so such a tokenizer takes the full tokenizer throughout.
+        if any(t.get("normalized") is not False for t in tokens):
+            return None
+        added = tuple(str(t["content"]) for t in tokens)
         return cls(tokenizer.model, ends[0], ends[1], added, limit=limit, compiled=compiled)
 
     @property
