@@ -175,18 +175,55 @@ def test_the_compiled_loop_gives_what_the_python_loop_does(minilm: Path, max_len
     assert (compiled.cache.hits, compiled.cache.misses) == (python.cache.hits, python.cache.misses)
 
 
-def test_a_word_the_model_fails_on_fails_the_compiled_call_with_its_error(minilm: Path) -> None:
-    compiled, _ = _both(minilm, 256, 100)
+def _outcome(fast: FastWordPiece, texts: object, max_len: int) -> tuple[object, ...]:
+    """What encode_many gave: its IDs, counts and the cache's counts, or the exception it raised."""
+    try:
+        views, counts = fast.encode_many(texts, max_len)  # type: ignore[arg-type]
+    except Exception as exc:  # noqa: BLE001 - what is raised is the outcome compared
+        return "raised", type(exc), str(exc)
+    return ("returned", [None if v is None else (v.dtype.name, v.tolist()) for v in views], counts,
+            fast.cache.hits, fast.cache.misses)
 
-    class Broken:
-        def tokenize(self, word: str) -> list[object]:
-            raise RuntimeError(f"cannot split {word!r}")
 
-    compiled.cache.lookup = Broken()
-    compiled.cache.words["cheap"] = (1, 2)
-    assert compiled.encode_many(["cheap"], 256)[0][0].tolist() == [101, 1, 2, 102]
-    with pytest.raises(RuntimeError, match="cannot split 'flights'"):
-        compiled.encode_many(["cheap flights"], 256)
+class _Failing:
+    def tokenize(self, word: str) -> list[object]:
+        raise RuntimeError(f"cannot split {word!r}")
+
+
+@pytest.mark.parametrize(("texts", "max_len"), [
+    ([], 256), (["cheap flights"], 256), (["cheap flights", "café", "[MASK] x", "x " * 40, ""], 8),
+    (["cheap flights"], 3), (["cheap flights"], 2), (("cheap flights",), 256), (["cheap", None], 256),
+    (["cheap", b"flights"], 256), (["cheap", 5], 256), (["x\x00y\tz"] * 3, 256),
+])
+def test_both_loops_return_and_raise_alike(minilm: Path, texts: object, max_len: int) -> None:
+    compiled, python = _both(minilm, 256, 100)
+    assert _outcome(compiled, texts, max_len) == _outcome(python, texts, max_len)
+
+
+def test_a_word_the_model_fails_on_fails_both_loops_with_its_error(minilm: Path) -> None:
+    for fast in _both(minilm, 256, 100):
+        fast.cache.lookup = _Failing()
+        fast.cache.words["cheap"] = (1, 2)
+        assert fast.encode_many(["cheap"], 256)[0][0].tolist() == [101, 1, 2, 102]
+        with pytest.raises(RuntimeError, match="cannot split 'flights'"):
+            fast.encode_many(["cheap flights"], 256)
+
+
+def test_a_miss_that_adds_texts_takes_only_those_of_the_call_in_both_loops(minilm: Path) -> None:
+    outcomes = []
+    for fast in _both(minilm, 256, 100):
+        texts = ["cheap flights", "new york"]
+        model = fast.cache.lookup
+
+        class Growing:
+            def tokenize(self, word: str) -> list[object]:
+                texts.extend(["hotels " * 50] * 200)  # more than the call's buffer has room for
+                return model.tokenize(word)
+
+        fast.cache.lookup = Growing()
+        outcomes.append(_outcome(fast, texts, 256))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][0] == "returned" and len(outcomes[0][2]) == 2  # type: ignore[arg-type]
 
 
 def test_a_non_ascii_added_token_keeps_the_python_loop() -> None:

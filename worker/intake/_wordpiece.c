@@ -132,10 +132,18 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     counts = PyList_New(0);
     if (views == NULL || counts == NULL) goto done;
     Py_ssize_t at = 0, hits = 0, scratch_size = 0;
-    /* `miss` is Python and may change `texts`: its length is read again each turn, as a Python
-       loop over it does, and the text being split is held (its characters are read after each
-       call) until its IDs are written. */
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(texts); i++) {
+    /* `miss` is Python and may change `texts`. The texts taken are those in the list at the call
+       (`flat` has room for those), as long as they stay in it: its length is read again each turn,
+       and the text being split is held (its characters are read after each call) until its IDs
+       are written. The Python loop does the same. */
+    Py_ssize_t n_texts = PyList_GET_SIZE(texts);
+    for (Py_ssize_t i = 0; i < n_texts; i++) { /* before any text is split: nothing is half done */
+        if (!PyUnicode_Check(PyList_GET_ITEM(texts, i))) {
+            PyErr_SetString(PyExc_TypeError, "texts must be str");
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n_texts && i < PyList_GET_SIZE(texts); i++) {
         Py_CLEAR(text);
         text = Py_NewRef(PyList_GET_ITEM(texts, i));
         if (!PyUnicode_Check(text)) {

@@ -147,18 +147,35 @@ class FastWordPiece:
     def encode_many(self, texts: list[str], max_len: int) -> tuple[list[np.ndarray | None], list[int | None]]:
         """`encode` of each text at once: (its IDs cut at max_len, as an int64 array, or None for a
         text this path does not take; its token count before the cut, or None). The arrays are views
-        of one buffer for the whole call."""
+        of one buffer for the whole call. The texts taken are those in the list at the call, as long
+        as they stay in it (a miss runs the model's Python, which could change it); both loops raise
+        alike: TypeError for texts that are not a list of str, ValueError for max_len under 3."""
+        if not isinstance(texts, list):
+            raise TypeError("texts must be a list")
         if not self.compiled:
+            if max_len < 3:
+                raise ValueError("max_len must be at least 3")
+            if not all(isinstance(text, str) for text in texts):
+                raise TypeError("texts must be str")  # before any text is split, as the compiled loop
             views: list[np.ndarray | None] = []
             counts: list[int | None] = []
-            for text in texts:
+            for i in range(len(texts)):
+                if i >= len(texts):
+                    break
+                text = texts[i]
+                if not isinstance(text, str):
+                    raise TypeError("texts must be str")
                 got = self.encode(text, max_len)
                 views.append(None if got is None else np.array(got[0], dtype=np.int64))
                 counts.append(None if got is None else got[1])
             return views, counts
         assert self._added_ascii is not None
         # A word of k characters has at most k pieces, so a text has at most len + 2 IDs.
-        flat = np.empty(sum(map(len, texts)) + 2 * len(texts), dtype=np.int64)
+        try:
+            room = sum(map(len, texts)) + 2 * len(texts)
+        except TypeError:
+            raise TypeError("texts must be str") from None
+        flat = np.empty(room, dtype=np.int64)
         cache = self._cache
         views, counts, hits = _wordpiece.encode(texts, flat, cache.words, cache.miss, self._first, self._last,
                                                 max_len, self._added_ascii)
