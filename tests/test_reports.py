@@ -1,7 +1,9 @@
 """A produced record's delivery callback (worker/kafka/_reports.c, and its Python form in
-worker/kafka/reports.py): what each outcome calls, the delivery count the delivery thread reads
-after a poll, that the compiled one holds no reference too many, and that confluent-kafka's own C
-code calls it as it calls a Python function."""
+worker/kafka/reports.py): what each outcome calls, returns and raises, alike in both forms; the
+delivery count the delivery thread reads after a poll; that the compiled one holds no reference too
+many, and that confluent-kafka's own C code calls it as it calls a Python function. Then the
+producer's waits and refusals with either form, and an interrupt from another thread through the
+output stage."""
 
 from __future__ import annotations
 
