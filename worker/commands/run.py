@@ -211,6 +211,6 @@ def _supervise(args: argparse.Namespace, settings: Any, processes: int, signals:
     killed = [c.index for c in supervisor.children if c.killed]
     if killed:
         print(f"keyword-embedder run: worker process(es) {', '.join(map(str, killed))} did not stop within "
-              f"{settings.shutdown_timeout_s + supervisor.kill_margin_s:g} s and were killed (SIGKILL)",
+              f"{supervisor.kill_after_s:g} s and were killed (SIGKILL)",
               file=sys.stderr)
     return code

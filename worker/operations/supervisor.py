@@ -193,6 +193,7 @@ class Supervisor:
     _requested: int = 0
     _forwarded: int = 0
     _kill_at: float | None = None
+    kill_after_s: float = 0.0  # the bound that _kill_at keeps (the log says it)
     _events: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
     _watch_w: int | None = None
 
@@ -215,15 +216,16 @@ class Supervisor:
             command = [*self.executable, "run", *self.run_argv, "--processes", "1",
                        "--member-id", f"{self.member_id}-{i}"]
             env = {**os.environ, ENV_PROCESS: str(i), ENV_SUPERVISOR_FD: str(watch_r)}
-            listener = bound_loopback_socket() if self.metrics else None
-            port = listener.getsockname()[1] if listener is not None else 0
-            if listener is not None:
-                command += ["--metrics-port", str(port), "--metrics-host", "127.0.0.1"]
-                env[ENV_METRICS_FD] = str(listener.fileno())
             if self.interpreter_cpus is not None:
                 command += ["--interpreter-cpu", str(self.interpreter_cpus[i])]
-            child = Child(i, command, port)
+            child = Child(i, command, 0)
+            listener = None
             try:
+                if self.metrics:
+                    listener = bound_loopback_socket()
+                    child.metrics_port = listener.getsockname()[1]
+                    command += ["--metrics-port", str(child.metrics_port), "--metrics-host", "127.0.0.1"]
+                    env[ENV_METRICS_FD] = str(listener.fileno())
                 with _stops_blocked():
                     child.proc = self.spawn(command, env, [watch_r, *([listener.fileno()] if listener else [])])
             except OSError as exc:
@@ -297,7 +299,8 @@ class Supervisor:
             first = self._forwarded == 1
             bound = (self.shutdown_timeout_s if first else ABORT_S) + self.kill_margin_s
             kill_at = time.monotonic() + bound
-            self._kill_at = kill_at if self._kill_at is None else min(self._kill_at, kill_at)
+            if self._kill_at is None or kill_at < self._kill_at:
+                self._kill_at, self.kill_after_s = kill_at, bound
             running = [c for c in self.children if c.code is None]
             log.info("stopping the worker processes" if first else "second stop: the worker processes abort",
                      processes=[c.index for c in running], kill_after_s=round(self._kill_at - time.monotonic(), 1))
@@ -309,7 +312,7 @@ class Supervisor:
             if child.code is None and not child.killed:
                 child.killed = True
                 log.error("a worker process did not stop in time; killing it", process=child.index,
-                          pid=child.proc.pid, waited_s=self.shutdown_timeout_s + self.kill_margin_s)
+                          pid=child.proc.pid, waited_s=self.kill_after_s)
                 try:
                     os.killpg(child.proc.pid, signal.SIGKILL)  # with whatever it started
                 except OSError:
