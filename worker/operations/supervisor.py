@@ -38,7 +38,8 @@ Threads: the caller's thread runs `start` and `run` (spawns, forwards, kills), b
 queue of events between them: stop requests (put by the signal handler, which does nothing
 else: `queue.SimpleQueue.put` is safe there) and child exits (put by one "kwe-child-N" thread per
 child, blocked in its `wait()`). The probe server's request threads only read (the children's
-probes over loopback, and each child's exit status).
+probes over loopback, and each child's exit status). In each child, "kwe-supervisor-watch" (a
+daemon) blocks on the supervisor's pipe and only signals its own process.
 """
 
 from __future__ import annotations
