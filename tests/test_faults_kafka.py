@@ -428,8 +428,8 @@ def test_a_scale_up_and_down_storm_loses_nothing_and_every_member_exits_cleanly(
 def test_members_stopped_at_once_while_a_rebalance_is_parked_each_exit_within_the_deadline_plus_2_s(
         kafka_bootstrap: str, make_topic: Callable[..., str], group_id: str, tmp_path: Path) -> None:
     """The storm's overrun, made every time: one member goes silent (SIGSTOP, as a starved or frozen
-    one does), so the rebalance that the first leaver starts waits for its session (30 s) and the
-    coordinator answers the others' commits and leaves only then. Before: the final commit got no
+    one does), so the rebalance that a first leaver starts waits for its session (30 s) and the
+    coordinator answers the others' commits and leaves only then; two of them are stopped at once. Before: the final commit got no
     answer, consume() then blocked in librdkafka until that commit was given up, and a member exited
     28.6 s after SIGTERM with --shutdown-timeout-s 20. Each must exit within shutdown_timeout_s + 2 s."""
     names = topics(make_topic, 6)
@@ -463,8 +463,12 @@ def test_members_stopped_at_once_while_a_rebalance_is_parked_each_exit_within_th
         assert silent.proc is not None
         silent.proc.send_signal(signal.SIGSTOP)
         time.sleep(1.0)
+        # The first leaver starts the rebalance, parked until the silent member's session ends; the
+        # others rejoin meanwhile (their JoinGroups parked too), and are stopped at once then.
         stoppers = [threading.Thread(target=stop, args=(k,)) for k in range(3)]
-        for t in stoppers:
+        stoppers[0].start()
+        time.sleep(3.0)
+        for t in stoppers[1:]:
             t.start()
         for t in stoppers:
             t.join()
