@@ -35,10 +35,10 @@ from worker.kafka.throttle import ThrottledLog
 
 log = structlog.get_logger(__name__)
 
-# After a commit at the in-flight bound that was confirmed, none again for this long: each frees at
-# least a quarter of the record bound (it runs only once confirming brings the uncommitted records
-# down to 3/4 of it), so 50 a second keeps up with any backlog this worker drains; without it, a
-# bound held by bytes while the records sat under the target committed every 5 ms turn of the hold.
+# After a commit at the in-flight bound that was confirmed, none again for this long. Each frees at
+# least a quarter of the record bound (intake stops at the bound and goes on at 3/4 of it), so 50 a
+# second cap a hold's backlog at 12.5 bounds a second (51,000 records at the default 4,096); without
+# it, a bound held by bytes while the records sat under the target committed every 5 ms turn.
 RELIEVE_GAP_S = 0.02
 
 
