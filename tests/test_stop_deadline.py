@@ -10,6 +10,8 @@ import threading
 import time
 from typing import Any
 
+from confluent_kafka import TopicPartition
+
 from tests.fakes.consumer import FakeGroupConsumer
 from tests.fakes.pipeline import AckingProducer, HalvesBackend, ThreeTokens
 from worker.app import wire_pipeline
@@ -33,6 +35,13 @@ class _Stuck(FakeGroupConsumer):
     def subscribe(self, topics: list[str], on_assign: Any = None, on_revoke: Any = None, on_lost: Any = None) -> None:
         super().subscribe(topics, on_assign, on_revoke, on_lost)
         self.queue.append(self.assign_op([0, 1]))
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool = True) -> list[TopicPartition] | None:
+        answer = [TopicPartition(tp.topic, tp.partition, tp.offset) for tp in offsets]
+        if asynchronous:
+            self.config["on_commit"](None, answer)
+            return None
+        return answer
 
     def consume(self, num_messages: int = 1, timeout: float = -1) -> list[Any]:
         if self.stopping.is_set():
