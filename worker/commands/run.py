@@ -67,6 +67,9 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     pipeline = assembled.pipeline
     pipeline.interpreter_cpu_is_start = interpreter_cpu_is_start(settings, os.environ)
     signals.on_stop = pipeline.request_stop
+    # A stop still running EXIT_GRACE_S past its deadline (a librdkafka call that never returns)
+    # ends here, so the process exits within shutdown_timeout_s + 2 s (worker/pipeline.py).
+    pipeline.on_overrun = exit_now
     from worker.operations.health import Readiness
     from worker.operations.probes import run_served
     from worker.operations.supervisor import inherited_metrics_socket
@@ -84,10 +87,15 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
         # librdkafka is still inside close(), or a dispatcher inside a backend call: interpreter
         # teardown would wait on the first again, and abort under the second (the runtime's
         # threads destroyed while running). Everything is committed by now.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_now(code)
     return code
+
+
+def exit_now(code: int) -> None:
+    """Exits without the interpreter's teardown (nothing is committed in it)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _checked_settings(args: argparse.Namespace) -> Any:
