@@ -153,6 +153,7 @@ def _run(args: argparse.Namespace, settings: Any, plan: Any, cluster: dict[str, 
     from worker.core.errors import KeywordEmbedderError
     from worker.operations.metrics import Metrics
     from worker.operations.probes import run_served
+    from worker.commands.run import exit_now
 
     log = structlog.get_logger("worker.backfill")
     metrics = Metrics()
@@ -181,6 +182,8 @@ def _run(args: argparse.Namespace, settings: Any, plan: Any, cluster: dict[str, 
         pipeline.request_stop()
 
     signals.on_stop = stop
+    # As run's: a stop stuck in librdkafka past its deadline exits within shutdown_timeout_s + 2 s.
+    pipeline.on_overrun = exit_now
     try:
         code = run_served(pipeline, metrics, settings.metrics_host, settings.metrics_port, log=log)
     finally:
