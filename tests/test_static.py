@@ -207,3 +207,40 @@ def test_padding_and_unknown_tokens_do_not_move_the_mean(tmp_path: Path) -> None
     out = pool(table, ids, mask)
     assert np.allclose(out[0], out[1], atol=1e-7)
     assert not out[2].any()
+
+
+def test_models_lists_the_static_family_and_check_runs_its_fixtures(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from worker.cli import main
+    from worker.commands.models import _check_static
+
+    assert main(["models"]) == 0
+    assert "\nStatic models (a table lookup, no encoder" in capsys.readouterr().out
+    assert _check_static(DATA) == 0
+    out = capsys.readouterr().out
+    assert out.count(" ok\n") == len(FIXTURES) == 5 and "Static model2vec (1,000 rows x 32, token weights" in out
+    assert main(["models", "--model", str(folder_of("st-minilm", tmp_path))]) == 0
+    assert "family:     static" in capsys.readouterr().out
+    # A reference that no longer matches its folder fails the check.
+    broken = tmp_path / "data"
+    (broken / "static").mkdir(parents=True)
+    for item in (DATA / "static").iterdir():
+        (broken / "static" / item.name).symlink_to(item)
+    (broken / "static" / "st-bert-tiny").unlink()
+    (broken / "static" / "st-bert-tiny").mkdir()
+    for item in FIXTURES["st-bert-tiny"].iterdir():
+        (broken / "static" / "st-bert-tiny" / item.name).symlink_to(item)
+    (broken / "static" / "st-bert-tiny" / "reference.npz").unlink()
+    with np.load(FIXTURES["st-bert-tiny"] / "reference.npz") as ref:
+        np.savez(broken / "static" / "st-bert-tiny" / "reference.npz", texts=ref["texts"], vectors=ref["vectors"][::-1])
+    (broken / "families").symlink_to(DATA / "families")
+    assert _check_static(broken) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_a_static_model_has_no_graph_to_export(tmp_path: Path) -> None:
+    from engines.onnx_export.export import build_model
+    from engines.onnx_export.graph import ExportError
+
+    with pytest.raises(ExportError, match="a static model .* has no graph to export"):
+        build_model(folder_of("st-bert-tiny", tmp_path))

@@ -90,7 +90,7 @@ def run_side(root: Path, pythonpath: Path, args: argparse.Namespace, processes: 
     for i in range(processes):
         cmd = [sys.executable, "-m", "kwe_host.one_run", "--data", str(args.data), "--n", str(args.n),
                "--warmup", str(args.warmup), "--warmup-s", str(args.warmup_s), "--skip", str(i * per), "--backend", backend or args.backend,
-               "--poll-records", str(args.poll_records)]
+               "--poll-records", str(args.poll_records), "--null-vectors", args.null_vectors]
         for s in settings:
             cmd += ["--setting", s]
         if hold:
@@ -130,6 +130,9 @@ def main() -> int:
                     help="a worker setting for this checkout's --backend sides only")
     ap.add_argument("--against-setting", action="append", default=[], metavar="NAME=VALUE",
                     help="a worker setting for the --against-backend side only")
+    ap.add_argument("--null-vectors", choices=("unit", "random"), default="unit",
+                    help="the null backend's answers (one_run's --null-vectors): random unit vectors cost the "
+                         "float-list encoding what a real model's do")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--hold", action="store_true",
                     help="also run each process count with each process's Python threads held on a CPU of "
