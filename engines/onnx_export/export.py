@@ -42,6 +42,9 @@ EXPORTER_VERSION = "2"
 def build_model(model_dir: str | Path | ModelInfo | None = None) -> onnx.ModelProto:
     """The unfused ONNX graph of the model folder, with metadata_props (in memory, not cached)."""
     info = model_info(model_dir)
+    if info.static is not None:
+        raise ExportError(f"{info.model_dir}: a static model (a table lookup and a mean) has no graph to export; "
+                          "the worker and the Embedder run it on the static backend as it is")
     if info.model_type not in FAMILIES:  # ModelInfo refuses these already; a hand-made one may not
         raise ExportError(f"{info.config_path}: model_type {info.model_type!r} is not supported; supported "
                           f"encoder families: {', '.join(FAMILIES)}")

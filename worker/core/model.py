@@ -16,6 +16,7 @@ from pathlib import Path
 
 from worker.core.errors import ModelError
 from worker.core.st_pipeline import ModulePipeline, check_layout, read_json_object, read_pipeline
+from worker.core.static import StaticSpec, read_static
 
 __all__ = ["FAMILIES", "MODEL_PACKAGE", "MODEL_PIP_SPEC", "ModelError", "ModelInfo", "ModelNotFoundError",
            "ModulePipeline", "PROMPT_AUTO", "PROMPT_NONE", "Prompt", "default_model_dir"]
@@ -96,6 +97,8 @@ class ModelInfo:
     # config.json's tie_word_embeddings (transformers' default: true): the MLM head's decoder is the
     # word embedding matrix, which a checkpoint then stores once (read by a sparse model's export).
     tied_embeddings: bool = True
+    # A static model (worker/core/static.py: a table lookup and a mean, no encoder); None for an encoder.
+    static: StaticSpec | None = None
 
     @property
     def pooling_mode(self) -> str:
@@ -138,6 +141,11 @@ class ModelInfo:
         model_dir = Path(path).expanduser().resolve()
         if not model_dir.is_dir():
             raise ModelNotFoundError(f"{model_dir}: model folder not found")
+        static = read_static(model_dir)
+        if static is not None:
+            from worker.core.static_info import static_model_info
+
+            return static_model_info(model_dir, static)
         check_layout(model_dir)
         config_path = model_dir / "config.json"
         cfg = read_json_object(config_path)
