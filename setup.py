@@ -6,8 +6,7 @@ Both are optional: where no C compiler is found the build goes on without them a
 the same code in Python (`keyword-embedder run` logs which, as `tokenizer_fast_path` and
 `delivery_reports`):
 - worker/intake/_wordpiece.c, the WordPiece fast path's loop (worker/intake/wordpiece.py);
-- worker/kafka/_reports.c, each produced record's delivery callback and the produce loop over a
-  batch (worker/kafka/reports.py).
+- worker/kafka/_reports.c, each produced record's delivery callback (worker/kafka/reports.py).
 """
 
 from setuptools import Extension, setup

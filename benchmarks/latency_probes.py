@@ -20,15 +20,12 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.kafka_vs_offline import cpu_seconds
 from tests.kafka_tools import http_get
-
-if TYPE_CHECKING:
-    from benchmarks.latency_rounds import Side
 
 CACHE_COUNTERS = ("kwe_cache_hits_total", "kwe_cache_joined_total", "kwe_cache_misses_total")
 
@@ -100,12 +97,12 @@ def _meminfo() -> dict[str, int]:
     return out
 
 
-def _sample_timeline(side: Side, broker_pid: int | None, gen_pid: Callable[[], int | None], stop: threading.Event,
-                     into: list[dict[str, Any]], every_s: float = 0.5) -> None:
-    """Beside a level: the kernel's dirty/writeback pages, the CPU of worker, broker and generator,
-    and (every other sample, a scrape holds the worker's GIL) its flow control and batching counters."""
+def _sample_timeline(pid: int | None, metrics_url: str, broker_pid: int | None, gen_pid: Callable[[], int | None],
+                     stop: threading.Event, into: list[dict[str, Any]], every_s: float = 0.5) -> None:
+    """Beside a level: the kernel's dirty/writeback pages, the CPU of the worker (`pid`), broker and
+    generator, and (every other sample, a scrape holds the worker's GIL) the flow control and batching
+    counters of its /metrics at `metrics_url`."""
     t0 = time.monotonic()
-    pid = side.worker.proc.pid if side.worker.proc else None
     k = 0
     while not stop.wait(every_s):
         row: dict[str, Any] = {"t_s": round(time.monotonic() - t0, 2), **_meminfo(),
@@ -113,7 +110,7 @@ def _sample_timeline(side: Side, broker_pid: int | None, gen_pid: Callable[[], i
                                "generator_cpu_s": cpu_seconds(gen_pid()), "load1": os.getloadavg()[0]}
         if k % 2 == 0:
             try:
-                body = http_get(side.worker.url + "/metrics")[1].decode()
+                body = http_get(metrics_url)[1].decode()
             except OSError:
                 body = ""
             for line in body.splitlines():

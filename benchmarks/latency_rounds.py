@@ -151,7 +151,9 @@ def kafka_level(side: Side, rows: list[tuple[str, str]], bootstrap: str, rate: f
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     samples: list[dict[str, Any]] = []
     stop = threading.Event()
-    sampler = threading.Thread(target=_sample_timeline, args=(side, broker_pid, lambda: gen.pid, stop, samples),
+    pid = side.worker.proc.pid if side.worker.proc else None
+    sampler = threading.Thread(target=_sample_timeline, args=(pid, side.worker.url + "/metrics", broker_pid,
+                                                              lambda: gen.pid, stop, samples),
                                daemon=True) if timeline else None
     jstat = None
     if sampler:

@@ -66,6 +66,9 @@ class WorkerProcess:
     # ONNX Runtime fp32 unless a test says otherwise: tests compare the worker's vectors with an
     # Embedder's on the same backend within 1e-5, and auto may choose differently per thread layout.
     backend: str = "onnxruntime"
+    # A session of its own (as a terminal's job or a container's entry point): a test can signal its
+    # process group, as Ctrl-C does, without signalling itself.
+    new_session: bool = False
 
     def start(self) -> WorkerProcess:
         cmd = [*self.prefix, sys.executable, "-m", "worker.cli", "run", "--bootstrap-servers", self.bootstrap,
@@ -75,7 +78,8 @@ class WorkerProcess:
                "--log-format", "json", "--backend", self.backend, *self.extra]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KWE_")}
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, env=env)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, env=env,
+                                     start_new_session=self.new_session)
         log.close()
         return self
 

@@ -1,27 +1,28 @@
 """The backfill's pieces without a broker: `--from`, the range captured at start and kept, where a
 restart resumes, the gate that bounds the poll loop to the range, and `--max-rate`'s token bucket.
-Fakes stand in for the AdminClient and the consumer; the broker runs in tests/test_backfill_kafka.py.
+Fakes stand in for the cluster (tests/backfill_fakes.py) and the consumer; the broker runs in
+tests/test_backfill_kafka.py; the retries of a cluster that is not ready in tests/test_backfill_retry.py.
 Under a second.
 """
 
 from __future__ import annotations
 
 import json
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from confluent_kafka import TopicPartition
 
+from tests.backfill_fakes import TOPIC, FakeCluster
 from worker.backfill import range as rng_mod
 from worker.backfill.gate import RangeGate
-from worker.backfill.range import FromSpec, PartitionRange, Plan, Range, load_range, open_range, plan, range_group
+from worker.backfill.group_offsets import GroupOffsets
+from worker.backfill.range import (FromSpec, Kafka, PartitionRange, Plan, Range, load_range, open_range, plan,
+                                   range_group)
 from worker.backfill.rate import TokenBucket
 from worker.kafka.offsets import OffsetTracker
 from worker.settings.schema import SettingsError
-
-TOPIC = "keywords"
 
 
 # ------------------------------------------------------------------ --from
@@ -48,130 +49,76 @@ def test_a_bad_from_is_a_setting_error() -> None:
 # ------------------------------------------------------------------ the range captured at start
 
 
-def _future(value: Any) -> Future[Any]:
-    f: Future[Any] = Future()
-    f.set_result(value)
-    return f
+def _cluster() -> FakeCluster:
+    return FakeCluster(earliest={0: 0, 1: 10, 2: 0}, latest={0: 100, 1: 50, 2: 0}, by_time={0: 60, 1: -1, 2: -1})
 
 
-@dataclass
-class _Offset:
-    offset: int
-
-
-@dataclass
-class _GroupAnswer:
-    topic_partitions: list[TopicPartition]
-
-
-@dataclass
-class FakeAdmin:
-    """An AdminClient over fixed offsets: log starts, ends (last stable offsets) and time indexes."""
-
-    earliest: dict[int, int]
-    latest: dict[int, int]
-    by_time: dict[int, int] = field(default_factory=dict)
-    groups: dict[str, dict[int, tuple[int, str | None]]] = field(default_factory=dict)
-    isolation: list[Any] = field(default_factory=list)
-
-    def list_topics(self, topic: str, timeout: float) -> Any:
-        parts = {p: object() for p in self.latest}
-        meta = type("T", (), {"partitions": parts, "error": None})()
-        return type("M", (), {"topics": {TOPIC: meta}})()
-
-    def list_offsets(self, request: dict[TopicPartition, Any], isolation_level: Any, request_timeout: float) -> Any:
-        self.isolation.append(isolation_level)
-        out = {}
-        for tp, spec in request.items():
-            name = repr(spec)
-            if "Earliest" in name or spec._value == -2:
-                value = self.earliest[tp.partition]
-            elif "Latest" in name or spec._value == -1:
-                value = self.latest[tp.partition]
-            else:
-                value = self.by_time.get(tp.partition, -1)
-            out[tp] = _future(_Offset(value))
-        return out
-
-    def list_consumer_group_offsets(self, requests: list[Any], request_timeout: float) -> Any:
-        [req] = requests
-        kept = self.groups.get(req.group_id, {})
-        tps = []
-        for tp in req.topic_partitions:
-            off, meta = kept.get(tp.partition, (-1001, None))
-            tps.append(TopicPartition(TOPIC, tp.partition, off, metadata=meta) if meta else
-                       TopicPartition(TOPIC, tp.partition, off))
-        return {req.group_id: _future(_GroupAnswer(tps))}
-
-    def alter_consumer_group_offsets(self, requests: list[Any], request_timeout: float) -> Any:
-        [req] = requests
-        kept = self.groups.setdefault(req.group_id, {})
-        for tp in req.topic_partitions:
-            kept[tp.partition] = (tp.offset, tp.metadata)
-        return {req.group_id: _future(_GroupAnswer(list(req.topic_partitions)))}
-
-
-def _admin() -> FakeAdmin:
-    return FakeAdmin(earliest={0: 0, 1: 10, 2: 0}, latest={0: 100, 1: 50, 2: 0}, by_time={0: 60, 1: -1, 2: -1})
+def _kafka(cluster: FakeCluster) -> Kafka:
+    return Kafka(cluster.admin(), GroupOffsets({}, consumer=cluster.consumer), empty_wait_s=40.0)
 
 
 def test_the_range_runs_from_the_log_start_to_the_ends_at_capture_read_committed() -> None:
-    admin = _admin()
-    r = rng_mod.capture(admin, TOPIC, FromSpec.parse("beginning"), now_ms=5)  # type: ignore[arg-type]
+    cluster = _cluster()
+    r = rng_mod.capture(_kafka(cluster), TOPIC, FromSpec.parse("beginning"), now_ms=5)
     assert r.parts == (PartitionRange(0, 0, 100), PartitionRange(1, 10, 50), PartitionRange(2, 0, 0))
     assert r.total == 140 and r.captured_ms == 5 and r.end_of(1) == 50 and r.end_of(7) is None
     from confluent_kafka import IsolationLevel
 
-    assert set(admin.isolation) == {IsolationLevel.READ_COMMITTED}  # the ends are last stable offsets
+    assert set(cluster.isolation) == {IsolationLevel.READ_COMMITTED}  # the ends are last stable offsets
 
 
 def test_an_offset_is_kept_within_each_partitions_log_and_a_timestamp_finds_its_first_record() -> None:
-    by_offset = rng_mod.capture(_admin(), TOPIC, FromSpec.parse("30"))  # type: ignore[arg-type]
+    by_offset = rng_mod.capture(_kafka(_cluster()), TOPIC, FromSpec.parse("30"))
     assert [(p.start, p.end) for p in by_offset.parts] == [(30, 100), (30, 50), (0, 0)]
-    past = rng_mod.capture(_admin(), TOPIC, FromSpec.parse("5000"))  # type: ignore[arg-type]
+    past = rng_mod.capture(_kafka(_cluster()), TOPIC, FromSpec.parse("5000"))
     assert past.total == 0  # past every end: nothing
-    below = rng_mod.capture(_admin(), TOPIC, FromSpec.parse("3"))  # type: ignore[arg-type]
+    below = rng_mod.capture(_kafka(_cluster()), TOPIC, FromSpec.parse("3"))
     assert below.parts[1].start == 10  # below the log start: from the log start
-    by_time = rng_mod.capture(_admin(), TOPIC, FromSpec.parse("1000ms"))  # type: ignore[arg-type]
+    by_time = rng_mod.capture(_kafka(_cluster()), TOPIC, FromSpec.parse("1000ms"))
     # Partition 1 has no record at or after it: nothing to do there.
     assert [(p.start, p.end) for p in by_time.parts] == [(60, 100), (50, 50), (0, 0)]
 
 
 def test_the_range_is_kept_in_a_group_of_its_own_and_read_back_on_a_restart() -> None:
-    admin = _admin()
-    first, kept = open_range(admin, "g", TOPIC, FromSpec.parse("beginning"))  # type: ignore[arg-type]
+    cluster = _cluster()
+    first, kept = open_range(_kafka(cluster), "g", TOPIC, FromSpec.parse("beginning"))
     assert not kept
-    meta = json.loads(admin.groups[range_group("g")][0][1] or "")
-    assert admin.groups[range_group("g")][0][0] == 100 and meta["start"] == 0 and meta["from"] == "beginning"
+    meta = json.loads(cluster.groups[range_group("g")][0][1] or "")
+    assert cluster.groups[range_group("g")][0][0] == 100 and meta["start"] == 0 and meta["from"] == "beginning"
     # The topic grew since: a restart keeps the range captured first.
-    admin.latest = {0: 900, 1: 700, 2: 300}
-    again, kept = open_range(admin, "g", TOPIC, FromSpec.parse("beginning"))  # type: ignore[arg-type]
+    cluster.latest = {0: 900, 1: 700, 2: 300}
+    again, kept = open_range(_kafka(cluster), "g", TOPIC, FromSpec.parse("beginning"))
     assert kept and again == first
     # Another --from is another range: refused, not mixed.
     with pytest.raises(SettingsError, match="already holds a range of keywords from beginning"):
-        open_range(admin, "g", TOPIC, FromSpec.parse("10"))  # type: ignore[arg-type]
+        open_range(_kafka(cluster), "g", TOPIC, FromSpec.parse("10"))
 
 
 def test_the_new_live_group_takes_over_where_the_range_ends() -> None:
-    admin = _admin()
+    cluster = _cluster()
     # A new live group without offsets: it starts at the ends, which stay the range's.
-    r, _ = open_range(admin, "g", TOPIC, FromSpec.parse("beginning"), live_group="v2")  # type: ignore[arg-type]
+    r, _ = open_range(_kafka(cluster), "g", TOPIC, FromSpec.parse("beginning"), live_group="v2")
     assert [p.end for p in r.parts] == [100, 50, 0]
-    assert {p: off for p, (off, _) in admin.groups["v2"].items()} == {0: 100, 1: 50, 2: 0}
+    assert {p: off for p, (off, _) in cluster.groups["v2"].items()} == {0: 100, 1: 50, 2: 0}
     # A live group that already committed (it ran first): the range ends where it stands instead.
-    admin = _admin()
-    admin.groups["v2"] = {0: (80, None)}
-    r, _ = open_range(admin, "g", TOPIC, FromSpec.parse("beginning"), live_group="v2")  # type: ignore[arg-type]
+    cluster = _cluster()
+    cluster.groups["v2"] = {0: (80, None)}
+    r, _ = open_range(_kafka(cluster), "g", TOPIC, FromSpec.parse("beginning"), live_group="v2")
     assert [(p.start, p.end) for p in r.parts] == [(0, 80), (10, 50), (0, 0)]
-    assert admin.groups["v2"][0][0] == 80 and admin.groups["v2"][1][0] == 50
-    assert admin.groups[range_group("g")][0][0] == 80  # kept as such: a restart ends there too
+    assert cluster.groups["v2"][0][0] == 80 and cluster.groups["v2"][1][0] == 50
+    assert cluster.groups[range_group("g")][0][0] == 80  # kept as such: a restart ends there too
+    # A live group that runs already without offsets cannot be given a start: said at once.
+    cluster = _cluster()
+    cluster.members_until["v2"] = float("inf")
+    with pytest.raises(rng_mod.BackfillError, match="--live-group 'v2' runs already"):
+        open_range(_kafka(cluster), "g", TOPIC, FromSpec.parse("beginning"), live_group="v2")
 
 
 def test_a_group_that_holds_something_else_is_refused() -> None:
-    admin = _admin()
-    admin.groups[range_group("g")] = {0: (5, "not json")}
+    cluster = _cluster()
+    cluster.groups[range_group("g")] = {0: (5, "not json")}
     with pytest.raises(rng_mod.BackfillError, match="not a backfill range"):
-        load_range(admin, "g", TOPIC, [0, 1, 2])  # type: ignore[arg-type]
+        load_range(_kafka(cluster), "g", TOPIC, [0, 1, 2])
 
 
 # ------------------------------------------------------------------ where a restart resumes

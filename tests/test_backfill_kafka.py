@@ -8,6 +8,9 @@
   records arrive, then the same command again: each run resumes where the group committed (nothing
   finished is redone), keeps the range captured first, and the last completes it with nothing lost.
 - `--max-rate R` holds the output rate within 10% of R.
+- The groups' offsets without the admin client (worker/backfill/group_offsets.py): a consumer that
+  never joins reads and commits them, metadata included; a commit to a group with a member is
+  refused until the member leaves, and the wait for it is bounded.
 
 A few thousand keywords, and the rate check at 200/s for 6 s: about 60 s on a 2-core box, most of it
 the six process starts (the model and its backend load each time).
@@ -29,9 +32,11 @@ from typing import Any
 
 import orjson
 import pytest
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, Producer
 
 from tests.kafka_tools import ROOT, TopicReader, committed_offsets, load_queries, produce_queries
+from worker.backfill.cluster_calls import GroupBusyError, Retry
+from worker.backfill.group_offsets import GroupOffsets
 
 pytestmark = pytest.mark.kafka
 
@@ -234,3 +239,31 @@ def test_max_rate_holds_the_rate_within_ten_percent(kafka_bootstrap: str, make_t
     measured = (len(stamps) - 1) / ((stamps[-1] - stamps[0]) / 1000)
     print(f"backfill --max-rate {rate:.0f}: {measured:.1f} records/s over {len(stamps)} records")
     assert abs(measured - rate) / rate <= 0.10, measured
+
+
+def test_group_offsets_are_read_and_committed_by_a_consumer_that_never_joins(
+        kafka_bootstrap: str, make_topic: Callable[..., str]) -> None:
+    topic = make_topic("bf-groups", 2)
+    group = f"bf-groups-{uuid.uuid4().hex[:8]}"
+    groups = GroupOffsets({"bootstrap.servers": kafka_bootstrap}, Retry(bound_s=20.0))
+    try:
+        assert groups.committed(group, topic, [0, 1]) == {0: (None, None), 1: (None, None)}
+        groups.commit(group, topic, {0: 5, 1: 0}, {0: '{"v":1}'}, wait_empty_s=0.0)
+        assert groups.committed(group, topic, [0, 1]) == {0: (5, '{"v":1}'), 1: (0, None)}
+        # A member in the group: an OffsetCommit without one is refused (UNKNOWN_MEMBER_ID) while it stays.
+        member = Consumer({"bootstrap.servers": kafka_bootstrap, "group.id": group, "enable.auto.commit": False})
+        member.subscribe([topic])
+        deadline = time.monotonic() + 30
+        while not member.assignment():
+            member.poll(0.2)
+            assert time.monotonic() < deadline, "the member got no assignment"
+        started = time.monotonic()
+        with pytest.raises(GroupBusyError, match="Unknown member"):
+            groups.commit(group, topic, {0: 7}, wait_empty_s=2.0)
+        assert 2.0 <= time.monotonic() - started < 10.0
+        assert groups.committed(group, topic, [0])[0] == (5, '{"v":1}')
+        member.close()  # it leaves: the group is empty again
+        groups.commit(group, topic, {0: 9}, wait_empty_s=10.0)
+        assert groups.committed(group, topic, [0])[0] == (9, None)
+    finally:
+        groups.close()

@@ -23,6 +23,8 @@ INTERNAL = {
     "worker.kafka.offsets.OffsetWentBack": "caught by intake: the partition's state is reset",
     "worker.kafka.offsets.Refetched": "caught by intake: the record is skipped",
     "worker.kafka.preflight._Unreachable": "caught by the preflight's retry loop",
+    "worker.backfill.cluster_calls.Retriable": "caught by the backfill's retry loop (Retry.run); BackfillError past its bound",
+    "worker.backfill.cluster_calls.Busy": "caught by the backfill's retry loop; GroupBusyError past its bound",
     "worker.operations.stop_signals.StopDuringStartup": "a stop request (BaseException), not an error",
 }
 

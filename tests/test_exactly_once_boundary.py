@@ -24,7 +24,7 @@ MODULES = ["worker.delivery.exactly_once.loop", "worker.delivery.exactly_once.pr
            "worker.delivery.exactly_once.transactions", "worker.delivery.exactly_once.take_over",
            "worker.delivery.exactly_once.bounded_calls", "worker.delivery.exactly_once.errors",
            "worker.delivery.exactly_once.transactional_calls", "worker.delivery.exactly_once.rewind",
-           "worker.delivery.exactly_once.write_failures"]
+           "worker.delivery.exactly_once.write_failures", "worker.delivery.exactly_once.loss_bound"]
 
 
 def test_the_at_least_once_modules_name_nothing_of_exactly_once() -> None:

@@ -21,7 +21,7 @@ from tests.fakes.consumer import FakeGroupConsumer
 from tests.fakes.pipeline import AckingProducer, HalvesBackend, ThreeTokens
 from worker.app import wire_pipeline
 from worker.core.profiles import Bucket, Profile
-from worker.kafka.committer import Committer
+from worker.kafka.committer import RELIEVE_GAP_S, Committer
 from worker.settings.schema import Settings
 
 WAIT_S = 20.0  # only a guard against a hang
@@ -33,6 +33,7 @@ class _Consumer(FakeGroupConsumer):
     def __init__(self, config: dict[str, Any], records: int) -> None:
         super().__init__(config, partitions=2, records=records)
         self.commits: list[tuple[int, int, bool]] = []
+        self.sync_while_paused = 0  # synchronous commits made while partitions were paused
         self.pauses = 0
         self.before_stop: tuple[int, set[int]] = (0, set())
 
@@ -47,20 +48,22 @@ class _Consumer(FakeGroupConsumer):
     def commit(self, offsets: list[TopicPartition], asynchronous: bool = True) -> list[TopicPartition] | None:
         answer = [TopicPartition(tp.topic, tp.partition, tp.offset) for tp in offsets]
         self.commits += [(tp.partition, tp.offset, asynchronous) for tp in offsets]
+        self.sync_while_paused += not asynchronous and bool(self.paused)
         if asynchronous:
             self.config["on_commit"](None, answer)
             return None
         return answer
 
 
-def _run(records: int, max_in_flight: int, *, stuck_after: int | None = None,
-         hold_s: float | None = None, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, _Consumer, AckingProducer, float]:
+def _run(records: int, max_in_flight: int, *, stuck_after: int | None = None, hold_s: float | None = None,
+         commit_interval_ms: int = 60_000,
+         monkeypatch: pytest.MonkeyPatch) -> tuple[Any, _Consumer, AckingProducer, float]:
     if hold_s is not None:
         monkeypatch.setattr(pipeline_module, "HOLD_S", hold_s)
     made: dict[str, Any] = {}
     profile = Profile("test", (Bucket(8, 16, 16),), token_budget=256, pad_to="bucket")
-    # A commit interval longer than the run: only the commits at the bound free room.
-    s = Settings(input_format="raw", pad_to="bucket", shutdown_timeout_s=5.0, commit_interval_ms=60_000,
+    # By default a commit interval longer than the run: only the commits at the bound free room.
+    s = Settings(input_format="raw", pad_to="bucket", shutdown_timeout_s=5.0, commit_interval_ms=commit_interval_ms,
                  max_queue_delay_ms=1, dispatchers=1, max_in_flight=max_in_flight)
     pipeline = wire_pipeline(s, tokenizer=ThreeTokens(), backend=HalvesBackend(), profile=profile, model_name="m",
                              consumer_factory=lambda c: made.setdefault("consumer", _Consumer(c, records)),
@@ -109,10 +112,15 @@ def test_a_backlog_holds_at_the_bound_and_never_pauses(monkeypatch: pytest.Monke
 
 
 def test_a_stuck_output_holds_then_pauses_and_resumes_once_it_moves(monkeypatch: pytest.MonkeyPatch) -> None:
-    pipeline, consumer, producer, _ = _run(300, 32, stuck_after=50, hold_s=0.3, monkeypatch=monkeypatch)
+    # The default commit interval: paused, the regular asynchronous commits free the room.
+    pipeline, consumer, producer, _ = _run(300, 32, stuck_after=50, hold_s=0.3, commit_interval_ms=100,
+                                           monkeypatch=monkeypatch)
     pauses, paused = consumer.before_stop
     assert pauses >= 1  # held for HOLD_S, then paused: a paused member serves the group
     assert not paused  # and resumed once the output moved again
+    # No synchronous commit while paused: each would block the poll thread (a second during a
+    # coordinator outage, a kwe-commit thread left blocked per try). Before: one every turn.
+    assert consumer.sync_while_paused == 0
     assert set(producer.acked) == {f"{p}-{o}".encode() for p in (0, 1) for o in range(300)}
     assert _holds(pipeline) >= 1
 
@@ -145,8 +153,11 @@ def test_the_commit_at_the_bound_waits_for_its_target_and_backs_off_after_a_fail
         part.done(off)
     assert c.commit_to_relieve(50, timeout_s=1.0) and fake.calls == [[(0, 60)]]
     assert c.uncommitted() == 40
+    for off in range(100, 120):
+        part.track(off)
     for off in range(60, 100):
         part.done(off)
+    now[0] += RELIEVE_GAP_S  # after a success, none for RELIEVE_GAP_S
     fake.fail = True
     assert not c.commit_to_relieve(50, timeout_s=1.0) and len(fake.calls) == 2
     now[0] += 0.4
@@ -154,4 +165,79 @@ def test_the_commit_at_the_bound_waits_for_its_target_and_backs_off_after_a_fail
     fake.fail = False
     now[0] += 0.2
     assert c.commit_to_relieve(50, timeout_s=1.0) and fake.calls[-1] == [(0, 100)]
-    assert c.uncommitted() == 0
+    assert c.uncommitted() == 20
+
+
+def _tracked(c: Committer, records: int, done: int) -> None:
+    part = c.tracker.assign("t", 0)
+    for off in range(records):
+        part.track(off)
+    for off in range(done):
+        part.done(off)
+
+
+def test_the_commit_at_the_bound_commits_nothing_that_frees_nothing_and_not_every_turn() -> None:
+    now = [0.0]
+    fake = _CommitConsumer()
+    c = Committer(fake, interval_s=0.5, clock=lambda: now[0])
+    _tracked(c, 40, 30)
+    # 40 uncommitted, under a target of 50 already: the byte bound is what holds, and only
+    # acknowledgements free bytes. Before: a commit every turn of the hold (200 a second).
+    for _ in range(20):
+        assert not c.commit_to_relieve(50, timeout_s=1.0)
+    assert fake.calls == []
+    part = c.tracker.get("t", 0)
+    assert part is not None
+    for off in range(40, 100):
+        part.track(off)
+    for off in range(30, 60):
+        part.done(off)
+    assert c.commit_to_relieve(50, timeout_s=1.0) and fake.calls == [[(0, 60)]]
+    for off in range(60, 100):
+        part.track(off + 40)
+        part.done(off)
+    now[0] += RELIEVE_GAP_S / 2
+    assert not c.commit_to_relieve(50, timeout_s=1.0) and len(fake.calls) == 1  # too soon after a success
+    now[0] += RELIEVE_GAP_S / 2
+    assert c.commit_to_relieve(50, timeout_s=1.0) and fake.calls[-1] == [(0, 100)]
+
+
+class _SilentCoordinator(_CommitConsumer):
+    """A synchronous commit that gets no answer until `answer` is set (a coordinator outage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = threading.Event()
+
+    def commit(self, offsets: list[TopicPartition], asynchronous: bool = True) -> list[TopicPartition]:
+        self.calls.append([(tp.partition, tp.offset) for tp in offsets])
+        self.answer.wait(WAIT_S)
+        return [TopicPartition(tp.topic, tp.partition, tp.offset) for tp in offsets]
+
+
+def _commit_threads() -> int:
+    return sum(t.name == "kwe-commit" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_commit_at_the_bound_without_an_answer_is_the_only_one_outstanding() -> None:
+    now = [0.0]
+    fake = _SilentCoordinator()
+    c = Committer(fake, interval_s=0.1, clock=lambda: now[0])
+    _tracked(c, 100, 80)
+    threads = _commit_threads()
+    try:
+        assert not c.commit_to_relieve(50, timeout_s=0.2)  # the poll thread waits once, 0.2 s here
+        for _ in range(5):  # a turn after each retry interval, the coordinator still silent
+            now[0] += 1.0
+            start = time.monotonic()
+            assert not c.commit_to_relieve(50, timeout_s=0.2)
+            assert time.monotonic() - start < 0.1  # not waited for again
+        # Before: a try each interval, each blocking 0.2 s and leaving one more thread blocked.
+        assert len(fake.calls) == 1 and _commit_threads() - threads == 1
+    finally:
+        fake.answer.set()
+    deadline = time.monotonic() + WAIT_S
+    while _commit_threads() > threads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    now[0] += 1.0
+    assert c.commit_to_relieve(50, timeout_s=1.0) and len(fake.calls) == 2  # answered: the next one goes

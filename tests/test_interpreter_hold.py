@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import pytest
 
 from worker.core.interpreter_hold import CpuTimes, HoldRule, InterpreterHold, foreign_loads, parse_cpu_times
-from worker.core.os_threads import move_threads_held_on
+from worker.core.os_threads import thread_affinities
 
 linux_only = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity (Linux)")
 
@@ -237,40 +237,116 @@ def test_counters_that_stop_being_readable_mid_run_leave_the_threads_held_where_
     assert hold.cpu == 0 and hold.moves == 0 and machine.where["worker"] == 0
 
 
-@linux_only
-def test_threads_started_after_the_hold_follow_a_move_and_nothing_follows_without_one() -> None:
+def test_only_threads_started_held_follow_a_move_and_release_lets_every_held_thread_go() -> None:
+    """Issue 57: a move took every thread on the old CPU alone, also one a runtime or an operator had
+    pinned there before the hold, and release let only the poll thread go. A process of six
+    threads: 1 (the poll thread) and 2 (a kwe-* thread) held, 3 pinned to CPU 0 on purpose before
+    the hold, 4 on both; after it 5 is started by a held thread (inheriting CPU 0 alone) and 6 by an
+    unheld one (both CPUs)."""
     machine = Machine(2)
     machine.add("worker", 0.8)
-    follows: list[tuple[int, int, list[int]]] = []
+    table: dict[int, set[int]] = {1: {0, 1}, 2: {0, 1}, 3: {0}, 4: {0, 1}}
+    listing = [lambda: dict(table)]
 
-    def follow(old: int, new: int, held: list[int]) -> int:
-        follows.append((old, new, held))
-        return 3
+    def hold(cpu: int) -> list[int]:
+        machine.where["worker"] = cpu
+        table[1] = table[2] = {cpu}
+        return [1, 2]
 
-    hold = machine.hold_for("worker", seed=1)
-    hold.rng, hold.follow = Heads(), follow
-    hold.start(0, now=0.0)
+    def set_affinity(tid: int, cpus: set[int]) -> None:
+        if tid not in table:
+            raise ProcessLookupError(tid)
+        table[tid] = set(cpus)
+
+    hold_ = InterpreterHold(machine.cpus, rng=Heads(), hold=hold, read_cpus=machine.stat,
+                            read_own_ns=lambda tids: round(machine.own["worker"] * 1e9),
+                            set_affinity=set_affinity, threads=lambda: listing[0]())
+    hold_.start(0, now=0.0)
+    table[5], table[6] = {0}, {0, 1}
+    machine.foreign[0] = 1.0
     for second in range(1, 4):
         machine.step()
-        hold.check(float(second))
-    assert follows == [] and hold.followers == 0
-    machine.foreign[0] = 1.0
-    for second in range(4, 6):
-        machine.step()
-        hold.check(float(second))
-    assert hold.cpu == 1 and follows == [(0, 1, hold._tids)] and hold.followers == 3
+        hold_.check(float(second))
+    assert hold_.cpu == 1 and hold_.followers == 1
+    assert table == {1: {1}, 2: {1}, 3: {0}, 4: {0, 1}, 5: {1}, 6: {0, 1}}, "only thread 5 follows"
 
-    def unreadable(old: int, new: int, held: list[int]) -> int:
+    def unreadable() -> dict[int, set[int]]:
         raise OSError("no /proc")
 
-    hold.follow = unreadable
+    listing[0] = unreadable  # no thread list: the held threads move, the rest stay where they are
     machine.foreign[1], machine.foreign[0] = 1.0, 0.0
-    for second in range(6, 60):
+    for second in range(4, 60):
         machine.step()
-        hold.check(float(second))
-        if hold.cpu == 0:
+        hold_.check(float(second))
+        if hold_.cpu == 0:
             break
-    assert hold.cpu == 0 and hold.moves == 2 and hold.followers == 3  # the move stands; the rest stayed
+    assert hold_.cpu == 0 and hold_.moves == 2 and hold_.followers == 1
+    assert table[1] == table[2] == {0} and table[5] == {1}
+    listing[0] = lambda: dict(table)
+    table[7] = {0}  # started held after that move
+    hold_.release()
+    assert table == {1: {0, 1}, 2: {0, 1}, 3: {0}, 4: {0, 1}, 5: {1}, 6: {0, 1}, 7: {0, 1}}, \
+        "every held thread back on its set before the hold, every one started on the held CPU let go"
+
+
+@linux_only
+def test_on_the_kernel_a_thread_pinned_before_the_hold_stays_and_release_lets_the_held_ones_go() -> None:
+    """The same on real threads and the kernel's affinities (the counters made: CPU `start` busy)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU here: nowhere to move to")
+    start = cpus[0]
+    quiet = threading.Event()
+    tids: dict[str, int] = {}
+
+    def park(name: str, pin: set[int] | None = None) -> None:
+        ready = threading.Event()
+
+        def body() -> None:
+            if pin is not None:
+                os.sched_setaffinity(0, pin)
+            tids[name] = threading.get_native_id()
+            ready.set()
+            quiet.wait(30)
+
+        threading.Thread(target=body, name=name, daemon=True).start()
+        ready.wait(5)
+
+    park("pinned", {start})  # a runtime's or an operator's thread, pinned before the hold
+    park("held")
+
+    def hold(cpu: int) -> list[int]:
+        os.sched_setaffinity(tids["held"], {cpu})
+        return [tids["held"]]
+
+    ticks = [0]
+
+    def stat() -> dict[int, CpuTimes]:
+        ticks[0] += 100
+        return {c: CpuTimes(ticks[0] if c == start else 0, ticks[0]) for c in cpus}
+
+    held = InterpreterHold(cpus, rng=Heads(), hold=hold, read_cpus=stat, read_own_ns=lambda t: 0,
+                           threads=thread_affinities)
+    try:
+        held.start(start, now=0.0)
+        os.sched_setaffinity(0, {start})  # this thread starts the follower as a held thread would
+        try:
+            park("follower")
+        finally:
+            os.sched_setaffinity(0, set(cpus))
+        for second in range(1, 5):
+            held.check(float(second))
+        moved_to = held.cpu
+        after_move = {name: os.sched_getaffinity(tid) for name, tid in tids.items()}
+        held.release()
+        after_release = {name: os.sched_getaffinity(tid) for name, tid in tids.items()}
+    finally:
+        quiet.set()
+    assert moved_to is not None and moved_to != start
+    assert after_move["held"] == after_move["follower"] == {moved_to}
+    assert after_move["pinned"] == {start}, "a thread pinned before the hold was moved"
+    assert after_release["held"] == after_release["follower"] == set(cpus), "release left held threads held"
+    assert after_release["pinned"] == {start}
 
 
 def test_a_process_spinning_on_the_held_cpu_moves_the_threads_on_the_kernels_own_counters() -> None:
@@ -306,7 +382,7 @@ def test_a_process_spinning_on_the_held_cpu_moves_the_threads_on_the_kernels_own
     moved: list[tuple[int, int]] = []
     held = InterpreterHold(cpus, rule=HoldRule(interval_s=0.25), rng=Heads(), hold=hold,
                            on_move=lambda old, new, loads: moved.append((old, new)),
-                           follow=lambda old, new, tids: move_threads_held_on(old, new, skip=tids))
+                           threads=thread_affinities)
     try:
         time.sleep(0.3)  # the spinner runs
         held.start(start, now=time.monotonic())
@@ -328,3 +404,20 @@ def test_a_process_spinning_on_the_held_cpu_moves_the_threads_on_the_kernels_own
     assert os.sched_getaffinity(follower_tid[0]) == {held.cpu}, "a thread started held stayed on the CPU left"
     assert held.followers == 1 and os.sched_getaffinity(0) == set(cpus)  # nothing else of this process moved
     thread.join(5)
+
+
+@linux_only
+def test_the_offline_embedder_holds_no_thread() -> None:
+    """Issue 57 asks the hold off by default for the offline Embedder (`embed`, `from worker import
+    Embedder`): it is; only the Kafka pipeline holds (Pipeline._hold_interpreter). Every thread of
+    this process there before keeps its CPU set through an Embedder's life, the default backend choice
+    included. (Passes before the change too: nothing to fix, pinned here.)"""
+    from worker import Embedder
+
+    before = thread_affinities()
+    with Embedder(cache_bytes=0) as emb:
+        assert emb.embed(["running shoes", "cheap flights"]).shape[0] == 2
+        during = thread_affinities()
+    # (Threads the runtime starts are its own: ONNX Runtime may pin its pool where it is told to.)
+    assert during[threading.get_native_id()] == before[threading.get_native_id()]
+    assert all(during[tid] == cpus for tid, cpus in before.items() if tid in during), "a thread was held"

@@ -174,3 +174,21 @@ def test_a_module_over_400_lines_says_why() -> None:
                 if f"Over {LONG_MODULE_LINES} lines because" not in doc.replace("\n", " "):
                     unexplained.append(f"{path.relative_to(ROOT)} ({text.count(chr(10))} lines)")
     assert not unexplained, f"modules over {LONG_MODULE_LINES} lines whose docstring does not say why: {unexplained}"
+
+
+def benchmark_modules() -> tuple[str, ...]:
+    """Every module of benchmarks/ (packages by their __init__), each a unit of its own."""
+    names = []
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        names.append(".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts))
+    return tuple(names)
+
+
+def test_no_import_cycle_between_benchmark_modules() -> None:
+    # Imports under `if TYPE_CHECKING:` count too: a circle only a type checker follows is still one
+    # a reader has to walk round.
+    graph = package_graph(ROOT, benchmark_modules())
+    cycle = find_cycle(graph)
+    if cycle:
+        pytest.fail(f"import cycle between benchmark modules: {' -> '.join(cycle)}")

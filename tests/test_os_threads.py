@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from tests.thread_tools import run_in_thread
-from worker.core.os_threads import PR_SET_NAME, hold_interpreter_threads, move_threads_held_on, name_current_thread
+from worker.core.os_threads import (PR_SET_NAME, hold_interpreter_threads, name_current_thread, started_on,
+                                    thread_affinities)
 from worker.latch import FatalLatch, guarded
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_NAME) is Linux's")
@@ -105,23 +106,24 @@ def test_a_thread_that_ended_meanwhile_is_skipped() -> None:
     assert held == [] and calls == [threading.get_native_id()]
 
 
-def test_only_threads_held_on_the_cpu_left_alone_follow_a_move(tmp_path: Path) -> None:
-    # Threads 1-6 of a process: 1 and 2 are the held ones (skipped: the hold moves them itself), 3 was
-    # started by a held thread (on CPU 0 alone), 4 runs anywhere, 5 is on CPU 0 and another, 6 ends
-    # between the listing and the move.
-    affinity = {1: {0}, 2: {0}, 3: {0}, 4: {0, 1}, 5: {0, 1}, 6: {0}}
-    for tid in affinity:
+def test_only_threads_started_since_the_hold_on_its_cpu_alone_are_its_followers(tmp_path: Path) -> None:
+    # Threads 1-7 of a process: 1 and 2 are the held ones (skipped: the hold moves them itself); 3 was
+    # pinned to CPU 0 before the hold (a runtime's or an operator's: not the hold's to move); 4 runs
+    # anywhere; after the hold, 5 was started by a held thread (on CPU 0 alone), 6 by an unheld one
+    # (both CPUs), and 7 ended between the listing and the read.
+    before = {1: {0, 1}, 2: {0, 1}, 3: {0}, 4: {0, 1}}
+    now = {1: {0}, 2: {0}, 3: {0}, 4: {0, 1}, 5: {0}, 6: {0, 1}, 7: {0}}
+    for tid in now:
         (tmp_path / str(tid)).mkdir()
-    moved: list[tuple[int, set[int]]] = []
 
     def get(tid: int) -> set[int]:
-        if tid == 6:
+        if tid == 7:
             raise ProcessLookupError
-        return affinity[tid]
+        return now[tid]
 
-    n = move_threads_held_on(0, 1, skip=[1, 2], task_dir=str(tmp_path), get_affinity=get,
-                             set_affinity=lambda tid, cpus: moved.append((tid, cpus)))
-    assert (n, moved) == (1, [(3, {1})])
+    listed = thread_affinities(task_dir=str(tmp_path), get_affinity=get)
+    assert listed == {tid: cpus for tid, cpus in now.items() if tid != 7}
+    assert started_on(0, before, listed, skip=[1, 2]) == [5]
 
 
 @linux_only

@@ -1,7 +1,9 @@
 """A produced record's delivery callback (worker/kafka/_reports.c, and its Python form in
-worker/kafka/reports.py): what each outcome calls, the delivery count the delivery thread reads
-after a poll, that the compiled one holds no reference too many, and that confluent-kafka's own C
-code calls it as it calls a Python function."""
+worker/kafka/reports.py): what each outcome calls, returns and raises, alike in both forms; the
+delivery count the delivery thread reads after a poll; that the compiled one holds no reference too
+many, and that confluent-kafka's own C code calls it as it calls a Python function. Then the
+producer's waits and refusals with either form, and an interrupt from another thread through the
+output stage."""
 
 from __future__ import annotations
 
@@ -105,18 +107,6 @@ def test_accounting_that_raises_goes_to_broken_and_anything_else_propagates(form
     assert len(owner.broken) == 1
 
 
-def test_the_compiled_callback_refuses_other_arguments() -> None:
-    sink = sink_of("compiled", Owner())
-    report = sink.report("out", lambda: None, None)
-    for args, kwargs in (((None,), {}), ((None, None, None), {}), ((None,), {"msg": None})):
-        with pytest.raises(TypeError):
-            report(*args, **kwargs)
-    with pytest.raises(TypeError):
-        sink.report("out", lambda: None)
-    with pytest.raises(TypeError):
-        type(sink)(print, "not callable")
-
-
 def test_the_compiled_callback_holds_its_references_until_it_is_gone() -> None:
     owner = Owner()
     sink = sink_of("compiled", owner)
@@ -199,41 +189,7 @@ def batch(n: int) -> tuple[list[bytes], list[bytes], list[int], list[Any]]:
 
 
 @pytest.mark.parametrize("form", FORMS)
-def test_produce_many_queues_each_record_in_order_with_its_own_report(form: str) -> None:
-    owner, client = Owner(), Client()
-    sink = sink_of(form, owner)
-    keys, values, acked, on_delivered = batch(5)
-    headers = [("kwe-model", b"m")]
-    assert sink.produce_many(client.produce, "out", keys, values, headers, on_delivered, None, 0) == (5, None)
-    assert [(q[0], q[1], q[2], q[3], q[5], q[6], q[7]) for q in client.queued] == \
-        [("out", v, k, -1, None, 0, headers) for k, v in zip(keys, values)]
-    assert len({id(q[4]) for q in client.queued}) == 5
-    client.deliver()
-    assert acked == [0, 1, 2, 3, 4] and sink.take_delivered() == 5
-    assert sink.produce_many(client.produce, "out", keys, values, headers, on_delivered, None, 5) == (5, None)
-    assert client.queued == []
-
-
-@pytest.mark.parametrize("form", FORMS)
-def test_produce_many_stops_at_a_call_that_raises_and_at_an_interrupt(form: str) -> None:
-    owner = Owner()
-    sink = sink_of(form, owner)
-    keys, values, _, on_delivered = batch(4)
-    client = Client(refuse=(b"v2",))
-    done, exc = sink.produce_many(client.produce, "out", keys, values, [], on_delivered, None, 0)
-    assert done == 2 and isinstance(exc, KafkaException) and exc.__traceback__ is not None
-    assert sink.produce_many(client.produce, "out", keys, values, [], on_delivered, None, 3) == (4, None)
-    assert [q[1] for q in client.queued] == [b"v0", b"v1", b"v3"]
-    sink.interrupted = True
-    assert sink.produce_many(client.produce, "out", keys, values, [], on_delivered, None, 0) == (0, None)
-    with pytest.raises(ValueError):
-        sink.produce_many(client.produce, "out", keys, values[:3], [], on_delivered, None, 0)
-    with pytest.raises(ValueError):
-        sink.produce_many(client.produce, "out", keys, values, [], on_delivered, None, 5)
-
-
-@pytest.mark.parametrize("form", FORMS)
-def test_the_producer_waits_out_a_full_queue_and_refuses_a_record_as_produce_does(form: str) -> None:
+def test_the_producer_waits_out_a_full_queue_and_refuses_a_record_with_either_form(form: str) -> None:
     if form == "compiled" and reports_module._reports is None:
         pytest.skip("worker/kafka/_reports.c is not built")
     client = Client(full=3, refuse=(b"v3",))
@@ -247,14 +203,154 @@ def test_the_producer_waits_out_a_full_queue_and_refuses_a_record_as_produce_doe
         return True
 
     # A full queue three times, then a record too large that the wrapper takes over: all accounted for.
-    assert producer.produce_many("out", keys, values, [], on_delivered, take_over) == 6
+    assert all(producer.produce("out", k, v, [], d, take_over) for k, v, d in zip(keys, values, on_delivered))
     assert [q[1] for q in client.queued] == [b"v0", b"v1", b"v2", b"v4", b"v5"] and len(taken) == 1
     assert not latch.is_set()
     client.deliver()
     assert acked == [0, 1, 2, 4, 5]
-    # Without a taker the refusal stops the worker: what was queued before it stays the count.
-    assert producer.write_many([0, 1, 2, 3], "out", keys[:4], values[:4], [], on_delivered[:4]) == 3
+    # Without a taker the refusal stops the worker.
+    assert not producer.write(3, "out", keys[3], values[3], [], on_delivered[3])
     assert latch.is_set() and "cannot write to topic" in str(latch.error)
     # Interrupted: nothing more is queued.
     producer.interrupt()
-    assert producer.write_many([4], "out", keys[4:5], values[4:5], [], on_delivered[4:5]) == 0
+    assert not producer.write(4, "out", keys[4], values[4], [], on_delivered[4])
+    assert client.queued == []
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_an_interrupt_from_another_thread_stops_the_output_stage_between_two_records(form: str) -> None:
+    # confluent-kafka's produce holds the interpreter lock throughout, so an interrupt() from
+    # another thread lands between two records (docs/performance.md): the output stage queues the
+    # record in hand at most and none after it. A compiled loop over the batch ran to its end first.
+    import threading
+
+    import numpy as np
+
+    from worker.delivery.inflight import InFlight, InFlightTable
+    from worker.formats.headers import InputHeaders
+    from worker.kafka.offsets import PartitionOffsets
+    from worker.operations.metrics import Metrics
+    from worker.output.stage import OutputStage, _Finished
+
+    if form == "compiled" and reports_module._reports is None:
+        pytest.skip("worker/kafka/_reports.c is not built")
+
+    class Acks:
+        def embedded(self, seq: int) -> Any:
+            return nothing
+
+    class Codec:
+        headers: list[Any] = []
+
+        def values(self, qids: list[str], rows: Any, tokens: Any, truncated: Any) -> list[bytes]:
+            return [b"{}"] * len(qids)
+
+    n = 100_000
+    latch = FatalLatch()
+    # No broker to reach, and room for every record: only the interrupt stops the batch.
+    producer = OutputProducer({"bootstrap.servers": "127.0.0.1:1", "queue.buffering.max.messages": 2 * n,
+                               "log_level": 0}, latch, compiled_reports=form == "compiled")
+
+    class Counting:
+        """The producer, counting the records the stage's writes queued."""
+
+        def __init__(self) -> None:
+            self.entered = self.queued = 0
+
+        def write(self, *args: Any) -> bool:
+            self.entered += 1
+            written = producer.write(*args)
+            self.queued += written
+            return written
+
+    writer = Counting()
+    table = InFlightTable()
+    stage = OutputStage("out", Codec(), writer, table, Acks(), None, Metrics(), latch)  # type: ignore[arg-type]
+    part = PartitionOffsets("in", 0, 0)
+    recs = [InFlight(part, seq, f"q-{seq}", 3, False, None, 10, b"msg", InputHeaders([]))  # type: ignore[arg-type]
+            for seq in range(n)]
+    table.add_many(range(n), recs)
+
+    def interrupt_once_writing() -> None:
+        while not writer.entered:
+            time.sleep(0.0005)
+        producer.interrupt()
+
+    interrupter = threading.Thread(target=interrupt_once_writing)
+    interrupter.start()
+    try:
+        stage._emit(_Finished(list(range(n)), np.zeros((n, 4), np.float32), None))
+    finally:
+        producer.interrupt()
+        interrupter.join(10)
+    queued = writer.queued
+    handed = sum(rec.msg is None for rec in recs)  # given to write(): the records queued and the one in hand
+    producer.client.purge()
+    assert queued < n, f"{queued} of {n} queued: the interrupt did not stop the batch part-way"
+    assert handed == queued + 1 and not latch.is_set()
+
+
+def nothing() -> None:
+    pass
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_report_returns_none_whatever_its_callees_return(form: str) -> None:
+    sink = report_sink(lambda topic, err, on_failed: "refused", lambda topic, exc: "broken",
+                       compiled=form == "compiled") if form == "python" or reports_module._reports else None
+    if sink is None:
+        pytest.skip("worker/kafka/_reports.c is not built")
+
+    def raises() -> int:
+        raise KeyError(1)
+
+    assert sink.report("out", lambda: 5, None)(None, None) is None
+    assert sink.report("out", lambda: 5, None)(KafkaError(KafkaError._MSG_TIMED_OUT), None) is None
+    assert sink.report("out", raises, None)(None, None) is None
+    assert sink.take_delivered() == 2
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_what_the_owner_raises_propagates_alike(form: str) -> None:
+    class Raising(Owner):
+        def on_refused(self, topic: str, err: Any, on_failed: Any) -> None:
+            raise ValueError(f"refused {topic}")
+
+        def on_broken(self, topic: str, exc: Exception) -> None:
+            raise LookupError(f"broken {topic}: {exc!r}")
+
+    sink = sink_of(form, Raising())
+
+    def raises() -> None:
+        raise KeyError(1)
+
+    with pytest.raises(ValueError, match="refused out") as refused:
+        sink.report("out", nothing, None)(KafkaError(KafkaError._MSG_TIMED_OUT), None)
+    with pytest.raises(LookupError, match="broken out: KeyError") as broken:
+        sink.report("out", raises, None)(None, None)
+    # Raised where no other exception is being handled: nothing chained to either.
+    assert (refused.value.__context__, broken.value.__context__) == (None, None)
+    assert sink.take_delivered() == 1  # the broker had the second; the first was refused
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_both_forms_refuse_other_arguments_alike(form: str) -> None:
+    sink = sink_of(form, Owner())
+    report = sink.report("out", nothing, None)
+    for args, kwargs in (((None,), {}), ((None, None, None), {}), ((None,), {"msg": None}),
+                         ((), {"err": None, "msg": None})):
+        with pytest.raises(TypeError):
+            report(*args, **kwargs)
+    for args in (("out", nothing), ("out", nothing, None, None)):
+        with pytest.raises(TypeError):
+            sink.report(*args)
+    with pytest.raises(TypeError):
+        report_sink(print, "not callable", compiled=form == "compiled")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        report_sink("not callable", print, compiled=form == "compiled")  # type: ignore[arg-type]
+    assert sink.take_delivered() == 0
+    # Any err but None is a failed write, as confluent-kafka only ever passes None or a KafkaError.
+    owner = Owner()
+    sink = sink_of(form, owner)
+    sink.report("out", nothing, None)(0, None)
+    assert owner.refused == [("out", 0, None)] and sink.take_delivered() == 0

@@ -18,32 +18,50 @@ from worker.operations.supervisor import Supervisor, worst
 from worker.settings.schema import Settings, SettingsError
 
 # A stand-in for `python -m worker.cli run ...`: child 1 exits with FAIL_CODE after a moment (or
-# never, when it is 0); every child exits 0 on SIGTERM, 130 on a second one, and writes what it got.
+# never, when it is 0); every child exits 0 on a stop signal (SIGTERM or SIGINT) after STUB_DRAIN_S,
+# 130 on a second one, and writes what it got. The children listed in STUB_IGNORE_STOP ignore
+# stops. A child handed a metrics socket checks it is bound to the port its command line names.
 CHILD = textwrap.dedent("""
-    import os, signal, sys, time
+    import os, signal, socket, sys, time
     index = int(os.environ["KWE_WORKER_PROCESS"])
     fail, out = int(sys.argv[1]), sys.argv[2]
+    drain = float(os.environ.get("STUB_DRAIN_S", "0.2"))
+    stubborn = str(index) in os.environ.get("STUB_IGNORE_STOP", "").split(",")
     got = []
     def stop(signum, frame):
         got.append(signum)
-        if len(got) > 1:
+        with open(f"{out}/child-{index}.signals", "w") as fh:
+            fh.write(" ".join(map(str, got)))
+        if len(got) > 1 and not stubborn:
             sys.exit(130)
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})  # as StopSignals does
+    try:
+        from worker.operations.supervisor import watch_supervisor
+        watch_supervisor(os.environ)
+    except ImportError:
+        pass
+    if os.environ.get("KWE_METRICS_FD"):
+        sock = socket.socket(fileno=int(os.environ["KWE_METRICS_FD"]))
+        port = sys.argv[sys.argv.index("--metrics-port") + 1]
+        with open(f"{out}/child-{index}.socket", "w") as fh:
+            fh.write(str(sock.getsockname()[1] == int(port)))
     with open(f"{out}/child-{index}.argv", "w") as fh:
         fh.write(" ".join(sys.argv[3:]))
     start = time.monotonic()
-    while not got:
+    while not got or stubborn:
         if index == 1 and fail and time.monotonic() - start > 0.3:
             sys.exit(fail)
         time.sleep(0.02)
-    time.sleep(0.2)
+    time.sleep(drain)
     sys.exit(130 if len(got) > 1 else 0)
 """)
 
 
-def _supervisor(tmp_path: Any, fail: int, count: int = 3) -> Supervisor:
-    return Supervisor(["--input-topic", "in"], count, member_id="host", metrics=False,
-                      executable=(sys.executable, "-c", CHILD, str(fail), str(tmp_path)))
+def _supervisor(tmp_path: Any, fail: int, count: int = 3, **kwargs: Any) -> Supervisor:
+    return Supervisor(["--input-topic", "in"], count, member_id="host",
+                      executable=(sys.executable, "-c", CHILD, str(fail), str(tmp_path)), **{"metrics": False, **kwargs})
 
 
 def _run(sup: Supervisor, timeout: float = 30.0) -> int:

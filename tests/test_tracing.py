@@ -97,11 +97,6 @@ def test_a_failing_tracer_never_stops_the_output_stage() -> None:
             self.keys.append(key)
             return True
 
-        def write_many(self, seqs: list[int], topic: str, keys: list[bytes], values: list[bytes], headers: Any,
-                       on_delivered: Any) -> int:
-            self.keys.extend(keys)
-            return len(keys)
-
     class Acks:
         def embedded(self, seq: int) -> Any:
             return lambda: None

@@ -12,6 +12,7 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from tests.fakes.transactions import ABORTABLE, FENCED, INVALID_TXN_STATE, RETRIABLE, FakeTxnProducer
+from worker.delivery.exactly_once.loss_bound import check_session
 from worker.delivery.exactly_once.take_over import FENCED_TAKE_OVERS
 from worker.errors import WorkerError
 from worker.kafka.consumer import SESSION_TIMEOUT_MS
@@ -317,7 +318,11 @@ def test_a_revoke_served_during_the_final_drain_closes_the_transaction_and_finis
     assert not loop.latch.is_set() and loop.txn.state == "idle"
 
 
-def test_lost_partitions_abort_a_young_transaction_once_drained() -> None:
+def test_lost_partitions_abort_a_young_transaction_at_once_without_waiting_for_the_drain() -> None:
+    """Issue 57: the abort after lost partitions waited for the records in flight, which may stay
+    there up to message.timeout.ms (60 s by default), so an abort checked young at 40 s went out
+    at 50 s, past the 44 s bound, and could land after the broker's own timeout (then its epoch
+    bump fences the successor). It goes at the next step now: abort_transaction purges them."""
     loop = Loop()
     loop.consume(0, 1)
     # An outage that outlived the 30 s session: the partitions go about a session after the last
@@ -327,10 +332,52 @@ def test_lost_partitions_abort_a_young_transaction_once_drained() -> None:
     loop.txn.lost()
     assert loop.txn.closing and not loop.latch.is_set()
     loop.txn.step(flow_paused=False)
-    assert "abort" not in loop.producer.calls
+    assert loop.producer.calls[-1] == "abort", "the abort waited for a record still in flight"
+    assert loop.txn.state == "idle" and loop.consumer.seeks == [("in", 0, 1)]
+    loop.clock.now = 50.0  # the record's write comes back (purged, or late): of the aborted transaction
     loop.finish(0, 1)
     loop.txn.step(flow_paused=False)
-    assert loop.producer.calls[-1] == "abort" and loop.producer.visible == []
+    assert loop.producer.calls.count("abort") == 1 and loop.producer.visible == [] and not loop.latch.is_set()
+    loop.consume(0, 1)  # consumed again, into the next transaction, and committed
+    loop.finish(0, 1)
+    loop.clock.now = 52.0
+    loop.txn.step(flow_paused=False)
+    assert loop.producer.visible == ["out-0-1"] and loop.producer.offsets == {("in", 0): 2}
+
+
+def test_a_lost_transactions_age_is_checked_again_as_its_abort_goes() -> None:
+    """Young when the partitions were lost (40 s), 45 s by the time the abort could go (the output
+    thread held the write gate): past the 44 s bound, so no abort; the member stops as a zombie."""
+    loop = Loop()
+
+    class SlowGate:
+        def __enter__(self) -> None:
+            loop.clock.now = 45.0
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    loop.txn.write_gate = SlowGate()
+    loop.consume(0, 1)
+    loop.finish(0, 1)
+    loop.clock.now = 40.0
+    loop.txn.lost()
+    assert not loop.latch.is_set()
+    loop.txn.step(flow_paused=False)
+    assert isinstance(loop.latch.error, TransactionFencedError) and "45 s" in str(loop.latch.error)
+    loop.txn.finish(lambda timeout_s: True, 1.0)
+    assert "abort" not in loop.producer.calls and loop.producer.visible == []
+
+
+def test_a_lost_transaction_too_old_by_shutdown_is_not_aborted_on_the_way_out() -> None:
+    loop = Loop()
+    loop.consume(0, 1)
+    loop.clock.now = 40.0
+    loop.txn.lost()
+    loop.clock.now = 46.0  # a stop before the next step
+    loop.txn.stop.start(5.0)
+    loop.txn.finish(lambda timeout_s: True, 1.0)
+    assert isinstance(loop.latch.error, TransactionFencedError) and "abort" not in loop.producer.calls
 
 
 def test_lost_partitions_with_an_old_transaction_stop_the_member_without_aborting() -> None:
@@ -359,11 +406,12 @@ def test_a_lost_transaction_is_abortable_while_its_abort_lands_before_the_broker
 def test_the_defaults_leave_an_outage_past_the_session_room_to_abort() -> None:
     """A member that loses its partitions to an outage just past its session, with a transaction
     begun an interval before the last heartbeat, aborts and goes on; it does not stop."""
-    settings = Settings()
+    settings = Settings(processing_guarantee="exactly-once")
     loop = Loop()
     loop.txn.transaction_timeout_s = settings.transaction_timeout_ms / 1000
     worst_age_s = (SESSION_TIMEOUT_MS + settings.transaction_interval_ms) / 1000
     assert worst_age_s + 5 < loop.txn.abortable_after_loss_s()
+    assert check_session(settings) is None
 
 
 def test_lost_partitions_without_an_open_transaction_change_nothing() -> None:
@@ -955,7 +1003,7 @@ def test_an_abort_that_keeps_timing_out_is_resumed_then_taken_over(short_hang: N
     loop.txn.sleep = lambda s: setattr(loop.clock, "now", loop.clock.now + 1.0)
     old.errors["abort"] = [RETRIABLE] * 1000
     loop.consume(0, 5, 6)
-    loop.txn.lost()  # young: abort it once drained
+    loop.txn.lost()  # young: aborted at the next step
     loop.finish(0, 5)
     loop.finish(0, 6)
     loop.txn.step(flow_paused=False)

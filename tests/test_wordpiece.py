@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 
 from worker.core.model import default_model_dir
 from worker.intake.tokenize import KeywordTokenizer
@@ -175,18 +175,55 @@ def test_the_compiled_loop_gives_what_the_python_loop_does(minilm: Path, max_len
     assert (compiled.cache.hits, compiled.cache.misses) == (python.cache.hits, python.cache.misses)
 
 
-def test_a_word_the_model_fails_on_fails_the_compiled_call_with_its_error(minilm: Path) -> None:
-    compiled, _ = _both(minilm, 256, 100)
+def _outcome(fast: FastWordPiece, texts: object, max_len: int) -> tuple[object, ...]:
+    """What encode_many gave: its IDs, counts and the cache's counts, or the exception it raised."""
+    try:
+        views, counts = fast.encode_many(texts, max_len)  # type: ignore[arg-type]
+    except Exception as exc:  # noqa: BLE001 - what is raised is the outcome compared
+        return "raised", type(exc), str(exc)
+    return ("returned", [None if v is None else (v.dtype.name, v.tolist()) for v in views], counts,
+            fast.cache.hits, fast.cache.misses)
 
-    class Broken:
-        def tokenize(self, word: str) -> list[object]:
-            raise RuntimeError(f"cannot split {word!r}")
 
-    compiled.cache.lookup = Broken()
-    compiled.cache.words["cheap"] = (1, 2)
-    assert compiled.encode_many(["cheap"], 256)[0][0].tolist() == [101, 1, 2, 102]
-    with pytest.raises(RuntimeError, match="cannot split 'flights'"):
-        compiled.encode_many(["cheap flights"], 256)
+class _Failing:
+    def tokenize(self, word: str) -> list[object]:
+        raise RuntimeError(f"cannot split {word!r}")
+
+
+@pytest.mark.parametrize(("texts", "max_len"), [
+    ([], 256), (["cheap flights"], 256), (["cheap flights", "café", "[MASK] x", "x " * 40, ""], 8),
+    (["cheap flights"], 3), (["cheap flights"], 2), (("cheap flights",), 256), (["cheap", None], 256),
+    (["cheap", b"flights"], 256), (["cheap", 5], 256), (["x\x00y\tz"] * 3, 256),
+])
+def test_both_loops_return_and_raise_alike(minilm: Path, texts: object, max_len: int) -> None:
+    compiled, python = _both(minilm, 256, 100)
+    assert _outcome(compiled, texts, max_len) == _outcome(python, texts, max_len)
+
+
+def test_a_word_the_model_fails_on_fails_both_loops_with_its_error(minilm: Path) -> None:
+    for fast in _both(minilm, 256, 100):
+        fast.cache.lookup = _Failing()
+        fast.cache.words["cheap"] = (1, 2)
+        assert fast.encode_many(["cheap"], 256)[0][0].tolist() == [101, 1, 2, 102]
+        with pytest.raises(RuntimeError, match="cannot split 'flights'"):
+            fast.encode_many(["cheap flights"], 256)
+
+
+def test_a_miss_that_adds_texts_takes_only_those_of_the_call_in_both_loops(minilm: Path) -> None:
+    outcomes = []
+    for fast in _both(minilm, 256, 100):
+        texts = ["cheap flights", "new york"]
+        model = fast.cache.lookup
+
+        class Growing:
+            def tokenize(self, word: str) -> list[object]:
+                texts.extend(["hotels " * 50] * 200)  # more than the call's buffer has room for
+                return model.tokenize(word)
+
+        fast.cache.lookup = Growing()
+        outcomes.append(_outcome(fast, texts, 256))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][0] == "returned" and len(outcomes[0][2]) == 2  # type: ignore[arg-type]
 
 
 def test_a_non_ascii_added_token_keeps_the_python_loop() -> None:
@@ -201,3 +238,93 @@ def test_the_keyword_tokenizer_says_which_path_it_takes(minilm: Path) -> None:
     assert KeywordTokenizer(Tokenizer.from_file(str(minilm)), 256, fast=False).fast_path == "none"
     roberta = DATA / "families" / "roberta" / "tokenizer.json"
     assert KeywordTokenizer(Tokenizer.from_file(str(roberta)), 64).fast_path == "none"
+
+
+# Added tokens as tokenizers matches them: "normalized": false in the raw text, true in the
+# normalised text (special or not; transformers' add_tokens gives true).
+_ADDED_TEXTS = ["E-\x01MAIL me", "e-mail me", "E-MAIL me", "send e-mails", "xe-mail", "e - mail", "E\x00-MAIL",
+                "e-\tmail", "cheap flights", "", "[MASK] e-mail", "re-mail-e-mail"]
+
+
+@pytest.mark.parametrize("special", [False, True])
+@pytest.mark.parametrize("options", [{"normalized": True}, {"normalized": False},
+                                     {"normalized": False, "single_word": True},
+                                     {"normalized": False, "lstrip": True, "rstrip": True},
+                                     {"normalized": True, "single_word": True}])
+def test_an_added_token_gives_the_tokenizers_ids_whichever_way_it_is_matched(
+        minilm: Path, special: bool, options: dict[str, bool]) -> None:
+    def with_token() -> Tokenizer:
+        tok = _reference(minilm, 256)
+        token = AddedToken("e-mail", **options)
+        (tok.add_special_tokens if special else tok.add_tokens)([token])
+        return tok
+
+    ref = with_token()
+    texts = _ADDED_TEXTS + _random_ascii(random.Random(17), 300)
+    keyword = KeywordTokenizer(with_token(), 256)
+    for text, enc in zip(texts, keyword.encode(texts), strict=True):
+        assert (enc.ids.tolist(), enc.length) == _expected(ref, text), repr(text)
+    if options["normalized"]:
+        assert keyword.encode(["E-\x01MAIL me"])[0].ids.tolist() == [101, 30522, 2033, 102]
+    fast = FastWordPiece.of(with_token())
+    # Matched in the normalised text: the fast path, which looks in the raw text, declines the tokenizer.
+    assert (fast is None) == options["normalized"]
+    for text in texts:
+        got = fast.encode(text, 256) if fast is not None else None
+        if got is not None:
+            assert got == _expected(ref, text), repr(text)
+
+
+def test_a_tokenizer_file_with_a_normalized_added_token_is_declined(minilm: Path, tmp_path: Path) -> None:
+    spec = json.loads(minilm.read_text(encoding="utf-8"))
+    assert FastWordPiece.of(Tokenizer.from_str(json.dumps(spec))) is not None
+    spec["added_tokens"][-1]["normalized"] = True  # [MASK], matched after lowercasing: "[mask]" is it too
+    ref = _reference(minilm, 256)
+    ref.add_special_tokens([AddedToken("[MASK]", normalized=True)])
+    keyword = KeywordTokenizer(Tokenizer.from_str(json.dumps(spec)), 256)
+    for text in ["[MA\x01SK] x", "[Mask] x", "[MASK] x", "mask x"]:
+        assert (keyword.encode([text])[0].ids.tolist(), keyword.encode([text])[0].length) == _expected(ref, text)
+    assert keyword.encode(["[MA\x01SK] x"])[0].ids.tolist() == [101, 103, 1060, 102]
+    assert FastWordPiece.of(Tokenizer.from_str(json.dumps(spec))) is None
+    assert keyword.fast_path == "none"
+
+
+_SHRINK = r"""
+import sys
+from tokenizers import Tokenizer
+from worker.core.model import default_model_dir
+from worker.intake.wordpiece import FastWordPiece
+
+form = sys.argv[1]
+fast = FastWordPiece.of(Tokenizer.from_file(str(default_model_dir() / "tokenizer.json")), compiled=form == "compiled")
+assert fast.compiled == (form == "compiled")
+texts = ["".join(("word", str(i), " flights")) for i in range(5000)]  # each held by the list alone
+model = fast.cache.lookup
+
+class Shrinking:
+    # The model's WordPiece, but its first call empties the poll's list (frees its texts and its items).
+    calls = 0
+    def tokenize(self, word):
+        Shrinking.calls += 1
+        if Shrinking.calls == 1:
+            texts.clear()
+        return model.tokenize(word)
+
+fast.cache.lookup = Shrinking()
+views, counts = fast.encode_many(texts, 256)
+print([v.tolist() for v in views], counts)
+"""
+
+
+@pytest.mark.parametrize("form", ["compiled", "python"])
+def test_a_miss_that_shrinks_the_list_of_texts_ends_the_loop_there(form: str) -> None:
+    # The compiled loop read the list's length once and its items borrowed: a callee that emptied
+    # it made the loop read freed memory (a segfault, hence a child process).
+    if form == "compiled" and not wordpiece.COMPILED:
+        pytest.skip("the compiled loop is not built (test_the_compiled_loop_is_built says why)")
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", _SHRINK, form], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    # The text being split is finished (its characters held), then the loop sees the list is empty.
+    assert done.stdout.strip() == "[[101, 2773, 2692, 7599, 102]] [5]"

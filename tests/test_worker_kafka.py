@@ -96,7 +96,7 @@ def test_readyz_waits_for_assignment_and_metrics_count_the_work(
             assert w.proc is not None and w.proc.poll() is None, w.log()
             assert time.monotonic() < deadline, w.log()
             holder.poll(0.1)
-        for _ in range(10):  # the worker joined the group and got nothing: still not ready
+        for _ in range(10):  # the worker joined the group and got nothing: not ready (nor a standby yet)
             holder.poll(0.1)
         status, body = http_get(w.url + "/readyz")
         assert status == 503, body

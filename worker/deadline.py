@@ -97,3 +97,36 @@ class Deadline:
                 return False
             event.wait(min(step_s, left))
         return True
+
+
+class Overrun:
+    """The last resort that makes the deadline the process's: once it has started and passed by
+    `grace_s`, calls `act` (which exits the process) whatever is still running, such as a librdkafka
+    call inside a rebalance callback that no bound reaches. Every step that can be bounded ends by
+    the deadline itself; this only catches the rest.
+
+    Threads: `start` runs a daemon thread ("kwe-stop-watch") that owns nothing but the call to `act`;
+    it re-reads the deadline (a second signal shortens it) and sleeps in steps of at most WATCH_S
+    until the deadline has started, so a stop needs nothing from the signal handler but the start.
+    """
+
+    WATCH_S = 0.25
+
+    def __init__(self, deadline: Deadline, grace_s: float, act: Callable[[], None]) -> None:
+        self._past = deadline.before(-grace_s)
+        self._act = act
+        self._cancelled = threading.Event()
+
+    def start(self) -> None:
+        threading.Thread(target=self._watch, name="kwe-stop-watch", daemon=True).start()
+
+    def cancel(self) -> None:
+        """No act after all (an in-process run whose caller goes on)."""
+        self._cancelled.set()
+
+    def _watch(self) -> None:
+        while (left := self._past.left()) > 0:
+            if self._cancelled.wait(min(left, self.WATCH_S)):
+                return
+        if not self._cancelled.is_set():
+            self._act()

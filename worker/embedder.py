@@ -50,6 +50,7 @@ from worker.backend_choice.select import check_sparse_precision, choose_cpu, ope
 from worker.backends.base import OvPrecision
 from worker.backends.onnxruntime import OnnxRuntimeBackend
 from worker.backends.openvino import OpenVinoBackend
+from worker.backends.static import StaticBackend
 from worker.batching.padding import length_batches, pad_batch
 from worker.core.errors import KeywordEmbedderError
 from worker.core.fingerprint import VectorSettings, model_fingerprint
@@ -117,8 +118,13 @@ class Embedder:
         # it measured ~10-15% faster than the offline-fused graph on this project's CPUs
         # (benchmarks/results/backends/ort_grid.md); both match the reference equally.
         self.backend_choice: CpuChoice | None = None
-        self.backend: OnnxRuntimeBackend | OpenVinoBackend
-        if backend == "auto":
+        self.backend: OnnxRuntimeBackend | OpenVinoBackend | StaticBackend
+        if self.info.static is not None:  # a table lookup in numpy: no graph to choose (docs/models.md)
+            opened = open_backend("onnxruntime" if backend == "auto" else backend, self.info,
+                                  onnx_path=onnx_path, precision=precision)
+            assert isinstance(opened, StaticBackend)
+            self.backend = opened
+        elif backend == "auto":
             if optimize and onnx_path is None:
                 from engines.onnx_export.export import ensure_onnx
 

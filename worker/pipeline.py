@@ -17,9 +17,10 @@ is committed only after its output (or its dead-letter record) is acknowledged, 
 a partition's lowest unfinished offset. Exactly-once: outputs, dead letters and offsets commit
 in one transaction, closed only once nothing consumed into it is in flight.
 A fatal error anywhere stops the worker with that error and exit code 1; nothing past the
-failed record is committed. Shutdown (SIGTERM) drains, flushes, commits and leaves the group
-within one `Deadline` (shutdown_timeout_s), which every step re-reads; a second signal aborts
-and shortens it to 2 s for all of them.
+failed record is committed. Shutdown (SIGTERM) drains, flushes, commits, leaves the group and stops
+within one `Deadline` (shutdown_timeout_s), which every step re-reads; a second signal aborts and
+shortens it to 2 s. What still runs EXIT_GRACE_S past it (a leave parked by the coordinator, a
+librdkafka call no bound reaches) is abandoned: `on_overrun` exits the process, committing no more.
 
 A bounded run (`keyword-embedder backfill`) adds a `PollGate` (worker/backfill/gate.py), on the poll
 thread: how many records a turn may take (its rate limit), which consumed records are processed
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -38,8 +39,8 @@ import structlog
 
 from worker.backends.base import CPU_BACKENDS
 from worker.core.interpreter_hold import InterpreterHold
-from worker.core.os_threads import allowed_cpus, current_cpu, move_threads_held_on
-from worker.deadline import Deadline
+from worker.core.os_threads import allowed_cpus, current_cpu, thread_affinities
+from worker.deadline import Deadline, Overrun
 from worker.delivery.acks import Acknowledger
 from worker.delivery.guarantees import Delivery
 from worker.delivery.inflight import InFlightTable
@@ -63,10 +64,14 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-# Of the shutdown deadline, what is kept back after draining for flush + final commit, and
-# after those for leaving the group.
+# Of the shutdown deadline, what is kept back after draining for flush + final commit, after
+# those for leaving the group, and after leaving for the delivery thread's stop and the spans.
 AFTER_DRAIN_S = 6.0
 LEAVE_S = 3.0
+AFTER_LEAVE_S = 1.0
+# Past the deadline by this, the process exits whatever still runs (`on_overrun`): with the exit
+# itself, a stop ends within shutdown_timeout_s + 2 s (docs/operating.md, "Stopping").
+EXIT_GRACE_S = 1.5
 # A second stop request: everything still running gets at most this long.
 ABORT_S = 2.0
 # At the in-flight bound intake holds (consumes nothing, partitions not paused) while room comes
@@ -125,6 +130,7 @@ class Shutdown:
         self.deadline = Deadline()
         self.drain_by = self.deadline.before(AFTER_DRAIN_S)
         self.commit_by = self.deadline.before(LEAVE_S)
+        self.leave_by = self.deadline.before(AFTER_LEAVE_S)
         self._revoke_timeout_s = settings.revoke_timeout_s
 
     def revoke_wait_s(self) -> float:
@@ -143,6 +149,11 @@ class Pipeline:
         self.latch = shutdown.latch
         self._stop, self._abort = shutdown.stop, shutdown.abort
         self.deadline, self._drain_by, self._commit_by = shutdown.deadline, shutdown.drain_by, shutdown.commit_by
+        self._leave_by = shutdown.leave_by
+        # Set by the command that owns the process (worker/commands/run.py): exits it with the code
+        # given, EXIT_GRACE_S past the shutdown deadline. None (in-process runs): nothing is watched.
+        self.on_overrun: Callable[[int], None] | None = None
+        self._step = "running"  # the shutdown step under way, for the overrun's log line
         self.left_group = True
         self._inflight, self._flow, self._acks = stages.inflight, stages.flow, stages.acks
         self._producer, self._committer, self._member = stages.producer, stages.committer, stages.member
@@ -201,6 +212,8 @@ class Pipeline:
     def run(self) -> int:
         """Runs until stopped; returns the process exit code (0, 1 on a fatal error, 130 aborted)."""
         s = self.settings
+        if self.on_overrun is not None:
+            Overrun(self.deadline, EXIT_GRACE_S, self._overran).start()
         try:
             # Inside the try: a bucketer that cannot create its backend contexts is a fatal
             # error like any other (exit 1, one line), and the shutdown below still runs.
@@ -228,11 +241,22 @@ class Pipeline:
             self._shutdown()
             if self._interpreter is not None:
                 self._interpreter.release()
-        error = self.latch.error
-        if error is not None:
-            log.error("worker stopped on a fatal error", error=str(error))
+        if self.latch.error is not None:
+            log.error("worker stopped on a fatal error", error=str(self.latch.error))
+        return self.exit_code()
+
+    def exit_code(self) -> int:
+        """0 stopped, 1 on a fatal error, 130 aborted (a second stop request)."""
+        if self.latch.error is not None:
             return 1
         return 130 if self._abort.is_set() else 0
+
+    def _overran(self) -> None:
+        """EXIT_GRACE_S past the shutdown deadline and still not exited (the stop watch's thread)."""
+        log.error("the stop overran its deadline: exiting without waiting for the rest", step=self._step,
+                  shutdown_timeout_s=self.settings.shutdown_timeout_s, exit_code=self.exit_code())
+        if self.on_overrun is not None:
+            self.on_overrun(self.exit_code())
 
     def _poll_once(self) -> None:
         pending = self._committer.uncommitted()
@@ -243,9 +267,10 @@ class Pipeline:
                            busy=pending > 0)
         pause = self._delivery.poll_step(flow_paused=self._flow.update(pending, self._inflight.bytes))
         # Intake stops (the bound, a transaction closing): True when the delivery brings the room
-        # back without a pause (at least once: its commit at the bound), so intake holds.
-        if pause is not None and self._delivery.relieve(self._flow.resume_at) \
-                and not self._member.paused and self._hold(pending, pause):
+        # back without a pause (at least once: its commit at the bound), so intake holds. Paused,
+        # the regular asynchronous commits free the room: no synchronous one blocks the poll thread.
+        if pause is not None and not self._member.paused and self._delivery.relieve(self._flow.resume_at) \
+                and self._hold(pending, pause):
             return
         self._held_since = None
         if pause is not None:
@@ -286,8 +311,7 @@ class Pipeline:
         moves = setting == "auto" or self.interpreter_cpu_is_start
         hold = InterpreterHold(cpus, leave=("kwe-dispatch",) if backend in CPU_BACKENDS else (),
                                on_move=lambda old, new, loads: self._interpreter_moved(old, new, loads, hold.followers),
-                               adaptive=moves,
-                               follow=lambda old, new, held: move_threads_held_on(old, new, skip=held))
+                               adaptive=moves, threads=thread_affinities)
         try:
             held = hold.start(cpu, time.monotonic())
         except OSError as exc:
@@ -338,7 +362,7 @@ class Pipeline:
     def _drain(self) -> None:
         """Stop taking new keywords, finish what is in flight, commit it."""
         self._member.pause_all()
-        start = time.monotonic()
+        self._step, start = "drain", time.monotonic()
         log.info("draining", in_flight=self.in_flight(), timeout_s=round(self._drain_by.left(), 3))
         while self.in_flight() and not self._drain_by.expired() and not self._abort.is_set() \
                 and not self.latch.is_set():
@@ -349,20 +373,25 @@ class Pipeline:
 
     def _shutdown(self) -> None:
         clean = not self._abort.is_set() and not self.latch.is_set()
-        # The drain's own deadline: a second signal that shortens it shortens this drain too.
+        # Each step waits at most until its view of the one deadline (re-read: a second signal
+        # shortens them all); a fatal error or an abort gives the batches under way 0.5 s at most.
+        self._step = "batches and outputs"
         never_run = self._bucketer.stop(self._drain_by if clean else Deadline.after(0.5), drain=clean)
         self._output.stop(self._commit_by if clean else Deadline.after(0.5))
         if clean:
             unacked = self._producer.flush(self._commit_by)
             if unacked:
                 log.warning("records still unacknowledged at the deadline", records=unacked)
+        self._step = "final commit"
         self._delivery.finish(self._commit_by, self._member.serve, drained=clean, aborted=self._abort.is_set())
-        self.left_group = self._member.close(self.deadline)
-        self._producer.stop(timeout_s=1.0)
+        self._step = "leave the group"
+        self.left_group = self._member.close(self._leave_by)
+        self._step = "delivery thread and spans"
+        self._producer.stop(timeout_s=self.deadline.capped(1.0))
         if self._spans is not None:
             # Spans of what was produced, exported within what is left (a collector that is
             # down costs at most this, never the commit, which is done).
-            self._spans.close(timeout_s=max(0.5, min(2.0, self.deadline.left())))
+            self._spans.close(timeout_s=self.deadline.capped(2.0))
         log.info("worker stopped", consumed=self._intake.consumed, produced=self._acks.embedded_count,
                  dead_lettered=self._acks.dead_lettered_count, in_flight=self.in_flight(),
                  dropped_after_revoke=self._output.dropped, never_run=len(never_run or []),

@@ -37,16 +37,25 @@ class NullContext:
 
 
 class NullBackend:
-    """Unit vectors (1 in the first component), read-only and shared: nothing is computed."""
+    """Unit vectors (1 in the first component), read-only and shared: nothing is computed.
+
+    `vectors="random"`: random unit vectors instead, made once, still shared and computed by no
+    call. A JSON encoding writes a real model's components at their full length; the default's
+    zeros cost the float-list encoding a fraction of that, which a model's run would be charged
+    for when paired against it."""
 
     name = "null"
     max_contexts: int | None = None
     requires_serial_dispatch = False
 
-    def __init__(self, dim: int = 384, rows: int = 65536) -> None:
+    def __init__(self, dim: int = 384, rows: int = 65536, vectors: str = "unit") -> None:
         self.dim = dim
-        unit = np.zeros((rows, dim), dtype=np.float32)
-        unit[:, 0] = 1.0
+        if vectors == "random":
+            unit = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
+            unit /= np.linalg.norm(unit, axis=1, keepdims=True)
+        else:
+            unit = np.zeros((rows, dim), dtype=np.float32)
+            unit[:, 0] = 1.0
         unit.setflags(write=False)
         self._unit = unit
 

@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
                     help="a worker setting (default: the worker's defaults, the embedding cache off)")
     ap.add_argument("--backend", default="null", help="null (no model) or a real backend name")
+    ap.add_argument("--null-vectors", choices=("unit", "random"), default="unit",
+                    help="what the null backend answers: one-hot unit vectors, or random unit vectors (what a "
+                         "real model's cost to encode as JSON)")
     ap.add_argument("--hold-cpu", type=int, default=-1,
                     help="once the pipeline runs, hold its poll thread and kwe-* threads on this CPU (what "
                          "interpreter_cpu does, done here so that a checkout from before it is held the same "
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         select.load_backend = with_gpu  # type: ignore[assignment]
     if args.backend == "null":
         def null_backend(kind: Any, model: Any, profile: Any = None, **_: Any) -> NullBackend:
-            return NullBackend(model.dim)
+            return NullBackend(model.dim, vectors=args.null_vectors)
         select.open_backend = null_backend  # type: ignore[assignment]
 
     wire = app.wire_pipeline

@@ -4,6 +4,8 @@ microseconds per keyword, by thread, paired against a baseline checkout and acro
     python -m benchmarks.host.pipeline_bench --rounds 5 --baseline-root /tmp/kwe-base \
         --json benchmarks/results/host/pipeline_bench.json
     python -m benchmarks.host.pipeline_bench --rounds 3 --processes 1 2      # scaling on this box
+    python -m benchmarks.host.pipeline_bench --rounds 9 --backend auto --against-backend null \
+        --setting model_dir=STATIC_MODEL          # a static model's lookup over the do-nothing backend
 
 Each run is one process of benchmarks/host/one_run.py (the worker's own pipeline, in-memory
 records, a do-nothing backend, a producer that acknowledges at once; the embedding cache off, so
@@ -77,7 +79,7 @@ def runner_dir(tmp: Path) -> Path:
 
 
 def run_side(root: Path, pythonpath: Path, args: argparse.Namespace, processes: int,
-             settings: list[str], hold: bool = False) -> list[dict[str, Any]]:
+             settings: list[str], hold: bool = False, backend: str | None = None) -> list[dict[str, Any]]:
     """`processes` one_run processes at once in checkout `root`; their JSON results. `hold`: process
     i's Python threads held on the ith CPU of this process's set, in turn (interpreter_cpu's auto)."""
     cpus = sorted(os.sched_getaffinity(0))
@@ -87,8 +89,8 @@ def run_side(root: Path, pythonpath: Path, args: argparse.Namespace, processes: 
     per = args.n + args.warmup
     for i in range(processes):
         cmd = [sys.executable, "-m", "kwe_host.one_run", "--data", str(args.data), "--n", str(args.n),
-               "--warmup", str(args.warmup), "--warmup-s", str(args.warmup_s), "--skip", str(i * per), "--backend", args.backend,
-               "--poll-records", str(args.poll_records)]
+               "--warmup", str(args.warmup), "--warmup-s", str(args.warmup_s), "--skip", str(i * per), "--backend", backend or args.backend,
+               "--poll-records", str(args.poll_records), "--null-vectors", args.null_vectors]
         for s in settings:
             cmd += ["--setting", s]
         if hold:
@@ -121,6 +123,16 @@ def main() -> int:
     ap.add_argument("--poll-records", type=int, default=0,
                     help="one_run's: at most this many records a consume (a live stream; 0: a backlog)")
     ap.add_argument("--backend", default="null", help="null (no model; the default) or a worker backend")
+    ap.add_argument("--against-backend", default=None, metavar="BACKEND",
+                    help="also run this checkout with this backend (e.g. null, with --backend auto and a static "
+                         "model), paired against --backend: the model's cost over the host path's")
+    ap.add_argument("--new-setting", action="append", default=[], metavar="NAME=VALUE",
+                    help="a worker setting for this checkout's --backend sides only")
+    ap.add_argument("--against-setting", action="append", default=[], metavar="NAME=VALUE",
+                    help="a worker setting for the --against-backend side only")
+    ap.add_argument("--null-vectors", choices=("unit", "random"), default="unit",
+                    help="the null backend's answers (one_run's --null-vectors): random unit vectors cost the "
+                         "float-list encoding what a real model's do")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--hold", action="store_true",
                     help="also run each process count with each process's Python threads held on a CPU of "
@@ -137,6 +149,8 @@ def main() -> int:
         sides += [(f"new-p{p}-off", ROOT, p, False) for p in args.processes]
     if args.baseline_root is not None:
         sides.append(("old-p1", args.baseline_root.resolve(), 1, False))
+    if args.against_backend is not None:
+        sides.append(("against-p1", ROOT, 1, False))
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         path = runner_dir(Path(tmp))
@@ -146,7 +160,10 @@ def main() -> int:
             for name, root, processes, hold in order:
                 # Held by the benchmark, or left free: either way the worker's own hold stays out.
                 off = ["interpreter_cpu=off"] if hold or name.endswith("-off") else []
-                results = run_side(root, path, args, processes, args.setting + off, hold)
+                against = name == "against-p1"
+                own = args.against_setting if against else args.new_setting if name.startswith("new-") else []
+                results = run_side(root, path, args, processes, args.setting + own + off, hold,
+                                   args.against_backend if against else None)
                 got[name] = {"keywords_per_s": sum(x["keywords_per_s"] for x in results),
                              "cpu_us_per_keyword": sum(x["cpu_us_per_keyword"] for x in results) / len(results),
                              "threads_us_per_keyword": results[0]["threads_us_per_keyword"],
@@ -172,6 +189,10 @@ def main() -> int:
     if args.baseline_root is not None:
         summary["ratios"]["new/old keywords_per_s"] = paired("new-p1", "old-p1", "keywords_per_s")
         summary["ratios"]["old/new cpu_us_per_keyword"] = paired("old-p1", "new-p1", "cpu_us_per_keyword")
+    if args.against_backend is not None:
+        summary["against_backend"] = args.against_backend
+        summary["ratios"]["new/against cpu_us_per_keyword"] = paired("new-p1", "against-p1", "cpu_us_per_keyword")
+        summary["ratios"]["against/new keywords_per_s"] = paired("against-p1", "new-p1", "keywords_per_s")
     for p in args.processes[1:]:
         summary["ratios"][f"p{p}/p1 keywords_per_s"] = paired(f"new-p{p}", "new-p1", "keywords_per_s")
     # Each variant against the default (interpreter_cpu as the settings have it, auto; before

@@ -54,6 +54,9 @@ def build_model(model_dir: str | Path | ModelInfo | None = None, *, external_dat
     one such a model is an ExportError.
     """
     info = model_info(model_dir)
+    if info.static is not None:
+        raise ExportError(f"{info.model_dir}: a static model (a table lookup and a mean) has no graph to export; "
+                          "the worker and the Embedder run it on the static backend as it is")
     if info.model_type not in FAMILIES:  # ModelInfo refuses these already; a hand-made one may not
         raise ExportError(f"{info.config_path}: model_type {info.model_type!r} is not supported; supported "
                           f"encoder families: {', '.join(FAMILIES)}")

@@ -252,6 +252,15 @@ def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = 
     The backend's embedding size must be the model's.
     """
     backend: Backend
+    if model.static is not None:  # a table lookup whatever `kind` (worker/backend_choice/static_choice.py)
+        from worker.backend_choice.static_choice import static_refusal
+        from worker.backends.static import StaticBackend
+
+        why = static_refusal(model, backend=kind, precision=precision, onnx_path=str(onnx_path or ""),
+                             engine_path=str(engine_path or ""))
+        if why is not None:
+            raise BackendError(why)
+        return StaticBackend(model)
     if kind == "torch":
         if precision != "fp32":
             raise BackendError(f"setting 'precision': {precision!r} is for the onnxruntime backend; the torch "
@@ -335,6 +344,10 @@ def load_backend(settings: Settings, *, model: ModelInfo | None = None,
     ModelError (model folder), each with a message that names the setting or file.
     """
     model = model or model_info(settings)
+    if model.static is not None:  # no graph: the numpy lookup, whatever the CPU backend setting
+        from worker.backend_choice.static_choice import load_static
+
+        return load_static(settings, model)
     choice = choose_backend(settings, find_spec=find_spec, has_gpu=has_gpu)
     threads = intra_op_threads(settings)
     if choice.backend == "torch":

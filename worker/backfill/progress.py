@@ -71,7 +71,7 @@ class Outcome:
     stopped_by: str | None  # what stopped it before the end (a stop signal, --capture-only), or None
 
 
-def summary(outcome: Outcome, *, group: str, output_topic: str, stream: TextIO = sys.stdout) -> None:
+def summary(outcome: Outcome, *, group: str, output_topic: str, stream: TextIO | None = None) -> None:
     rng = outcome.plan.range
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(rng.captured_ms / 1000))
     this_run = outcome.embedded + outcome.dead_lettered
@@ -99,4 +99,5 @@ def summary(outcome: Outcome, *, group: str, output_topic: str, stream: TextIO =
         lines.append(f"  left         {left:,} offsets (partition {parts}); {again}")
     else:
         lines.append("  left         0")
-    print("\n".join(lines), file=stream, flush=True)
+    # sys.stdout at the call, not at import (a test's captured stdout is closed by then).
+    print("\n".join(lines), file=stream or sys.stdout, flush=True)

@@ -15,6 +15,11 @@ a kept range is refused: that is another range, in another group.
 Before the pipeline starts, a partition its group has no offset for gets the range's start
 committed (the group is empty then), so the group member begins there with no seek of its own.
 
+The groups' offsets are read and committed through consumers that never join
+(worker/backfill/group_offsets.py: not the admin client, whose ListConsumerGroupOffsets crashes on a
+coordinator still loading), and every step that asks the cluster retries its retriable errors
+within one bound (worker/backfill/cluster_calls.py).
+
 Threads: everything here runs on the command's main thread, before the pipeline starts.
 """
 
@@ -24,30 +29,22 @@ import json
 import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Literal
 
 import structlog
-from confluent_kafka import ConsumerGroupTopicPartitions, IsolationLevel, KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, OffsetSpec
+from confluent_kafka import IsolationLevel, TopicPartition
+from confluent_kafka.admin import OffsetSpec
 
-from worker.errors import WorkerError
+from worker.backfill.cluster_calls import BackfillError, GroupBusyError, Retriable, Retry, classify
+from worker.backfill.group_offsets import GroupOffsets
 from worker.settings.schema import SettingsError
 
 log = structlog.get_logger(__name__)
 
 # What the range group's commit metadata holds; a change of its meaning bumps it.
 RANGE_FORMAT = 1
-# Admin calls: each waits at most this long for the cluster.
-REQUEST_TIMEOUT_S = 15.0
-# Committing the start offsets needs the backfill group empty: a member of a killed run stays in
-# it until its session times out (session.timeout.ms, 10 s), so that long and a little more.
-EMPTY_GROUP_WAIT_S = 20.0
-
-
-class BackfillError(WorkerError):
-    """The range cannot be captured, read or committed; the message says which and why."""
 
 
 FromKind = Literal["beginning", "offset", "timestamp"]
@@ -170,39 +167,50 @@ def plan(rng: Range, committed: Mapping[int, int | None]) -> Plan:
 # ------------------------------------------------------------------ Kafka
 
 
-def _result(future: Any, what: str) -> Any:
-    try:
-        return future.result(timeout=REQUEST_TIMEOUT_S)
-    except KafkaException as exc:
-        raise BackfillError(f"{what}: {exc.args[0].str() if exc.args else exc}") from None
-    except Exception as exc:  # noqa: BLE001 - a timeout (concurrent.futures) or a client error
-        raise BackfillError(f"{what}: {exc!r}") from None
+@dataclass
+class Kafka:
+    """What the range is read from and kept in: the admin client (the topic's partitions and offsets)
+    and the groups' offsets (consumers that never join), each step retried within `retry`'s bound. A
+    commit that needs its group empty waits up to `empty_wait_s` for it (group_offsets.py)."""
+
+    admin: Any
+    groups: GroupOffsets
+    empty_wait_s: float
+    retry: Retry = field(default_factory=Retry)
 
 
-def partitions_of(admin: AdminClient, topic: str) -> list[int]:
-    meta = admin.list_topics(topic, timeout=REQUEST_TIMEOUT_S)
-    found = meta.topics.get(topic)
-    if found is None or found.error is not None:
-        raise BackfillError(f"topic {topic!r} does not exist" + (f" ({found.error.str()})" if found else ""))
-    return sorted(found.partitions)
+def partitions_of(kafka: Kafka, topic: str) -> list[int]:
+    def attempt(timeout_s: float) -> list[int]:
+        found = kafka.admin.list_topics(topic, timeout=timeout_s).topics.get(topic)
+        if found is None:
+            raise Retriable("not in the metadata answer")
+        if found.error is not None:
+            failure = classify(found.error)
+            raise BackfillError(f"topic {topic!r} does not exist ({found.error.str()})") \
+                if isinstance(failure, BackfillError) else failure
+        return sorted(found.partitions)
+
+    return kafka.retry.run(f"cannot read the partitions of {topic}", attempt)
 
 
-def list_offsets(admin: AdminClient, topic: str, partitions: Sequence[int], spec: Any) -> dict[int, int]:
+def list_offsets(kafka: Kafka, topic: str, partitions: Sequence[int], spec: Any) -> dict[int, int]:
     """One ListOffsets per partition, read_committed (the ends are last stable offsets)."""
-    futures = admin.list_offsets({TopicPartition(topic, p): spec for p in partitions},
-                                 isolation_level=IsolationLevel.READ_COMMITTED, request_timeout=REQUEST_TIMEOUT_S)
-    return {tp.partition: _result(f, f"cannot list the offsets of {topic}[{tp.partition}]").offset
-            for tp, f in futures.items()}
+    def attempt(timeout_s: float) -> dict[int, int]:
+        futures = kafka.admin.list_offsets({TopicPartition(topic, p): spec for p in partitions},
+                                           isolation_level=IsolationLevel.READ_COMMITTED, request_timeout=timeout_s)
+        return {tp.partition: f.result(timeout=timeout_s + 1).offset for tp, f in futures.items()}
+
+    return kafka.retry.run(f"cannot list the offsets of {topic}", attempt)
 
 
-def capture(admin: AdminClient, topic: str, origin: FromSpec, *, now_ms: int | None = None) -> Range:
+def capture(kafka: Kafka, topic: str, origin: FromSpec, *, now_ms: int | None = None) -> Range:
     """The range as the topic stands now: each partition's start per `origin`, and its end."""
-    partitions = partitions_of(admin, topic)
-    ends = list_offsets(admin, topic, partitions, OffsetSpec.latest())
-    earliest = list_offsets(admin, topic, partitions, OffsetSpec.earliest())
+    partitions = partitions_of(kafka, topic)
+    ends = list_offsets(kafka, topic, partitions, OffsetSpec.latest())
+    earliest = list_offsets(kafka, topic, partitions, OffsetSpec.earliest())
     if origin.kind == "timestamp":
         # The first offset whose timestamp is at or after it; -1: none, the partition has nothing to do.
-        found = list_offsets(admin, topic, partitions, OffsetSpec.for_timestamp(origin.value))
+        found = list_offsets(kafka, topic, partitions, OffsetSpec.for_timestamp(origin.value))
         starts = {p: ends[p] if found[p] < 0 else found[p] for p in partitions}
     elif origin.kind == "offset":
         starts = {p: origin.value for p in partitions}
@@ -212,62 +220,15 @@ def capture(admin: AdminClient, topic: str, origin: FromSpec, *, now_ms: int | N
     return Range(topic, origin.text, int(time.time() * 1000) if now_ms is None else now_ms, parts)
 
 
-def committed_offsets(admin: AdminClient, group: str, topic: str,
-                      partitions: Sequence[int]) -> dict[int, tuple[int | None, str | None]]:
-    """The group's committed offset and metadata per partition (None: none committed)."""
-    request = ConsumerGroupTopicPartitions(group, [TopicPartition(topic, p) for p in partitions])
-    [future] = admin.list_consumer_group_offsets([request], request_timeout=REQUEST_TIMEOUT_S).values()
-    answer = _result(future, f"cannot read the committed offsets of group {group!r}")
-    out: dict[int, tuple[int | None, str | None]] = {}
-    for tp in answer.topic_partitions:
-        if tp.error is not None:
-            raise BackfillError(f"cannot read group {group!r}'s offset of {topic}[{tp.partition}]: {tp.error.str()}")
-        out[tp.partition] = (tp.offset if tp.offset >= 0 else None, tp.metadata or None)
-    return out
-
-
-def commit(admin: AdminClient, group: str, topic: str, offsets: Mapping[int, int],
-           metadata: Mapping[int, str] | None = None, *, wait_empty_s: float = EMPTY_GROUP_WAIT_S,
-           sleep: Any = time.sleep) -> None:
-    """Commits offsets for a group nobody is in (AlterConsumerGroupOffsets), waiting up to
-    wait_empty_s for the members of a killed run to time out."""
-    tps = [TopicPartition(topic, p, off) if p not in (metadata or {}) else
-           TopicPartition(topic, p, off, metadata=(metadata or {})[p]) for p, off in sorted(offsets.items())]
-    deadline = time.monotonic() + wait_empty_s
-    while True:
-        [future] = admin.alter_consumer_group_offsets([ConsumerGroupTopicPartitions(group, tps)],
-                                                      request_timeout=REQUEST_TIMEOUT_S).values()
-        try:
-            answer = future.result(timeout=REQUEST_TIMEOUT_S)
-        except KafkaException as exc:
-            err = exc.args[0] if exc.args else None
-            busy = isinstance(err, KafkaError) and err.code() in (
-                KafkaError.UNKNOWN_MEMBER_ID, KafkaError.REBALANCE_IN_PROGRESS, KafkaError.ILLEGAL_GENERATION,
-                KafkaError.GROUP_SUBSCRIBED_TO_TOPIC) or "non-empty" in str(exc).lower() or "NON_EMPTY" in str(exc)
-            if busy and time.monotonic() < deadline:
-                sleep(1.0)
-                continue
-            why = err.str() if isinstance(err, KafkaError) else str(exc)
-            hint = (" (another backfill with this group runs, or one was killed less than its session timeout "
-                    "ago)") if busy else ""
-            raise BackfillError(f"cannot commit the range's offsets for group {group!r}: {why}{hint}") from None
-        except Exception as exc:  # noqa: BLE001 - a timeout
-            raise BackfillError(f"cannot commit the range's offsets for group {group!r}: {exc!r}") from None
-        bad = [tp for tp in answer.topic_partitions if tp.error is not None]
-        if bad:
-            raise BackfillError(f"cannot commit {topic}[{bad[0].partition}] for group {group!r}: {bad[0].error.str()}")
-        return
-
-
 def range_group(group: str) -> str:
     """The group that keeps a backfill group's range (never joined by a consumer)."""
     return f"{group}-range"
 
 
-def load_range(admin: AdminClient, group: str, topic: str, partitions: Sequence[int]) -> Range | None:
+def load_range(kafka: Kafka, group: str, topic: str, partitions: Sequence[int]) -> Range | None:
     """The range kept for `group`, or None when none was captured. Partitions made after the
     capture are not part of it."""
-    kept = committed_offsets(admin, range_group(group), topic, partitions)
+    kept = kafka.groups.committed(range_group(group), topic, partitions)
     parts: list[PartitionRange] = []
     origin, captured = None, 0
     for p in partitions:
@@ -289,7 +250,7 @@ def load_range(admin: AdminClient, group: str, topic: str, partitions: Sequence[
     return Range(topic, origin, captured, tuple(parts))
 
 
-def open_range(admin: AdminClient, group: str, topic: str, origin: FromSpec, *,
+def open_range(kafka: Kafka, group: str, topic: str, origin: FromSpec, *,
                live_group: str = "") -> tuple[Range, bool]:
     """The kept range of `group` (refused when it began at another `--from`), or a new one captured
     and kept now. Returns (range, kept: it was there before).
@@ -298,32 +259,32 @@ def open_range(admin: AdminClient, group: str, topic: str, origin: FromSpec, *,
     an offset for already ends the range there (it embeds from there on); one it has none for gets
     the range's end committed as its start. No record is embedded by both, none by neither.
     """
-    partitions = partitions_of(admin, topic)
-    kept = load_range(admin, group, topic, partitions)
+    partitions = partitions_of(kafka, topic)
+    kept = load_range(kafka, group, topic, partitions)
     if kept is not None:
         if kept.origin != origin.text:
             raise SettingsError(f"group {group!r} already holds a range of {topic} from {kept.origin} (captured "
                                 f"{_when(kept.captured_ms)}), not from {origin.text}: rerun with that --from to "
                                 f"resume it, or give another --group-id for another range")
         if live_group:
-            hand_off(admin, live_group, kept)
+            hand_off(kafka, live_group, kept)
         return kept, True
-    rng = capture(admin, topic, origin)
+    rng = capture(kafka, topic, origin)
     if live_group:
-        rng = hand_off(admin, live_group, rng)
-    commit(admin, range_group(group), topic, {p.partition: p.end for p in rng.parts},
-           {p.partition: rng.metadata(p) for p in rng.parts})
+        rng = hand_off(kafka, live_group, rng)
+    kafka.groups.commit(range_group(group), topic, {p.partition: p.end for p in rng.parts},
+                        {p.partition: rng.metadata(p) for p in rng.parts}, wait_empty_s=kafka.empty_wait_s)
     log.info("backfill range captured", topic=topic, origin=rng.origin, offsets=rng.total, live_group=live_group or None,
              partitions={p.partition: [p.start, p.end] for p in rng.parts})
     return rng, False
 
 
-def hand_off(admin: AdminClient, live_group: str, rng: Range) -> Range:
+def hand_off(kafka: Kafka, live_group: str, rng: Range) -> Range:
     """The range ended where `live_group` begins: its committed offsets end the range where it has
     them (at capture they are at most the ends: it reads read_committed too); where it has none, the
     range's end is committed for it (it must not run yet: its offsets can only be set while it is
     empty)."""
-    have = committed_offsets(admin, live_group, rng.topic, [p.partition for p in rng.parts])
+    have = kafka.groups.committed(live_group, rng.topic, [p.partition for p in rng.parts])
     parts, missing = [], {}
     for p in rng.parts:
         at = have.get(p.partition, (None, None))[0]
@@ -335,8 +296,8 @@ def hand_off(admin: AdminClient, live_group: str, rng: Range) -> Range:
             parts.append(PartitionRange(p.partition, min(p.start, end), end))
     if missing:
         try:
-            commit(admin, live_group, rng.topic, missing, wait_empty_s=0.0)
-        except BackfillError as exc:
+            kafka.groups.commit(live_group, rng.topic, missing, wait_empty_s=0.0, busy_hint="")
+        except GroupBusyError as exc:
             raise BackfillError(f"--live-group {live_group!r} runs already but has no offsets for "
                                 f"{rng.topic}[{', '.join(map(str, sorted(missing)))}] to hand off at: stop it, run "
                                 f"the backfill with --capture-only first, then start it ({exc})") from None
@@ -344,12 +305,13 @@ def hand_off(admin: AdminClient, live_group: str, rng: Range) -> Range:
     return Range(rng.topic, rng.origin, rng.captured_ms, tuple(parts))
 
 
-def prepare(admin: AdminClient, group: str, rng: Range) -> Plan:
-    """Reads where the backfill group stands and commits the start of each partition it has no offset for."""
-    committed = committed_offsets(admin, group, rng.topic, [p.partition for p in rng.parts])
+def prepare(kafka: Kafka, group: str, rng: Range) -> Plan:
+    """Reads where the backfill group stands and commits the start of each partition it has no offset
+    for (waiting up to kafka.empty_wait_s for the member of a killed run to time out)."""
+    committed = kafka.groups.committed(group, rng.topic, [p.partition for p in rng.parts])
     resumed = plan(rng, {p: off for p, (off, _) in committed.items()})
     if resumed.to_commit:
-        commit(admin, group, rng.topic, resumed.to_commit)
+        kafka.groups.commit(group, rng.topic, resumed.to_commit, wait_empty_s=kafka.empty_wait_s)
     return resumed
 
 

@@ -31,6 +31,9 @@ from worker.settings.schema import setting_fields
 PROG = "keyword-embedder backfill"
 # The exit code of a backfill stopped before the end of its range (as a shell's for SIGINT).
 STOPPED = 130
+# How long the summary after a stop or a failure tries to read what is left from the group (the
+# pipeline has stopped by then; past it, what the gate saw last).
+LEFT_READ_S = 10.0
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +85,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
         print(f"{PROG}: --max-rate must be >= 0", file=sys.stderr)
         return 2
     try:
-        settings, plan, admin = _start(args)
+        settings, plan, cluster = _start(args)
     except KeywordEmbedderError as exc:
         if signals.stopped_during_startup():
             raise StopDuringStartup(signals.requested) from None
@@ -97,13 +100,15 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
                         "--capture-only" if args.capture_only else None),
                 group=settings.group_id, output_topic=settings.output_topic)
         return 0
-    return _run(args, settings, plan, admin, signals)
+    return _run(args, settings, plan, cluster, signals)
 
 
-def _start(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+def _start(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     """Settings, the cluster check, the range and where it resumes: a KeywordEmbedderError on what stops start-up."""
-    from worker.backfill.range import FromSpec, open_range, prepare
+    from worker.backfill.group_offsets import GroupOffsets, empty_group_wait_s
+    from worker.backfill.range import FromSpec, Kafka, open_range, prepare
     from worker.kafka.client_config import admin_config, client_config, secret_values
+    from worker.kafka.consumer import consumer_config
     from worker.kafka.preflight import check_topics
     from worker.settings.schema import SettingsError
 
@@ -120,11 +125,16 @@ def _start(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 
     from confluent_kafka.admin import AdminClient
 
-    admin = AdminClient(admin_config(settings))
     if args.live_group == group:
         raise SettingsError(f"--live-group {args.live_group!r} is the backfill's own group")
-    rng, kept = open_range(admin, group, settings.input_topic, origin, live_group=args.live_group)
-    plan = prepare(admin, group, rng)
+    # A killed run's member stays in the group for its session: the one its consumer runs with.
+    kafka = Kafka(AdminClient(admin_config(settings)), GroupOffsets(admin_config(settings)),
+                  empty_wait_s=empty_group_wait_s(consumer_config(settings)))
+    try:
+        rng, kept = open_range(kafka, group, settings.input_topic, origin, live_group=args.live_group)
+        plan = prepare(kafka, group, rng)
+    finally:
+        kafka.groups.close()
     structlog.get_logger("worker.backfill").info(
         "backfill range", topic=rng.topic, group=group, origin=rng.origin, kept=kept, offsets=rng.total,
         done_before=plan.done_before, left=sum(plan.left.values()),
@@ -132,10 +142,10 @@ def _start(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     if origin.kind == "offset" and rng.total == 0 and rng.parts and origin.value >= max(p.end for p in rng.parts) > 0:
         print(f"{PROG}: --from {args.origin} is past every partition's end: nothing to embed (epoch milliseconds "
               f"are written {args.origin}ms)", file=sys.stderr)
-    return settings, plan, admin
+    return settings, plan, admin_config(settings)
 
 
-def _run(args: argparse.Namespace, settings: Any, plan: Any, admin: Any, signals: StopSignals) -> int:
+def _run(args: argparse.Namespace, settings: Any, plan: Any, cluster: dict[str, Any], signals: StopSignals) -> int:
     from worker.app import build_pipeline
     from worker.backfill.gate import RangeGate
     from worker.backfill.progress import Outcome, Progress, summary
@@ -143,6 +153,7 @@ def _run(args: argparse.Namespace, settings: Any, plan: Any, admin: Any, signals
     from worker.core.errors import KeywordEmbedderError
     from worker.operations.metrics import Metrics
     from worker.operations.probes import run_served
+    from worker.commands.run import exit_now
 
     log = structlog.get_logger("worker.backfill")
     metrics = Metrics()
@@ -171,6 +182,8 @@ def _run(args: argparse.Namespace, settings: Any, plan: Any, admin: Any, signals
         pipeline.request_stop()
 
     signals.on_stop = stop
+    # As run's: a stop stuck in librdkafka past its deadline exits within shutdown_timeout_s + 2 s.
+    pipeline.on_overrun = exit_now
     try:
         code = run_served(pipeline, metrics, settings.metrics_host, settings.metrics_port, log=log)
     finally:
@@ -178,7 +191,7 @@ def _run(args: argparse.Namespace, settings: Any, plan: Any, admin: Any, signals
         progress.close()
     [range_gate] = gates
     embedded, dead_lettered = pipeline.outcomes()
-    left = {} if range_gate.complete else _left(admin, settings.group_id, plan, range_gate.left())
+    left = {} if range_gate.complete else _left(cluster, settings.group_id, plan, range_gate.left())
     summary(Outcome(plan, plan.range.total - sum(left.values()), embedded, dead_lettered, range_gate.dropped,
                     range_gate.busy_seconds(), left, "a stop signal" if stopped else None),
             group=settings.group_id, output_topic=settings.output_topic)
@@ -198,16 +211,20 @@ def _run(args: argparse.Namespace, settings: Any, plan: Any, admin: Any, signals
     return code
 
 
-def _left(admin: Any, group: str, plan: Any, seen: dict[int, int]) -> dict[int, int]:
+def _left(cluster: dict[str, Any], group: str, plan: Any, seen: dict[int, int]) -> dict[int, int]:
     """What is left of the range by the group's committed offsets: what the next run resumes from
-    (what the gate saw last is a fallback when the cluster does not answer)."""
-    from worker.backfill.range import committed_offsets
+    (what the gate saw last is a fallback when the cluster does not answer within LEFT_READ_S)."""
+    from worker.backfill.cluster_calls import Retry
+    from worker.backfill.group_offsets import GroupOffsets
     from worker.backfill.range import plan as resume_plan
     from worker.core.errors import KeywordEmbedderError
 
+    groups = GroupOffsets(cluster, Retry(bound_s=LEFT_READ_S, attempt_timeout_s=LEFT_READ_S))
     try:
-        committed = committed_offsets(admin, group, plan.range.topic, [p.partition for p in plan.range.parts])
+        committed = groups.committed(group, plan.range.topic, [p.partition for p in plan.range.parts])
     except KeywordEmbedderError as exc:  # BackfillError: the cluster did not answer
         structlog.get_logger("worker.backfill").warning("cannot read what is left; as last seen", error=str(exc))
         return seen
+    finally:
+        groups.close()
     return dict(resume_plan(plan.range, {p: off for p, (off, _) in committed.items()}).left)

@@ -73,6 +73,9 @@ def main(args: argparse.Namespace) -> int:
           "  refused:  the inference-free Router (SparseStaticEmbedding queries), SparseAutoEncoder (CSR)\n"
           f"  fixtures: tests/data/sparse, vs SparseEncoder's encode: |diff| <= {RTOL:g} x |ref| + {ATOL:g} per "
           "entry, the same non-zero indices (tests/test_sparse.py)")
+    from worker.static_family import STATIC_STATUS
+
+    print("\nStatic models (a table lookup, no encoder; docs/models.md, Static models)\n" + STATIC_STATUS)
     print("\nKnown models (the pipeline its modules.json lists; what checked it here)")
     for k in KNOWN_PIPELINES:
         print(f"  {k.model:<38} {k.family:<12} {k.pipeline}\n  {'':<38} {'':<12} checked: {k.checked}")
@@ -262,6 +265,25 @@ def _check(fixtures: Path) -> int:
             continue
         print(f"  {r.name} ({r.folder}): worst of {r.rows} rows {r.worst:.7f}, norms {r.norm_error:.1e}  "
               f"{'ok' if r.ok else 'FAIL'}\n  {'':<4}{r.pipeline}")
+    failed += _check_static(data)
     if failed:
         print(f"\n{failed} check(s) below cos {MIN_COS} or off in norm", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _check_static(data: Path) -> int:
+    """The static fixtures (tests/data/static) against model2vec's and sentence-transformers' vectors."""
+    from worker.static_family import NORM_TOL, static_fixture_folder, static_fixtures, static_parity
+
+    found = static_fixtures(data)
+    print(f"\nstatic fixtures (vs model2vec / sentence-transformers encode: worst cosine, worst norm error <= {NORM_TOL})")
+    if not found:
+        print(f"  skipped: no static fixtures at {data / 'static'}")
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for fixture in found:
+            p = static_parity(static_fixture_folder(fixture, Path(tmp), data=data), fixture / "reference.npz")
+            failed += not p.ok
+            print(f"  {p.name:<40} {min(p.single, p.batched):>10.7f} {p.norm_error:>9.1e}  {'ok' if p.ok else 'FAIL'}"
+                  f"\n  {'':<40} {p.pipeline}")
+    return failed

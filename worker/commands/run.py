@@ -2,7 +2,8 @@
 
 Signals are handled from the first line: a stop requested while the model and backend load
 ends start-up at once (exit 0); once the worker runs, the first signal drains and commits
-within shutdown_timeout_s, a second one aborts.
+within shutdown_timeout_s, a second one aborts. One of a supervisor's processes (`--processes N`)
+also stops when the supervisor dies (worker/operations/supervisor.py, `watch_supervisor`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import structlog
 
 from worker.operations.logs import configure_logging
 from worker.operations.stop_signals import StopDuringStartup, StopSignals, startup_stopped_message
-from worker.operations.supervisor import ENV_PROCESS
+from worker.operations.supervisor import ENV_PROCESS, watch_supervisor
 from worker.settings.loader import add_setting_flags, load_settings
 
 
@@ -29,6 +30,7 @@ def main(args: argparse.Namespace, signals: StopSignals | None = None) -> int:
     # Installed by worker.cli before this module's imports; here only when called directly.
     signals = signals if signals is not None else StopSignals()
     try:
+        watch_supervisor(os.environ)
         return _main(args, signals)
     except StopDuringStartup as stop:
         print(startup_stopped_message(str(stop)), file=sys.stderr)
@@ -65,10 +67,18 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     pipeline = assembled.pipeline
     pipeline.interpreter_cpu_is_start = interpreter_cpu_is_start(settings, os.environ)
     signals.on_stop = pipeline.request_stop
+    # A stop still running EXIT_GRACE_S past its deadline (a librdkafka call that never returns)
+    # ends here, so the process exits within shutdown_timeout_s + 2 s (worker/pipeline.py).
+    pipeline.on_overrun = exit_now
+    from worker.operations.health import Readiness
     from worker.operations.probes import run_served
+    from worker.operations.supervisor import inherited_metrics_socket
 
+    # A standby member (nothing assigned while the group has more members than partitions) is ready.
+    ready = Readiness(pipeline.ready, metrics.last_rebalance, standby_after_s(settings))
     try:
-        code = run_served(pipeline, metrics, settings.metrics_host, settings.metrics_port, log=log)
+        code = run_served(pipeline, metrics, settings.metrics_host, settings.metrics_port, log=log, ready=ready,
+                          sock=inherited_metrics_socket(os.environ))
     finally:
         assembled.close()
     if code == 1 and pipeline.latch.error is not None:
@@ -77,10 +87,15 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
         # librdkafka is still inside close(), or a dispatcher inside a backend call: interpreter
         # teardown would wait on the first again, and abort under the second (the runtime's
         # threads destroyed while running). Everything is committed by now.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        exit_now(code)
     return code
+
+
+def exit_now(code: int) -> None:
+    """Exits without the interpreter's teardown (nothing is committed in it)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _checked_settings(args: argparse.Namespace) -> Any:
@@ -90,6 +105,10 @@ def _checked_settings(args: argparse.Namespace) -> Any:
 
     # Read the config and password files now: a bad one stops the worker before the model loads.
     client_config(settings)
+    if settings.processing_guarantee == "exactly-once":
+        from worker.delivery.exactly_once.loss_bound import check_session
+
+        check_session(settings)  # a session too long for the transaction timeout; the warning comes later
     configure_logging(settings.log_format, settings.log_level, secrets=secret_values(settings))
     if os.environ.get(ENV_PROCESS):  # one of a supervisor's processes: its lines say which
         structlog.contextvars.bind_contextvars(process=int(os.environ[ENV_PROCESS]))
@@ -164,6 +183,15 @@ def interpreter_cpu_is_start(settings: Any, environ: Mapping[str, str]) -> bool:
     return bool(environ.get(ENV_PROCESS)) and settings.interpreter_cpu.isdigit()
 
 
+def standby_after_s(settings: Any) -> float:
+    """How long an empty assignment must stand before the member counts as a standby: longer than
+    a cooperative rebalance's second round takes to come (the other members' revocations, each up
+    to revoke_timeout_s, then a heartbeat and a join), which gives a joining member its partitions."""
+    from worker.operations.health import STANDBY_MARGIN_S
+
+    return float(settings.revoke_timeout_s) + STANDBY_MARGIN_S
+
+
 def _supervise(args: argparse.Namespace, settings: Any, processes: int, signals: StopSignals) -> int:
     import socket
 
@@ -172,17 +200,19 @@ def _supervise(args: argparse.Namespace, settings: Any, processes: int, signals:
 
     supervisor = Supervisor(list(getattr(args, "command_argv", [])), processes,
                             member_id=settings.member_id or socket.gethostname(), metrics=bool(settings.metrics_port),
+                            shutdown_timeout_s=settings.shutdown_timeout_s,
                             interpreter_cpus=interpreter_cpus(settings, processes))
     signals.on_stop = supervisor.request_stop
-    supervisor.start()
     server = None
     if settings.metrics_port:
+        # Bound before any child starts: a port in use stops the machine with nothing to stop.
         server = MetricsServer(supervisor, settings.metrics_host, settings.metrics_port, supervisor.ready,
                                supervisor.live)
         server.start()
         structlog.get_logger("worker.run").info("metrics served", processes=processes,
                                                  url=f"http://{settings.metrics_host}:{server.port}/metrics")
     try:
+        supervisor.start()
         code = supervisor.run()
     finally:
         if server is not None:
@@ -190,4 +220,9 @@ def _supervise(args: argparse.Namespace, settings: Any, processes: int, signals:
     if supervisor.failed is not None:
         print(f"keyword-embedder run: worker process {supervisor.failed.index} exited with "
               f"{supervisor.failed.code}; the others were stopped", file=sys.stderr)
+    killed = [c.index for c in supervisor.children if c.killed]
+    if killed:
+        print(f"keyword-embedder run: worker process(es) {', '.join(map(str, killed))} did not stop within "
+              f"{supervisor.kill_after_s:g} s and were killed (SIGKILL)",
+              file=sys.stderr)
     return code

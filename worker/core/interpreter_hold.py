@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from worker.core.os_threads import hold_interpreter_threads, set_affinity
+from worker.core.os_threads import hold_interpreter_threads, set_affinity, started_on
 
 # Of /proc/stat's per-CPU columns (user nice system idle iowait irq softirq steal ...), those that
 # are time the CPU was not free for us; guest time is already counted in user.
@@ -121,7 +121,14 @@ class InterpreterHold:
     """The poll thread's and the kwe-* threads' one CPU, moved when another process takes it.
 
     `hold(cpu)` holds the calling thread and the kwe-* threads but those named in `leave` (it raises
-    OSError where the OS refuses); the readers are the kernel's counters (replaced in tests)."""
+    OSError where the OS refuses); the readers are the kernel's counters (replaced in tests).
+
+    Which other threads it touches: those started after the hold on its CPU alone (`threads` read
+    as it starts, then at each move and at `release`: os_threads.started_on), which a held thread
+    started and which inherited its CPU; they follow each move, and `release` lets them go with the
+    held ones, each held thread back to its own set before the hold. Matching masks alone (every
+    thread on the old CPU alone, as before) also moved threads a runtime or an operator had pinned
+    there on purpose, and `release` let only the poll thread go (issue 57)."""
 
     cpus: list[int]
     leave: tuple[str, ...] = ()
@@ -134,20 +141,22 @@ class InterpreterHold:
     # False: held where `start` says for good (a CPU number set by the user or a supervisor).
     adaptive: bool = True
     set_affinity: Callable[[int, set[int]], None] = set_affinity
-    # On a move, (old CPU, new CPU, the held threads) -> how many other threads followed: those a
-    # held thread started after the hold, which inherited its CPU (os_threads.move_threads_held_on
-    # in the worker; None: only the held threads move).
-    follow: Callable[[int, int, list[int]], int] | None = None
+    # Every thread of the process and its CPU set (os_threads.thread_affinities in the worker; None:
+    # only the held threads move and are let go).
+    threads: Callable[[], Mapping[int, set[int]]] | None = None
     cpu: int | None = None
     moves: int = 0
     followers: int = 0  # threads that followed the held ones, over every move
     _tids: list[int] = field(default_factory=list)
+    # Every thread's set as the hold began (None: not read): who was there before it, and where.
+    _before: dict[int, set[int]] | None = None
     _due: float = 0.0
     _last: tuple[float, Mapping[int, CpuTimes], int] | None = None
     _strikes: int = 0
 
     def start(self, cpu: int, now: float) -> list[int]:
         """Holds the threads on `cpu` and starts watching it; the thread IDs held. OSError: refused."""
+        self._before = self._read_threads()  # first: the held threads' own sets too
         self._tids = self._hold(cpu)
         self.cpu = cpu
         if self.adaptive:  # a hold for good never reads the counters
@@ -183,11 +192,9 @@ class InterpreterHold:
             self._strikes = 0
             return
         self.moves += 1
-        if self.follow is not None:
-            try:
-                self.followers += self.follow(held, target, self._tids)
-            except OSError:
-                pass  # no thread list to read: the held threads moved, the rest stay where they are
+        for tid in self._started_on(held):
+            if self._set(tid, {target}):
+                self.followers += 1
         # A random wait (in checks, doubling with each move, up to 32) before the next move may
         # count: two workers that left one CPU in the same second and met again do not do so in step.
         self.cpu, self._strikes = target, -self.rng.randrange(1 << min(self.moves, 5))
@@ -196,16 +203,41 @@ class InterpreterHold:
             self.on_move(held, target, loads)
 
     def release(self) -> None:
-        """The calling thread (the poll thread, its work done) back on the whole set it started with:
-        a caller that goes on after the pipeline (a test, an embedding program) is not left held.
-        The kwe-* threads have ended by then."""
-        if self.cpu is None:
+        """The calling thread (the poll thread, its work done), every other held thread still running
+        and every thread started on the held CPU since the hold, let go: a held thread back on its own
+        set before the hold, one started since on the process's whole set. A caller that goes on
+        after the pipeline (a test, an embedding program) is not left with threads held."""
+        held = self.cpu
+        if held is None:
             return
         self.cpu, self._last = None, None
+        before = self._before or {}
+        whole = set(self.cpus)
+        for tid in sorted({threading.get_native_id(), *self._tids}):
+            self._set(tid, before.get(tid, whole))
+        for tid in self._started_on(held):
+            self._set(tid, whole)
+
+    def _read_threads(self) -> dict[int, set[int]] | None:
+        if self.threads is None:
+            return None
         try:
-            self.set_affinity(threading.get_native_id(), set(self.cpus))
+            return dict(self.threads())
         except OSError:
-            pass  # the set changed under us (a cpuset): the thread stays where it is, as it would have
+            return None  # no thread list (no /proc): only the held threads move and are let go
+
+    def _started_on(self, cpu: int) -> list[int]:
+        """The threads started since the hold that run on `cpu` alone (the held ones aside)."""
+        if self._before is None or (now := self._read_threads()) is None:
+            return []
+        return started_on(cpu, self._before, now, skip=self._tids)
+
+    def _set(self, tid: int, cpus: set[int]) -> bool:
+        try:
+            self.set_affinity(tid, cpus)
+            return True
+        except OSError:
+            return False  # ended meanwhile, or the set changed under us (a cpuset): left where it is
 
     def _hold(self, cpu: int) -> list[int]:
         if self.hold is not None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from worker.core.errors import ModelError
 from worker.core.rotary_config import ROTARY_FAMILIES, RotaryConfig, read_rotary_config
 from worker.core.st_pipeline import ModulePipeline, check_layout, read_json_object, read_pipeline
+from worker.core.static import StaticSpec, read_static
 
 __all__ = ["BERT_FAMILIES", "FAMILIES", "MODEL_PACKAGE", "MODEL_PIP_SPEC", "ModelError", "ModelInfo", "ModelNotFoundError",
            "ModulePipeline", "PROMPT_AUTO", "PROMPT_NONE", "Prompt", "default_model_dir"]
@@ -102,6 +103,8 @@ class ModelInfo:
     tied_embeddings: bool = True
     # The rotary families' own settings (worker/core/rotary_config.py); None for the BERT-likes.
     rotary: RotaryConfig | None = None
+    # A static model (worker/core/static.py: a table lookup and a mean, no encoder); None for an encoder.
+    static: StaticSpec | None = None
 
     @property
     def pooling_mode(self) -> str:
@@ -144,6 +147,11 @@ class ModelInfo:
         model_dir = Path(path).expanduser().resolve()
         if not model_dir.is_dir():
             raise ModelNotFoundError(f"{model_dir}: model folder not found")
+        static = read_static(model_dir)
+        if static is not None:
+            from worker.core.static_info import static_model_info
+
+            return static_model_info(model_dir, static)
         check_layout(model_dir)
         config_path = model_dir / "config.json"
         cfg = read_json_object(config_path)

@@ -15,8 +15,10 @@ and every kwe-* thread, `hold_interpreter_threads`, called on the poll thread), 
 of CPU a keyword through the broker against 32.1, paired, with the model taken out, on 2 shared
 cores (docs/performance.md, The host path). librdkafka's threads and the inference runtimes' pools, created before the hold, keep the
 process's whole set; a thread a held thread starts later inherits its CPU (a kwe-* helper; an
-exactly-once producer's renewed client's threads). A CPU backend's dispatchers are left free: ONNX
-Runtime and OpenVINO compute on the calling thread too, outside the lock.
+exactly-once producer's renewed client's threads): the hold reads every thread's set as it starts
+(`thread_affinities`), so those started since follow its moves and are let go with it
+(`started_on`), and the threads there before, pinned on purpose or not, are never touched. A CPU
+backend's dispatchers are left free: ONNX Runtime and OpenVINO compute on the calling thread too, outside the lock.
 
 The alternate signal stack (`signal_stack_kept`): OpenVINO's CPU plugin installs one (11.5 kB) on
 the thread that compiles a model and does not take it back when the model is freed. auto on CPU
@@ -32,7 +34,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 
 PR_SET_NAME = 15
@@ -124,29 +126,28 @@ def hold_interpreter_threads(cpu: int, *, leave: tuple[str, ...] = (), threads: 
     return held
 
 
-def move_threads_held_on(old: int, new: int, *, skip: Iterable[int] = (), task_dir: str = "/proc/self/task",
-                         get_affinity: Callable[[int], set[int]] | None = None,
-                         set_affinity: Callable[[int, set[int]], None] = set_affinity) -> int:
-    """Moves to `new` every thread of this process held on `old` alone (its CPU set exactly {old}),
-    but those in `skip`; how many moved. A thread a held thread starts inherits its CPU set (a
-    renewed producer's librdkafka threads, a GPU runtime's own), so it was held with them: when
-    the held threads move, it follows instead of staying on the CPU they left. A thread that
-    ended meanwhile is skipped; OSError where the threads cannot be listed."""
+def thread_affinities(task_dir: str = "/proc/self/task",
+                      get_affinity: Callable[[int], set[int]] | None = None) -> dict[int, set[int]]:
+    """Every thread of this process and its CPU set, by OS thread ID; a thread that ended
+    meanwhile is skipped. OSError where the threads cannot be listed (no /proc)."""
     get = get_affinity if get_affinity is not None else os.sched_getaffinity
-    skipped = set(skip)
-    moved = 0
+    found = {}
     for name in os.listdir(task_dir):
-        tid = int(name)
-        if tid in skipped:
-            continue
         try:
-            if get(tid) != {old}:
-                continue
-            set_affinity(tid, {new})
+            found[int(name)] = set(get(int(name)))
         except (ProcessLookupError, FileNotFoundError):
             continue  # ended between the listing and here
-        moved += 1
-    return moved
+    return found
+
+
+def started_on(cpu: int, before: Collection[int], now: Mapping[int, set[int]], *,
+               skip: Collection[int] = ()) -> list[int]:
+    """The threads in `now` that were not in `before` (started since) and run on `cpu` alone, but
+    those in `skip`: the ones a held thread started, which inherited its CPU set (a renewed
+    producer's librdkafka threads, a GPU runtime's own). A thread there before, pinned to that
+    CPU on purpose by a runtime or an operator, is not one of them; nor is one started since by an
+    unheld thread (librdkafka's, on the process's whole set)."""
+    return sorted(tid for tid, cpus in now.items() if tid not in before and tid not in skip and cpus == {cpu})
 
 
 class _SignalStack(ctypes.Structure):  # stack_t

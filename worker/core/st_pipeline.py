@@ -142,6 +142,10 @@ class ModulePipeline:
     prompt_tokens_excluded: int = 0
     # A SPLADE model: the encoder's MLM head, then this pooling; `pooling` and `steps` are unused.
     sparse: SpladePooling | None = None
+    # A static model (worker/core/static.py): its one-line description and the files it is read
+    # from; it has no encoder, and the pooling (mean) and steps (Normalize or none) say the rest.
+    static: str = ""
+    static_files: tuple[Path, ...] = ()
 
     @property
     def normalized(self) -> bool:
@@ -162,6 +166,7 @@ class ModulePipeline:
         """Every file the pipeline was read from (part of the export's cache key)."""
         sparse_config = self.sparse.config_path if self.sparse is not None else None
         out = [p for p in (self.modules_path, self.pooling.config_path, sparse_config) if p is not None]
+        out += self.static_files
         for d in self.dense:
             out += [d.config_path, d.weights_path]
         return tuple(out)
@@ -177,6 +182,8 @@ class ModulePipeline:
         """One line: 'Pooling mean -> Dense 768->512 tanh -> not normalised'."""
         if self.sparse is not None:
             return f"MLM head -> {self.sparse} -> sparse (the non-zero vocabulary weights)"
+        if self.static:
+            return self.static
         pooling = f"Pooling {self.pooling}"
         if self.prompt_tokens_excluded:
             pooling += f" [{self.prompt_tokens_excluded} tokens]"

@@ -118,7 +118,7 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     }
     Py_buffer buf;
     if (PyObject_GetBuffer(flat, &buf, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_ND) < 0) return NULL;
-    PyObject *views = NULL, *counts = NULL, *result = NULL;
+    PyObject *views = NULL, *counts = NULL, *result = NULL, *text = NULL;
     char *scratch = NULL;
     const char *fmt = buf.format != NULL ? buf.format : "";
     if (*fmt == '@' || *fmt == '=' || *fmt == '<') fmt++; /* native order on the little-endian hosts we build for */
@@ -128,27 +128,32 @@ static PyObject *encode(PyObject *self, PyObject *args) {
     }
     int64_t *out = (int64_t *)buf.buf;
     Py_ssize_t capacity = buf.shape[0];
-    Py_ssize_t n_texts = PyList_GET_SIZE(texts);
-    views = PyList_New(n_texts);
-    counts = PyList_New(n_texts);
+    views = PyList_New(0);
+    counts = PyList_New(0);
     if (views == NULL || counts == NULL) goto done;
     Py_ssize_t at = 0, hits = 0, scratch_size = 0;
-    for (Py_ssize_t i = 0; i < n_texts; i++) {
-        PyObject *text = PyList_GET_ITEM(texts, i);
+    /* `miss` is Python and may change `texts`. The texts taken are those in the list at the call
+       (`flat` has room for those), as long as they stay in it: its length is read again each turn,
+       and the text being split is held (its characters are read after each call) until its IDs
+       are written. The Python loop does the same. */
+    Py_ssize_t n_texts = PyList_GET_SIZE(texts);
+    for (Py_ssize_t i = 0; i < n_texts; i++) { /* before any text is split: nothing is half done */
+        if (!PyUnicode_Check(PyList_GET_ITEM(texts, i))) {
+            PyErr_SetString(PyExc_TypeError, "texts must be str");
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n_texts && i < PyList_GET_SIZE(texts); i++) {
+        Py_CLEAR(text);
+        text = Py_NewRef(PyList_GET_ITEM(texts, i));
         if (!PyUnicode_Check(text)) {
             PyErr_SetString(PyExc_TypeError, "texts must be str");
             goto done;
         }
-        if (!PyUnicode_IS_ASCII(text)) {
-            PyList_SET_ITEM(views, i, Py_NewRef(Py_None));
-            PyList_SET_ITEM(counts, i, Py_NewRef(Py_None));
-            continue;
-        }
         const unsigned char *raw = (const unsigned char *)PyUnicode_DATA(text);
         Py_ssize_t n = PyUnicode_GET_LENGTH(text);
-        if (added_count && holds_added(raw, n, added)) {
-            PyList_SET_ITEM(views, i, Py_NewRef(Py_None));
-            PyList_SET_ITEM(counts, i, Py_NewRef(Py_None));
+        if (!PyUnicode_IS_ASCII(text) || (added_count && holds_added(raw, n, added))) {
+            if (PyList_Append(views, Py_None) < 0 || PyList_Append(counts, Py_None) < 0) goto done;
             continue;
         }
         Py_ssize_t room = n + 2 < max_len ? n + 2 : max_len;
@@ -200,14 +205,19 @@ static PyObject *encode(PyObject *self, PyObject *args) {
         PyObject *view = PyObject_GetItem(flat, cut);
         Py_DECREF(cut);
         if (view == NULL) goto done;
-        PyList_SET_ITEM(views, i, view);
+        int appended = PyList_Append(views, view);
+        Py_DECREF(view);
+        if (appended < 0) goto done;
         PyObject *total = PyLong_FromSsize_t(count);
         if (total == NULL) goto done;
-        PyList_SET_ITEM(counts, i, total);
+        appended = PyList_Append(counts, total);
+        Py_DECREF(total);
+        if (appended < 0) goto done;
         at += pos;
     }
     result = Py_BuildValue("(OOn)", views, counts, hits);
 done:
+    Py_XDECREF(text);
     PyMem_Free(scratch);
     Py_XDECREF(views);
     Py_XDECREF(counts);

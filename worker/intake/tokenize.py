@@ -76,6 +76,10 @@ class KeywordTokenizer:
     def from_model(cls, info: ModelInfo, max_len: int | None = None, *,
                    prompt: Prompt | None = None) -> KeywordTokenizer:
         """The model's tokenizer, from a ModelInfo already read (the model folder is read once per start)."""
+        if info.static is not None:  # no special tokens, the library's cuts (worker/intake/static_tokens.py)
+            from worker.intake.static_tokens import StaticTokenizer
+
+            return StaticTokenizer.from_static(info, max_len, prompt=prompt)
         limit = info.max_seq_length if max_len is None else max_len
         if not 3 <= limit <= info.max_tokens:
             raise ModelError(f"{info.model_dir}: max_len {limit} must be in [3, {info.max_tokens}]")

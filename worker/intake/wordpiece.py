@@ -14,7 +14,8 @@ and WordPiece of a word never depends on its neighbours, so each word's IDs are 
 model's own WordPiece once and kept (`WordCache`). Everything else goes to the full tokenizer: a
 text that is not ASCII (accents, CJK, other scripts), or that holds an added token's text
 (`[MASK]`, ...: matched before normalisation), or a tokenizer whose pipeline is not exactly this
-one (`FastWordPiece.of` returns None: RoBERTa, XLM-R, any other normaliser or template).
+one (`FastWordPiece.of` returns None: RoBERTa, XLM-R, any other normaliser or template, or an
+added token matched after normalisation, `"normalized": true`, as transformers' add_tokens makes).
 tests/test_wordpiece.py holds the fast path against the full tokenizer on every real query
 shipped with the tests and on random ASCII text.
 
@@ -97,7 +98,8 @@ class FastWordPiece:
     @classmethod
     def of(cls, tokenizer: Any, *, limit: int = DEFAULT_WORDS, compiled: bool = True) -> FastWordPiece | None:
         """The fast path for this tokenizer (a `tokenizers.Tokenizer`), or None when its pipeline is
-        not exactly BERT's uncased WordPiece with one special token on each side."""
+        not exactly BERT's uncased WordPiece with one special token on each side, or it has an added
+        token matched in the normalised text."""
         try:
             spec = json.loads(tokenizer.to_str())
         except Exception:  # noqa: BLE001 - anything unreadable runs on the full tokenizer
@@ -112,7 +114,15 @@ class FastWordPiece:
         ends = _special_ends(post)
         if ends is None:
             return None
-        added = tuple(str(t["content"]) for t in spec.get("added_tokens") or [])
+        tokens = spec.get("added_tokens") or []
+        # An added token with "normalized": true (what transformers' add_tokens gives, special or
+        # not) is matched in the normalised text: "E-\x01MAIL" holds "e-mail" only once the control
+        # character is dropped and the case folded. The fast path looks for added tokens in the raw
+        # text, which is exact only for tokens matched there ("normalized": false, as BERT's
+        # [CLS], [SEP], [MASK], ... are), so such a tokenizer takes the full tokenizer throughout.
+        if any(t.get("normalized") is not False for t in tokens):
+            return None
+        added = tuple(str(t["content"]) for t in tokens)
         return cls(tokenizer.model, ends[0], ends[1], added, limit=limit, compiled=compiled)
 
     @property
@@ -137,18 +147,35 @@ class FastWordPiece:
     def encode_many(self, texts: list[str], max_len: int) -> tuple[list[np.ndarray | None], list[int | None]]:
         """`encode` of each text at once: (its IDs cut at max_len, as an int64 array, or None for a
         text this path does not take; its token count before the cut, or None). The arrays are views
-        of one buffer for the whole call."""
+        of one buffer for the whole call. The texts taken are those in the list at the call, as long
+        as they stay in it (a miss runs the model's Python, which could change it); both loops raise
+        alike: TypeError for texts that are not a list of str, ValueError for max_len under 3."""
+        if not isinstance(texts, list):
+            raise TypeError("texts must be a list")
         if not self.compiled:
+            if max_len < 3:
+                raise ValueError("max_len must be at least 3")
+            if not all(isinstance(text, str) for text in texts):
+                raise TypeError("texts must be str")  # before any text is split, as the compiled loop
             views: list[np.ndarray | None] = []
             counts: list[int | None] = []
-            for text in texts:
+            for i in range(len(texts)):
+                if i >= len(texts):
+                    break
+                text = texts[i]
+                if not isinstance(text, str):
+                    raise TypeError("texts must be str")
                 got = self.encode(text, max_len)
                 views.append(None if got is None else np.array(got[0], dtype=np.int64))
                 counts.append(None if got is None else got[1])
             return views, counts
         assert self._added_ascii is not None
         # A word of k characters has at most k pieces, so a text has at most len + 2 IDs.
-        flat = np.empty(sum(map(len, texts)) + 2 * len(texts), dtype=np.int64)
+        try:
+            room = sum(map(len, texts)) + 2 * len(texts)
+        except TypeError:
+            raise TypeError("texts must be str") from None
+        flat = np.empty(room, dtype=np.int64)
         cache = self._cache
         views, counts, hits = _wordpiece.encode(texts, flat, cache.words, cache.miss, self._first, self._last,
                                                 max_len, self._added_ascii)

@@ -13,10 +13,9 @@
        on_delivered raised an Exception -> sink.broken(topic, exc): the producer stops the
                       worker, visibly (anything else, such as KeyboardInterrupt, propagates)
 
-   `produce_many` is the output stage's loop over a batch's records (producer.py's produce_many):
-   each record's produce call, with its report, made here, so the output thread runs no Python
-   frame a record either; it stops at a call that raises (a full queue, a refused record) and hands
-   the exception back with the record's index, for producer.py to wait or refuse as produce() does.
+   (A compiled produce loop over a batch's records sat here too, and was removed: through the broker
+   it measured 1.028, 0.985-1.088, against the per-record loop, no resolved gain for its code;
+   docs/performance.md.)
 
    The sink's count is read and reset by the delivery thread after each poll (`take_delivered`),
    so a poll with a delivery tells the failure policy once that the credentials work. Every
@@ -25,14 +24,13 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h>
+#include <stddef.h>
 
 typedef struct {
     PyObject_HEAD
     PyObject *refused; /* (topic, err, on_failed) -> ignored */
     PyObject *broken;  /* (topic, exc) -> ignored */
     Py_ssize_t delivered;
-    char interrupted; /* set by the producer's interrupt(): produce_many queues nothing more */
 } Sink;
 
 typedef struct {
@@ -62,19 +60,26 @@ static PyObject *take_raised(void) {
 
 /* ------------------------------------------------------------------ Report */
 
+/* Returns None (whatever the callee returned, as the Python form does), or NULL with the callee's
+   exception. */
 static PyObject *report_deliver(Report *self, PyObject *err) {
     Sink *sink = self->sink;
+    PyObject *r;
     if (err != Py_None) {
-        return PyObject_CallFunctionObjArgs(sink->refused, self->topic, err, self->on_failed, NULL);
+        r = PyObject_CallFunctionObjArgs(sink->refused, self->topic, err, self->on_failed, NULL);
+    } else {
+        sink->delivered++;
+        r = PyObject_CallNoArgs(self->on_delivered);
+        if (r == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
+            PyObject *exc = take_raised();
+            r = exc != NULL ? PyObject_CallFunctionObjArgs(sink->broken, self->topic, exc, NULL) : NULL;
+            Py_XDECREF(exc);
+        }
     }
-    sink->delivered++;
-    PyObject *r = PyObject_CallNoArgs(self->on_delivered);
-    if (r != NULL) return r;
-    if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
-    PyObject *exc = take_raised();
-    r = exc != NULL ? PyObject_CallFunctionObjArgs(sink->broken, self->topic, exc, NULL) : NULL;
-    Py_XDECREF(exc);
-    return r;
+    if (r == NULL) return NULL;
+    Py_DECREF(r);
+    Py_RETURN_NONE;
 }
 
 static PyObject *report_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
@@ -136,7 +141,6 @@ static PyObject *sink_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->refused = Py_NewRef(refused);
     self->broken = Py_NewRef(broken);
     self->delivered = 0;
-    self->interrupted = 0;
     return (PyObject *)self;
 }
 
@@ -159,68 +163,6 @@ static PyObject *sink_report(Sink *self, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     return new_report(self, args[0], args[1], args[2]);
-}
-
-/* produce_many(produce, topic, keys, values, headers, on_delivered, on_failed, start) -> (next, exc)
-
-   Calls produce(topic, value, key, -1, report, None, 0, headers) for records start, start + 1, ...
-   (confluent-kafka's Producer.produce, every argument by position: see producer.py), each with its
-   own report. Stops at the first call that raises, returning that record's index and the exception
-   (the caller waits for room, or refuses the record, and calls again from there), or before a
-   record once `interrupted` is set; else (len(values), None). keys, values and on_delivered are
-   lists of one length. */
-static PyObject *sink_produce_many(Sink *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "produce_many(produce, topic, keys, values, headers, on_delivered, on_failed, start)");
-        return NULL;
-    }
-    PyObject *produce = args[0], *topic = args[1], *keys = args[2], *values = args[3], *headers = args[4];
-    PyObject *on_delivered = args[5], *on_failed = args[6];
-    if (!PyList_Check(keys) || !PyList_Check(values) || !PyList_Check(on_delivered)) {
-        PyErr_SetString(PyExc_TypeError, "keys, values and on_delivered must be lists");
-        return NULL;
-    }
-    Py_ssize_t n = PyList_GET_SIZE(values);
-    if (PyList_GET_SIZE(keys) != n || PyList_GET_SIZE(on_delivered) != n) {
-        PyErr_SetString(PyExc_ValueError, "keys, values and on_delivered must be of one length");
-        return NULL;
-    }
-    Py_ssize_t i = PyLong_AsSsize_t(args[7]);
-    if (i == -1 && PyErr_Occurred()) return NULL;
-    if (i < 0 || i > n) {
-        PyErr_SetString(PyExc_ValueError, "start must be within the records");
-        return NULL;
-    }
-    PyObject *unassigned = PyLong_FromLong(-1), *zero = PyLong_FromLong(0);
-    PyObject *result = NULL;
-    if (unassigned == NULL || zero == NULL) goto done;
-    for (; i < n; i++) {
-        if (self->interrupted) break;
-        /* The lists are the caller's; a record's items are held while its produce runs. */
-        PyObject *key = Py_NewRef(PyList_GET_ITEM(keys, i));
-        PyObject *value = Py_NewRef(PyList_GET_ITEM(values, i));
-        PyObject *report = new_report(self, topic, PyList_GET_ITEM(on_delivered, i), on_failed);
-        PyObject *r = NULL;
-        if (report != NULL) {
-            PyObject *call[8] = {topic, value, key, unassigned, report, Py_None, zero, headers};
-            r = PyObject_Vectorcall(produce, call, 8, NULL);
-            Py_DECREF(report);
-        }
-        Py_DECREF(key);
-        Py_DECREF(value);
-        if (r == NULL) {
-            PyObject *exc = take_raised();
-            if (exc == NULL) goto done; /* no exception to hand back: nothing sensible to return */
-            result = Py_BuildValue("(nN)", i, exc);
-            goto done;
-        }
-        Py_DECREF(r);
-    }
-    result = Py_BuildValue("(nO)", i, Py_None);
-done:
-    Py_XDECREF(unassigned);
-    Py_XDECREF(zero);
-    return result;
 }
 
 static PyObject *sink_take_delivered(Sink *self, PyObject *Py_UNUSED(ignored)) {
@@ -252,14 +194,7 @@ static PyMethodDef sink_methods[] = {
      "report(topic, on_delivered, on_failed) -> a record's delivery callback"},
     {"take_delivered", (PyCFunction)sink_take_delivered, METH_NOARGS,
      "Deliveries reported since the last call (and resets the count)."},
-    {"produce_many", (PyCFunction)(void (*)(void))sink_produce_many, METH_FASTCALL,
-     "produce_many(produce, topic, keys, values, headers, on_delivered, on_failed, start) -> (next, exc)"},
     {NULL, NULL, 0, NULL},
-};
-
-static PyMemberDef sink_members[] = {
-    {"interrupted", T_BOOL, offsetof(Sink, interrupted), 0, "produce_many queues nothing more once set"},
-    {NULL, 0, 0, 0, NULL},
 };
 
 static PyTypeObject SinkType = {
@@ -272,7 +207,6 @@ static PyTypeObject SinkType = {
     .tp_clear = (inquiry)sink_clear,
     .tp_dealloc = (destructor)sink_dealloc,
     .tp_methods = sink_methods,
-    .tp_members = sink_members,
     .tp_doc = "Sink(refused, broken): makes records' delivery callbacks and counts deliveries.",
 };
 

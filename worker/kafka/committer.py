@@ -2,9 +2,11 @@
 
 Threads: the poll thread calls everything here, and librdkafka serves asynchronous commit
 results on it (inside consume). The delivery thread only marks offsets done, through each
-`PartitionOffsets`' own lock. A synchronous commit runs on a short-lived helper thread and
-is waited for with a timeout, so a coordinator that never answers (a rebalance in flux, a
-broker gone) cannot hold a revoke or a shutdown past its deadline.
+`PartitionOffsets`' own lock. A synchronous commit runs on a helper thread
+(worker/kafka/bounded_calls.py) and is waited for with a timeout, so a coordinator that never
+answers (a rebalance in flux, a broker gone) cannot hold a revoke or a shutdown past its deadline;
+one such commit at a time: one that got no answer in time is still blocked in librdkafka, and the
+next waits for it (within its own timeout) instead of starting beside it.
 
 What is committed: per partition, the lowest unfinished offset (everything below it has its
 output acknowledged), and only while this assignment is the partition's owner. Each commit is
@@ -19,7 +21,6 @@ between: everything below that offset has its output acknowledged.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -28,10 +29,17 @@ import structlog
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from worker.deadline import Deadline
+from worker.kafka.bounded_calls import BoundedCall
 from worker.kafka.offsets import OffsetTracker, PartitionOffsets
 from worker.kafka.throttle import ThrottledLog
 
 log = structlog.get_logger(__name__)
+
+# After a commit at the in-flight bound that was confirmed, none again for this long. Each frees at
+# least a quarter of the record bound (intake stops at the bound and goes on at 3/4 of it), so 50 a
+# second cap a hold's backlog at 12.5 bounds a second (51,000 records at the default 4,096); without
+# it, a bound held by bytes while the records sat under the target committed every 5 ms turn.
+RELIEVE_GAP_S = 0.02
 
 
 class Committer:
@@ -41,8 +49,11 @@ class Committer:
         self._interval = interval_s
         self._clock = clock
         self._last_commit = float("-inf")
-        # A failed commit_to_relieve is not retried before this (poll thread only).
+        # No commit_to_relieve before this: after a failure, the commit interval; after a success,
+        # RELIEVE_GAP_S (poll thread only).
         self._relieve_after = float("-inf")
+        # The helper thread of the synchronous commits: one at a time (poll thread only).
+        self._sync = BoundedCall("kwe-commit")
         self._errors = ThrottledLog()
         # When the commit point last moved, or nothing was waiting to be committed. Written on
         # the poll thread only; the liveness probe reads it (a float read is atomic).
@@ -127,10 +138,15 @@ class Committer:
         commit then times out and the moved partitions' finished work is redone). The caller
         of such a callback (consume, or close on its own thread) bounds it instead.
         """
+        return self._commit_sync(parts, Deadline.after(timeout_s), in_callback=in_callback)
+
+    def _commit_sync(self, parts: Sequence[PartitionOffsets], wait: Deadline, *, in_callback: bool = False) -> bool:
+        """`commit_sync`, waiting until `wait` (re-read while waiting: a shutdown's, which a second
+        signal shortens)."""
         offsets = self._wanted(parts)
         if not offsets:
             return True
-        if timeout_s <= 0:
+        if wait.expired():
             return False
         self._request(offsets)
         if in_callback:
@@ -140,44 +156,39 @@ class Committer:
                 log.warning("synchronous commit failed", error=str(exc))
                 return False
             return self._confirm(result or []) and len(result or []) == len(offsets)
-        answer: list[Any] = []
-
-        def call() -> None:
-            try:
-                answer.append(self._consumer.commit(offsets=offsets, asynchronous=False))
-            except KafkaException as exc:
-                answer.append(exc)
-            except RuntimeError as exc:  # the consumer was closed meanwhile
-                answer.append(exc)
-
-        helper = threading.Thread(target=call, name="kwe-commit", daemon=True)
-        helper.start()
-        helper.join(timeout_s)
-        if not answer:
-            log.warning("synchronous commit got no answer in time", timeout_s=round(timeout_s, 3),
+        waited_from = time.monotonic()
+        answer = self._sync.run(lambda: self._consumer.commit(offsets=offsets, asynchronous=False), wait)
+        if answer is None:
+            log.warning("synchronous commit got no answer in time", waited_s=round(time.monotonic() - waited_from, 3),
                         partitions=len(offsets))
             return False
-        result = answer[0]
-        if isinstance(result, Exception):
-            log.warning("synchronous commit failed", error=str(result))
+        if answer.error is not None:
+            # A KafkaException, or a RuntimeError: the consumer was closed meanwhile.
+            log.warning("synchronous commit failed", error=str(answer.error))
             return False
-        return self._confirm(result or []) and len(result or []) == len(offsets)
+        result = answer.value or []
+        return self._confirm(result) and len(result) == len(offsets)
 
     def commit_to_relieve(self, target: int, timeout_s: float) -> bool:
-        """At the in-flight bound (poll thread, outside a callback): commits the finished work
-        synchronously once confirming it brings the uncommitted records to `target` or below, so
-        intake goes on without pausing (a pause throws away the prefetched records, and librdkafka
-        fetches again only at its broker thread's next wake-up, up to a second later: measured,
-        every 4,096 records of a backlog waited 0.6-0.7 s). True when it committed and the broker
-        confirmed; False when that would not reach the target yet, or the commit failed."""
+        """At the in-flight bound (poll thread, outside a callback, partitions not paused): commits
+        the finished work synchronously once confirming it brings the uncommitted records to `target`
+        or below, so intake goes on without pausing (a pause throws away the prefetched records, and
+        librdkafka fetches again only at its broker thread's next wake-up, up to a second later:
+        measured, every 4,096 records of a backlog waited 0.6-0.7 s). True when it committed and the
+        broker confirmed; False when that would not reach the target yet, would free nothing (the
+        records are at or under it already: the byte bound holds, and only acknowledgements free
+        bytes), the last such commit is still unanswered (a coordinator outage: one commit blocked in
+        librdkafka, not one per try), or it came too soon after the last (RELIEVE_GAP_S after a
+        success, the commit interval after a failure)."""
         now = self._clock()
-        if now < self._relieve_after:
+        if now < self._relieve_after or self._sync.busy:
             return False
         parts = self.tracker.partitions()
-        if sum(p.uncommitted_after_commit() for p in parts) > target:
+        if sum(p.uncommitted() for p in parts) <= target or sum(p.uncommitted_after_commit() for p in parts) > target:
             return False
         self._last_commit = now
         if self.commit_sync(parts, timeout_s):
+            self._relieve_after = self._clock() + RELIEVE_GAP_S
             return True
         # Not again before the next regular commit would be due: no burst of failing commits.
         self._relieve_after = self._clock() + self._interval
@@ -191,11 +202,15 @@ class Committer:
         was refused with a stale generation during a rebalance) can do so and commit again.
         """
         while True:
-            if self.commit_sync(self.tracker.partitions(), deadline.capped(5.0)):
+            if self._commit_sync(self.tracker.partitions(), deadline.limited(5.0)):
                 return True
             if deadline.left() <= 0.2:
                 return False
-            serve(0.1)
+            # Not while the last commit is still unanswered: consume() then blocked until librdkafka
+            # gave that commit up (measured: 20 s, a rebalance parked by a member gone silent), past
+            # every deadline. The next attempt waits for it instead (BoundedCall).
+            if not self._sync.busy:
+                serve(0.1)
 
     # ------------------------------------------------------------------ lost and given back
     def remember_lost(self, partitions: Sequence[TopicPartition]) -> None:

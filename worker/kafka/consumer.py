@@ -2,14 +2,14 @@
 
 Threads: everything here runs on the poll thread. librdkafka serves the rebalance, commit and
 error callbacks inside consume() and close(), so they run on the poll thread too, except
-`close`, which runs on a helper thread so that a leave that never completes (a coordinator
-in flux) cannot hold the process past its shutdown deadline.
+`close`, which runs on a helper thread (worker/kafka/bounded_calls.py) so that a leave that never
+completes (a coordinator in flux, a JoinGroup parked until a vanished member's session ends)
+cannot hold the process past its shutdown deadline.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -19,6 +19,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 
 from worker.deadline import Deadline
 from worker.errors import WorkerError
+from worker.kafka.bounded_calls import BoundedCall
 from worker.kafka.client_config import client_config
 from worker.kafka.committer import Committer
 from worker.kafka.errors import FailurePolicy, KafkaSetupError
@@ -312,19 +313,12 @@ class GroupMember:
 
     def close(self, deadline: Deadline) -> bool:
         """Leaves the group (revoking, and so committing, what is still assigned); False if it
-        did not finish by the deadline (the caller then exits without waiting for it)."""
-        done = threading.Event()
-
-        def leave() -> None:
-            try:
-                self._consumer.close()
-            except Exception as exc:  # noqa: BLE001 - leaving is best effort; the commit came before
-                log.warning("consumer close failed", error=str(exc))
-            finally:
-                done.set()
-
-        threading.Thread(target=leave, name="kwe-consumer-close", daemon=True).start()
-        if not deadline.wait(done):
+        did not finish by the deadline (the caller then exits without waiting for it: the call
+        stays on its helper thread, and what it would still commit is finished work only)."""
+        answer = BoundedCall("kwe-consumer-close").run(self._consumer.close, deadline)
+        if answer is None:
             log.warning("leaving the group did not finish in time; exiting without it")
             return False
+        if answer.error is not None:  # leaving is best effort; the final commit came before
+            log.warning("consumer close failed", error=str(answer.error))
         return True

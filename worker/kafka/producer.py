@@ -58,12 +58,6 @@ class RecordWriter(Protocol):
     def write(self, seq: int, topic: str, key: bytes | None, value: bytes, headers: Headers,
               on_delivered: Callable[[], None]) -> bool: ...
 
-    def write_many(self, seqs: list[int], topic: str, keys: list[bytes | None], values: list[bytes],
-                   headers: Headers, on_delivered: list[Callable[[], None]]) -> int:
-        """write() of a batch's records in order, one header list for all; how many were written
-        (fewer than all: the worker is stopping, and the rest stay in flight, never committed)."""
-        ...
-
 
 def producer_config(settings: Settings) -> dict[str, Any]:
     config: dict[str, Any] = {
@@ -202,38 +196,6 @@ class OutputProducer:
                 # None of these succeed on a retry of the same call.
                 return self._refused(topic, exc.args[0], "cannot write to topic", on_failed)
 
-    def write_many(self, seqs: list[int], topic: str, keys: list[bytes | None], values: list[bytes],
-                   headers: Headers, on_delivered: list[Callable[[], None]]) -> int:
-        """The output stage's write of a batch (in-flight records `seqs`, unused here)."""
-        return self.produce_many(topic, keys, values, headers, on_delivered)
-
-    def produce_many(self, topic: str, keys: list[bytes | None], values: list[bytes], headers: Headers,
-                     on_delivered: list[Callable[[], None]], on_failed: Failed | None = None) -> int:
-        """produce() of many records in order, one header list for all, in one compiled loop where
-        _reports.c was built (no Python frame a record); how many were queued or taken over by
-        `on_failed`. Fewer than all: the worker is stopping (as produce() returning False), and the
-        rest are never written. A full queue is waited out, a record refused before queueing goes
-        to `on_failed` or stops the worker, as in produce()."""
-        n, done = len(values), 0
-        while done < n:
-            if self._interrupt.is_set():
-                return done
-            done, exc = self._sink.produce_many(self._producer.produce, topic, keys, values, headers, on_delivered,
-                                                on_failed, done)
-            if exc is None:
-                return done  # all of them, or interrupted
-            if isinstance(exc, BufferError):
-                if self._latch.is_set():
-                    return done
-                self._interrupt.wait(BUFFER_WAIT_S)
-            elif isinstance(exc, KafkaException):
-                if not self._refused(topic, exc.args[0], "cannot write to topic", on_failed):
-                    return done
-                done += 1  # taken over by on_failed: accounted for
-            else:
-                raise exc
-        return done
-
     def _refused_report(self, topic: str, err: KafkaError, on_failed: Failed | None) -> None:
         """A delivery callback's failed write (delivery thread)."""
         self._refused(topic, err, "could not write to topic", on_failed)
@@ -318,10 +280,13 @@ class OutputProducer:
         return left
 
     def interrupt(self) -> None:
-        """Nothing more is written: produce() returns False from now on, and produce_many stops before
-        its next record (an abort, or a wrapper's shutdown step after which a write would fail)."""
+        """Nothing more is written (an abort, or a wrapper's shutdown step after which a write would
+        fail): produce() returns False from its next check on, and one waiting for queue room gives up
+        within BUFFER_WAIT_S. A produce() already past its check queues its record (the client's call
+        holds the interpreter lock throughout: confluent-kafka's produce never releases it), so an
+        interrupt lands between two records: the output stage, which writes a batch a record at a
+        time, queues at most the one in hand and stops before the next."""
         self._interrupt.set()
-        self._sink.interrupted = True
 
     def stop(self, timeout_s: float) -> None:
         self._stop.set()

@@ -1,18 +1,18 @@
-"""Each produced record's delivery callback, and the produce loop over a batch's records: the
-compiled `worker/kafka/_reports.c` where setup.py could build it, else the same in Python
-(`_PythonSink`); `keyword-embedder run` logs which (`delivery_reports`). The types the producer and
-its writers share (`Headers`, `Failed`) live here, below worker/kafka/producer.py, which uses it.
+"""Each produced record's delivery callback: the compiled `worker/kafka/_reports.c` where setup.py
+could build it, else the same in Python (`_PythonSink`); `keyword-embedder run` logs which
+(`delivery_reports`). The types the producer and its writers share (`Headers`, `Failed`) live
+here, below worker/kafka/producer.py, which uses it.
 
-Threads: a sink's reports are made on the writing threads (the output thread's `produce_many`, a
-dead letter's or an exactly-once write's `report`) and called on the delivery thread, where its
-delivery count is read after each poll; `interrupted` is set by whichever thread aborts. All of it
-under the interpreter lock, as the Python form's plain attributes are.
+Threads: a sink's reports are made on the writing threads (each produce() call: the output
+thread's, a dead letter's, an exactly-once write's) and called on the delivery thread, where its
+delivery count is read after each poll. All of it under the interpreter lock, as the Python
+form's plain attributes are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from confluent_kafka import KafkaError, Message
 
@@ -43,17 +43,6 @@ class ReportSink(Protocol):
 
     def take_delivered(self) -> int: ...
 
-    # Set by the producer's interrupt(): produce_many queues nothing more.
-    interrupted: bool
-
-    def produce_many(self, produce: Callable[..., Any], topic: str, keys: list[bytes | None], values: list[bytes],
-                     headers: Headers, on_delivered: list[Callable[[], None]], on_failed: Failed | None,
-                     start: int, /) -> tuple[int, BaseException | None]:
-        """produce(topic, value, key, PARTITION_UNASSIGNED, report, None, 0, headers) for records
-        start, start + 1, ..., each with its report: (len(values), None) when all were queued, else the
-        index of the record it stopped before and the exception its call raised (None: interrupted)."""
-        ...
-
 
 class _PythonSink:
     """`worker/kafka/_reports.c`'s Sink, in Python: two frames a record on the delivery thread where
@@ -61,45 +50,31 @@ class _PythonSink:
 
     def __init__(self, refused: Callable[[str, KafkaError, Failed | None], object],
                  broken: Callable[[str, Exception], object]) -> None:
+        if not (callable(refused) and callable(broken)):
+            raise TypeError("refused and broken must be callable")
         self._refused = refused
         self._broken = broken
         self._delivered = 0
-        self.interrupted = False
 
     def report(self, topic: str, on_delivered: Callable[[], None],
                on_failed: Failed | None, /) -> Callable[[KafkaError | None, Message], None]:
-        def delivered(err: KafkaError | None, msg: Message) -> None:
+        def delivered(err: KafkaError | None, msg: Message, /) -> None:
             if err is not None:
                 self._refused(topic, err, on_failed)
                 return
             self._delivered += 1
             try:
                 on_delivered()
+                return
             except Exception as exc:  # noqa: BLE001 - the sink's owner stops the worker on it
-                self._broken(topic, exc)
+                failed = exc
+            # Outside the handler, as the compiled form calls it: what `broken` raises chains nothing.
+            self._broken(topic, failed)
         return delivered
 
     def take_delivered(self) -> int:
         n, self._delivered = self._delivered, 0
         return n
-
-    def produce_many(self, produce: Callable[..., Any], topic: str, keys: list[bytes | None], values: list[bytes],
-                     headers: Headers, on_delivered: list[Callable[[], None]], on_failed: Failed | None,
-                     start: int, /) -> tuple[int, BaseException | None]:
-        if not (len(keys) == len(values) == len(on_delivered)):
-            raise ValueError("keys, values and on_delivered must be of one length")
-        if not 0 <= start <= len(values):
-            raise ValueError("start must be within the records")
-        report = self.report
-        for i in range(start, len(values)):
-            if self.interrupted:
-                return i, None
-            try:
-                produce(topic, values[i], keys[i], PARTITION_UNASSIGNED, report(topic, on_delivered[i], on_failed),
-                        None, 0, headers)
-            except Exception as exc:  # noqa: BLE001 - handed back: the caller waits for room, or refuses the record
-                return i, exc
-        return len(values), None
 
 
 def report_sink(refused: Callable[[str, KafkaError, Failed | None], object],

@@ -132,6 +132,9 @@ class Metrics:
                                   ["topic", "partition"], registry=r)
         self.rebalances = Counter(f"{PREFIX}rebalances", "Partition rebalance callbacks, by kind.", ["kind"],
                                   registry=r)
+        # The last rebalance callback (kind, monotonic time): readiness tells a standby member from
+        # one still joining by it (worker/operations/health.py, Readiness).
+        self._last_rebalance: tuple[str, float] | None = None
         # The embedding cache (worker/embedding_cache.py) counts for itself; its series are read from it at
         # scrape time (watch_cache), so the per-keyword path pays for no metric update.
         self._cache_stats: Callable[[], Any] | None = None
@@ -303,6 +306,10 @@ class Metrics:
         if kind not in REBALANCE_KINDS:
             raise ValueError(f"rebalance kind {kind!r} is not one of {', '.join(REBALANCE_KINDS)}")
         self.rebalances.labels(kind=kind).inc(n)
+        self._last_rebalance = (kind, time.monotonic())
+
+    def last_rebalance(self) -> tuple[str, float] | None:
+        return self._last_rebalance
 
     # --- identity ------------------------------------------------------------------------
     def set_backend_info(self, backend: str, model: str, profile: str, **extra: str) -> None:

@@ -9,6 +9,7 @@ owned elsewhere and safe to call from any thread.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections.abc import Mapping
 from http import HTTPStatus
@@ -17,7 +18,12 @@ from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from worker.errors import WorkerError
 from worker.operations.health import LiveCheck, ReadyCheck, always_alive
+
+
+class MetricsPortError(WorkerError):
+    """The probe server cannot bind its address (a port in use, an address not on this host)."""
 
 
 class Exposition(Protocol):
@@ -48,11 +54,24 @@ class _Server(ThreadingHTTPServer):
     # Request threads must not keep the process alive if a scraper hangs mid-request.
     daemon_threads = True
 
-    def __init__(self, address: tuple[str, int], metrics: Exposition, ready: ReadyCheck, live: LiveCheck) -> None:
+    def __init__(self, address: tuple[str, int], metrics: Exposition, ready: ReadyCheck, live: LiveCheck,
+                 sock: socket.socket | None = None) -> None:
         self.metrics = metrics
         self.ready = ready
         self.live = live
-        super().__init__(address, _Handler)
+        if sock is None:
+            super().__init__(address, _Handler)
+            return
+        # A socket bound by someone else (the supervisor, for one of its processes): listen on it.
+        super().__init__(address, _Handler, bind_and_activate=False)
+        self.socket.close()
+        self.socket = sock
+        self.server_address = sock.getsockname()
+        try:
+            self.server_activate()
+        except BaseException:
+            self.server_close()
+            raise
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -119,17 +138,19 @@ class MetricsServer:
     """Serves /metrics, /healthz and /readyz on its own thread until `stop()`.
 
     `port=0` binds an ephemeral port (read it back from `.port` after `start()`); the
-    setting metrics_port=0 meaning "disabled" is the caller's decision, not this class's.
+    setting metrics_port=0 meaning "disabled" is the caller's decision, not this class's. `sock`:
+    an already bound socket to listen on instead of binding (host and port are then its own).
     """
 
     def __init__(self, metrics: Exposition, host: str, port: int, ready: ReadyCheck,
-                 live: LiveCheck = always_alive) -> None:
+                 live: LiveCheck = always_alive, sock: socket.socket | None = None) -> None:
         self._metrics = metrics
         metrics.watch_liveness(live)
         self._host = host
         self._requested_port = port
         self._ready = ready
         self._live = live
+        self._sock = sock
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -143,7 +164,12 @@ class MetricsServer:
         if self._server is not None:
             raise RuntimeError("metrics server already started")
         # Binding here, not in a background thread, so a port in use fails start() loudly.
-        self._server = _Server((self._host, self._requested_port), self._metrics, self._ready, self._live)
+        try:
+            self._server = _Server((self._host, self._requested_port), self._metrics, self._ready, self._live,
+                                   self._sock)
+        except OSError as exc:
+            raise MetricsPortError(f"cannot serve metrics on {self._host}:{self._requested_port}: "
+                                   f"{exc.strerror or exc}") from None
         # Not a daemon: the owner must call stop(), which keeps shutdown ordering explicit.
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="kwe-metrics-http")
@@ -167,16 +193,18 @@ class MetricsServer:
         self.stop()
 
 
-def run_served(pipeline: Any, metrics: Exposition, host: str, port: int, *, log: Any) -> int:
+def run_served(pipeline: Any, metrics: Exposition, host: str, port: int, *, log: Any,
+               ready: ReadyCheck | None = None, sock: socket.socket | None = None) -> int:
     """`pipeline.run()` with the probe server up around it when `port` is set (0: no server): the
     worker's and the backfill's run. Before it, the garbage collector is set for the steady state
-    (worker/operations/gc_tuning.py): start-up is done once the pipeline is built."""
+    (worker/operations/gc_tuning.py): start-up is done once the pipeline is built. `ready`: the
+    readiness check (the pipeline's own when None); `sock`: a bound socket to serve on."""
     from worker.operations.gc_tuning import settle_for_steady_state
 
     settle_for_steady_state()
     server = None
     if port:
-        server = MetricsServer(metrics, host, port, pipeline.ready, pipeline.liveness)
+        server = MetricsServer(metrics, host, port, ready or pipeline.ready, pipeline.liveness, sock)
         server.start()
         log.info("metrics served", url=f"http://{host}:{server.port}/metrics")
     try:

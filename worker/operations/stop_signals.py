@@ -10,6 +10,10 @@ Exception` swallows it); when it lands inside a C call (librdkafka's start-up ch
 surface as another exception (a SystemError from a callback): `stopped_during_startup` tells
 the caller that whatever unwound start-up, a stop was asked for. Once the worker runs, the
 first signal and each later one call `on_stop`.
+
+A supervisor starts its processes with both signals blocked (worker/operations/supervisor.py):
+a stop sent before these handlers exist waits, pending, and lands on them once they are in,
+rather than killing the process by the default action (143).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class StopSignals:
         self.requested: str | None = None
         signal.signal(signal.SIGTERM, self._handle)
         signal.signal(signal.SIGINT, self._handle)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         name = signal.Signals(signum).name

@@ -122,9 +122,11 @@ class Settings:
     transaction_timeout_ms: int = _setting(60000, "Exactly-once: librdkafka transaction.timeout.ms; the broker "
                                            "aborts (and fences) a transaction open longer, e.g. of a hung "
                                            "member. read_committed readers wait behind an open transaction "
-                                           "at most this long after a member dies without a successor. Keep it "
-                                           "above the session (30 s) + an interval + 16 s: partitions lost with "
-                                           "an older transaction stop the member (docs/delivery.md).",
+                                           "at most this long after a member dies without a successor. Keep it at "
+                                           "least the session (30 s) + an interval + 21 s: partitions lost to "
+                                           "an outage past the session then abort and go on, where an older "
+                                           "transaction stops the member; a session.timeout.ms raised past "
+                                           "that is refused at start (docs/delivery.md).",
                                            minimum=1000)
     # --- Messages ----------------------------------------------------------------------
     input_format: InputFormat = _setting("json", "Input value format: 'json' ({\"id\", \"text\"}), 'raw' "

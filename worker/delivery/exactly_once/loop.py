@@ -21,8 +21,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import structlog
+
 from worker.deadline import Deadline
 from worker.delivery.base import AroundBatch, Phase, Serve
+from worker.delivery.exactly_once.loss_bound import check_session
 from worker.delivery.exactly_once.producer import ExactlyOnceProducer
 from worker.delivery.exactly_once.transactions import Transactions, drained_waiter, transactional_config
 from worker.delivery.inflight import InFlightTable
@@ -32,6 +35,8 @@ from worker.kafka.producer import OutputProducer, RecordWriter
 from worker.latch import FatalLatch
 from worker.operations.metrics import Metrics
 from worker.settings.schema import Settings
+
+log = structlog.get_logger(__name__)
 
 
 class ExactlyOnce:
@@ -46,6 +51,9 @@ class ExactlyOnce:
     @classmethod
     def build(cls, settings: Settings, committer: Committer, plain: OutputProducer, consumer: Any,
               latch: FatalLatch, in_flight: InFlightTable, metrics: Metrics, stop: Deadline) -> ExactlyOnce:
+        # Refused before anything is consumed (`run` checks it before the model loads, too).
+        if (warning := check_session(settings)) is not None:
+            log.warning("an outage past the session will stop this member", reason=warning)
         count = in_flight.__len__
         producer = ExactlyOnceProducer(plain, in_flight)
         txn = Transactions(producer.client, consumer, committer.tracker, latch, count,

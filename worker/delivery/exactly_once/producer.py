@@ -130,14 +130,6 @@ class ExactlyOnceProducer:
         """The output stage's and dead letters' write of in-flight record `seq`."""
         return self.produce(topic, key, value, headers, on_delivered, self.release(seq))
 
-    def write_many(self, seqs: list[int], topic: str, keys: list[bytes | None], values: list[bytes],
-                   headers: Headers, on_delivered: list[Callable[[], None]]) -> int:
-        """write() of each of a batch's records: each has its own release (see write)."""
-        for i, seq in enumerate(seqs):
-            if not self.write(seq, topic, keys[i], values[i], headers, on_delivered[i]):
-                return i
-        return len(seqs)
-
     def produce(self, topic: str, key: bytes | None, value: bytes, headers: Headers,
                 on_delivered: Callable[[], None], on_given_up: GiveUp = lambda fail: False) -> bool:
         """OutputProducer.produce, with a failed write given up (`on_given_up`) instead of stopping

@@ -37,7 +37,9 @@ in-flight table (ExactlyOnceProducer.release), so a commit, which waits for the 
 always sees it. The next `step` (or a commit about to happen) aborts and rewinds at once, without
 waiting for the pipeline to drain: librdkafka sends nothing more of an abortable transaction, so
 its queued records would only come back when abort_transaction purges them. The abort holds the
-producer's write gate, so no record of the aborted transaction is produced after it. Intake then
+producer's write gate, so no record of the aborted transaction is produced after it. Lost partitions
+abort so too, at once (`lost`): waiting for their records, which may stay in flight up to
+message.timeout.ms, let the abort land after the broker's own transaction timeout (issue 57). Intake then
 waits 0.5, 1, 2 and 4 s before the next tries; the fifth failed transaction in a row stops the
 worker (a write that keeps failing is not transient: a record the topic refuses, for instance).
 
@@ -64,14 +66,13 @@ import structlog
 from confluent_kafka import KafkaException, TopicPartition
 
 from worker.deadline import Deadline
-from worker.delivery.exactly_once import bounded_calls
 from worker.delivery.exactly_once.bounded_calls import BoundedCalls
 from worker.delivery.exactly_once.errors import TransactionError, TransactionFencedError, TransactionHungError
+from worker.delivery.exactly_once.loss_bound import abortable_after_loss_s
 from worker.delivery.exactly_once.rewind import GroupConsumer, fresh_state, seek
 from worker.delivery.exactly_once.take_over import FENCE_SETTLE_S, Fence, TakeOverReason, take_over
 from worker.delivery.exactly_once.transactional_calls import (
     RETRIES,
-    TIMEOUT_CLOCK_SLACK_S,
     CallResult,
     TransactionalProducer,
     bounded,
@@ -155,6 +156,8 @@ class Transactions:
     _hung: TransactionHungError | None = field(default=None, repr=False)
     # A stop came while a transaction could not be ended or rewound (`_halt`).
     _halted: bool = field(default=False, repr=False)
+    # The open transaction's partitions were lost: its abort goes at once, its age checked again (`lost`).
+    _lost: bool = field(default=False, repr=False)
     # The transactional calls, on helper threads (the last one's thread a take-over may hand on).
     _calls: BoundedCalls = field(default_factory=BoundedCalls, repr=False)
     # A fence waiting for its take-over, and when the recent fenced take-overs began.
@@ -228,37 +231,42 @@ class Transactions:
             self._abort_reason = reason
 
     def abortable_after_loss_s(self) -> float:
-        """How old an open transaction may be when the partitions are lost and still be aborted:
-        the abort (bounded like any call: timeout_s + HANG_MARGIN_S) must reach the coordinator
-        before its transaction timeout, on a clock up to TIMEOUT_CLOCK_SLACK_S ahead of ours; at
-        least half the timeout, the rule for timeouts too short for that bound. It must exceed
-        the session plus an interval: an outage that outlives the session loses the partitions
-        about a session after the last heartbeat, with a transaction about that old, and a member
-        that stopped then would crash-loop the group through every such outage (the half rule
-        with the 30 s session did exactly that: CI, 2026-12-05)."""
-        call_bound_s = self.timeout_s + bounded_calls.HANG_MARGIN_S + TIMEOUT_CLOCK_SLACK_S
-        return max(self.transaction_timeout_s / 2, self.transaction_timeout_s - call_bound_s)
+        """How old an open transaction may be when the partitions are lost and still be aborted
+        (worker/delivery/exactly_once/loss_bound.py: the abort's bound before the broker's timeout;
+        the session and transaction timeout pair that leaves an outage past the session room for
+        it is checked at start there)."""
+        return abortable_after_loss_s(self.transaction_timeout_s, self.timeout_s)
 
     def lost(self) -> None:
         """Partitions lost (the group took them: this member looked dead, a session timeout or a
         broker outage). The open transaction must not commit. When the broker cannot have timed
-        it out before the abort lands (`abortable_after_loss_s`): abort it and rewind. Otherwise
-        stop: aborting a transaction the broker timed out makes librdkafka bump the producer
-        epoch (KIP-588), which fences the successor that runs with the same transactional id
-        (measured); the successor, or the broker, aborts what was left open."""
+        it out before the abort lands (`abortable_after_loss_s`): abort it at the next step and
+        rewind, without waiting for the pipeline to drain (records can stay in flight up to
+        message.timeout.ms, past the broker's timeout; abort_transaction purges them), its age
+        checked again as it is sent. Otherwise stop: aborting a transaction the broker timed out
+        makes librdkafka bump the producer epoch (KIP-588), which fences the successor that runs
+        with the same transactional id (measured); the successor, or the broker, aborts what was
+        left open."""
         if self.state == "idle":
             return
         # (A fenced producer waiting for its take-over has an old transaction: the group's verdict,
         # this member is a zombie, wins over the take-over.)
+        if not self._too_old_after_loss():
+            self._lost = True
+            self.request_abort("partitions lost")
+
+    def _too_old_after_loss(self) -> bool:
+        """True, with the member stopped as a zombie (see `lost`), when the open transaction is too
+        old for an abort after its partitions were lost."""
         age_s = self.clock() - self.began_at
         if age_s < self.abortable_after_loss_s():
-            self.request_abort("partitions lost")
-            return
+            return False
         self.latch.trip(TransactionFencedError(
             f"partitions lost with a transaction open {age_s:.0f} s, too close to "
             f"transaction_timeout_ms ({self.transaction_timeout_s:.0f} s) for an abort: this member was "
             "considered dead (a zombie); it stops without aborting, its successor or the broker aborts "
             "the transaction"))
+        return True
 
     def step(self, *, flow_paused: bool) -> None:
         """One poll-loop turn: start closing when the interval is up or intake would pause
@@ -276,7 +284,7 @@ class Transactions:
         if self._aborted_on_failed_write():
             return
         if self._abort_reason is not None:
-            if self.in_flight() == 0:
+            if self._lost or self.in_flight() == 0:
                 self.abort_and_rewind(self._abort_reason)
             return
         if self.state == "open" and (flow_paused or self.clock() - self.began_at >= self.interval_s):
@@ -336,6 +344,8 @@ class Transactions:
         a record of the aborted transaction is dropped instead of produced into the next one.
         """
         with self.write_gate:
+            if self._lost and self._too_old_after_loss():
+                return  # checked as the abort goes: the wait for the write gate counts too
             starts = fresh_state(self.tracker)
             aborted = call(self, "abort_transaction", lambda: self.producer.abort_transaction(call_timeout(self)),
                            resume_s=self.transaction_timeout_s)
@@ -388,6 +398,7 @@ class Transactions:
         seconds = self.clock() - self.began_at
         self.state = "idle"
         self._abort_reason = None
+        self._lost = False
         if outcome == "committed":
             self.committed += 1
         elif outcome == "aborted":
@@ -449,7 +460,7 @@ class Transactions:
         if drained:
             self.commit()
             return
-        if isinstance(self.latch.error, TransactionFencedError):
+        if isinstance(self.latch.error, TransactionFencedError) or (self._lost and self._too_old_after_loss()):
             return  # a zombie does not abort (see `lost`): its successor or the broker does
         # Whatever is still in flight is not written after the abort (it would fail: no
         # transaction is open), and records it purges are not delivery errors (exactly_once_producer.PURGED).
