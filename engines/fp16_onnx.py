@@ -12,7 +12,9 @@ What changes, from the ModelProto engines/onnx_export/ builds:
   (`export_onnx.FP32_NODE_PREFIXES`) and every node downstream of them (Dense layers, the
   output). It stays float32: in half precision the floors 1e-9 (token count) and 1e-12 (norm)
   are 0, and a sum over 256 hidden states loses digits;
-- every LayerNormalization stays float32 too (`layernorm_fp32`, the default): a Cast to float32
+- every LayerNormalization stays float32 too (`layernorm_fp32`, the default), and so does every
+  node named with rotary.KEEP_FP32_MARK (the RMSNorms and rotary tables of the rotary families:
+  x^2 overflows fp16, positions past 2048 are not integers in it): a Cast to float32
   before it and back to float16 after, which is what PyTorch's fp16 LayerNorm computes
   internally and what TensorRT's own warning about fp16 LayerNorm overflow recommends;
 - every other float32 initializer becomes float16 (the file halves); one that holds a value
@@ -22,7 +24,8 @@ What changes, from the ModelProto engines/onnx_export/ builds:
 - a Cast to float32 wherever a float16 tensor enters the fp32 region (the last hidden state
   before `masked_states`); an fp32 LayerNorm's own output is used there directly, so no value
   makes a lossy fp32 -> fp16 -> fp32 round trip.
-The inputs (int64) and the output (float32) keep their types.
+The inputs (int64) and the output (float32) keep their types. A gemma3_text graph (metadata
+model_type) is refused: EmbeddingGemma's activations overflow fp16, so its plans are FP32.
 
 Written here rather than with onnxruntime.transformers' float16 converter: that one leaves the
 graph unsorted (its Casts after their consumers; onnx.checker refuses it) and changes with
@@ -45,6 +48,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from engines.onnx_export.graph import OUTPUT_NAME
 from engines.onnx_export.head import FP32_NODE_PREFIXES
+from engines.onnx_export.rotary import KEEP_FP32_MARK
 from worker.core.disk_cache import write_atomic
 from worker.core.errors import KeywordEmbedderError
 
@@ -91,6 +95,10 @@ def _elem_types(model: onnx.ModelProto) -> dict[str, int]:
 
 def to_fp16(model: onnx.ModelProto, *, layernorm_fp32: bool = True) -> onnx.ModelProto:
     """The fp16 graph of an exporter's float32 graph (a new ModelProto; `model` is not changed)."""
+    meta = {p.key: p.value for p in model.metadata_props}
+    if meta.get("model_type") == "gemma3_text":
+        raise Fp16Error("gemma3_text (EmbeddingGemma) is not run in fp16: its activations overflow float16 "
+                        "(transformers runs it in float32 or bfloat16 only); build an FP32 plan (--no-fp16)")
     region = fp32_region(model)
     if not region:
         raise Fp16Error("no pooling/normalisation node found by name (" + ", ".join(FP32_NODE_PREFIXES) +
@@ -102,7 +110,9 @@ def to_fp16(model: onnx.ModelProto, *, layernorm_fp32: bool = True) -> onnx.Mode
     graph = out.graph
 
     def keeps_fp32(node: onnx.NodeProto) -> bool:
-        return node.name in region or (layernorm_fp32 and node.op_type == "LayerNormalization")
+        # The rotary families' RMSNorms and rotary tables are chains of nodes marked by name.
+        return node.name in region or KEEP_FP32_MARK in node.name or (
+            layernorm_fp32 and node.op_type == "LayerNormalization")
 
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for node in model.graph.node:

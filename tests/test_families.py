@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from engines.onnx_export.encoder import mpnet_buckets
 from engines.onnx_export.export import build_model
 from engines.onnx_export.graph import ExportError
-from worker.core.model import FAMILIES, ModelError, ModelInfo
+from worker.core.model import BERT_FAMILIES, FAMILIES, ModelError, ModelInfo
 from worker.families import MIN_COS, cosines, fixture_folder, fixture_parity, reference
 from worker.intake.tokenize import KeywordTokenizer
 
@@ -34,13 +34,14 @@ def _folder(tmp_path: Path, family: str, pooling: str) -> Path:
 
 
 def test_every_family_has_a_fixture() -> None:
-    assert sorted(p.name for p in FIXTURES.iterdir() if p.is_dir()) == sorted(FAMILIES)
+    # The rotary families' fixtures are sentence-transformers folders (tests/test_rotary_families.py).
+    assert sorted(p.name for p in FIXTURES.iterdir() if p.is_dir()) == sorted(BERT_FAMILIES)
     versions = json.loads((FIXTURES / "versions.json").read_text())
     assert {"torch", "transformers", "sentence_transformers"} <= set(versions)
 
 
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", BERT_FAMILIES)
 def test_export_matches_transformers(tmp_path: Path, family: str, pooling: str) -> None:
     texts, rows, _ = reference(FIXTURES / family)
     info = ModelInfo.from_dir(_folder(tmp_path, family, pooling))
@@ -90,7 +91,7 @@ def test_a_wrong_family_in_config_is_a_clear_export_error(tmp_path: Path) -> Non
 
 
 def test_fixture_tokenizers_are_the_families_kinds() -> None:
-    kinds = {f: json.loads((FIXTURES / f / "tokenizer.json").read_text())["model"]["type"] for f in FAMILIES}
+    kinds = {f: json.loads((FIXTURES / f / "tokenizer.json").read_text())["model"]["type"] for f in BERT_FAMILIES}
     assert kinds == {"bert": "WordPiece", "roberta": "BPE", "xlm-roberta": "Unigram", "distilbert": "WordPiece",
                      "mpnet": "WordPiece"}
     assert Tokenizer.from_file(str(FIXTURES / "roberta" / "tokenizer.json")).encode("a").ids[0] == 0  # <s>
@@ -198,7 +199,7 @@ def test_models_command_lists_each_family_and_check_reruns_the_fixture_parity(
     monkeypatch.setattr("worker.families.MPNET_PARTS", ("kwe-no-such-distribution",))
     assert main(["models", "--check", "--fixtures", str(broken)]) == 1
     out = capsys.readouterr().out
-    assert out.count(" ok") == 2 * len(FAMILIES) - 1 and "roberta      mean" in out and "FAIL" in out
+    assert out.count(" ok") == 2 * len(BERT_FAMILIES) - 1 and "roberta      mean" in out and "FAIL" in out
     # The copy has no pipelines/ or golden/ beside it: those checks say they were skipped.
     assert "skipped: no pipeline fixtures" in out and "all-MiniLM-L6-v2: skipped (no reference vectors" in out
     assert "all-mpnet-base-v2: skipped (kwe-no-such-distribution is not installed" in out
@@ -254,7 +255,7 @@ def test_a_profile_that_cannot_stretch_is_refused_naming_why() -> None:
         load_profile("gpu", model_max_len=385)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", BERT_FAMILIES)
 def test_a_tensorrt_fp16_build_pins_only_the_pooling_of_every_family(tmp_path: Path, family: str) -> None:
     """engines.build_engine keeps nodes named with FP32_NODE_PREFIXES in FP32: in every family those
     are exactly the pooling and normalisation, not a family's own nodes (positions, relative bias)."""
@@ -270,7 +271,7 @@ def test_a_tensorrt_fp16_build_pins_only_the_pooling_of_every_family(tmp_path: P
     assert all(onnx.defs.has(n.op_type) for n in nodes), {n.op_type for n in nodes}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", BERT_FAMILIES)
 def test_the_offline_fused_graph_matches_too_except_mpnet_which_is_refused(tmp_path: Path, family: str) -> None:
     import onnxruntime as ort
 

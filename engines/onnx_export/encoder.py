@@ -1,6 +1,6 @@
 """The encoder: embeddings -> N transformer layers -> hidden states [B, S, hidden], per family.
 
-Sizes come from config.json, the family from its model_type (worker.core.model.FAMILIES); all are
+Sizes come from config.json, the family from its model_type (worker.core.model.BERT_FAMILIES); all are
 post-LayerNorm encoders with exact-GELU feed-forward layers, so one layer function serves every
 family through a table of where each keeps its tensors. A new family is a row in `_PREFIXES` and
 `_LAYER_NAMES`, plus its own positions or attention bias here if it has them:
@@ -31,7 +31,7 @@ from onnx import TensorProto
 
 from engines.onnx_export.graph import (ExportError, Graph, Weights, f32, gelu, i64, layer_norm, linear,
                                        read_safetensors, seq_len)
-from worker.core.model import FAMILIES, ModelInfo
+from worker.core.model import BERT_FAMILIES, ModelInfo
 
 # The additive mask value HF BERT used when ORT's fusion patterns were written; exp(-10000) is 0
 # in float32, so padded positions get exactly zero attention weight (padding invariance).
@@ -68,7 +68,7 @@ _LAYER_NAMES = {
                          "attention.attn.o", "attention.LayerNorm", "intermediate.dense", "output.dense",
                          "output.LayerNorm"),
 }
-assert set(_PREFIXES) == set(_LAYER_NAMES) == set(FAMILIES)
+assert set(_PREFIXES) == set(_LAYER_NAMES) == set(BERT_FAMILIES)
 
 # HF MPNetEncoder.compute_position_bias always buckets with these (not the config's bucket count).
 MPNET_BUCKETS = 32

@@ -30,6 +30,7 @@ from engines.onnx_export.fusion import check_fused, fuse
 from engines.onnx_export.graph import INPUT_NAMES, OPSET, OUTPUT_NAME, ExportError, Graph
 from engines.onnx_export.head import head, load_dense
 from engines.onnx_export.mlm import check_head, decoder, transform
+from engines.onnx_export.rotary import encode_rotary, load_rotary_weights
 from engines.onnx_export.splade import splade
 from worker.core.disk_cache import cache_dir, locked, write_atomic
 from worker.core.fingerprint import file_sha256, hash_file_into
@@ -45,16 +46,21 @@ def build_model(model_dir: str | Path | ModelInfo | None = None) -> onnx.ModelPr
     if info.model_type not in FAMILIES:  # ModelInfo refuses these already; a hand-made one may not
         raise ExportError(f"{info.config_path}: model_type {info.model_type!r} is not supported; supported "
                           f"encoder families: {', '.join(FAMILIES)}")
-    weights = load_weights(info)
     g = Graph()
     ids, mask = INPUT_NAMES
-    if info.pipeline.sparse is not None:
+    if info.rotary is not None:
+        if info.pipeline.sparse is not None:
+            raise ExportError(f"{info.model_dir}: a sparse (SPLADE) {info.model_type} model is not supported "
+                              "(sparse models run on the BERT-like families)")
+        head(g, info, load_dense(info), encode_rotary(g, load_rotary_weights(info), info, ids, mask), mask)
+    elif info.pipeline.sparse is not None:
+        weights = load_weights(info)
         # A SPLADE model: the encoder, its MLM head, then the pooling onto the vocabulary.
         check_head(weights, info)
         hidden = encode(g, weights, info, ids, mask)
         splade(g, info.pipeline.sparse, decoder(weights, info), transform(g, weights, info, hidden), mask)
     else:
-        head(g, info, load_dense(info), encode(g, weights, info, ids, mask), mask)
+        head(g, info, load_dense(info), encode(g, load_weights(info), info, ids, mask), mask)
     graph = helper.make_graph(
         g.nodes, f"{info.name}-{'sparse' if info.sparse else 'sentence'}-encoder",
         inputs=[helper.make_tensor_value_info(n, TensorProto.INT64, ["batch", "seq"]) for n in INPUT_NAMES],
@@ -127,6 +133,10 @@ def _set_metadata(model: onnx.ModelProto, info: ModelInfo, *, optimize: bool) ->
     }
     if info.sparse:
         props["sparse"] = "splade"
+    if info.rotary is not None:
+        # Read by the fp16 conversion (engines/fp16_onnx.py), which refuses gemma3_text by name.
+        # Only the rotary families carry it, so the BERT-likes' files stay byte for byte as before.
+        props["model_type"] = info.model_type
     del model.metadata_props[:]
     for key, value in props.items():
         model.metadata_props.add(key=key, value=value)

