@@ -29,6 +29,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
                              "(resumable; for a model change: docs/cutover.md)."),
     "demo": ("demo", "End-to-end demo against a running broker: topics, two workers, publish, read back, summary."),
     "settings": ("settings", "Print the settings reference or the effective settings."),
+    "distill-static": ("distill_static", "Make a model2vec-format static model from a dense one (its vocabulary "
+                                         "through the worker's backend, PCA, Zipf weights; no torch)."),
 }
 
 

@@ -56,6 +56,8 @@ from worker.core.errors import KeywordEmbedderError
 from worker.core.fingerprint import VectorSettings, model_fingerprint
 from worker.core.model import PROMPT_AUTO, ModelInfo, Prompt, default_model_dir
 from worker.core.sparse import SparseRow, SparseRows, sparsify
+from worker.core.sparse_static import ROUTES
+from worker.core.sparse_static import Route as SparseRoute
 from worker.core.sparse import token_budget as sparse_token_budget
 from worker.core.vectors import check_truncate_dim, default_int8_range, pack_binary, quantize_int8, truncate
 from worker.embedding_cache import EmbeddingCache, key
@@ -75,7 +77,7 @@ class Embedder:
                  precision: Precision = "fp32", prompt: str | None = None, prompt_name: str = PROMPT_AUTO,
                  truncate_dim: int | None = None, backend: BackendSetting = "auto",
                  openvino_precision: OvPrecision = "bf16", sparse_top_k: int = 0,
-                 sparse_min_weight: float = 0.0) -> None:
+                 sparse_min_weight: float = 0.0, sparse_route: SparseRoute = "query") -> None:
         if batch_size < 1:
             raise EmbedderError(f"Embedder: batch_size must be >= 1, got {batch_size}")
         if token_budget < 1:
@@ -91,7 +93,10 @@ class Embedder:
         if precision == "int8" and (onnx_path is not None or optimize):
             raise EmbedderError("Embedder: precision='int8' picks its own graph; it does not combine with "
                              "onnx_path or optimize")
-        self.info = ModelInfo.from_dir(model_dir if model_dir is not None else default_model_dir())
+        if sparse_route not in ROUTES:
+            raise EmbedderError(f"Embedder: sparse_route must be one of {', '.join(ROUTES)}; got {sparse_route!r}")
+        self.info = ModelInfo.from_dir(model_dir if model_dir is not None else default_model_dir(),
+                                       sparse_route=sparse_route)
         self.model_dir = self.info.model_dir
         if sparse_top_k < 0 or sparse_min_weight < 0:
             raise EmbedderError(f"Embedder: sparse_top_k and sparse_min_weight must be >= 0, got {sparse_top_k}, "

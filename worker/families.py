@@ -134,8 +134,8 @@ KNOWN_PIPELINES: tuple[KnownPipeline, ...] = (
     KnownPipeline("naver/splade-v3", "bert",
                   "MLM head -> SpladePooling max relu -> sparse", "fixture bert-mlm (no PyPI package ships them)"),
     KnownPipeline("opensearch doc-v3-distill", "distilbert",
-                  "Router (inference-free): refused", "fixture distilbert-mlm runs its document route "
-                  "(SpladePooling max log1p_relu) when saved alone"),
+                  "Router (inference-free): SparseStaticEmbedding queries, or the document route",
+                  "fixture router-bert (tests/data/sparse: both routes vs SparseEncoder.encode_query/_document)"),
 )
 
 

@@ -233,7 +233,7 @@ def model_profile(model: ModelInfo, profile: Profile) -> Profile:
 
 def model_info(settings: Settings) -> ModelInfo:
     """The model folder the settings name (or the packaged default), read once."""
-    return ModelInfo.from_dir(settings.model_dir or default_model_dir())
+    return ModelInfo.from_dir(settings.model_dir or default_model_dir(), sparse_route=settings.sparse_route)
 
 
 def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = None, *, onnx_path: str | Path | None = None,

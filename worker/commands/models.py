@@ -70,7 +70,9 @@ def main(args: argparse.Namespace) -> int:
           "  runs:     an MLM Transformer (transformer_task fill-mask; 5.x's MLMTransformer) of any family above, "
           "then SpladePooling max or sum, relu or log1p_relu; the MLM head and the pooling in the ONNX graph; "
           "the output is the non-zero vocabulary weights ({\"indices\", \"values\"})\n"
-          "  refused:  the inference-free Router (SparseStaticEmbedding queries), SparseAutoEncoder (CSR)\n"
+          "  also:     the inference-free Router: its SparseStaticEmbedding query route (a weight per token, no "
+          "encoder; sparse_route query) or its document route (sparse_route document)\n"
+          "  refused:  SparseAutoEncoder (CSR)\n"
           f"  fixtures: tests/data/sparse, vs SparseEncoder's encode: |diff| <= {RTOL:g} x |ref| + {ATOL:g} per "
           "entry, the same non-zero indices (tests/test_sparse.py)")
     from worker.static_family import STATIC_STATUS

@@ -18,6 +18,7 @@ from pathlib import Path
 from worker.core.errors import ModelError
 from worker.core.rotary_config import ROTARY_FAMILIES, RotaryConfig, read_rotary_config
 from worker.core.st_pipeline import ModulePipeline, check_layout, read_json_object, read_pipeline
+from worker.core.sparse_static import document_info, query_spec, read_router
 from worker.core.static import StaticSpec, read_static
 
 __all__ = ["BERT_FAMILIES", "FAMILIES", "MODEL_PACKAGE", "MODEL_PIP_SPEC", "ModelError", "ModelInfo", "ModelNotFoundError",
@@ -120,7 +121,7 @@ class ModelInfo:
     def sparse(self) -> bool:
         """A SPLADE model (MLM head + SpladePooling): one non-negative weight per vocabulary entry,
         nearly all zero; the output is the non-zero entries (worker/core/sparse.py)."""
-        return self.pipeline.sparse is not None
+        return self.pipeline.sparse is not None or (self.static is not None and self.static.sparse)
 
     def with_prompt(self, prompt_tokens: int) -> ModelInfo:
         """This model for inputs led by a prompt of `prompt_tokens` tokens: where the pooling has
@@ -143,11 +144,18 @@ class ModelInfo:
         return self.rotary.head_dim if self.rotary is not None else self.hidden_size // self.num_heads
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> ModelInfo:
+    def from_dir(cls, path: str | Path, *, sparse_route: str = "query") -> ModelInfo:
+        """The model folder `path`; `sparse_route` picks an inference-free sparse model's route
+        (worker/core/sparse_static.py; other models have one)."""
         model_dir = Path(path).expanduser().resolve()
         if not model_dir.is_dir():
             raise ModelNotFoundError(f"{model_dir}: model folder not found")
         static = read_static(model_dir)
+        router = read_router(model_dir) if static is None else None
+        if router is not None and sparse_route == "document":
+            return document_info(router)
+        if router is not None:
+            static = query_spec(router)
         if static is not None:
             from worker.core.static_info import static_model_info
 

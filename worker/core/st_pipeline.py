@@ -20,8 +20,8 @@ in sentence_bert_config.json, or 5.0-5.3's MLMTransformer), then SpladePooling
 (1_SpladePooling/config.json: pooling_strategy max or sum, activation_function relu or
 log1p_relu; `embedding_dimension`, 5.x's `word_embedding_dimension`, is the vocabulary size).
 The result is one weight per vocabulary entry, nearly all zero (`ModulePipeline.sparse`).
-The inference-free variant (a Router sending queries to a SparseStaticEmbedding) is refused by
-name: its query route tokenises without special tokens and is a table lookup, not the encoder.
+The inference-free variant (a Router sending queries to a SparseStaticEmbedding) is read before
+this (worker/core/sparse_static.py); a SparseStaticEmbedding anywhere else is refused by name.
 
 A module of any other type (LSTM, WordEmbeddings, a custom class...) is refused with a one-line
 ModelError naming it, never skipped. A folder without modules.json keeps the behaviour from
@@ -59,10 +59,6 @@ SpladeActivation = Literal["relu", "log1p_relu"]
 SPLADE_ACTIVATIONS: tuple[str, ...] = get_args(SpladeActivation)
 # Modules of SparseEncoder's other variants, refused with the reason rather than as unknown.
 _SPARSE_REFUSED = {
-    "Router": "the inference-free SPLADE variant (a Router: queries through a SparseStaticEmbedding lookup, "
-              "documents through the MLM encoder) is not supported: its query route tokenises without special "
-              "tokens and never runs the encoder; export the document route alone (an MLM Transformer and "
-              "SpladePooling) to run it here",
     "SparseStaticEmbedding": "SparseStaticEmbedding (an inference-free query encoder: a weight per token, no "
                              "encoder) is not supported",
     "SparseAutoEncoder": "SparseAutoEncoder (CSR: a sparse code of a dense embedding) is not supported; "

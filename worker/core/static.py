@@ -40,7 +40,9 @@ from worker.core.errors import ModelError
 
 __all__ = ["STATIC_MAX_TOKENS", "StaticFormat", "StaticSpec", "StaticTable", "load_table", "read_static"]
 
-StaticFormat = Literal["model2vec", "sentence-transformers"]
+# "sparse-static": the query route of an inference-free sparse model (worker/core/sparse_static.py),
+# one weight per token and no mean; `dim` is then the vocabulary.
+StaticFormat = Literal["model2vec", "sentence-transformers", "sparse-static"]
 # The cut where neither the model nor its tokenizer states one: beyond any search keyword, and the
 # bucketer needs a longest bucket.
 STATIC_MAX_TOKENS = 512
@@ -73,7 +75,14 @@ class StaticSpec:
         """What the vectors depend on (the fingerprint hashes them)."""
         return (self.config_path, self.weights_path, self.tokenizer_path)
 
+    @property
+    def sparse(self) -> bool:
+        return self.format == "sparse-static"
+
     def describe(self) -> str:
+        if self.sparse:
+            return (f"Router query route: SparseStaticEmbedding ({self.rows:,} token weights) -> each distinct "
+                    f"token's weight -> sparse")
         weights = ", token weights" if self.weighted else ""
         unk = ", unknown token dropped" if self.unk_id is not None else ""
         norm = "Normalize" if self.normalize else "not normalised"
@@ -213,7 +222,7 @@ class StaticTable:
     to; `count[i]` is 1 for a token the mean counts, 0 for the pad row and a dropped unknown token
     (whose row is zero too)."""
 
-    rows: np.ndarray   # [vocab + 1, dim] float32, read-only
+    rows: np.ndarray   # [vocab + 1, dim] float32, read-only ([vocab + 1] weights for "sparse-static")
     count: np.ndarray  # [vocab + 1] float32, read-only
     normalize: bool
 
@@ -239,6 +248,11 @@ def load_table(spec: StaticSpec, vocab_size: int) -> StaticTable:
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own untyped errors
         raise ModelError(f"{spec.weights_path}: cannot read the table ({exc})") from None
     table = np.asarray(table, dtype=np.float32)
+    if spec.sparse:  # one weight per token: a [vocab + 1] vector, the pad entry 0
+        rows = np.zeros(vocab_size + 1, dtype=np.float32)
+        rows[:vocab_size] = table.reshape(-1)[:vocab_size]
+        rows.setflags(write=False)
+        return StaticTable(rows, rows, False)
     if mapping is not None:
         mapping = np.asarray(mapping).astype(np.int64).reshape(-1)
         if len(mapping) < vocab_size or mapping.min() < 0 or mapping.max() >= len(table):

@@ -54,6 +54,7 @@ CLIENT_SETTINGS = ("kafka_config", "kafka_config_file", "security_protocol", "sa
 
 Precision = Literal["fp32", "int8"]
 SubjectStrategy = Literal["topic", "record", "topic-record"]
+SparseRoute = Literal["query", "document"]
 
 
 class SettingsError(KeywordEmbedderError, ValueError):
@@ -190,6 +191,10 @@ class Settings:
     sparse_min_weight: float = _setting(0.0, "Sparse models: leave out weights below this (a smaller record; "
                                         "sentence-transformers has no such threshold); 0: every non-zero weight.",
                                         minimum=0.0)
+    sparse_route: SparseRoute = _setting("query", "An inference-free sparse model (a Router: SparseStaticEmbedding "
+                                         "queries, MLM documents): the route keywords take. 'query': a weight per "
+                                         "token, no encoder; 'document': the MLM and SpladePooling. docs/models.md, "
+                                         "Sparse models.")
     sparse_terms: bool = _setting(False, "Sparse models: also write each index's vocabulary token, in a 'terms' "
                                   "list beside the embedding (for inspection, or a sink that keys sparse vectors "
                                   "by token, as Elasticsearch and OpenSearch do).")
