@@ -14,7 +14,8 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from tests.fakes.transactions import FENCED, INVALID_TXN_STATE
-from worker.backends.isolating import IsolatingContext, PartialBatchError
+from worker.backends.base import PartialBatchError
+from worker.backends.isolating import IsolatingContext
 from worker.deadline import Deadline
 from worker.delivery.exactly_once.producer import ExactlyOnceProducer
 from worker.delivery.inflight import InFlightTable

@@ -71,7 +71,7 @@ class Member:
         self.submitted: list[int] = []
         self.intake = Intake(Settings(input_format="raw"), _Tokenizer(), self.committer.tracker, self.inflight,
                              lambda seqs, ids: self.submitted.extend(seqs),
-                             DeadLetters("dlq", 1 << 20, None, self.acks),  # type: ignore[arg-type]
+                             DeadLetters("dlq", 1 << 20, None, self.acks).send,  # type: ignore[arg-type]
                              self.metrics, watermarks=self.member.watermarks)
         self.delivery.start()
         self.member.subscribe("in", self)

@@ -210,7 +210,7 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
         profile, IsolatingBackend(backend, canary), output.on_batch, on_error=output.on_batch_error,
         max_queue_delay_ms=settings.max_queue_delay_ms, dispatchers=settings.dispatchers,
         pad_to=settings.pad_to, costs=costs, guard=lambda name, body: guarded(latch, name, body))
-    intake = Intake(settings, tokenizer, committer.tracker, inflight, bucketer.submit_many, dead_letters, metrics,
+    intake = Intake(settings, tokenizer, committer.tracker, inflight, bucketer.submit_many, dead_letters.send, metrics,
                     cache=cache, answer=output.on_cached, decode=decode, watermarks=member.watermarks)
     liveness = Liveness(latch, lambda: [output.thread, producer.thread, *bucketer.threads],
                         committer.stalled_for, settings.stall_timeout_s)

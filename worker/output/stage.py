@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from worker.backends.isolating import PartialBatchError
+from worker.backends.base import PartialBatchError
 from worker.deadline import Deadline
 from worker.delivery.acks import Acknowledger
 from worker.delivery.base import AroundBatch
