@@ -8,8 +8,8 @@ from collections.abc import Callable
 from confluent_kafka import Producer
 
 from worker.deadline import Deadline
-from worker.delivery.guarantees import AtLeastOnce
-from worker.kafka.committer import Committer
+from worker.ledger.guarantees import AtLeastOnce
+from worker.ledger.committer import Committer
 from worker.kafka.consumer import GroupMember, consumer_config
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch

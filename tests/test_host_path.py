@@ -17,15 +17,15 @@ from tokenizers import Tokenizer
 
 from benchmarks.host.doubles import MemoryMessage
 from worker.core.model import default_model_dir
-from worker.delivery.acks import Acknowledger
-from worker.delivery.inflight import InFlightTable
+from worker.ledger.acks import Acknowledger
+from worker.ledger.inflight import InFlightTable
 from worker.embedding_cache import EmbeddingCache
 from worker.embedding_cache import key as cache_key
 from worker.errors import WorkerError
 from worker.formats.messages import Keyword, Rejection, decode_input
 from worker.intake.stage import Intake
 from worker.intake.tokenize import KeywordTokenizer
-from worker.kafka.offsets import OffsetTracker, OffsetWentBack, Refetched
+from worker.ledger.offsets import OffsetTracker, OffsetWentBack, Refetched
 from worker.operations.metrics import Metrics
 from worker.output.dead_letters import DeadLetters
 from worker.settings.schema import Settings

@@ -15,14 +15,14 @@ from typing import Any
 
 from tests.fakes.consumer import FakeGroupConsumer
 from tests.fakes.transactions import FakeTxnProducer
-from worker.delivery.acks import Acknowledger
+from worker.ledger.acks import Acknowledger
 from worker.output.dead_letters import DeadLetters
-from worker.delivery.exactly_once.loop import ExactlyOnce
-from worker.delivery.exactly_once.producer import ExactlyOnceProducer
-from worker.delivery.exactly_once.transactions import Transactions
-from worker.delivery.inflight import InFlightTable
+from worker.ledger.exactly_once.loop import ExactlyOnce
+from worker.ledger.exactly_once.producer import ExactlyOnceProducer
+from worker.ledger.exactly_once.transactions import Transactions
+from worker.ledger.inflight import InFlightTable
 from worker.intake.stage import Intake
-from worker.kafka.committer import Committer
+from worker.ledger.committer import Committer
 from worker.kafka.consumer import GroupMember
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch

@@ -23,9 +23,9 @@ from worker.core.os_threads import signal_stack_kept
 from worker.core.model import ModelError, ModelInfo, Prompt
 from worker.core.sparse import sparsify
 from worker.core.vectors import check_truncate_dim, default_int8_range
-from worker.delivery.acks import Acknowledger
-from worker.delivery.guarantees import build_delivery, producer_config_for
-from worker.delivery.inflight import InFlightTable
+from worker.ledger.acks import Acknowledger
+from worker.ledger.guarantees import build_delivery, producer_config_for
+from worker.ledger.inflight import InFlightTable
 from worker.embedding_cache import EmbeddingCache
 from worker.formats.messages import OutputCodec, ValueEncoder
 from worker.formats.propagation import Propagation
@@ -34,10 +34,10 @@ from worker.formats.sparse_codec import SparseOutputCodec
 from worker.intake.flow import FlowControl
 from worker.intake.stage import Decode, Intake
 from worker.intake.tokenize import KeywordTokenizer
-from worker.kafka.committer import Committer
+from worker.ledger.committer import Committer
 from worker.kafka.consumer import GroupMember, consumer_config
 from worker.kafka.errors import FailurePolicy
-from worker.kafka.offsets import OffsetTracker
+from worker.ledger.offsets import OffsetTracker
 from worker.kafka.producer import OutputProducer, producer_config
 from worker.kafka.reports import REPORTS_COMPILED
 from worker.latch import guarded

@@ -11,7 +11,7 @@ Threads and what each one owns:
 Cross-thread state: the in-flight table (one lock), each partition's offsets (one lock each),
 and the fatal latch, which every thread reports to and the poll thread watches.
 
-Delivery (processing_guarantee) is a `Delivery` (worker/delivery/guarantees.py), called at fixed points of
+Delivery (processing_guarantee) is a `Delivery` (worker/ledger/guarantees.py), called at fixed points of
 the loop; this module never asks which guarantee runs. At-least-once (default): an input offset
 is committed only after its output (or its dead-letter record) is acknowledged, and never past
 a partition's lowest unfinished offset. Exactly-once: outputs, dead letters and offsets commit
@@ -41,13 +41,13 @@ from worker.backends.base import CPU_BACKENDS
 from worker.core.interpreter_hold import InterpreterHold
 from worker.core.os_threads import allowed_cpus, current_cpu, thread_affinities
 from worker.deadline import Deadline, Overrun
-from worker.delivery.acks import Acknowledger
-from worker.delivery.guarantees import Delivery
-from worker.delivery.inflight import InFlightTable
+from worker.ledger.acks import Acknowledger
+from worker.ledger.guarantees import Delivery
+from worker.ledger.inflight import InFlightTable
 from worker.errors import ThreadDiedError, WorkerError
 from worker.intake.flow import FlowControl
 from worker.intake.stage import Intake
-from worker.kafka.committer import Committer
+from worker.ledger.committer import Committer
 from worker.kafka.consumer import GroupMember
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch

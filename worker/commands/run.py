@@ -106,7 +106,7 @@ def _checked_settings(args: argparse.Namespace) -> Any:
     # Read the config and password files now: a bad one stops the worker before the model loads.
     client_config(settings)
     if settings.processing_guarantee == "exactly-once":
-        from worker.delivery.exactly_once.loss_bound import check_session
+        from worker.ledger.exactly_once.loss_bound import check_session
 
         check_session(settings)  # a session too long for the transaction timeout; the warning comes later
     configure_logging(settings.log_format, settings.log_level, secrets=secret_values(settings))

@@ -19,12 +19,12 @@ import orjson
 import structlog
 from confluent_kafka import Message
 
-from worker.delivery.inflight import InFlight, InFlightTable
+from worker.ledger.inflight import InFlight, InFlightTable
 from worker.embedding_cache import EmbeddingCache
 from worker.embedding_cache import key as cache_key
 from worker.formats.headers import InputHeaders, read_headers
 from worker.formats.messages import Headers, Keyword, Rejection, decode_input, plain_keyword
-from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched, Watermarks
+from worker.ledger.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched, Watermarks
 from worker.operations.metrics import Metrics
 from worker.settings.schema import Settings
 

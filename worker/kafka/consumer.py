@@ -21,9 +21,7 @@ from worker.deadline import Deadline
 from worker.errors import WorkerError
 from worker.kafka.bounded_calls import BoundedCall
 from worker.kafka.client_config import client_config
-from worker.kafka.committer import Committer
 from worker.kafka.errors import FailurePolicy, KafkaSetupError
-from worker.kafka.offsets import PartitionOffsets
 from worker.kafka.throttle import ThrottledLog
 from worker.latch import FatalLatch
 from worker.operations.metrics import Metrics
@@ -116,10 +114,44 @@ def _names(partitions: Sequence[TopicPartition]) -> list[str]:
     return [f"{tp.topic}[{tp.partition}]" for tp in partitions]
 
 
+# The group member hands its partitions to the ledger above it (worker/ledger/: the committer, its
+# offsets per partition) through these protocols: kafka/ stays thin wrappers and imports nothing of it.
+class Tracker(Protocol):
+    """The current assignment's offsets (worker/ledger/offsets.py, OffsetTracker)."""
+
+    @property
+    def epoch(self) -> int: ...
+
+    def get(self, topic: str, partition: int) -> Any: ...
+
+    def replaced_since(self, topic: str, partition: int, epoch: int) -> bool: ...
+
+
+class Ledger(Protocol):
+    """Where the member's partitions and commits go (worker/ledger/committer.py, Committer)."""
+
+    @property
+    def tracker(self) -> Tracker: ...
+
+    def bind(self, consumer: Any) -> None: ...
+
+    def on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None: ...
+
+    def resume_lost(self, partitions: Sequence[TopicPartition], timeout_s: float) -> list[str]: ...
+
+    def assign(self, partitions: Sequence[TopicPartition]) -> None: ...
+
+    def owned(self, partitions: Sequence[TopicPartition]) -> list[Any]: ...
+
+    def forget(self, partitions: Sequence[TopicPartition]) -> None: ...
+
+    def remember_lost(self, partitions: Sequence[TopicPartition]) -> None: ...
+
+
 class _Owned:
     """`(topic, partition) in owned`: whether the partition is in the current assignment."""
 
-    def __init__(self, committer: Committer) -> None:
+    def __init__(self, committer: Ledger) -> None:
         self._committer = committer
 
     def __contains__(self, key: object) -> bool:
@@ -128,9 +160,9 @@ class _Owned:
 
 
 class Rebalances(Protocol):
-    """What the processing guarantee does when partitions go (worker/delivery/guarantees.py)."""
+    """What the processing guarantee does when partitions go (worker/ledger/guarantees.py)."""
 
-    def on_revoke(self, parts: list[PartitionOffsets], wait_s: float) -> bool:
+    def on_revoke(self, parts: list[Any], wait_s: float) -> bool:
         """Inside the revoke callback: commit the finished work of `parts` (waiting at most
         wait_s for more to finish); True when committed or nothing was left to commit."""
         ...
@@ -142,7 +174,7 @@ class Rebalances(Protocol):
 
 
 class GroupMember:
-    def __init__(self, config: dict[str, Any], committer: Committer, latch: FatalLatch, metrics: Metrics, *,
+    def __init__(self, config: dict[str, Any], committer: Ledger, latch: FatalLatch, metrics: Metrics, *,
                  revoke_wait_s: Callable[[], float], group: str = "", failures: FailurePolicy | None = None,
                  consumer_factory: Callable[[dict[str, Any]], Any] = Consumer) -> None:
         self._committer = committer

@@ -16,7 +16,7 @@ large, or the outage outlasted the timeout): the worker stops on it, and the rec
 offset is never committed. Producing a fresh copy instead would duplicate records, reorder a
 compacted key and retry errors that cannot succeed.
 
-Seams for a wrapper (exactly-once: worker/delivery/exactly_once/producer.py): a record's
+Seams for a wrapper (exactly-once: worker/ledger/exactly_once/producer.py): a record's
 `on_failed` gets a failed write first, after the failures that stop the worker anyway
 (authorisation, a missing topic: FailurePolicy), and may take it over; `route_fatal` does the same
 for a fatal error raised from poll; `renew_client` swaps in a new client with the same
@@ -267,7 +267,7 @@ class OutputProducer:
         Waits on the queue length instead of calling Producer.flush, which would serve delivery
         callbacks on this thread too; they belong to the delivery thread. The queue is empty once
         the last callbacks ran, but what they acknowledged is finished by the after_poll hook at the
-        end of that poll (worker/delivery/acks.py): so it also waits for a poll to end after the
+        end of that poll (worker/ledger/acks.py): so it also waits for a poll to end after the
         queue was seen empty, or a final commit would miss the last poll's records.
         """
         while len(self._producer) and not deadline.expired() and self._thread.is_alive():

@@ -4,9 +4,9 @@ librdkafka's own timeout does not always hold: after a hard broker restart,
 send_offsets_to_transaction blocked for minutes (measured), and when a coordinator's node dies
 it can keep waiting on it long after the call's timeout (librdkafka issues 5456 and 5511). A call
 that blocks the poll thread blocks the whole member, so the transaction loop
-(worker/delivery/exactly_once/transactions.py) runs each transactional call here instead: past its limit the call
+(worker/ledger/exactly_once/transactions.py) runs each transactional call here instead: past its limit the call
 is reported hung (`TransactionHungError`) with the thread still blocked in it, which the take-over
-(worker/delivery/exactly_once/take_over.py) hands on with the abandoned client.
+(worker/ledger/exactly_once/take_over.py) hands on with the abandoned client.
 
 Threads: `run` is called from the poll thread; the helper thread ("kwe-txn-call", a daemon: a
 hung call must not keep the process alive) only runs the call and hands its result or exception
@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable
 
 from worker.deadline import Deadline
-from worker.delivery.exactly_once.errors import TransactionHungError
+from worker.ledger.exactly_once.errors import TransactionHungError
 
 # How much longer than its own timeout a call may block before it counts as hung.
 HANG_MARGIN_S = 5.0

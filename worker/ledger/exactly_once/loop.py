@@ -1,6 +1,6 @@
-"""The exactly-once delivery: the transaction loop (worker/delivery/exactly_once/transactions.py) behind the
-`Delivery` interface (worker/delivery/guarantees.py), and the exactly-once producer its writes go through
-(worker/delivery/exactly_once/producer.py).
+"""The exactly-once delivery: the transaction loop (worker/ledger/exactly_once/transactions.py) behind the
+`Delivery` interface (worker/ledger/guarantees.py), and the exactly-once producer its writes go through
+(worker/ledger/exactly_once/producer.py).
 
 States:
     created --start--> running --finish--> finished
@@ -24,13 +24,13 @@ from typing import Any
 import structlog
 
 from worker.deadline import Deadline
-from worker.delivery.base import AroundBatch, Phase, Serve
-from worker.delivery.exactly_once.loss_bound import check_session
-from worker.delivery.exactly_once.producer import ExactlyOnceProducer
-from worker.delivery.exactly_once.transactions import Transactions, drained_waiter, transactional_config
-from worker.delivery.inflight import InFlightTable
-from worker.kafka.committer import Committer
-from worker.kafka.offsets import PartitionOffsets
+from worker.ledger.base import AroundBatch, Phase, Serve
+from worker.ledger.exactly_once.loss_bound import check_session
+from worker.ledger.exactly_once.producer import ExactlyOnceProducer
+from worker.ledger.exactly_once.transactions import Transactions, drained_waiter, transactional_config
+from worker.ledger.inflight import InFlightTable
+from worker.ledger.committer import Committer
+from worker.ledger.offsets import PartitionOffsets
 from worker.kafka.producer import OutputProducer, RecordWriter
 from worker.latch import FatalLatch
 from worker.operations.metrics import Metrics
