@@ -101,7 +101,9 @@ def cost_model(settings: Settings, info: ModelInfo, backend: Backend) -> CostMod
     return cost_model_for(backend, calibration_key(settings, info), vocab_size=info.vocab_size)
 
 
-def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: GateFactory | None = None) -> Assembled:
+def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: GateFactory | None = None,
+                   on_overrun: Callable[[int], None] | None = None,
+                   interpreter_cpu_is_start: bool = False) -> Assembled:
     """Loads the model's tokenizer and the backend the settings ask for, and wires the pipeline.
 
     The model folder is read once, and the pipeline gets the settings with every "auto"
@@ -147,9 +149,10 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: 
         metrics.watch_costs(costs)
     pipeline = wire_pipeline(loaded.settings, tokenizer=tokenizer, backend=backend, profile=profile,
                              model_name=info.name, metrics=metrics, costs=costs, codec=encoder, decode=decode,
-                             gate=gate, sparse=info.sparse)
-    pipeline.identity = {"model": info.name, "fingerprint": codec.fingerprint,
-                         "precision": precision_label(loaded.settings)}
+                             gate=gate, sparse=info.sparse, on_overrun=on_overrun,
+                             interpreter_cpu_is_start=interpreter_cpu_is_start,
+                             identity={"model": info.name, "fingerprint": codec.fingerprint,
+                                       "precision": precision_label(loaded.settings)})
     return Assembled(pipeline, backend)
 
 
@@ -159,7 +162,8 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
                   producer_factory: Callable[[dict[str, Any]], Any] = Producer,
                   codec: ValueEncoder | None = None, decode: Decode | None = None,
                   spans: BatchSpans | None = None, gate: GateFactory | None = None,
-                  sparse: bool = False) -> Pipeline:
+                  sparse: bool = False, on_overrun: Callable[[int], None] | None = None,
+                  interpreter_cpu_is_start: bool = False, identity: dict[str, str] | None = None) -> Pipeline:
     """The stages around a loaded tokenizer and backend, wired into a Pipeline.
 
     The factories are the tests' seams (fake clients, a fake bucketer). `codec` is the output
@@ -217,7 +221,8 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
     stages = Stages(inflight=inflight, flow=flow, producer=producer, acks=acks, committer=committer, member=member,
                     delivery=delivery, output=output, bucketer=bucketer, intake=intake, liveness=liveness,
                     spans=spans, gate=gate(member.client, committer.tracker) if gate is not None else None)
-    return Pipeline(settings, shutdown, stages, metrics)
+    return Pipeline(settings, shutdown, stages, metrics, on_overrun=on_overrun,
+                    interpreter_cpu_is_start=interpreter_cpu_is_start, identity=identity)
 
 
 def output_codec(settings: Settings, info: ModelInfo, prompt: Prompt,

@@ -143,16 +143,18 @@ class Shutdown:
 class Pipeline:
     """Runs wired stages: start, the poll loop, drain and shutdown. It builds nothing."""
 
-    def __init__(self, settings: Settings, shutdown: Shutdown, stages: Stages, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, shutdown: Shutdown, stages: Stages, metrics: Metrics, *,
+                 on_overrun: Callable[[int], None] | None = None, interpreter_cpu_is_start: bool = False,
+                 identity: dict[str, str] | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
         self.latch = shutdown.latch
         self._stop, self._abort = shutdown.stop, shutdown.abort
         self.deadline, self._drain_by, self._commit_by = shutdown.deadline, shutdown.drain_by, shutdown.commit_by
         self._leave_by = shutdown.leave_by
-        # Set by the command that owns the process (worker/commands/run.py): exits it with the code
+        # Given by the command that owns the process (worker/commands/run.py): exits it with the code
         # given, EXIT_GRACE_S past the shutdown deadline. None (in-process runs): nothing is watched.
-        self.on_overrun: Callable[[int], None] | None = None
+        self.on_overrun = on_overrun
         self._step = "running"  # the shutdown step under way, for the overrun's log line
         self.left_group = True
         self._inflight, self._flow, self._acks = stages.inflight, stages.flow, stages.acks
@@ -168,14 +170,14 @@ class Pipeline:
         self._hold_logged_at = float("-inf")
         # The one CPU the interpreter's threads are held on, where auto moves them (poll thread).
         self._interpreter: InterpreterHold | None = None
-        # Set by `run` in one of a supervisor's processes: the CPU number the supervisor gave
+        # Given by `run` in one of a supervisor's processes: the CPU number the supervisor gave
         # (interpreter_cpu auto, a CPU each) is where the hold starts, and it moves from there as a
         # lone process's does; two pods' supervisors that both start at CPU 0 part. Else a CPU
         # number set is a hold for good.
-        self.interpreter_cpu_is_start = False
+        self.interpreter_cpu_is_start = interpreter_cpu_is_start
         # What the start log states beside the settings (the model, its fingerprint and precision),
-        # set by the assembly (worker.app.build_pipeline).
-        self.identity: dict[str, str] = {}
+        # given by the assembly (worker.app.build_pipeline).
+        self.identity: dict[str, str] = identity if identity is not None else {}
 
     # ------------------------------------------------------------------ state for probes
     def ready(self) -> tuple[bool, dict[str, bool]]:

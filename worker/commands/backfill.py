@@ -166,7 +166,8 @@ def _run(args: argparse.Namespace, settings: Any, plan: Any, cluster: dict[str, 
         return gates[-1]
 
     try:
-        assembled = build_pipeline(settings, metrics=metrics, gate=gate)
+        # As run's: a stop stuck in librdkafka past its deadline exits within shutdown_timeout_s + 2 s.
+        assembled = build_pipeline(settings, metrics=metrics, gate=gate, on_overrun=exit_now)
     except KeywordEmbedderError as exc:
         progress.close()
         if signals.stopped_during_startup():
@@ -182,8 +183,6 @@ def _run(args: argparse.Namespace, settings: Any, plan: Any, cluster: dict[str, 
         pipeline.request_stop()
 
     signals.on_stop = stop
-    # As run's: a stop stuck in librdkafka past its deadline exits within shutdown_timeout_s + 2 s.
-    pipeline.on_overrun = exit_now
     try:
         code = run_served(pipeline, metrics, settings.metrics_host, settings.metrics_port, log=log)
     finally:
