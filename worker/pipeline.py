@@ -152,8 +152,7 @@ class Pipeline:
         self._stop, self._abort = shutdown.stop, shutdown.abort
         self.deadline, self._drain_by, self._commit_by = shutdown.deadline, shutdown.drain_by, shutdown.commit_by
         self._leave_by = shutdown.leave_by
-        # Given by the command that owns the process (worker/commands/run.py): exits it with the code
-        # given, EXIT_GRACE_S past the shutdown deadline. None (in-process runs): nothing is watched.
+        # Given by run and backfill: exits with the code, EXIT_GRACE_S past the deadline (None: not watched).
         self.on_overrun = on_overrun
         self._step = "running"  # the shutdown step under way, for the overrun's log line
         self.left_group = True
