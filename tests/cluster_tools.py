@@ -410,7 +410,7 @@ class Stream:
                 for e in w.events("a new producer took over; partitions rewound to their committed offsets")]
 
     def transactional_id(self, member: str) -> str:
-        from worker.ledger.exactly_once.transactions import transactional_id
+        from worker.kafka.client_config import transactional_id
 
         return transactional_id(self.group, member)
 

@@ -1,8 +1,7 @@
 """The exact configuration each Kafka client of the worker is handed, per guarantee (issue 60).
 
-Pinned key by key, as `wire_pipeline` builds them (the consumer's `consumer_config`, the producer's
-`producer_config` amended by the guarantee), so that gathering the three builders into one place
-changes no client's configuration. The secret is a fake one.
+Pinned key by key, from the one module that builds them (worker/kafka/client_config.py:
+`consumer_config`, and `producer_config`, transactional under exactly once). The secret is a fake one.
 """
 
 from __future__ import annotations
@@ -12,9 +11,7 @@ from typing import Any
 
 import pytest
 
-from worker.kafka.consumer import consumer_config
-from worker.kafka.producer import producer_config
-from worker.ledger.guarantees import producer_config_for
+from worker.kafka.client_config import consumer_config, producer_config
 from worker.settings.schema import Settings
 
 SECURITY = {"security.protocol": "SASL_SSL", "sasl.mechanism": "PLAIN", "sasl.username": "u",
@@ -54,12 +51,12 @@ def test_each_client_gets_exactly_this_configuration(guarantee: str, consumer: d
                                                      producer: dict[str, Any]) -> None:
     s = settings(guarantee)
     assert consumer_config(s) == consumer
-    assert producer_config_for(s, producer_config(s)) == producer
+    assert producer_config(s) == producer
 
 
 def test_a_pass_through_key_reaches_both_clients_and_the_transaction_bounds_the_message_timeout() -> None:
     s = Settings(processing_guarantee="exactly-once", bootstrap_servers="broker:9092", group_id="g", member_id="m-0",
                  kafka_config=("message.timeout.ms=90000", "socket.keepalive.enable=true"))
-    produced = producer_config_for(s, producer_config(s))
+    produced = producer_config(s)
     assert produced["message.timeout.ms"] == 60000 and produced["socket.keepalive.enable"] == "true"
     assert consumer_config(s)["socket.keepalive.enable"] == "true"

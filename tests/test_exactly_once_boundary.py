@@ -38,13 +38,13 @@ def test_the_at_least_once_modules_name_nothing_of_exactly_once() -> None:
 def test_at_least_once_loads_no_exactly_once_module() -> None:
     code = ("import sys\n"
             "from worker.settings.schema import Settings\n"
-            "from worker.ledger.guarantees import build_delivery, producer_config_for\n"
+            "from worker.ledger.guarantees import build_delivery\n"
             "from worker.ledger.committer import Committer\n"
             "from worker.kafka.producer import OutputProducer\n"
             "from worker.latch import FatalLatch\n"
             "import worker.app, worker.pipeline\n"
             "s = Settings()\n"
-            "producer = OutputProducer(producer_config_for(s, {}), FatalLatch(), producer_factory=lambda c: object())\n"
+            "producer = OutputProducer({}, FatalLatch(), producer_factory=lambda c: object())\n"
             "d = build_delivery(s, Committer(None, interval_s=1.0), producer, None, FatalLatch(), None, None, None)\n"
             "assert d.writer is producer and d.around_batch is None\n"
             f"print(sorted(m for m in sys.modules if m in {MODULES!r}))\n")

@@ -12,7 +12,7 @@ import pytest
 
 from worker.ledger.exactly_once.loss_bound import (SessionTooLongError, abortable_after_loss_s, check_session,
                                                      effective_session_ms, oldest_at_loss_s)
-from worker.kafka.consumer import SESSION_TIMEOUT_MS
+from worker.kafka.client_config import SESSION_TIMEOUT_MS
 from worker.settings.schema import Settings
 
 ROOT = Path(__file__).resolve().parents[1]

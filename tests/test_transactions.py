@@ -15,11 +15,11 @@ from tests.fakes.transactions import ABORTABLE, FENCED, INVALID_TXN_STATE, RETRI
 from worker.ledger.exactly_once.loss_bound import check_session
 from worker.ledger.exactly_once.take_over import FENCED_TAKE_OVERS
 from worker.errors import WorkerError
-from worker.kafka.consumer import SESSION_TIMEOUT_MS
+from worker.kafka.client_config import SESSION_TIMEOUT_MS, transactional_config, transactional_id
 from worker.ledger.offsets import OffsetTracker
 from worker.ledger.exactly_once.transactions import (WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, TransactionError,
                                                        TransactionFencedError, TransactionHungError, Transactions,
-                                                       drained_waiter, kind_of, transactional_config, transactional_id)
+                                                       drained_waiter, kind_of)
 import worker.ledger.exactly_once.transactions as txmod
 from worker.latch import FatalLatch
 from worker.settings.schema import Settings

@@ -24,7 +24,7 @@ from worker.core.model import ModelError, ModelInfo, Prompt
 from worker.core.sparse import sparsify
 from worker.core.vectors import check_truncate_dim, default_int8_range
 from worker.ledger.acks import Acknowledger
-from worker.ledger.guarantees import build_delivery, producer_config_for
+from worker.ledger.guarantees import build_delivery
 from worker.ledger.inflight import InFlightTable
 from worker.embedding_cache import EmbeddingCache
 from worker.formats.messages import OutputCodec, ValueEncoder
@@ -35,10 +35,11 @@ from worker.intake.flow import FlowControl
 from worker.intake.stage import Decode, Intake
 from worker.intake.tokenize import KeywordTokenizer
 from worker.ledger.committer import Committer
-from worker.kafka.consumer import GroupMember, consumer_config
+from worker.kafka.client_config import consumer_config, producer_config
+from worker.kafka.consumer import GroupMember
 from worker.kafka.errors import FailurePolicy
 from worker.ledger.offsets import OffsetTracker
-from worker.kafka.producer import OutputProducer, producer_config
+from worker.kafka.producer import OutputProducer
 from worker.kafka.reports import REPORTS_COMPILED
 from worker.latch import guarded
 from worker.names import REGISTRY_FORMATS
@@ -182,7 +183,7 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
     flow = FlowControl(settings.max_in_flight, settings.max_in_flight_bytes,
                        drain_target_s=max(1.0, settings.shutdown_timeout_s / 3))
     failures = FailurePolicy()
-    producer = OutputProducer(producer_config_for(settings, producer_config(settings)), latch,
+    producer = OutputProducer(producer_config(settings), latch,
                               failures=failures, producer_factory=producer_factory)
     acks = Acknowledger(inflight, metrics)
     producer.after_poll(acks.flush)

@@ -108,7 +108,7 @@ def _start(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     from worker.backfill.group_offsets import GroupOffsets, empty_group_wait_s
     from worker.backfill.range import FromSpec, Kafka, open_range, prepare
     from worker.kafka.client_config import admin_config, client_config, secret_values
-    from worker.kafka.consumer import consumer_config
+    from worker.kafka.client_config import consumer_config
     from worker.kafka.preflight import check_topics
     from worker.settings.schema import SettingsError
 

@@ -36,7 +36,8 @@ abort path) states there:
   writes go through the exactly-once producer (worker/ledger/exactly_once/producer.py: the write gate around
   each batch, failed writes into the transaction, the client take-over).
 
-`build_delivery` is the one place that asks which guarantee runs; at-least-once is built from
+`build_delivery` is the one place that picks the guarantee's delivery (its client configuration is
+worker/kafka/client_config.py's); at-least-once is built from
 only what it uses (the committer and the producer) and runs no exactly-once code.
 """
 
@@ -54,7 +55,7 @@ from worker.latch import FatalLatch
 from worker.operations.metrics import Metrics
 from worker.settings.schema import Settings
 
-__all__ = ["AroundBatch", "AtLeastOnce", "Delivery", "Phase", "Serve", "build_delivery", "producer_config_for"]
+__all__ = ["AroundBatch", "AtLeastOnce", "Delivery", "Phase", "Serve", "build_delivery"]
 # The at-least-once revoke commit: at most this long inside the callback.
 REVOKE_COMMIT_S = 5.0
 # The commit that frees room at the in-flight bound: at most this long (the poll thread holds
@@ -103,15 +104,6 @@ class AtLeastOnce:
 
     def summary(self) -> dict[str, Any]:
         return {}
-
-
-def producer_config_for(settings: Settings, config: dict[str, Any]) -> dict[str, Any]:
-    """The output producer's configuration under the guarantee (exactly-once: transactional)."""
-    if settings.processing_guarantee != "exactly-once":
-        return config
-    from worker.ledger.exactly_once.loop import ExactlyOnce  # only exactly-once loads its modules
-
-    return ExactlyOnce.producer_config(config, settings)
 
 
 def build_delivery(settings: Settings, committer: Committer, producer: OutputProducer, consumer: Any,

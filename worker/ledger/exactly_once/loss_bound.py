@@ -32,8 +32,7 @@ from typing import Any
 
 from worker.ledger.exactly_once import bounded_calls
 from worker.ledger.exactly_once.transactional_calls import TIMEOUT_CLOCK_SLACK_S
-from worker.kafka.client_config import client_config
-from worker.kafka.consumer import SESSION_TIMEOUT_MS
+from worker.kafka.client_config import SESSION_TIMEOUT_MS, client_config
 from worker.settings.kafka_overrides import librdkafka_int
 from worker.settings.schema import Settings, SettingsError
 

@@ -92,27 +92,7 @@ State = Literal["idle", "open", "closing"]
 # if its commit had reached the coordinator, else aborted).
 Outcome = Literal["committed", "aborted", "taken_over"]
 __all__ = ["FENCE_SETTLE_S", "RETRIES", "WRITE_FAILURES", "WRITE_RETRY_BACKOFF_S", "TransactionError",
-           "TransactionFencedError", "TransactionHungError", "Transactions", "drained_waiter", "kind_of",
-           "transactional_config", "wait_until"]
-
-
-def transactional_id(group: str, member: str) -> str:
-    """Stable per member (a pod name survives its own restart), unique among live members; the
-    prefix keyword-embedder is what the secured deployment's transactional-id ACL grants."""
-    return f"keyword-embedder-{group}-{member}"
-
-
-def transactional_config(producer_config: dict[str, Any], *, group: str, member: str,
-                         transaction_timeout_ms: int) -> dict[str, Any]:
-    """The producer configuration of an exactly-once member."""
-    config = dict(producer_config)
-    config["transactional.id"] = transactional_id(group, member)
-    config["transaction.timeout.ms"] = transaction_timeout_ms
-    # librdkafka refuses a message timeout above the transaction timeout: a write that cannot
-    # succeed while its transaction is open fails the transaction, which is then aborted.
-    config["message.timeout.ms"] = min(int(config.get("message.timeout.ms", transaction_timeout_ms)),
-                                       transaction_timeout_ms)
-    return config
+           "TransactionFencedError", "TransactionHungError", "Transactions", "drained_waiter", "kind_of", "wait_until"]
 
 
 @dataclass
