@@ -394,7 +394,7 @@ class Stream:
         """A member that exits on its own fails the test, in both guarantees. (Exactly-once members
         used to exit when a coordinator's node was SIGKILLed and a transactional call hung inside
         librdkafka, issues 5456 and 5511; a new producer now takes over in the process:
-        worker/delivery/exactly_once/transactions.py `take_over`, counted by `take_overs`.)"""
+        worker/ledger/exactly_once/transactions.py `take_over`, counted by `take_overs`.)"""
         for name, w in list(self.members.items()):
             assert w.proc is not None
             if name in self.leaving or w.proc.poll() is None:
@@ -410,7 +410,7 @@ class Stream:
                 for e in w.events("a new producer took over; partitions rewound to their committed offsets")]
 
     def transactional_id(self, member: str) -> str:
-        from worker.delivery.exactly_once.transactions import transactional_id
+        from worker.kafka.client_config import transactional_id
 
         return transactional_id(self.group, member)
 

@@ -143,3 +143,21 @@ def test_the_revoke_wait_is_the_setting_within_the_drain_and_nothing_once_aborti
     assert 1.5 < shutdown.revoke_wait_s() <= 2.0
     shutdown.abort.set()
     assert shutdown.revoke_wait_s() == 0.0
+
+
+def test_the_pipeline_is_not_changed_after_it_is_built() -> None:
+    # What the commands decide (the overrun's exit, where the interpreter's hold starts) and what the
+    # assembly knows (the model's identity) are handed to the Pipeline when it is built: nothing
+    # outside pipeline.py sets one of its attributes afterwards.
+    assigned = []
+    for path in sorted((ROOT / "worker").rglob("*.py")):
+        if path == ROOT / "worker" / "pipeline.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for target in targets:
+                if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                        and target.value.id == "pipeline"):
+                    assigned.append(f"{path.relative_to(ROOT)}:{node.lineno}: pipeline.{target.attr}")
+    assert not assigned, f"the Pipeline changed after it was built (pass it to wire_pipeline instead): {assigned}"

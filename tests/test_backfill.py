@@ -21,7 +21,7 @@ from worker.backfill.group_offsets import GroupOffsets
 from worker.backfill.range import (FromSpec, Kafka, PartitionRange, Plan, Range, load_range, open_range, plan,
                                    range_group)
 from worker.backfill.rate import TokenBucket
-from worker.kafka.offsets import OffsetTracker
+from worker.ledger.offsets import OffsetTracker
 from worker.settings.schema import SettingsError
 
 

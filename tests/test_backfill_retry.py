@@ -31,7 +31,7 @@ from worker.backfill.cluster_calls import RETRY_BOUND_S, BackfillError, Retriabl
 from worker.backfill.group_offsets import EMPTY_GROUP_MARGIN_S, GroupOffsets
 from worker.commands import backfill
 from worker.kafka import preflight
-from worker.kafka.consumer import SESSION_TIMEOUT_MS
+from worker.kafka.client_config import SESSION_TIMEOUT_MS
 
 GROUP = "out-backfill"
 

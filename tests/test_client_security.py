@@ -16,9 +16,8 @@ import structlog
 from confluent_kafka import KafkaError
 
 from worker.kafka.client_config import client_config, client_env, read_properties, secret_values
-from worker.kafka.consumer import consumer_config
+from worker.kafka.client_config import consumer_config, producer_config
 from worker.kafka.errors import FailurePolicy, fatal_reason
-from worker.kafka.producer import producer_config
 from worker.operations.logs import configure_logging
 from worker.operations.redact import MASK, is_secret_key, redact_text
 from worker.settings.loader import add_setting_flags, load_settings

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster_tools import Cluster, Net, NetUnavailable, Stream, fault, start_cluster
-from worker.kafka.consumer import SESSION_TIMEOUT_MS
+from worker.kafka.client_config import SESSION_TIMEOUT_MS
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.cluster]
 

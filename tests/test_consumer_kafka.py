@@ -8,9 +8,10 @@ from collections.abc import Callable
 from confluent_kafka import Producer
 
 from worker.deadline import Deadline
-from worker.delivery.guarantees import AtLeastOnce
-from worker.kafka.committer import Committer
-from worker.kafka.consumer import GroupMember, consumer_config
+from worker.ledger.guarantees import AtLeastOnce
+from worker.ledger.committer import Committer
+from worker.kafka.client_config import consumer_config
+from worker.kafka.consumer import GroupMember
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch
 from worker.operations.metrics import Metrics

@@ -1,4 +1,4 @@
-"""The two `Delivery` implementations, transition by transition, on fakes (worker/delivery/guarantees.py
+"""The two `Delivery` implementations, transition by transition, on fakes (worker/ledger/guarantees.py
 has the state tables)."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ from confluent_kafka import TopicPartition
 
 from tests.fakes.transactions import FakeTxnProducer
 from worker.deadline import Deadline
-from worker.delivery.exactly_once.loop import ExactlyOnce
-from worker.delivery.exactly_once.producer import ExactlyOnceProducer
-from worker.delivery.exactly_once.transactions import Transactions
-from worker.delivery.guarantees import AtLeastOnce
-from worker.delivery.inflight import InFlight, InFlightTable
+from worker.ledger.exactly_once.loop import ExactlyOnce
+from worker.ledger.exactly_once.producer import ExactlyOnceProducer
+from worker.ledger.exactly_once.transactions import Transactions
+from worker.ledger.guarantees import AtLeastOnce
+from worker.ledger.inflight import InFlight, InFlightTable
 from worker.formats.headers import NO_HEADERS
-from worker.kafka.committer import Committer
-from worker.kafka.offsets import PartitionOffsets
+from worker.ledger.committer import Committer
+from worker.ledger.offsets import PartitionOffsets
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch
 
@@ -188,7 +188,7 @@ def test_take_live_drops_records_of_revoked_partitions_and_skips_finished_ones()
 def test_acknowledgements_are_finished_together_after_the_poll() -> None:
     """An embedding's delivery report only notes its record; `flush` (after each producer poll)
     takes the noted records out, marks their offsets done per partition, and counts them once."""
-    from worker.delivery.acks import Acknowledger
+    from worker.ledger.acks import Acknowledger
     from worker.operations.metrics import Metrics
 
     p0, p1 = PartitionOffsets("in", 0, 1), PartitionOffsets("in", 1, 1)
@@ -223,7 +223,7 @@ def test_flush_returns_once_the_last_acknowledgements_are_finished_not_when_the_
     import time
     from typing import Any
 
-    from worker.delivery.acks import Acknowledger
+    from worker.ledger.acks import Acknowledger
     from worker.operations.metrics import Metrics
 
     class Client:

@@ -19,9 +19,9 @@ PACKAGES = ("worker", "engines")
 # Exceptions that never reach a user: control flow inside one module, each caught where it is
 # raised's caller. Anything else defined in the packages must derive from the root.
 INTERNAL = {
-    "worker.backends.isolating.PartialBatchError": "caught by the output stage: dead letters + embeddings",
-    "worker.kafka.offsets.OffsetWentBack": "caught by intake: the partition's state is reset",
-    "worker.kafka.offsets.Refetched": "caught by intake: the record is skipped",
+    "worker.backends.base.PartialBatchError": "caught by the output stage: dead letters + embeddings",
+    "worker.ledger.offsets.OffsetWentBack": "caught by intake: the partition's state is reset",
+    "worker.ledger.offsets.Refetched": "caught by intake: the record is skipped",
     "worker.kafka.preflight._Unreachable": "caught by the preflight's retry loop",
     "worker.backfill.cluster_calls.Retriable": "caught by the backfill's retry loop (Retry.run); BackfillError past its bound",
     "worker.backfill.cluster_calls.Busy": "caught by the backfill's retry loop; GroupBusyError past its bound",

@@ -13,18 +13,18 @@ ROOT = Path(__file__).resolve().parents[1]
 # What at-least-once runs: the assembly and the pipeline, intake, the output stage and dead letters, acknowledgement,
 # the in-flight table, the delivery interface (with AtLeastOnce), the producer and the committer.
 AT_LEAST_ONCE = ["worker/app.py", "worker/pipeline.py", "worker/intake/stage.py", "worker/output/stage.py",
-                 "worker/output/dead_letters.py", "worker/delivery/acks.py", "worker/delivery/inflight.py",
-                 "worker/delivery/guarantees.py", "worker/delivery/base.py",
-                 "worker/kafka/producer.py", "worker/kafka/committer.py", "worker/kafka/offsets.py"]
+                 "worker/output/dead_letters.py", "worker/ledger/acks.py", "worker/ledger/inflight.py",
+                 "worker/ledger/guarantees.py", "worker/ledger/base.py",
+                 "worker/kafka/producer.py", "worker/ledger/committer.py", "worker/ledger/offsets.py"]
 # Exactly-once's names: the write gate, failed-write routing, the client take-over, the transaction loop.
 NAMES = ["write_gate", "fail_writes_into", "given_up", "drop_revoked", "replace_client", "PURGED", "take_over",
          "Transactions", "ExactlyOnceProducer", "txn", "transactional_config", "abort_transaction", "commit_transaction", "TransactionHungError", "TransactionFencedError"]
 # Loaded only when exactly-once runs.
-MODULES = ["worker.delivery.exactly_once.loop", "worker.delivery.exactly_once.producer",
-           "worker.delivery.exactly_once.transactions", "worker.delivery.exactly_once.take_over",
-           "worker.delivery.exactly_once.bounded_calls", "worker.delivery.exactly_once.errors",
-           "worker.delivery.exactly_once.transactional_calls", "worker.delivery.exactly_once.rewind",
-           "worker.delivery.exactly_once.write_failures", "worker.delivery.exactly_once.loss_bound"]
+MODULES = ["worker.ledger.exactly_once.loop", "worker.ledger.exactly_once.producer",
+           "worker.ledger.exactly_once.transactions", "worker.ledger.exactly_once.take_over",
+           "worker.ledger.exactly_once.bounded_calls", "worker.ledger.exactly_once.errors",
+           "worker.ledger.exactly_once.transactional_calls", "worker.ledger.exactly_once.rewind",
+           "worker.ledger.exactly_once.write_failures", "worker.ledger.exactly_once.loss_bound"]
 
 
 def test_the_at_least_once_modules_name_nothing_of_exactly_once() -> None:
@@ -38,13 +38,13 @@ def test_the_at_least_once_modules_name_nothing_of_exactly_once() -> None:
 def test_at_least_once_loads_no_exactly_once_module() -> None:
     code = ("import sys\n"
             "from worker.settings.schema import Settings\n"
-            "from worker.delivery.guarantees import build_delivery, producer_config_for\n"
-            "from worker.kafka.committer import Committer\n"
+            "from worker.ledger.guarantees import build_delivery\n"
+            "from worker.ledger.committer import Committer\n"
             "from worker.kafka.producer import OutputProducer\n"
             "from worker.latch import FatalLatch\n"
             "import worker.app, worker.pipeline\n"
             "s = Settings()\n"
-            "producer = OutputProducer(producer_config_for(s, {}), FatalLatch(), producer_factory=lambda c: object())\n"
+            "producer = OutputProducer({}, FatalLatch(), producer_factory=lambda c: object())\n"
             "d = build_delivery(s, Committer(None, interval_s=1.0), producer, None, FatalLatch(), None, None, None)\n"
             "assert d.writer is producer and d.around_batch is None\n"
             f"print(sorted(m for m in sys.modules if m in {MODULES!r}))\n")

@@ -14,13 +14,14 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from tests.fakes.transactions import FENCED, INVALID_TXN_STATE
-from worker.backends.isolating import IsolatingContext, PartialBatchError
+from worker.backends.base import PartialBatchError
+from worker.backends.isolating import IsolatingContext
 from worker.deadline import Deadline
-from worker.delivery.exactly_once.producer import ExactlyOnceProducer
-from worker.delivery.inflight import InFlightTable
+from worker.ledger.exactly_once.producer import ExactlyOnceProducer
+from worker.ledger.inflight import InFlightTable
 from worker.errors import BackendBrokenError, DeliveryError, ThreadDiedError, WorkerError
 from worker.intake.flow import FlowControl
-from worker.kafka.committer import Committer
+from worker.ledger.committer import Committer
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch, guarded
 from worker.operations.health import Liveness
@@ -498,7 +499,7 @@ class FakeGroupConsumer(FakeConsumer):
 
 
 def _member(wait_s: float) -> tuple[Any, Committer, FakeGroupConsumer, FatalLatch]:
-    from worker.delivery.guarantees import AtLeastOnce
+    from worker.ledger.guarantees import AtLeastOnce
     from worker.kafka.consumer import GroupMember
     from worker.operations.metrics import Metrics
 
@@ -808,7 +809,7 @@ def test_the_isolating_backend_passes_on_typed_members_only() -> None:
 def test_a_fenced_poll_goes_to_the_transaction_loop_and_the_delivery_thread_serves_on(fenced: KafkaError) -> None:
     """Exactly-once: confluent-kafka raises a transactional producer's fatal _FENCED (or the fatal
     INVALID_TXN_STATE of an EndTxn) from poll. It may be the broker's transaction timeout after a
-    coordinator outage, which a new producer takes over (worker/delivery/exactly_once/transactions.py), so the
+    coordinator outage, which a new producer takes over (worker/ledger/exactly_once/transactions.py), so the
     delivery thread reports it as a failed write and keeps serving, instead of stopping the worker
     (and itself) before the transaction loop can decide. Failed before the fix: the latch tripped and
     the delivery thread ended (INVALID_TXN_STATE: CI, 2026-12-04). Other guarantees: as before."""

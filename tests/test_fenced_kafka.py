@@ -2,7 +2,7 @@
 aborted by the broker, which bumps the producer epoch (Kafka's TransactionMetadata
 prepareFenceProducerEpoch), so the member's next write or EndTxn is answered
 INVALID_PRODUCER_EPOCH / PRODUCER_FENCED and librdkafka raises fatal _FENCED. Transactional ids are
-one per member: no zombie, the member goes on with a new producer (worker/delivery/exactly_once/transactions.py,
+one per member: no zombie, the member goes on with a new producer (worker/ledger/exactly_once/transactions.py,
 fenced take-over) instead of exiting 1, which crash-looped every member of a group through a
 coordinator outage longer than the timeout (the CI failure of tests/test_cluster_kafka.py).
 

@@ -21,7 +21,7 @@ from tests.fakes.consumer import FakeGroupConsumer
 from tests.fakes.pipeline import AckingProducer, HalvesBackend, ThreeTokens
 from worker.app import wire_pipeline
 from worker.core.profiles import Bucket, Profile
-from worker.kafka.committer import RELIEVE_GAP_S, Committer
+from worker.ledger.committer import RELIEVE_GAP_S, Committer
 from worker.settings.schema import Settings
 
 WAIT_S = 20.0  # only a guard against a hang

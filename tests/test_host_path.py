@@ -17,15 +17,15 @@ from tokenizers import Tokenizer
 
 from benchmarks.host.doubles import MemoryMessage
 from worker.core.model import default_model_dir
-from worker.delivery.acks import Acknowledger
-from worker.delivery.inflight import InFlightTable
+from worker.ledger.acks import Acknowledger
+from worker.ledger.inflight import InFlightTable
 from worker.embedding_cache import EmbeddingCache
 from worker.embedding_cache import key as cache_key
 from worker.errors import WorkerError
 from worker.formats.messages import Keyword, Rejection, decode_input
 from worker.intake.stage import Intake
 from worker.intake.tokenize import KeywordTokenizer
-from worker.kafka.offsets import OffsetTracker, OffsetWentBack, Refetched
+from worker.ledger.offsets import OffsetTracker, OffsetWentBack, Refetched
 from worker.operations.metrics import Metrics
 from worker.output.dead_letters import DeadLetters
 from worker.settings.schema import Settings
@@ -66,7 +66,7 @@ def test_a_poll_with_a_bad_record_a_tokenizer_failure_and_a_cache_hit_keeps_ever
     submitted: list[tuple[list[int], list[np.ndarray]]] = []
     answered: list[tuple[list[int], np.ndarray]] = []
     intake = Intake(Settings(), tok, tracker, inflight, lambda seqs, ids: submitted.append((list(seqs), list(ids))),
-                    DeadLetters("dlq", 1 << 20, writer, acks), metrics, cache=cache,  # type: ignore[arg-type]
+                    DeadLetters("dlq", 1 << 20, writer, acks).send, metrics, cache=cache,  # type: ignore[arg-type]
                     answer=lambda seqs, rows: answered.append((list(seqs), rows)))
     values = [orjson.dumps({"id": "a", "text": "cheap flights"}), b"{not json", orjson.dumps({"id": "b", "text": POISON}),
               orjson.dumps({"id": "c", "text": "used cars"}), orjson.dumps({"id": "d", "text": "running shoes"})]
@@ -98,7 +98,7 @@ def test_the_dead_letters_say_why() -> None:
     inflight = InFlightTable()
     writer = _Writer()
     intake = Intake(Settings(), tok, tracker, inflight, lambda seqs, ids: None,
-                    DeadLetters("dlq", 1 << 20, writer, Acknowledger(inflight, Metrics())), Metrics())  # type: ignore[arg-type]
+                    DeadLetters("dlq", 1 << 20, writer, Acknowledger(inflight, Metrics())).send, Metrics())  # type: ignore[arg-type]
     intake.handle([MemoryMessage("in", 0, 0, None, b"[1]", 0),
                    MemoryMessage("in", 0, 1, None, orjson.dumps({"id": "x", "text": POISON}), 0)])
     assert [reason for _, _, reason, _ in writer.records] == ["not_an_object", "tokenize_error"]
@@ -153,7 +153,7 @@ def test_the_inline_json_read_keeps_what_decode_input_would_say_of_every_record(
     submitted: list[tuple[list[int], list[np.ndarray]]] = []
     settings = Settings(max_message_bytes=100)
     intake = Intake(settings, tok, tracker, inflight, lambda seqs, ids: submitted.append((list(seqs), list(ids))),
-                    DeadLetters("dlq", 1 << 20, writer, Acknowledger(inflight, metrics)), metrics)  # type: ignore[arg-type]
+                    DeadLetters("dlq", 1 << 20, writer, Acknowledger(inflight, metrics)).send, metrics)  # type: ignore[arg-type]
     intake.handle([MemoryMessage("in", 0, i, k, v, 0) for i, (k, v) in enumerate(INTAKE_VALUES)])
 
     dead = {seq: reason for seq, _, reason, _ in writer.records}
@@ -215,7 +215,7 @@ def test_tracking_a_polls_runs_together_leaves_each_partition_as_tracking_each_r
         return 0, log_end[partition]
 
     intake = Intake(Settings(), tok, tracker, inflight, lambda seqs, ids: None,
-                    DeadLetters("dlq", 1 << 20, writer, Acknowledger(inflight, metrics)), metrics,  # type: ignore[arg-type]
+                    DeadLetters("dlq", 1 << 20, writer, Acknowledger(inflight, metrics)).send, metrics,  # type: ignore[arg-type]
                     watermarks=watermarks)
     position = {0: 0, 1: 100, 2: 5}
     epoch: dict[int, int | None] = {0: 3, 1: None, 2: 1}
@@ -273,7 +273,7 @@ def test_a_dead_letter_acknowledged_before_its_poll_ends_has_its_offset_done() -
     tok, tracker, inflight, metrics, _ = _intake_parts()
     writer = _AckingWriter()
     intake = Intake(Settings(), tok, tracker, inflight, lambda seqs, ids: None,
-                    DeadLetters("dlq", 1 << 20, writer, Acknowledger(inflight, metrics)), metrics)  # type: ignore[arg-type]
+                    DeadLetters("dlq", 1 << 20, writer, Acknowledger(inflight, metrics)).send, metrics)  # type: ignore[arg-type]
     values = [b"{not json" if i % 4 == 2 else orjson.dumps({"id": f"q{i}", "text": "shoes"}) for i in range(20)]
     intake.handle([MemoryMessage("in", 0, i, b"k", v, 0) for i, v in enumerate(values)])
     part = tracker.get("in", 0)
@@ -297,7 +297,7 @@ def test_a_decoder_that_raises_mid_poll_leaves_no_number_given_twice() -> None:
         return Keyword("q", value.decode())  # type: ignore[union-attr]
 
     intake = Intake(Settings(), tok, tracker, inflight, lambda seqs, ids: None,
-                    DeadLetters("dlq", 1 << 20, writer, Acknowledger(inflight, metrics)), metrics,  # type: ignore[arg-type]
+                    DeadLetters("dlq", 1 << 20, writer, Acknowledger(inflight, metrics)).send, metrics,  # type: ignore[arg-type]
                     decode=decode)
     with pytest.raises(WorkerError, match="registry"):  # the registry's failure stops the worker, as before
         intake.handle([MemoryMessage("in", 0, 0, None, b"bad", 0), MemoryMessage("in", 0, 1, None, b"registry down", 0)])

@@ -138,6 +138,23 @@ def test_settings_import_nothing_above_them() -> None:
     assert not above, f"settings import from above: {above}"
 
 
+# The stages a record passes through (docs/architecture.md): joined by parameters the assembly
+# hands them (intake's `submit` and `reject`, the bucketer's `on_batch`), never by importing each
+# other. The backends' base is the one exception: the protocol every stage holds a backend through,
+# and the error the isolating wrapper raises to the output stage.
+STAGES = ("worker.intake", "worker.batching", "worker.backends", "worker.output")
+STAGE_INTERFACES = ("worker.backends.base",)
+
+
+def test_no_stage_imports_another_stage() -> None:
+    graph = package_graph(ROOT, STAGES + STAGE_INTERFACES)
+    across = {f"{stage} -> {other}": sorted(set(mods)) for stage in STAGES
+              for other, mods in graph[stage].items() if other in STAGES}
+    assert not across, f"a stage imports another stage (pass it as a parameter instead): {across}"
+    # The rule is in force: the interface is what the stages do share.
+    assert "worker.backends.base" in graph["worker.batching"] and "worker.backends.base" in graph["worker.output"]
+
+
 def test_a_module_belongs_to_its_longest_layer() -> None:
     assert layer_of("worker.core.model", LAYERS) == "worker.core"
     assert layer_of("worker.core", LAYERS) == "worker.core"

@@ -1,4 +1,4 @@
-"""Exactly-once's session and transaction timeout pair (worker/delivery/exactly_once/loss_bound.py):
+"""Exactly-once's session and transaction timeout pair (worker/ledger/exactly_once/loss_bound.py):
 a session raised past what the transaction timeout leaves room for is refused at start, with the
 numbers; a lowered transaction timeout is the documented trade, said at start."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from worker.delivery.exactly_once.loss_bound import (SessionTooLongError, abortable_after_loss_s, check_session,
+from worker.ledger.exactly_once.loss_bound import (SessionTooLongError, abortable_after_loss_s, check_session,
                                                      effective_session_ms, oldest_at_loss_s)
-from worker.kafka.consumer import SESSION_TIMEOUT_MS
+from worker.kafka.client_config import SESSION_TIMEOUT_MS
 from worker.settings.schema import Settings
 
 ROOT = Path(__file__).resolve().parents[1]

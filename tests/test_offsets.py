@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched
+from worker.ledger.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched
 
 
 def test_out_of_order_completion_commits_only_the_finished_prefix() -> None:

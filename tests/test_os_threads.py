@@ -150,8 +150,8 @@ def test_a_pipeline_holds_its_poll_and_worker_threads_on_one_cpu_and_lets_the_po
                              profile=Profile("test", (Bucket(8, 16, 16),), token_budget=256, pad_to="bucket"),
                              model_name="m",
                              consumer_factory=lambda c: made.setdefault("consumer", FakeGroupConsumer(c, records=50)),
-                             producer_factory=lambda c: made.setdefault("producer", AckingProducer(c)))
-    pipeline.interpreter_cpu_is_start = setting == "a supervisor's CPU"
+                             producer_factory=lambda c: made.setdefault("producer", AckingProducer(c)),
+                             interpreter_cpu_is_start=setting == "a supervisor's CPU")
     seen: dict[str, list[int]] = {}
 
     def poll_thread() -> None:

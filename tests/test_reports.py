@@ -226,9 +226,9 @@ def test_an_interrupt_from_another_thread_stops_the_output_stage_between_two_rec
 
     import numpy as np
 
-    from worker.delivery.inflight import InFlight, InFlightTable
+    from worker.ledger.inflight import InFlight, InFlightTable
     from worker.formats.headers import InputHeaders
-    from worker.kafka.offsets import PartitionOffsets
+    from worker.ledger.offsets import PartitionOffsets
     from worker.operations.metrics import Metrics
     from worker.output.stage import OutputStage, _Finished
 

@@ -15,14 +15,14 @@ from typing import Any
 
 from tests.fakes.consumer import FakeGroupConsumer
 from tests.fakes.transactions import FakeTxnProducer
-from worker.delivery.acks import Acknowledger
+from worker.ledger.acks import Acknowledger
 from worker.output.dead_letters import DeadLetters
-from worker.delivery.exactly_once.loop import ExactlyOnce
-from worker.delivery.exactly_once.producer import ExactlyOnceProducer
-from worker.delivery.exactly_once.transactions import Transactions
-from worker.delivery.inflight import InFlightTable
+from worker.ledger.exactly_once.loop import ExactlyOnce
+from worker.ledger.exactly_once.producer import ExactlyOnceProducer
+from worker.ledger.exactly_once.transactions import Transactions
+from worker.ledger.inflight import InFlightTable
 from worker.intake.stage import Intake
-from worker.kafka.committer import Committer
+from worker.ledger.committer import Committer
 from worker.kafka.consumer import GroupMember
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch
@@ -71,7 +71,7 @@ class Member:
         self.submitted: list[int] = []
         self.intake = Intake(Settings(input_format="raw"), _Tokenizer(), self.committer.tracker, self.inflight,
                              lambda seqs, ids: self.submitted.extend(seqs),
-                             DeadLetters("dlq", 1 << 20, None, self.acks),  # type: ignore[arg-type]
+                             DeadLetters("dlq", 1 << 20, None, self.acks).send,  # type: ignore[arg-type]
                              self.metrics, watermarks=self.member.watermarks)
         self.delivery.start()
         self.member.subscribe("in", self)

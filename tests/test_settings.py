@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from worker.cli import bool_words
-from worker.kafka.consumer import consumer_config
-from worker.kafka.producer import producer_config
+from worker.kafka.client_config import consumer_config, producer_config
 from worker.settings.docs import reference_markdown, reference_table
 from worker.settings.kafka_overrides import KAFKA_VALUE_RULES, MIN_MESSAGE_TIMEOUT_MS, RESERVED_KAFKA_KEYS
 from worker.settings.loader import add_setting_flags, env_name, flag_name, load_settings
@@ -391,7 +390,7 @@ def test_the_consumer_fetches_small_slices_of_every_partition_unless_kafka_confi
     # Slices, so that the records a resume lets in come from every partition (a fair drain);
     # gathered per fetch, so that a steady stream is not hundreds of one-record fetches a second.
     # A user who counts milliseconds or runs one partition at GPU rates sets them back.
-    from worker.kafka.consumer import FETCH_MIN_BYTES, FETCH_PARTITION_BYTES, FETCH_QUEUE_BACKOFF_MS, FETCH_WAIT_MS
+    from worker.kafka.client_config import FETCH_MIN_BYTES, FETCH_PARTITION_BYTES, FETCH_QUEUE_BACKOFF_MS, FETCH_WAIT_MS
 
     config = consumer_config(Settings())
     assert (config["max.partition.fetch.bytes"], config["fetch.min.bytes"], config["fetch.wait.max.ms"]) \

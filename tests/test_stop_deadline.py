@@ -56,9 +56,6 @@ def test_a_stop_stuck_in_librdkafka_exits_at_the_deadline_plus_the_grace() -> No
     made: dict[str, Any] = {}
     profile = Profile("test", (Bucket(8, 16, 16),), token_budget=256, pad_to="bucket")
     s = Settings(input_format="raw", pad_to="bucket", shutdown_timeout_s=1.0, max_queue_delay_ms=1, dispatchers=1)
-    pipeline = wire_pipeline(s, tokenizer=ThreeTokens(), backend=HalvesBackend(), profile=profile, model_name="m",
-                             consumer_factory=lambda c: made.setdefault("consumer", _Stuck(c)),
-                             producer_factory=lambda c: made.setdefault("producer", AckingProducer(c)))
     exits: list[tuple[int, float]] = []
     exited = threading.Event()
 
@@ -66,7 +63,10 @@ def test_a_stop_stuck_in_librdkafka_exits_at_the_deadline_plus_the_grace() -> No
         exits.append((code, time.monotonic()))
         exited.set()
 
-    pipeline.on_overrun = on_overrun
+    pipeline = wire_pipeline(s, tokenizer=ThreeTokens(), backend=HalvesBackend(), profile=profile, model_name="m",
+                             consumer_factory=lambda c: made.setdefault("consumer", _Stuck(c)),
+                             producer_factory=lambda c: made.setdefault("producer", AckingProducer(c)),
+                             on_overrun=on_overrun)
     runner = threading.Thread(target=pipeline.run, daemon=True)
     runner.start()
     deadline = time.monotonic() + WAIT_S

@@ -76,10 +76,10 @@ def test_spans_are_exported_over_otlp_http_to_the_endpoint() -> None:
 def test_a_failing_tracer_never_stops_the_output_stage() -> None:
     import numpy as np
 
-    from worker.delivery.inflight import InFlight, InFlightTable
+    from worker.ledger.inflight import InFlight, InFlightTable
     from worker.output.stage import OutputStage, _Finished
     from worker.formats.headers import InputHeaders
-    from worker.kafka.offsets import PartitionOffsets
+    from worker.ledger.offsets import PartitionOffsets
     from worker.latch import FatalLatch
     from worker.operations.metrics import Metrics
 

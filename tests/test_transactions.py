@@ -12,15 +12,15 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from tests.fakes.transactions import ABORTABLE, FENCED, INVALID_TXN_STATE, RETRIABLE, FakeTxnProducer
-from worker.delivery.exactly_once.loss_bound import check_session
-from worker.delivery.exactly_once.take_over import FENCED_TAKE_OVERS
+from worker.ledger.exactly_once.loss_bound import check_session
+from worker.ledger.exactly_once.take_over import FENCED_TAKE_OVERS
 from worker.errors import WorkerError
-from worker.kafka.consumer import SESSION_TIMEOUT_MS
-from worker.kafka.offsets import OffsetTracker
-from worker.delivery.exactly_once.transactions import (WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, TransactionError,
+from worker.kafka.client_config import SESSION_TIMEOUT_MS, transactional_config, transactional_id
+from worker.ledger.offsets import OffsetTracker
+from worker.ledger.exactly_once.transactions import (WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, TransactionError,
                                                        TransactionFencedError, TransactionHungError, Transactions,
-                                                       drained_waiter, kind_of, transactional_config, transactional_id)
-import worker.delivery.exactly_once.transactions as txmod
+                                                       drained_waiter, kind_of)
+import worker.ledger.exactly_once.transactions as txmod
 from worker.latch import FatalLatch
 from worker.settings.schema import Settings
 
@@ -483,7 +483,7 @@ def test_a_transactional_call_that_hangs_stops_the_member() -> None:
         real(positions, metadata, timeout)
 
     loop.producer.send_offsets_to_transaction = hang  # type: ignore[method-assign]
-    import worker.delivery.exactly_once.bounded_calls as calls
+    import worker.ledger.exactly_once.bounded_calls as calls
     old_margin, calls.HANG_MARGIN_S = calls.HANG_MARGIN_S, 0.1
     try:
         loop.consume(0, 1)
@@ -501,8 +501,8 @@ def test_records_purged_by_an_abort_are_not_delivery_errors() -> None:
     """Finding 3: abort_transaction purges the producer's queue; the delivery reports of the purged
     records (_PURGE_QUEUE, _PURGE_INFLIGHT) must not stop the worker as failed writes, and after
     the shutdown's abort nothing more is written."""
-    from worker.delivery.exactly_once.producer import ExactlyOnceProducer
-    from worker.delivery.inflight import InFlightTable
+    from worker.ledger.exactly_once.producer import ExactlyOnceProducer
+    from worker.ledger.inflight import InFlightTable
     from worker.kafka.producer import OutputProducer
 
     class Client:
@@ -646,10 +646,10 @@ def test_a_refused_write_fails_its_transaction_before_its_record_leaves_the_in_f
     record's offset never completes."""
     import threading
 
-    from worker.delivery.acks import Acknowledger
-    from worker.delivery.exactly_once.producer import ExactlyOnceProducer
-    from worker.delivery.inflight import InFlight, InFlightTable
-    from worker.delivery.inflight import InFlightTable
+    from worker.ledger.acks import Acknowledger
+    from worker.ledger.exactly_once.producer import ExactlyOnceProducer
+    from worker.ledger.inflight import InFlight, InFlightTable
+    from worker.ledger.inflight import InFlightTable
     from worker.formats.headers import InputHeaders
     from worker.kafka.producer import OutputProducer
     from worker.operations.metrics import Metrics
@@ -738,7 +738,7 @@ class Stuck:
 
 @pytest.fixture
 def short_hang(monkeypatch: pytest.MonkeyPatch) -> None:
-    import worker.delivery.exactly_once.bounded_calls as calls
+    import worker.ledger.exactly_once.bounded_calls as calls
 
     monkeypatch.setattr(calls, "HANG_MARGIN_S", 0.1)
 
@@ -863,7 +863,7 @@ def test_while_earlier_hung_calls_still_block_the_member_stops(short_hang: None,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Each take-over leaves a librdkafka client blocked in its call: past STUCK_CALLS of them the
     member stops (its restart frees them) instead of piling up clients."""
-    import worker.delivery.exactly_once.take_over as take_over
+    import worker.ledger.exactly_once.take_over as take_over
 
     monkeypatch.setattr(take_over, "STUCK_CALLS", 1)
     loop = TakeOverLoop()

@@ -21,7 +21,7 @@ from confluent_kafka import Consumer
 from tests.kafka_tools import (
     Record, TopicReader, WorkerProcess, committed_offsets, end_offsets, http_get, load_queries, produce, produce_queries,
 )
-from worker.kafka.consumer import SESSION_TIMEOUT_MS
+from worker.kafka.client_config import SESSION_TIMEOUT_MS
 
 pytestmark = pytest.mark.kafka
 

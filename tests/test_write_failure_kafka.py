@@ -1,5 +1,5 @@
 """Exactly-once against the real broker: a write the broker refuses fails its transaction, not the
-worker (worker/kafka/producer.py, worker/delivery/exactly_once/transactions.py).
+worker (worker/kafka/producer.py, worker/ledger/exactly_once/transactions.py).
 
 The output topic's max.message.bytes is set below an embedding's size, so the broker refuses every
 output record (MESSAGE_TOO_LARGE) and librdkafka makes the open transaction abortable:
@@ -19,7 +19,7 @@ import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 
 from tests.kafka_tools import TopicReader, WorkerProcess, committed_offsets, load_queries, produce_queries
-from worker.delivery.exactly_once.transactions import WRITE_FAILURES
+from worker.ledger.exactly_once.transactions import WRITE_FAILURES
 
 pytestmark = [pytest.mark.kafka]
 

@@ -23,9 +23,9 @@ from worker.core.os_threads import signal_stack_kept
 from worker.core.model import ModelError, ModelInfo, Prompt
 from worker.core.sparse import sparsify
 from worker.core.vectors import check_truncate_dim, default_int8_range
-from worker.delivery.acks import Acknowledger
-from worker.delivery.guarantees import build_delivery, producer_config_for
-from worker.delivery.inflight import InFlightTable
+from worker.ledger.acks import Acknowledger
+from worker.ledger.guarantees import build_delivery
+from worker.ledger.inflight import InFlightTable
 from worker.embedding_cache import EmbeddingCache
 from worker.formats.messages import OutputCodec, ValueEncoder
 from worker.formats.propagation import Propagation
@@ -34,11 +34,12 @@ from worker.formats.sparse_codec import SparseOutputCodec
 from worker.intake.flow import FlowControl
 from worker.intake.stage import Decode, Intake
 from worker.intake.tokenize import KeywordTokenizer
-from worker.kafka.committer import Committer
-from worker.kafka.consumer import GroupMember, consumer_config
+from worker.ledger.committer import Committer
+from worker.kafka.client_config import consumer_config, producer_config
+from worker.kafka.consumer import GroupMember
 from worker.kafka.errors import FailurePolicy
-from worker.kafka.offsets import OffsetTracker
-from worker.kafka.producer import OutputProducer, producer_config
+from worker.ledger.offsets import OffsetTracker
+from worker.kafka.producer import OutputProducer
 from worker.kafka.reports import REPORTS_COMPILED
 from worker.latch import guarded
 from worker.names import REGISTRY_FORMATS
@@ -101,7 +102,9 @@ def cost_model(settings: Settings, info: ModelInfo, backend: Backend) -> CostMod
     return cost_model_for(backend, calibration_key(settings, info), vocab_size=info.vocab_size)
 
 
-def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: GateFactory | None = None) -> Assembled:
+def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: GateFactory | None = None,
+                   on_overrun: Callable[[int], None] | None = None,
+                   interpreter_cpu_is_start: bool = False) -> Assembled:
     """Loads the model's tokenizer and the backend the settings ask for, and wires the pipeline.
 
     The model folder is read once, and the pipeline gets the settings with every "auto"
@@ -147,9 +150,10 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: 
         metrics.watch_costs(costs)
     pipeline = wire_pipeline(loaded.settings, tokenizer=tokenizer, backend=backend, profile=profile,
                              model_name=info.name, metrics=metrics, costs=costs, codec=encoder, decode=decode,
-                             gate=gate, sparse=info.sparse)
-    pipeline.identity = {"model": info.name, "fingerprint": codec.fingerprint,
-                         "precision": precision_label(loaded.settings)}
+                             gate=gate, sparse=info.sparse, on_overrun=on_overrun,
+                             interpreter_cpu_is_start=interpreter_cpu_is_start,
+                             identity={"model": info.name, "fingerprint": codec.fingerprint,
+                                       "precision": precision_label(loaded.settings)})
     return Assembled(pipeline, backend)
 
 
@@ -159,7 +163,8 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
                   producer_factory: Callable[[dict[str, Any]], Any] = Producer,
                   codec: ValueEncoder | None = None, decode: Decode | None = None,
                   spans: BatchSpans | None = None, gate: GateFactory | None = None,
-                  sparse: bool = False) -> Pipeline:
+                  sparse: bool = False, on_overrun: Callable[[int], None] | None = None,
+                  interpreter_cpu_is_start: bool = False, identity: dict[str, str] | None = None) -> Pipeline:
     """The stages around a loaded tokenizer and backend, wired into a Pipeline.
 
     The factories are the tests' seams (fake clients, a fake bucketer). `codec` is the output
@@ -178,7 +183,7 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
     flow = FlowControl(settings.max_in_flight, settings.max_in_flight_bytes,
                        drain_target_s=max(1.0, settings.shutdown_timeout_s / 3))
     failures = FailurePolicy()
-    producer = OutputProducer(producer_config_for(settings, producer_config(settings)), latch,
+    producer = OutputProducer(producer_config(settings), latch,
                               failures=failures, producer_factory=producer_factory)
     acks = Acknowledger(inflight, metrics)
     producer.after_poll(acks.flush)
@@ -210,14 +215,15 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
         profile, IsolatingBackend(backend, canary), output.on_batch, on_error=output.on_batch_error,
         max_queue_delay_ms=settings.max_queue_delay_ms, dispatchers=settings.dispatchers,
         pad_to=settings.pad_to, costs=costs, guard=lambda name, body: guarded(latch, name, body))
-    intake = Intake(settings, tokenizer, committer.tracker, inflight, bucketer.submit_many, dead_letters, metrics,
+    intake = Intake(settings, tokenizer, committer.tracker, inflight, bucketer.submit_many, dead_letters.send, metrics,
                     cache=cache, answer=output.on_cached, decode=decode, watermarks=member.watermarks)
     liveness = Liveness(latch, lambda: [output.thread, producer.thread, *bucketer.threads],
                         committer.stalled_for, settings.stall_timeout_s)
     stages = Stages(inflight=inflight, flow=flow, producer=producer, acks=acks, committer=committer, member=member,
                     delivery=delivery, output=output, bucketer=bucketer, intake=intake, liveness=liveness,
                     spans=spans, gate=gate(member.client, committer.tracker) if gate is not None else None)
-    return Pipeline(settings, shutdown, stages, metrics)
+    return Pipeline(settings, shutdown, stages, metrics, on_overrun=on_overrun,
+                    interpreter_cpu_is_start=interpreter_cpu_is_start, identity=identity)
 
 
 def output_codec(settings: Settings, info: ModelInfo, prompt: Prompt,

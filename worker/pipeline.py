@@ -11,7 +11,7 @@ Threads and what each one owns:
 Cross-thread state: the in-flight table (one lock), each partition's offsets (one lock each),
 and the fatal latch, which every thread reports to and the poll thread watches.
 
-Delivery (processing_guarantee) is a `Delivery` (worker/delivery/guarantees.py), called at fixed points of
+Delivery (processing_guarantee) is a `Delivery` (worker/ledger/guarantees.py), called at fixed points of
 the loop; this module never asks which guarantee runs. At-least-once (default): an input offset
 is committed only after its output (or its dead-letter record) is acknowledged, and never past
 a partition's lowest unfinished offset. Exactly-once: outputs, dead letters and offsets commit
@@ -41,13 +41,13 @@ from worker.backends.base import CPU_BACKENDS
 from worker.core.interpreter_hold import InterpreterHold
 from worker.core.os_threads import allowed_cpus, current_cpu, thread_affinities
 from worker.deadline import Deadline, Overrun
-from worker.delivery.acks import Acknowledger
-from worker.delivery.guarantees import Delivery
-from worker.delivery.inflight import InFlightTable
+from worker.ledger.acks import Acknowledger
+from worker.ledger.guarantees import Delivery
+from worker.ledger.inflight import InFlightTable
 from worker.errors import ThreadDiedError, WorkerError
 from worker.intake.flow import FlowControl
 from worker.intake.stage import Intake
-from worker.kafka.committer import Committer
+from worker.ledger.committer import Committer
 from worker.kafka.consumer import GroupMember
 from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch
@@ -143,16 +143,17 @@ class Shutdown:
 class Pipeline:
     """Runs wired stages: start, the poll loop, drain and shutdown. It builds nothing."""
 
-    def __init__(self, settings: Settings, shutdown: Shutdown, stages: Stages, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, shutdown: Shutdown, stages: Stages, metrics: Metrics, *,
+                 on_overrun: Callable[[int], None] | None = None, interpreter_cpu_is_start: bool = False,
+                 identity: dict[str, str] | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
         self.latch = shutdown.latch
         self._stop, self._abort = shutdown.stop, shutdown.abort
         self.deadline, self._drain_by, self._commit_by = shutdown.deadline, shutdown.drain_by, shutdown.commit_by
         self._leave_by = shutdown.leave_by
-        # Set by the command that owns the process (worker/commands/run.py): exits it with the code
-        # given, EXIT_GRACE_S past the shutdown deadline. None (in-process runs): nothing is watched.
-        self.on_overrun: Callable[[int], None] | None = None
+        # Given by run and backfill: exits with the code, EXIT_GRACE_S past the deadline (None: not watched).
+        self.on_overrun = on_overrun
         self._step = "running"  # the shutdown step under way, for the overrun's log line
         self.left_group = True
         self._inflight, self._flow, self._acks = stages.inflight, stages.flow, stages.acks
@@ -168,14 +169,14 @@ class Pipeline:
         self._hold_logged_at = float("-inf")
         # The one CPU the interpreter's threads are held on, where auto moves them (poll thread).
         self._interpreter: InterpreterHold | None = None
-        # Set by `run` in one of a supervisor's processes: the CPU number the supervisor gave
+        # Given by `run` in one of a supervisor's processes: the CPU number the supervisor gave
         # (interpreter_cpu auto, a CPU each) is where the hold starts, and it moves from there as a
         # lone process's does; two pods' supervisors that both start at CPU 0 part. Else a CPU
         # number set is a hold for good.
-        self.interpreter_cpu_is_start = False
+        self.interpreter_cpu_is_start = interpreter_cpu_is_start
         # What the start log states beside the settings (the model, its fingerprint and precision),
-        # set by the assembly (worker.app.build_pipeline).
-        self.identity: dict[str, str] = {}
+        # given by the assembly (worker.app.build_pipeline).
+        self.identity: dict[str, str] = identity if identity is not None else {}
 
     # ------------------------------------------------------------------ state for probes
     def ready(self) -> tuple[bool, dict[str, bool]]:

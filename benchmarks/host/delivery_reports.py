@@ -5,7 +5,7 @@ alternated and paired:
     python -m benchmarks.host.delivery_reports --rounds 15 --json benchmarks/results/host/delivery_reports.json
 
 `make`: the output thread's part, a record's callback made as OutputProducer.produce makes it (with
-the embedding's acknowledgement, a partial of a list's append, as worker/delivery/acks.py hands it);
+the embedding's acknowledgement, a partial of a list's append, as worker/ledger/acks.py hands it);
 `call`: the delivery thread's part, the callback called as confluent-kafka calls it, for a
 delivery. Thread CPU time, nanoseconds a record, median (q1-q3) over the rounds, with the
 collector off (the worker raises its young-generation threshold to 20,000 allocations:

@@ -31,8 +31,7 @@ from confluent_kafka import Consumer, Producer
 
 def main(argv: list[str] | None = None) -> int:
     from worker.intake.flow import CONSUME_BATCH
-    from worker.kafka.consumer import consumer_config
-    from worker.kafka.producer import producer_config
+    from worker.kafka.client_config import consumer_config, producer_config
     from worker.settings.schema import Settings
 
     ap = argparse.ArgumentParser()

@@ -8,6 +8,7 @@ context needs no locking of its own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -19,7 +20,8 @@ from worker.core.errors import BackendError
 # without importing the backends; re-exported here beside the protocol.
 from worker.names import BackendName, OvPrecision
 
-__all__ = ["Backend", "BackendError", "BackendName", "InferenceContext", "OvPrecision", "check_batch"]
+__all__ = ["Backend", "BackendError", "BackendName", "InferenceContext", "OvPrecision", "PartialBatchError",
+           "check_batch"]
 
 
 @runtime_checkable
@@ -33,6 +35,18 @@ class InferenceContext(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+# Here, beside the protocol, rather than in isolating.py which raises it: the output stage catches
+# it, and a stage reaches the backends through this interface only.
+class PartialBatchError(Exception):
+    """Some items of a batch failed on their own; `rows` holds the others' embeddings."""
+
+    def __init__(self, rows: np.ndarray, failed: Sequence[int], cause: BaseException) -> None:
+        super().__init__(f"{len(failed)} of {len(rows)} items failed on their own: {cause!r}")
+        self.rows = rows
+        self.failed = list(failed)
+        self.cause = cause
 
 
 # The backends that compute on the CPU, on the thread that calls them among others (their own

@@ -11,25 +11,13 @@ Runs on the dispatcher thread that owns the wrapped context, like the context it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import structlog
 
-from worker.backends.base import Backend, InferenceContext
+from worker.backends.base import Backend, InferenceContext, PartialBatchError
 from worker.errors import BackendBrokenError
 
 log = structlog.get_logger(__name__)
-
-
-class PartialBatchError(Exception):
-    """Some items of a batch failed on their own; `rows` holds the others' embeddings."""
-
-    def __init__(self, rows: np.ndarray, failed: Sequence[int], cause: BaseException) -> None:
-        super().__init__(f"{len(failed)} of {len(rows)} items failed on their own: {cause!r}")
-        self.rows = rows
-        self.failed = list(failed)
-        self.cause = cause
 
 
 class IsolatingContext:

@@ -16,7 +16,7 @@ else is `run`'s pipeline unchanged: the same intake, batching, output, guarantee
   member does not own) by the group's committed offset.
 
 Threads: the poll thread only (the Pipeline's caller); the offset states it reads have locks of
-their own (worker/kafka/offsets.py).
+their own (worker/ledger/offsets.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from confluent_kafka import KafkaException, Message, TopicPartition
 
 from worker.backfill.range import Plan
 from worker.backfill.rate import TokenBucket
-from worker.kafka.offsets import OffsetTracker
+from worker.ledger.offsets import OffsetTracker
 
 log = structlog.get_logger(__name__)
 

@@ -34,7 +34,7 @@ import confluent_kafka
 from confluent_kafka import KafkaError, TopicPartition
 
 from worker.backfill.cluster_calls import BackfillError, Retriable, Retry, classify
-from worker.kafka.consumer import SESSION_TIMEOUT_MS
+from worker.kafka.client_config import SESSION_TIMEOUT_MS
 from worker.settings.kafka_overrides import librdkafka_int
 
 # A commit that needs the group empty waits for the member of a killed run to time out: its

@@ -108,7 +108,7 @@ def _start(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any]]:
     from worker.backfill.group_offsets import GroupOffsets, empty_group_wait_s
     from worker.backfill.range import FromSpec, Kafka, open_range, prepare
     from worker.kafka.client_config import admin_config, client_config, secret_values
-    from worker.kafka.consumer import consumer_config
+    from worker.kafka.client_config import consumer_config
     from worker.kafka.preflight import check_topics
     from worker.settings.schema import SettingsError
 
@@ -166,7 +166,8 @@ def _run(args: argparse.Namespace, settings: Any, plan: Any, cluster: dict[str, 
         return gates[-1]
 
     try:
-        assembled = build_pipeline(settings, metrics=metrics, gate=gate)
+        # As run's: a stop stuck in librdkafka past its deadline exits within shutdown_timeout_s + 2 s.
+        assembled = build_pipeline(settings, metrics=metrics, gate=gate, on_overrun=exit_now)
     except KeywordEmbedderError as exc:
         progress.close()
         if signals.stopped_during_startup():
@@ -182,8 +183,6 @@ def _run(args: argparse.Namespace, settings: Any, plan: Any, cluster: dict[str, 
         pipeline.request_stop()
 
     signals.on_stop = stop
-    # As run's: a stop stuck in librdkafka past its deadline exits within shutdown_timeout_s + 2 s.
-    pipeline.on_overrun = exit_now
     try:
         code = run_served(pipeline, metrics, settings.metrics_host, settings.metrics_port, log=log)
     finally:

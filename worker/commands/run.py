@@ -65,11 +65,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
         print(f"keyword-embedder run: {exc}", file=sys.stderr)
         return 2
     pipeline = assembled.pipeline
-    pipeline.interpreter_cpu_is_start = interpreter_cpu_is_start(settings, os.environ)
     signals.on_stop = pipeline.request_stop
-    # A stop still running EXIT_GRACE_S past its deadline (a librdkafka call that never returns)
-    # ends here, so the process exits within shutdown_timeout_s + 2 s (worker/pipeline.py).
-    pipeline.on_overrun = exit_now
     from worker.operations.health import Readiness
     from worker.operations.probes import run_served
     from worker.operations.supervisor import inherited_metrics_socket
@@ -106,7 +102,7 @@ def _checked_settings(args: argparse.Namespace) -> Any:
     # Read the config and password files now: a bad one stops the worker before the model loads.
     client_config(settings)
     if settings.processing_guarantee == "exactly-once":
-        from worker.delivery.exactly_once.loss_bound import check_session
+        from worker.ledger.exactly_once.loss_bound import check_session
 
         check_session(settings)  # a session too long for the transaction timeout; the warning comes later
     configure_logging(settings.log_format, settings.log_level, secrets=secret_values(settings))
@@ -143,7 +139,10 @@ def _start(settings: Any) -> tuple[Any, Any]:
     from worker.operations.metrics import Metrics
 
     metrics = Metrics()
-    return build_pipeline(settings, metrics=metrics), metrics
+    # A stop still running EXIT_GRACE_S past its deadline (a librdkafka call that never returns)
+    # ends in exit_now, so the process exits within shutdown_timeout_s + 2 s (worker/pipeline.py).
+    return build_pipeline(settings, metrics=metrics, on_overrun=exit_now,
+                          interpreter_cpu_is_start=interpreter_cpu_is_start(settings, os.environ)), metrics
 
 
 def _on_gpu(settings: Any, gpu: bool | None) -> bool:

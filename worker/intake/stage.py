@@ -19,14 +19,13 @@ import orjson
 import structlog
 from confluent_kafka import Message
 
-from worker.delivery.inflight import InFlight, InFlightTable
+from worker.ledger.inflight import InFlight, InFlightTable
 from worker.embedding_cache import EmbeddingCache
 from worker.embedding_cache import key as cache_key
-from worker.formats.headers import read_headers
+from worker.formats.headers import InputHeaders, read_headers
 from worker.formats.messages import Headers, Keyword, Rejection, decode_input, plain_keyword
-from worker.kafka.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched, Watermarks
+from worker.ledger.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched, Watermarks
 from worker.operations.metrics import Metrics
-from worker.output.dead_letters import DeadLetters
 from worker.settings.schema import Settings
 
 log = structlog.get_logger(__name__)
@@ -39,11 +38,14 @@ Answer = Callable[[list[int], Any], None]  # seqs and their rows: np.ndarray, or
 # (topic, key, value, headers, headers' bytes) -> the keyword or why not. It raises a WorkerError
 # when the registry, not the record, fails: that stops the worker without committing the record.
 Decode = Callable[[str, bytes | None, bytes | None, Headers, int], Keyword | Rejection]
+# A rejected record handed to the dead letters (the output's DeadLetters.send): its seq, the record,
+# its headers and why. Called once per bad record only; a good record never pays for it.
+Reject = Callable[[int, Message, InputHeaders, Rejection], object]
 
 
 class Intake:
     def __init__(self, settings: Settings, tokenizer: Any, tracker: OffsetTracker, inflight: InFlightTable,
-                 submit: Submit, dead_letters: DeadLetters, metrics: Metrics, *,
+                 submit: Submit, reject: Reject, metrics: Metrics, *,
                  cache: EmbeddingCache[int] | None = None, answer: Answer | None = None,
                  decode: Decode | None = None, watermarks: Watermarks | None = None) -> None:
         self._settings = settings
@@ -54,7 +56,7 @@ class Intake:
         self._tracker = tracker
         self._inflight = inflight
         self._submit = submit
-        self._dead_letters = dead_letters
+        self._dead_letter = reject
         self._metrics = metrics
         self._cache = cache
         self._answer = answer
@@ -177,7 +179,7 @@ class Intake:
     def _reject(self, seq: int, rec: InFlight, rejection: Rejection) -> None:
         self._inflight.add(seq, rec)
         assert rec.msg is not None
-        self._dead_letters.send(seq, rec.msg, rec.headers, rejection)
+        self._dead_letter(seq, rec.msg, rec.headers, rejection)
 
     def _embed(self, good_seqs: list[int], qids: list[str], texts: list[str], good_recs: list[InFlight],
                polled: float) -> None:

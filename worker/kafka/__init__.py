@@ -1,2 +1,2 @@
 """Thin wrappers over confluent-kafka: configs, the group member, the producer and its delivery loop,
-offsets and commits."""
+the preflight checks. What gets committed is the ledger's (worker/ledger/)."""

@@ -1,8 +1,9 @@
-"""The one place where the client settings become librdkafka configuration.
+"""The one place where the settings and the guarantee become librdkafka configuration.
 
-Every Kafka client of every command (the worker's consumer and producer, the admin client, the
-`produce`, `consume` and `demo` commands) gets its security and pass-through keys from
-`client_config(settings)`:
+The worker's consumer (`consumer_config`), its producer under either guarantee (`producer_config`:
+exactly once makes it transactional, `transactional_config`) and the admin client (`admin_config`)
+are built here. Every Kafka client of every command (those, and the `produce`, `consume` and `demo`
+commands) gets its security and pass-through keys from `client_config(settings)`:
 
     kafka_config_file (properties)  <  kafka_config items (--kafka-config)  +  typed settings
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,18 @@ from worker.operations.redact import is_secret_key
 from worker.settings.kafka_overrides import RESERVED_KAFKA_KEYS
 from worker.settings.loader import add_setting_flags, env_name
 from worker.settings.schema import CLIENT_SETTINGS, Settings, SettingsError, kafka_pairs
+
+# What one fetch takes of each partition (about 200 keywords) and waits for: consumer_config says why.
+FETCH_PARTITION_BYTES = 16 * 1024
+FETCH_MIN_BYTES = FETCH_PARTITION_BYTES
+FETCH_WAIT_MS = 10
+# How soon a partition whose prefetch queue is full is looked at again: consumer_config says why.
+FETCH_QUEUE_BACKOFF_MS = 10
+# The group session and heartbeat: consumer_config says why.
+SESSION_TIMEOUT_MS = 30_000
+HEARTBEAT_INTERVAL_MS = 1000
+# An outage shorter than this is ridden out by librdkafka's own retries.
+MESSAGE_TIMEOUT_MS = 3_600_000
 
 # Typed setting -> librdkafka key.
 TYPED_KEYS: dict[str, str] = {
@@ -143,3 +157,122 @@ def client_env(settings: Settings) -> dict[str, str]:
             env[env_name(name)] = ",".join(value) if isinstance(value, tuple) else str(value)
     return env
 
+
+def consumer_config(settings: Settings) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "bootstrap.servers": settings.bootstrap_servers,
+        "group.id": settings.group_id,
+        # Incremental rebalances: a joining member does not stop the others' partitions.
+        "partition.assignment.strategy": "cooperative-sticky",
+        # Commit-after-write: the pipeline commits explicit offsets (the lowest unfinished
+        # offset per partition) itself; nothing is stored or committed behind its back.
+        "enable.auto.offset.store": False,
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        # A session must outlive a broker's failover: librdkafka drops every partition as lost
+        # (nothing committed, the new owners redo the uncommitted window) once no heartbeat was
+        # answered for session.timeout.ms. A SIGKILLed coordinator's group had none for 8.8-13.6 s
+        # on the three-node cluster (30 groups hit: 8.8-10.0 s, then 11.1-13.6 s when the node was
+        # the active KRaft controller too; benchmarks/results/faults/coordinator_outage.json and
+        # benchmarks/results/faults/coordinator_outage_run1.json), and any node's loss stalls the
+        # live coordinators about as long (a dead broker stays in the offsets
+        # topic's ISR until fenced): 10 s sessions expired under a backlog after either kind of kill
+        # (issue 46: 29% of a stream duplicated). The price: a member that dies without leaving
+        # (SIGKILL, OOM, a lost node) holds its partitions until this expires before the others take
+        # them; a stop (SIGTERM) leaves the group at once and costs nothing. docs/faults.md, "Sessions".
+        "session.timeout.ms": SESSION_TIMEOUT_MS,
+        # A member hears of a rebalance at its next heartbeat: 1 s keeps joins and leaves as quick
+        # as before (Kafka's 3 s default would add up to 2 s to each).
+        "heartbeat.interval.ms": HEARTBEAT_INTERVAL_MS,
+        "max.poll.interval.ms": 300000,
+        # Transactional output is visible only once committed; at-least-once ignores aborted
+        # writes of an upstream transactional producer too.
+        "isolation.level": "read_committed",
+        # Small slices of every partition, not 1 MiB of one (librdkafka's default): flow control
+        # pauses every partition at max_in_flight, which throws away what librdkafka prefetched,
+        # and the first fetch after the resume lists the partitions in the same order again. With
+        # 1 MiB a partition, that first partition's records filled all the room a resume gives,
+        # so after an overload the partitions drained one after another (the last 67 s after the
+        # first); with 16 KiB each fetch brings every partition's (5 s apart), at the same backlog
+        # throughput (1.06x, paired). docs/performance.md, "A fair drain".
+        "max.partition.fetch.bytes": FETCH_PARTITION_BYTES,
+        # The prefetch queue holds whole records in memory before flow control sees them: keep
+        # it within the in-flight byte budget.
+        "queued.max.messages.kbytes": max(1024, min(65536, settings.max_in_flight_bytes // 1024 // 4)),
+        # A partition whose prefetch queue is at that bound (or queued.min.messages) is not fetched
+        # again for fetch.queue.backoff.ms, 1 s by default (rdkafka_fetcher.c), however soon the
+        # queue empties. Large records fill the queue with a few: 500 KB records under an 8 MiB
+        # budget went through at 4 per partition per second, the process idle in between.
+        "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
+        # librdkafka's defaults (fetch.min.bytes 1) answer a fetch the moment one record is there:
+        # a stream of 600 keywords/s becomes hundreds of one-record fetches a second, each a
+        # wake-up of the broker and of this process. Waiting up to FETCH_WAIT_MS for one
+        # partition's slice gathers them: the broker spent 10-20% less CPU per keyword and p99 fell
+        # 1.6x at 25% and 2.9x at 50% load on 2 shared cores (docs/performance.md, "Fewer, fuller
+        # fetches"). A backlog has a slice ready and never waits: the minimum is never more than
+        # one fetch can bring, whatever the partition count.
+        "fetch.wait.max.ms": FETCH_WAIT_MS,
+        "fetch.min.bytes": FETCH_MIN_BYTES,
+        "client.id": f"keyword-embedder-{settings.group_id}",
+    }
+    if settings.metrics_port:
+        config["statistics.interval.ms"] = 5000  # per-partition consumer lag for /metrics
+    # librdkafka's own log lines go through the stdlib logger into the structured log stream,
+    # instead of raw "%6|...|FAIL|..." lines on stderr.
+    config["logger"] = logging.getLogger("librdkafka")
+    # Security and --kafka-config / --kafka-config-file keys, merged in one place.
+    config.update(client_config(settings))
+    return config
+
+
+def producer_config(settings: Settings) -> dict[str, Any]:
+    """The output producer's configuration under the settings' guarantee (exactly once: transactional)."""
+    config = _plain_producer_config(settings)
+    if settings.processing_guarantee != "exactly-once":
+        return config
+    return transactional_config(config, group=settings.group_id, member=settings.member_id or socket.gethostname(),
+                                transaction_timeout_ms=settings.transaction_timeout_ms)
+
+
+def _plain_producer_config(settings: Settings) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "bootstrap.servers": settings.bootstrap_servers,
+        # Idempotent + acks=all: a broker restart neither loses nor duplicates an acknowledged write.
+        "enable.idempotence": True,
+        "acks": "all",
+        "linger.ms": 5,
+        # Embeddings are float text or float bytes, which compress poorly; lz4 cost about 7% of
+        # the throughput of a 2-core worker (benchmarks/kafka_vs_offline.py). Where bandwidth
+        # matters more, pass --kafka-config compression.type=lz4 (or zstd).
+        "compression.type": "none",
+        # Room for every in-flight keyword plus dead letters: produce() should not meet a full
+        # queue in steady state, because the in-flight bound already limits what is outstanding.
+        "queue.buffering.max.messages": max(100000, 4 * settings.max_in_flight),
+        "message.timeout.ms": MESSAGE_TIMEOUT_MS,
+        "client.id": f"keyword-embedder-{settings.group_id}",
+    }
+    # librdkafka's own log lines go through the stdlib logger into the structured log stream,
+    # instead of raw "%6|...|FAIL|..." lines on stderr.
+    config["logger"] = logging.getLogger("librdkafka")
+    # Security and --kafka-config / --kafka-config-file keys, merged in one place.
+    config.update(client_config(settings))
+    return config
+
+
+def transactional_id(group: str, member: str) -> str:
+    """Stable per member (a pod name survives its own restart), unique among live members; the
+    prefix keyword-embedder is what the secured deployment's transactional-id ACL grants."""
+    return f"keyword-embedder-{group}-{member}"
+
+
+def transactional_config(producer_config: dict[str, Any], *, group: str, member: str,
+                         transaction_timeout_ms: int) -> dict[str, Any]:
+    """The producer configuration of an exactly-once member."""
+    config = dict(producer_config)
+    config["transactional.id"] = transactional_id(group, member)
+    config["transaction.timeout.ms"] = transaction_timeout_ms
+    # librdkafka refuses a message timeout above the transaction timeout: a write that cannot
+    # succeed while its transaction is open fails the transaction, which is then aborted.
+    config["message.timeout.ms"] = min(int(config.get("message.timeout.ms", transaction_timeout_ms)),
+                                       transaction_timeout_ms)
+    return config

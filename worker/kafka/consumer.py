@@ -9,7 +9,6 @@ cannot hold the process past its shutdown deadline.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -20,106 +19,60 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 from worker.deadline import Deadline
 from worker.errors import WorkerError
 from worker.kafka.bounded_calls import BoundedCall
-from worker.kafka.client_config import client_config
-from worker.kafka.committer import Committer
 from worker.kafka.errors import FailurePolicy, KafkaSetupError
-from worker.kafka.offsets import PartitionOffsets
 from worker.kafka.throttle import ThrottledLog
 from worker.latch import FatalLatch
 from worker.operations.metrics import Metrics
-from worker.settings.schema import Settings
 
 log = structlog.get_logger(__name__)
 
-# What one fetch takes of each partition (about 200 keywords) and waits for: consumer_config says why.
-FETCH_PARTITION_BYTES = 16 * 1024
-FETCH_MIN_BYTES = FETCH_PARTITION_BYTES
-FETCH_WAIT_MS = 10
-# How soon a partition whose prefetch queue is full is looked at again: consumer_config says why.
-FETCH_QUEUE_BACKOFF_MS = 10
 # How long an assignment waits for the group's committed offsets of partitions this member lost and
 # gets back (one OffsetFetch; Committer.resume_lost): past it they start from the group's offset.
 RESUME_CHECK_S = 5.0
-# The group session and heartbeat: consumer_config says why.
-SESSION_TIMEOUT_MS = 30_000
-HEARTBEAT_INTERVAL_MS = 1000
-
-
-def consumer_config(settings: Settings) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "bootstrap.servers": settings.bootstrap_servers,
-        "group.id": settings.group_id,
-        # Incremental rebalances: a joining member does not stop the others' partitions.
-        "partition.assignment.strategy": "cooperative-sticky",
-        # Commit-after-write: the pipeline commits explicit offsets (the lowest unfinished
-        # offset per partition) itself; nothing is stored or committed behind its back.
-        "enable.auto.offset.store": False,
-        "enable.auto.commit": False,
-        "auto.offset.reset": "earliest",
-        # A session must outlive a broker's failover: librdkafka drops every partition as lost
-        # (nothing committed, the new owners redo the uncommitted window) once no heartbeat was
-        # answered for session.timeout.ms. A SIGKILLed coordinator's group had none for 8.8-13.6 s
-        # on the three-node cluster (30 groups hit: 8.8-10.0 s, then 11.1-13.6 s when the node was
-        # the active KRaft controller too; benchmarks/results/faults/coordinator_outage.json and
-        # benchmarks/results/faults/coordinator_outage_run1.json), and any node's loss stalls the
-        # live coordinators about as long (a dead broker stays in the offsets
-        # topic's ISR until fenced): 10 s sessions expired under a backlog after either kind of kill
-        # (issue 46: 29% of a stream duplicated). The price: a member that dies without leaving
-        # (SIGKILL, OOM, a lost node) holds its partitions until this expires before the others take
-        # them; a stop (SIGTERM) leaves the group at once and costs nothing. docs/faults.md, "Sessions".
-        "session.timeout.ms": SESSION_TIMEOUT_MS,
-        # A member hears of a rebalance at its next heartbeat: 1 s keeps joins and leaves as quick
-        # as before (Kafka's 3 s default would add up to 2 s to each).
-        "heartbeat.interval.ms": HEARTBEAT_INTERVAL_MS,
-        "max.poll.interval.ms": 300000,
-        # Transactional output is visible only once committed; at-least-once ignores aborted
-        # writes of an upstream transactional producer too.
-        "isolation.level": "read_committed",
-        # Small slices of every partition, not 1 MiB of one (librdkafka's default): flow control
-        # pauses every partition at max_in_flight, which throws away what librdkafka prefetched,
-        # and the first fetch after the resume lists the partitions in the same order again. With
-        # 1 MiB a partition, that first partition's records filled all the room a resume gives,
-        # so after an overload the partitions drained one after another (the last 67 s after the
-        # first); with 16 KiB each fetch brings every partition's (5 s apart), at the same backlog
-        # throughput (1.06x, paired). docs/performance.md, "A fair drain".
-        "max.partition.fetch.bytes": FETCH_PARTITION_BYTES,
-        # The prefetch queue holds whole records in memory before flow control sees them: keep
-        # it within the in-flight byte budget.
-        "queued.max.messages.kbytes": max(1024, min(65536, settings.max_in_flight_bytes // 1024 // 4)),
-        # A partition whose prefetch queue is at that bound (or queued.min.messages) is not fetched
-        # again for fetch.queue.backoff.ms, 1 s by default (rdkafka_fetcher.c), however soon the
-        # queue empties. Large records fill the queue with a few: 500 KB records under an 8 MiB
-        # budget went through at 4 per partition per second, the process idle in between.
-        "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
-        # librdkafka's defaults (fetch.min.bytes 1) answer a fetch the moment one record is there:
-        # a stream of 600 keywords/s becomes hundreds of one-record fetches a second, each a
-        # wake-up of the broker and of this process. Waiting up to FETCH_WAIT_MS for one
-        # partition's slice gathers them: the broker spent 10-20% less CPU per keyword and p99 fell
-        # 1.6x at 25% and 2.9x at 50% load on 2 shared cores (docs/performance.md, "Fewer, fuller
-        # fetches"). A backlog has a slice ready and never waits: the minimum is never more than
-        # one fetch can bring, whatever the partition count.
-        "fetch.wait.max.ms": FETCH_WAIT_MS,
-        "fetch.min.bytes": FETCH_MIN_BYTES,
-        "client.id": f"keyword-embedder-{settings.group_id}",
-    }
-    if settings.metrics_port:
-        config["statistics.interval.ms"] = 5000  # per-partition consumer lag for /metrics
-    # librdkafka's own log lines go through the stdlib logger into the structured log stream,
-    # instead of raw "%6|...|FAIL|..." lines on stderr.
-    config["logger"] = logging.getLogger("librdkafka")
-    # Security and --kafka-config / --kafka-config-file keys, merged in one place.
-    config.update(client_config(settings))
-    return config
 
 
 def _names(partitions: Sequence[TopicPartition]) -> list[str]:
     return [f"{tp.topic}[{tp.partition}]" for tp in partitions]
 
 
+# The group member hands its partitions to the ledger above it (worker/ledger/: the committer, its
+# offsets per partition) through these protocols: kafka/ stays thin wrappers and imports nothing of it.
+class Tracker(Protocol):
+    """The current assignment's offsets (worker/ledger/offsets.py, OffsetTracker)."""
+
+    @property
+    def epoch(self) -> int: ...
+
+    def get(self, topic: str, partition: int) -> Any: ...
+
+    def replaced_since(self, topic: str, partition: int, epoch: int) -> bool: ...
+
+
+class Ledger(Protocol):
+    """Where the member's partitions and commits go (worker/ledger/committer.py, Committer)."""
+
+    @property
+    def tracker(self) -> Tracker: ...
+
+    def bind(self, consumer: Any) -> None: ...
+
+    def on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None: ...
+
+    def resume_lost(self, partitions: Sequence[TopicPartition], timeout_s: float) -> list[str]: ...
+
+    def assign(self, partitions: Sequence[TopicPartition]) -> None: ...
+
+    def owned(self, partitions: Sequence[TopicPartition]) -> list[Any]: ...
+
+    def forget(self, partitions: Sequence[TopicPartition]) -> None: ...
+
+    def remember_lost(self, partitions: Sequence[TopicPartition]) -> None: ...
+
+
 class _Owned:
     """`(topic, partition) in owned`: whether the partition is in the current assignment."""
 
-    def __init__(self, committer: Committer) -> None:
+    def __init__(self, committer: Ledger) -> None:
         self._committer = committer
 
     def __contains__(self, key: object) -> bool:
@@ -128,9 +81,9 @@ class _Owned:
 
 
 class Rebalances(Protocol):
-    """What the processing guarantee does when partitions go (worker/delivery/guarantees.py)."""
+    """What the processing guarantee does when partitions go (worker/ledger/guarantees.py)."""
 
-    def on_revoke(self, parts: list[PartitionOffsets], wait_s: float) -> bool:
+    def on_revoke(self, parts: list[Any], wait_s: float) -> bool:
         """Inside the revoke callback: commit the finished work of `parts` (waiting at most
         wait_s for more to finish); True when committed or nothing was left to commit."""
         ...
@@ -142,7 +95,7 @@ class Rebalances(Protocol):
 
 
 class GroupMember:
-    def __init__(self, config: dict[str, Any], committer: Committer, latch: FatalLatch, metrics: Metrics, *,
+    def __init__(self, config: dict[str, Any], committer: Ledger, latch: FatalLatch, metrics: Metrics, *,
                  revoke_wait_s: Callable[[], float], group: str = "", failures: FailurePolicy | None = None,
                  consumer_factory: Callable[[dict[str, Any]], Any] = Consumer) -> None:
         self._committer = committer

@@ -16,7 +16,7 @@ large, or the outage outlasted the timeout): the worker stops on it, and the rec
 offset is never committed. Producing a fresh copy instead would duplicate records, reorder a
 compacted key and retry errors that cannot succeed.
 
-Seams for a wrapper (exactly-once: worker/delivery/exactly_once/producer.py): a record's
+Seams for a wrapper (exactly-once: worker/ledger/exactly_once/producer.py): a record's
 `on_failed` gets a failed write first, after the failures that stop the worker anyway
 (authorisation, a missing topic: FailurePolicy), and may take it over; `route_fatal` does the same
 for a fatal error raised from poll; `renew_client` swaps in a new client with the same
@@ -26,7 +26,6 @@ old one to the caller.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -37,17 +36,13 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from worker.deadline import Deadline
 from worker.errors import DeliveryError, ThreadDiedError
-from worker.kafka.client_config import client_config
 from worker.kafka.errors import FailurePolicy, KafkaSetupError
 from worker.kafka.reports import PARTITION_UNASSIGNED, Failed, Headers, report_sink
 from worker.kafka.throttle import ThrottledLog
 from worker.latch import FatalLatch, guarded
-from worker.settings.schema import Settings
 
 log = structlog.get_logger(__name__)
 
-# An outage shorter than this is ridden out by librdkafka's own retries.
-MESSAGE_TIMEOUT_MS = 3_600_000
 # How long a caller sleeps between produce() attempts while the local queue is full.
 BUFFER_WAIT_S = 0.005
 
@@ -57,31 +52,6 @@ class RecordWriter(Protocol):
 
     def write(self, seq: int, topic: str, key: bytes | None, value: bytes, headers: Headers,
               on_delivered: Callable[[], None]) -> bool: ...
-
-
-def producer_config(settings: Settings) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "bootstrap.servers": settings.bootstrap_servers,
-        # Idempotent + acks=all: a broker restart neither loses nor duplicates an acknowledged write.
-        "enable.idempotence": True,
-        "acks": "all",
-        "linger.ms": 5,
-        # Embeddings are float text or float bytes, which compress poorly; lz4 cost about 7% of
-        # the throughput of a 2-core worker (benchmarks/kafka_vs_offline.py). Where bandwidth
-        # matters more, pass --kafka-config compression.type=lz4 (or zstd).
-        "compression.type": "none",
-        # Room for every in-flight keyword plus dead letters: produce() should not meet a full
-        # queue in steady state, because the in-flight bound already limits what is outstanding.
-        "queue.buffering.max.messages": max(100000, 4 * settings.max_in_flight),
-        "message.timeout.ms": MESSAGE_TIMEOUT_MS,
-        "client.id": f"keyword-embedder-{settings.group_id}",
-    }
-    # librdkafka's own log lines go through the stdlib logger into the structured log stream,
-    # instead of raw "%6|...|FAIL|..." lines on stderr.
-    config["logger"] = logging.getLogger("librdkafka")
-    # Security and --kafka-config / --kafka-config-file keys, merged in one place.
-    config.update(client_config(settings))
-    return config
 
 
 def describe(err: KafkaError) -> str:
@@ -267,7 +237,7 @@ class OutputProducer:
         Waits on the queue length instead of calling Producer.flush, which would serve delivery
         callbacks on this thread too; they belong to the delivery thread. The queue is empty once
         the last callbacks ran, but what they acknowledged is finished by the after_poll hook at the
-        end of that poll (worker/delivery/acks.py): so it also waits for a poll to end after the
+        end of that poll (worker/ledger/acks.py): so it also waits for a poll to end after the
         queue was seen empty, or a final commit would miss the last poll's records.
         """
         while len(self._producer) and not deadline.expired() and self._thread.is_alive():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import structlog
 from confluent_kafka import Message
 
-from worker.delivery.acks import Acknowledger
+from worker.ledger.acks import Acknowledger
 from worker.formats.headers import InputHeaders
 from worker.formats.messages import Rejection
 from worker.kafka.producer import RecordWriter

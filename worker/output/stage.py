@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 import structlog
 
-from worker.backends.isolating import PartialBatchError
+from worker.backends.base import PartialBatchError
 from worker.deadline import Deadline
-from worker.delivery.acks import Acknowledger
-from worker.delivery.base import AroundBatch
-from worker.delivery.inflight import InFlight, InFlightTable
+from worker.ledger.acks import Acknowledger
+from worker.ledger.base import AroundBatch
+from worker.ledger.inflight import InFlight, InFlightTable
 from worker.embedding_cache import EmbeddingCache
 from worker.errors import BackendBrokenError, WorkerError
 from worker.formats.messages import Rejection, ValueEncoder

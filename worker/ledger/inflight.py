@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from confluent_kafka import Message
 
 from worker.formats.headers import InputHeaders
-from worker.kafka.offsets import PartitionOffsets
+from worker.ledger.offsets import PartitionOffsets
 
 
 @dataclass(slots=True)

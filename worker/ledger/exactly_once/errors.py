@@ -1,5 +1,5 @@
 """The exactly-once errors that stop a member, shared by the transaction loop
-(worker/delivery/exactly_once/transactions.py), its bounded calls and its producer take-over."""
+(worker/ledger/exactly_once/transactions.py), its bounded calls and its producer take-over."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from worker.errors import WorkerError
 
 # Fatal errors of a transactional call that the coordinator can explain without a second process
 # holding this member's transactional id, so a new producer may take over
-# (worker/delivery/exactly_once/transactional_calls.py `fatal` decides):
+# (worker/ledger/exactly_once/transactional_calls.py `fatal` decides):
 # - _FENCED: PRODUCER_FENCED after the coordinator timed the transaction out and bumped the epoch,
 #   which only explains a transaction at least transaction_timeout_ms old (younger: a zombie);
 # - INVALID_TXN_STATE: the coordinator holds a state our call cannot end (EndTxn on a transaction it

@@ -12,14 +12,14 @@ What this adds:
   broker restart, a record the broker refused): it sends nothing more of it, and a produce into it
   fails with _STATE. The record is given up (`given_up`: it leaves the in-flight table with its
   offset left unfinished), the transaction loop aborts at once and consumes the records again, so
-  nothing is written twice; it bounds how often (worker/delivery/exactly_once/transactions.py). The failure is
+  nothing is written twice; it bounds how often (worker/ledger/exactly_once/transactions.py). The failure is
   reported before the record leaves the table: the poll thread commits once nothing is in flight,
   so it must not see the table without the record while the failure is not yet known (issue 32,
   finding 4). Authorisation and missing-topic errors, and fatal ones, still stop the worker
   (the plain producer decides those first); except _FENCED and INVALID_TXN_STATE
   (errors.py `TAKEN_OVER_FATAL`), raised from poll, which go to the transaction loop like a failed
   write: the broker may have timed the transaction out, or its coordinator moved (an outage), and a
-  new producer may take over (worker/delivery/exactly_once/transactional_calls.py `fatal` decides).
+  new producer may take over (worker/ledger/exactly_once/transactional_calls.py `fatal` decides).
   Records an abort_transaction purged from the queue (PURGED) are given up too, failing nothing.
 - the client take-over (`replace_client`, under the write gate): a transactional call hung inside
   librdkafka (a coordinator's node died). A new librdkafka producer with the same configuration
@@ -45,8 +45,8 @@ from typing import Any, Protocol, TypeVar
 import structlog
 from confluent_kafka import KafkaError
 
-from worker.delivery.exactly_once.errors import TAKEN_OVER_FATAL
-from worker.kafka.offsets import PartitionOffsets
+from worker.ledger.exactly_once.errors import TAKEN_OVER_FATAL
+from worker.ledger.offsets import PartitionOffsets
 from worker.kafka.producer import Headers, OutputProducer, describe
 
 log = structlog.get_logger(__name__)
@@ -68,7 +68,7 @@ class InFlightRecord(Protocol):
 
 
 class InFlightRecords(Protocol):
-    """The in-flight table (worker/delivery/inflight.py `InFlightTable`), as far as releasing records goes."""
+    """The in-flight table (worker/ledger/inflight.py `InFlightTable`), as far as releasing records goes."""
 
     def get(self, seq: int) -> InFlightRecord | None: ...
     def finish(self, seq: int) -> InFlightRecord | None: ...
@@ -179,7 +179,7 @@ class ExactlyOnceProducer:
         if self._fail_transaction is None or err.code() not in TAKEN_OVER_FATAL:
             return False
         # The transaction loop tells a broker-side timeout from a zombie, and a new producer may take
-        # over (worker/delivery/exactly_once/take_over.py); its calls raise the same error. Failing the open
+        # over (worker/ledger/exactly_once/take_over.py); its calls raise the same error. Failing the open
         # transaction makes it look now, not after a drain that cannot end.
         log.warning("producer fenced or its transaction ended by the coordinator; the transaction loop "
                     "decides whether a new producer takes over", error=describe(err))

@@ -4,13 +4,17 @@ librdkafka's own timeout does not always hold: after a hard broker restart,
 send_offsets_to_transaction blocked for minutes (measured), and when a coordinator's node dies
 it can keep waiting on it long after the call's timeout (librdkafka issues 5456 and 5511). A call
 that blocks the poll thread blocks the whole member, so the transaction loop
-(worker/delivery/exactly_once/transactions.py) runs each transactional call here instead: past its limit the call
+(worker/ledger/exactly_once/transactions.py) runs each transactional call here instead: past its limit the call
 is reported hung (`TransactionHungError`) with the thread still blocked in it, which the take-over
-(worker/delivery/exactly_once/take_over.py) hands on with the abandoned client.
+(worker/ledger/exactly_once/take_over.py) hands on with the abandoned client.
+
+The helper thread and the wait are the one bounded call of the worker (worker/kafka/bounded_calls.py,
+`BoundedCall`, which the committer and the group member's close use too); what is the transaction
+loop's own is here: the hang margin, the error that names the call, and a fresh helper for each
+call, so that a call left hung in a client the take-over replaced never holds the next one.
 
 Threads: `run` is called from the poll thread; the helper thread ("kwe-txn-call", a daemon: a
-hung call must not keep the process alive) only runs the call and hands its result or exception
-back through a list, read after the helper ended (or never, if it hangs).
+hung call must not keep the process alive) only runs the call (worker/kafka/bounded_calls.py).
 """
 
 from __future__ import annotations
@@ -19,12 +23,11 @@ import threading
 from collections.abc import Callable
 
 from worker.deadline import Deadline
-from worker.delivery.exactly_once.errors import TransactionHungError
+from worker.kafka.bounded_calls import BoundedCall
+from worker.ledger.exactly_once.errors import TransactionHungError
 
 # How much longer than its own timeout a call may block before it counts as hung.
 HANG_MARGIN_S = 5.0
-# How often the waiting thread re-reads the deadline (a second signal shortens it).
-POLL_S = 0.05
 
 
 class BoundedCalls:
@@ -38,29 +41,13 @@ class BoundedCalls:
         """Runs fn on a helper thread and waits until it returns or `limit` passes (re-read while
         waiting). Raises what fn raised, or TransactionHungError past the limit, saying whether the
         stop deadline (`stop`) or the call's own limit (limit_s, for the message) ended the wait."""
-        answer: list[BaseException | None] = []
-
-        def call() -> None:
-            try:
-                fn()
-                answer.append(None)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-                answer.append(exc)
-
-        helper = threading.Thread(target=call, name="kwe-txn-call", daemon=True)
-        self.last = helper
-        helper.start()
-        while helper.is_alive():
-            left = limit.left()
-            if left <= 0:
-                break
-            helper.join(min(POLL_S, left))
-        if not answer and not helper.is_alive():
-            helper.join()
-        if not answer and stop.expired():
-            raise TransactionHungError(f"{what} did not return before the shutdown deadline", helper)
-        if not answer:
+        call = BoundedCall("kwe-txn-call")
+        answer = call.run(fn, limit)
+        self.last = call.last
+        if answer is None and stop.expired():
+            raise TransactionHungError(f"{what} did not return before the shutdown deadline", self.last)
+        if answer is None:
             raise TransactionHungError(f"{what} did not return within {limit_s:.0f} s (the transaction coordinator "
-                                       "does not answer)", helper)
-        if answer[0] is not None:
-            raise answer[0]
+                                       "does not answer)", self.last)
+        if answer.error is not None:
+            raise answer.error

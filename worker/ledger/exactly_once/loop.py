@@ -1,6 +1,6 @@
-"""The exactly-once delivery: the transaction loop (worker/delivery/exactly_once/transactions.py) behind the
-`Delivery` interface (worker/delivery/guarantees.py), and the exactly-once producer its writes go through
-(worker/delivery/exactly_once/producer.py).
+"""The exactly-once delivery: the transaction loop (worker/ledger/exactly_once/transactions.py) behind the
+`Delivery` interface (worker/ledger/guarantees.py), and the exactly-once producer its writes go through
+(worker/ledger/exactly_once/producer.py).
 
 States:
     created --start--> running --finish--> finished
@@ -16,7 +16,6 @@ Threads: the poll thread calls every method (the revoke callback runs inside con
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,13 +23,13 @@ from typing import Any
 import structlog
 
 from worker.deadline import Deadline
-from worker.delivery.base import AroundBatch, Phase, Serve
-from worker.delivery.exactly_once.loss_bound import check_session
-from worker.delivery.exactly_once.producer import ExactlyOnceProducer
-from worker.delivery.exactly_once.transactions import Transactions, drained_waiter, transactional_config
-from worker.delivery.inflight import InFlightTable
-from worker.kafka.committer import Committer
-from worker.kafka.offsets import PartitionOffsets
+from worker.ledger.base import AroundBatch, Phase, Serve
+from worker.ledger.exactly_once.loss_bound import check_session
+from worker.ledger.exactly_once.producer import ExactlyOnceProducer
+from worker.ledger.exactly_once.transactions import Transactions, drained_waiter
+from worker.ledger.inflight import InFlightTable
+from worker.ledger.committer import Committer
+from worker.ledger.offsets import PartitionOffsets
 from worker.kafka.producer import OutputProducer, RecordWriter
 from worker.latch import FatalLatch
 from worker.operations.metrics import Metrics
@@ -67,12 +66,6 @@ class ExactlyOnce:
         # A failed write fails the transaction (aborted, its records consumed again), not the worker.
         producer.fail_writes_into(txn.write_failed)
         return cls(txn, count, producer)
-
-    @staticmethod
-    def producer_config(config: dict[str, Any], settings: Settings) -> dict[str, Any]:
-        return transactional_config(config, group=settings.group_id,
-                                    member=settings.member_id or socket.gethostname(),
-                                    transaction_timeout_ms=settings.transaction_timeout_ms)
 
     def start(self) -> None:
         if self.txn.init():

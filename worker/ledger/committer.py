@@ -30,7 +30,7 @@ from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from worker.deadline import Deadline
 from worker.kafka.bounded_calls import BoundedCall
-from worker.kafka.offsets import OffsetTracker, PartitionOffsets
+from worker.ledger.offsets import OffsetTracker, PartitionOffsets
 from worker.kafka.throttle import ThrottledLog
 
 log = structlog.get_logger(__name__)

@@ -1,8 +1,8 @@
 """Where a transaction's partitions start again: fresh offset state for an aborted or taken-over
 transaction, the group's committed offsets read after a take-over, and the seeks.
 
-Used by the transaction loop (worker/delivery/exactly_once/transactions.py) and the producer take-over
-(worker/delivery/exactly_once/take_over.py). Threads: the poll thread only (the consumer is not thread-safe).
+Used by the transaction loop (worker/ledger/exactly_once/transactions.py) and the producer take-over
+(worker/ledger/exactly_once/take_over.py). Threads: the poll thread only (the consumer is not thread-safe).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import structlog
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from worker.deadline import Deadline
-from worker.kafka.offsets import OffsetTracker
+from worker.ledger.offsets import OffsetTracker
 
 log = structlog.get_logger(__name__)
 

@@ -20,23 +20,24 @@
     writer, around_batch what the output stage and dead letters write through, and what wraps each
                          of the output thread's batches (at-least-once: the plain producer, nothing)
 
-AtLeastOnce (the committer; worker/kafka/committer.py) states:
+AtLeastOnce (the committer; worker/ledger/committer.py) states:
     running --finish--> finished
   running: poll_step commits asynchronously at most once per commit interval; on_revoke commits
   the revoked partitions' finished work synchronously; on_lost drops nothing but the state (the
-  committer remembers what they finished: worker/kafka/committer.py, `remember_lost`).
+  committer remembers what they finished: worker/ledger/committer.py, `remember_lost`).
   finish: commits all finished work, retrying until confirmed or the deadline (after an abort:
   nothing); finished: no more commits.
 
-ExactlyOnce (worker/delivery/exactly_once/loop.py: the transaction loop;
-worker/delivery/exactly_once/transactions.py has its states idle -> open -> closing -> idle, and the
+ExactlyOnce (worker/ledger/exactly_once/loop.py: the transaction loop;
+worker/ledger/exactly_once/transactions.py has its states idle -> open -> closing -> idle, and the
 abort path) states there:
     created --start--> running --finish--> finished
-  (what each state does is written once, at the top of worker/delivery/exactly_once/loop.py). Its
-  writes go through the exactly-once producer (worker/delivery/exactly_once/producer.py: the write gate around
+  (what each state does is written once, at the top of worker/ledger/exactly_once/loop.py). Its
+  writes go through the exactly-once producer (worker/ledger/exactly_once/producer.py: the write gate around
   each batch, failed writes into the transaction, the client take-over).
 
-`build_delivery` is the one place that asks which guarantee runs; at-least-once is built from
+`build_delivery` is the one place that picks the guarantee's delivery (its client configuration is
+worker/kafka/client_config.py's); at-least-once is built from
 only what it uses (the committer and the producer) and runs no exactly-once code.
 """
 
@@ -45,16 +46,16 @@ from __future__ import annotations
 from typing import Any
 
 from worker.deadline import Deadline
-from worker.delivery.base import AroundBatch, Delivery, Phase, Serve
-from worker.delivery.inflight import InFlightTable
-from worker.kafka.committer import Committer
-from worker.kafka.offsets import PartitionOffsets
+from worker.ledger.base import AroundBatch, Delivery, Phase, Serve
+from worker.ledger.inflight import InFlightTable
+from worker.ledger.committer import Committer
+from worker.ledger.offsets import PartitionOffsets
 from worker.kafka.producer import OutputProducer, RecordWriter
 from worker.latch import FatalLatch
 from worker.operations.metrics import Metrics
 from worker.settings.schema import Settings
 
-__all__ = ["AroundBatch", "AtLeastOnce", "Delivery", "Phase", "Serve", "build_delivery", "producer_config_for"]
+__all__ = ["AroundBatch", "AtLeastOnce", "Delivery", "Phase", "Serve", "build_delivery"]
 # The at-least-once revoke commit: at most this long inside the callback.
 REVOKE_COMMIT_S = 5.0
 # The commit that frees room at the in-flight bound: at most this long (the poll thread holds
@@ -105,20 +106,11 @@ class AtLeastOnce:
         return {}
 
 
-def producer_config_for(settings: Settings, config: dict[str, Any]) -> dict[str, Any]:
-    """The output producer's configuration under the guarantee (exactly-once: transactional)."""
-    if settings.processing_guarantee != "exactly-once":
-        return config
-    from worker.delivery.exactly_once.loop import ExactlyOnce  # only exactly-once loads its modules
-
-    return ExactlyOnce.producer_config(config, settings)
-
-
 def build_delivery(settings: Settings, committer: Committer, producer: OutputProducer, consumer: Any,
                    latch: FatalLatch, in_flight: InFlightTable, metrics: Metrics, stop: Deadline) -> Delivery:
     """The guarantee's delivery; at-least-once takes only the committer and the producer."""
     if settings.processing_guarantee != "exactly-once":
         return AtLeastOnce(committer, producer)
-    from worker.delivery.exactly_once.loop import ExactlyOnce
+    from worker.ledger.exactly_once.loop import ExactlyOnce
 
     return ExactlyOnce.build(settings, committer, producer, consumer, latch, in_flight, metrics, stop)

@@ -12,13 +12,13 @@ outputs in a transaction are exactly those of the offsets it commits: there is n
 output is committed and whose offset is not, or the reverse. The cost is the drain bubble once
 per interval (docs/delivery.md).
 
-Errors of the transactional calls (worker/delivery/exactly_once/transactional_calls.py has the rules and why):
+Errors of the transactional calls (worker/ledger/exactly_once/transactional_calls.py has the rules and why):
 retriable: retried, or resumed (commit and abort); txn_requires_abort: abort, then rewind every
 partition with work in the transaction to where it began, with fresh offset state; fatal: the
 latch trips, except a `_FENCED` the broker's transaction timeout explains, or an INVALID_TXN_STATE
 (errors.py `TAKEN_OVER_FATAL`), which a new producer
-takes over (worker/delivery/exactly_once/take_over.py), as it does a hung call
-(worker/delivery/exactly_once/bounded_calls.py).
+takes over (worker/ledger/exactly_once/take_over.py), as it does a hung call
+(worker/ledger/exactly_once/bounded_calls.py).
 A stop during a take-over or an unfinished call halts the member (`_halt`).
 
 States (`state`), on the poll thread:
@@ -30,9 +30,9 @@ States (`state`), on the poll thread:
 
 Every wait is bounded by a `Deadline` on the injected clock, within the stop deadline.
 
-A failed write (worker/delivery/exactly_once/producer.py: a delivery error, or a produce refused with
+A failed write (worker/ledger/exactly_once/producer.py: a delivery error, or a produce refused with
 _STATE once librdkafka made the transaction abortable) arrives through `write_failed` from the
-thread that saw it (into worker/delivery/exactly_once/write_failures.py's mailbox), before its record leaves the
+thread that saw it (into worker/ledger/exactly_once/write_failures.py's mailbox), before its record leaves the
 in-flight table (ExactlyOnceProducer.release), so a commit, which waits for the table to empty,
 always sees it. The next `step` (or a commit about to happen) aborts and rewinds at once, without
 waiting for the pipeline to drain: librdkafka sends nothing more of an abortable transaction, so
@@ -66,12 +66,12 @@ import structlog
 from confluent_kafka import KafkaException, TopicPartition
 
 from worker.deadline import Deadline
-from worker.delivery.exactly_once.bounded_calls import BoundedCalls
-from worker.delivery.exactly_once.errors import TransactionError, TransactionFencedError, TransactionHungError
-from worker.delivery.exactly_once.loss_bound import abortable_after_loss_s
-from worker.delivery.exactly_once.rewind import GroupConsumer, fresh_state, seek
-from worker.delivery.exactly_once.take_over import FENCE_SETTLE_S, Fence, TakeOverReason, take_over
-from worker.delivery.exactly_once.transactional_calls import (
+from worker.ledger.exactly_once.bounded_calls import BoundedCalls
+from worker.ledger.exactly_once.errors import TransactionError, TransactionFencedError, TransactionHungError
+from worker.ledger.exactly_once.loss_bound import abortable_after_loss_s
+from worker.ledger.exactly_once.rewind import GroupConsumer, fresh_state, seek
+from worker.ledger.exactly_once.take_over import FENCE_SETTLE_S, Fence, TakeOverReason, take_over
+from worker.ledger.exactly_once.transactional_calls import (
     RETRIES,
     CallResult,
     TransactionalProducer,
@@ -81,8 +81,8 @@ from worker.delivery.exactly_once.transactional_calls import (
     fatal,
     kind_of,
 )
-from worker.delivery.exactly_once.write_failures import WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, WriteFailures
-from worker.kafka.offsets import OffsetTracker, PartitionOffsets
+from worker.ledger.exactly_once.write_failures import WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, WriteFailures
+from worker.ledger.offsets import OffsetTracker, PartitionOffsets
 from worker.latch import FatalLatch
 
 log = structlog.get_logger(__name__)
@@ -92,27 +92,7 @@ State = Literal["idle", "open", "closing"]
 # if its commit had reached the coordinator, else aborted).
 Outcome = Literal["committed", "aborted", "taken_over"]
 __all__ = ["FENCE_SETTLE_S", "RETRIES", "WRITE_FAILURES", "WRITE_RETRY_BACKOFF_S", "TransactionError",
-           "TransactionFencedError", "TransactionHungError", "Transactions", "drained_waiter", "kind_of",
-           "transactional_config", "wait_until"]
-
-
-def transactional_id(group: str, member: str) -> str:
-    """Stable per member (a pod name survives its own restart), unique among live members; the
-    prefix keyword-embedder is what the secured deployment's transactional-id ACL grants."""
-    return f"keyword-embedder-{group}-{member}"
-
-
-def transactional_config(producer_config: dict[str, Any], *, group: str, member: str,
-                         transaction_timeout_ms: int) -> dict[str, Any]:
-    """The producer configuration of an exactly-once member."""
-    config = dict(producer_config)
-    config["transactional.id"] = transactional_id(group, member)
-    config["transaction.timeout.ms"] = transaction_timeout_ms
-    # librdkafka refuses a message timeout above the transaction timeout: a write that cannot
-    # succeed while its transaction is open fails the transaction, which is then aborted.
-    config["message.timeout.ms"] = min(int(config.get("message.timeout.ms", transaction_timeout_ms)),
-                                       transaction_timeout_ms)
-    return config
+           "TransactionFencedError", "TransactionHungError", "Transactions", "drained_waiter", "kind_of", "wait_until"]
 
 
 @dataclass
@@ -232,7 +212,7 @@ class Transactions:
 
     def abortable_after_loss_s(self) -> float:
         """How old an open transaction may be when the partitions are lost and still be aborted
-        (worker/delivery/exactly_once/loss_bound.py: the abort's bound before the broker's timeout;
+        (worker/ledger/exactly_once/loss_bound.py: the abort's bound before the broker's timeout;
         the session and transaction timeout pair that leaves an outage past the session room for
         it is checked at start there)."""
         return abortable_after_loss_s(self.transaction_timeout_s, self.timeout_s)
@@ -371,7 +351,7 @@ class Transactions:
 
     def take_over(self, starts: dict[tuple[str, int], int] | None = None, *,
                   reason: TakeOverReason = "hung") -> None:
-        """A new producer takes over (worker/delivery/exactly_once/take_over.py), or the member stops."""
+        """A new producer takes over (worker/ledger/exactly_once/take_over.py), or the member stops."""
         take_over(self, starts, reason)
 
     def _halt(self, during: str) -> None:

@@ -1,8 +1,8 @@
-"""One transactional call of the exactly-once loop (worker/delivery/exactly_once/transactions.py): run on a helper
-thread (worker/delivery/exactly_once/bounded_calls.py) with librdkafka's timeout inside the stop deadline,
+"""One transactional call of the exactly-once loop (worker/ledger/exactly_once/transactions.py): run on a helper
+thread (worker/ledger/exactly_once/bounded_calls.py) with librdkafka's timeout inside the stop deadline,
 retried or resumed by its error's class (`kind_of`), and, on a fatal error the coordinator explains
 (errors.py `TAKEN_OVER_FATAL`), the decision
-whether a new producer takes over (worker/delivery/exactly_once/take_over.py) or the member stops.
+whether a new producer takes over (worker/ledger/exactly_once/take_over.py) or the member stops.
 
 Errors of the transactional calls, as librdkafka classifies them, and what the loop does:
 - retriable: the call is repeated (send_offsets_to_transaction RETRIES times; commit_transaction
@@ -26,8 +26,8 @@ Errors of the transactional calls, as librdkafka classifies them, and what the l
   FENCED_TAKE_OVERS times in FENCED_WINDOW_S; then, and on a fence the broker's timeout cannot
   explain (a younger transaction), the member stops: a second process uses its member id;
 - hung (the call did not return within its timeout + HANG_MARGIN_S; the calls run on helper
-  threads, worker/delivery/exactly_once/bounded_calls.py): a new producer takes over in the process
-  (worker/delivery/exactly_once/take_over.py), and every partition with work in the transaction is rewound to the
+  threads, worker/ledger/exactly_once/bounded_calls.py): a new producer takes over in the process
+  (worker/ledger/exactly_once/take_over.py), and every partition with work in the transaction is rewound to the
   group's committed offsets. A stop during the take-over, before the rewind (or while a commit or
   abort is still under way), halts the member (`Transactions._halt`): nothing more is consumed or committed,
   and it exits as usual.
@@ -46,10 +46,10 @@ import structlog
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
 from worker.deadline import Deadline
-from worker.delivery.exactly_once import bounded_calls
-from worker.delivery.exactly_once.bounded_calls import BoundedCalls
-from worker.delivery.exactly_once.errors import TAKEN_OVER_FATAL, TransactionFencedError, TransactionHungError
-from worker.delivery.exactly_once.take_over import FENCE_SETTLE_S, FENCED_TAKE_OVERS, FENCED_WINDOW_S, Fence
+from worker.ledger.exactly_once import bounded_calls
+from worker.ledger.exactly_once.bounded_calls import BoundedCalls
+from worker.ledger.exactly_once.errors import TAKEN_OVER_FATAL, TransactionFencedError, TransactionHungError
+from worker.ledger.exactly_once.take_over import FENCE_SETTLE_S, FENCED_TAKE_OVERS, FENCED_WINDOW_S, Fence
 from worker.latch import FatalLatch
 
 log = structlog.get_logger(__name__)
@@ -112,7 +112,7 @@ def call_timeout(txn: CallLoop) -> float:
 
 
 def bounded(txn: CallLoop, what: str, fn: Callable[[], None], grace_s: float = 0.2) -> None:
-    """Runs a blocking transactional call on a helper thread (worker/delivery/exactly_once/bounded_calls.py), at
+    """Runs a blocking transactional call on a helper thread (worker/ledger/exactly_once/bounded_calls.py), at
     most timeout_s + HANG_MARGIN_S, and at most grace_s past the shutdown deadline (re-read while
     waiting: a second signal shortens it). Past the bound: TransactionHungError."""
     limit_s = txn.timeout_s + bounded_calls.HANG_MARGIN_S
@@ -166,7 +166,7 @@ def call(txn: CallLoop, what: str, fn: Callable[[], None], *, resume_s: float = 
 
 def fatal(txn: CallLoop, what: str, exc: KafkaException) -> Literal["fatal", "fenced"]:
     """A fatal error of a transactional call: "fenced" when a new producer is to take over after
-    FENCE_SETTLE_S (see worker/delivery/exactly_once/transactions.py's docstring), else the latch trips."""
+    FENCE_SETTLE_S (see worker/ledger/exactly_once/transactions.py's docstring), else the latch trips."""
     err = exc.args[0]
     age = txn.clock() - txn.began_at if txn.state != "idle" else 0.0
     if not (isinstance(err, KafkaError) and err.code() in TAKEN_OVER_FATAL):

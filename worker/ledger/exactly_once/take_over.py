@@ -1,7 +1,7 @@
 """Producer take-over: a new librdkafka producer replaces one whose transactional call hung, or
-that the broker's transaction timeout fenced (worker/delivery/exactly_once/transactions.py decides when).
+that the broker's transaction timeout fenced (worker/ledger/exactly_once/transactions.py decides when).
 
-Hung (a call did not return within its timeout + HANG_MARGIN_S, worker/delivery/exactly_once/bounded_calls.py):
+Hung (a call did not return within its timeout + HANG_MARGIN_S, worker/ledger/exactly_once/bounded_calls.py):
 a new producer with the same transactional.id looks the coordinators up afresh, and its
 init_transactions fences the old one and completes the old transaction (commits it if its commit
 had reached the coordinator, else aborts it). Whether the hung commit landed is then read from the
@@ -33,11 +33,11 @@ import structlog
 from confluent_kafka import KafkaException, TopicPartition
 
 from worker.deadline import Deadline
-from worker.delivery.exactly_once.bounded_calls import BoundedCalls
-from worker.delivery.exactly_once.errors import TransactionFencedError, TransactionHungError
-from worker.delivery.exactly_once.rewind import GroupConsumer, committed_offsets, fresh_state, seek
+from worker.ledger.exactly_once.bounded_calls import BoundedCalls
+from worker.ledger.exactly_once.errors import TransactionFencedError, TransactionHungError
+from worker.ledger.exactly_once.rewind import GroupConsumer, committed_offsets, fresh_state, seek
 from worker.errors import WorkerError
-from worker.kafka.offsets import OffsetTracker
+from worker.ledger.offsets import OffsetTracker
 from worker.latch import FatalLatch
 
 log = structlog.get_logger(__name__)
@@ -68,7 +68,7 @@ class Fence:
 
 
 class Loop(Protocol):
-    """What the take-over reads and changes of the transaction loop (worker/delivery/exactly_once/transactions.py
+    """What the take-over reads and changes of the transaction loop (worker/ledger/exactly_once/transactions.py
     `Transactions`), on the poll thread."""
     producer: Any
     consumer: GroupConsumer

@@ -1,7 +1,7 @@
 """How old a transaction may be when its partitions are lost and still be aborted, and the session
 and transaction timeout pair that leaves an outage past the session room for that abort.
 
-The bound (`abortable_after_loss_s`): an abort sent after partitions are lost (worker/delivery/exactly_once/
+The bound (`abortable_after_loss_s`): an abort sent after partitions are lost (worker/ledger/exactly_once/
 transactions.py `lost`) must reach the coordinator before the broker's transaction timeout, or it
 bumps the producer epoch of a transaction the broker already timed out (KIP-588) and fences the
 successor with the same transactional id. So the transaction may be at most transaction_timeout_ms
@@ -30,10 +30,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from worker.delivery.exactly_once import bounded_calls
-from worker.delivery.exactly_once.transactional_calls import TIMEOUT_CLOCK_SLACK_S
-from worker.kafka.client_config import client_config
-from worker.kafka.consumer import SESSION_TIMEOUT_MS
+from worker.ledger.exactly_once import bounded_calls
+from worker.ledger.exactly_once.transactional_calls import TIMEOUT_CLOCK_SLACK_S
+from worker.kafka.client_config import SESSION_TIMEOUT_MS, client_config
 from worker.settings.kafka_overrides import librdkafka_int
 from worker.settings.schema import Settings, SettingsError
 

@@ -1,6 +1,6 @@
-"""The `Delivery` interface the pipeline calls (worker/delivery/guarantees.py says when each method runs), and
-the types its two implementations share: at-least-once (worker/delivery/guarantees.py) and exactly-once
-(worker/delivery/exactly_once/loop.py) both import them from here, so neither imports the other's module."""
+"""The `Delivery` interface the pipeline calls (worker/ledger/guarantees.py says when each method runs), and
+the types its two implementations share: at-least-once (worker/ledger/guarantees.py) and exactly-once
+(worker/ledger/exactly_once/loop.py) both import them from here, so neither imports the other's module."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 from worker.deadline import Deadline
-from worker.kafka.offsets import PartitionOffsets
+from worker.ledger.offsets import PartitionOffsets
 from worker.kafka.producer import RecordWriter
 
 Serve = Callable[[float], None]

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Literal
 
-from worker.delivery.inflight import InFlight, InFlightTable
-from worker.kafka.offsets import PartitionOffsets
+from worker.ledger.inflight import InFlight, InFlightTable
+from worker.ledger.offsets import PartitionOffsets
 from worker.operations.metrics import Metrics
 
 Outcome = Literal["embedded", "dead_lettered"]

@@ -1,9 +1,9 @@
 """Failed writes of the open transaction: the one piece of the exactly-once loop that another
 thread touches.
 
-The exactly-once producer (worker/delivery/exactly_once/producer.py) reports a failed write (a
+The exactly-once producer (worker/ledger/exactly_once/producer.py) reports a failed write (a
 delivery error, or a produce refused once librdkafka made the transaction abortable) from the
-thread that saw it; the transaction loop (worker/delivery/exactly_once/transactions.py) takes it on the poll
+thread that saw it; the transaction loop (worker/ledger/exactly_once/transactions.py) takes it on the poll
 thread, aborts and rewinds, and waits WRITE_RETRY_BACKOFF_S, doubled each time, before intake
 resumes; the WRITE_FAILURES-th failed transaction in a row stops the member.
 

@@ -1,0 +1,3 @@
+"""The ledger: commit-after-write in one folder. Each record's offset (offsets.py), the records still
+out (inflight.py), their acknowledgement (acks.py), the commits (committer.py), and the two
+guarantees behind one interface: at least once (guarantees.py) beside exactly once (exactly_once/)."""
