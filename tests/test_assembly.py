@@ -72,9 +72,9 @@ def assembled(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[Any]]:
     reads: list[Any] = []
     real = ModelInfo.from_dir.__func__  # type: ignore[attr-defined]
 
-    def counting(cls: type[ModelInfo], path: Any) -> ModelInfo:
+    def counting(cls: type[ModelInfo], path: Any, **options: Any) -> ModelInfo:
         reads.append(path)
-        return real(cls, path)
+        return real(cls, path, **options)
 
     monkeypatch.setattr(ModelInfo, "from_dir", classmethod(counting))
     # No GPU here, so "auto" picks ONNX Runtime whatever this machine has installed.
