@@ -23,7 +23,6 @@ Nothing here imports torch or tokenizers.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from worker.core.errors import ModelError
+from worker.core.st_pipeline import read_json
 
 if TYPE_CHECKING:
     from worker.core.model import ModelInfo
@@ -62,7 +62,7 @@ def read_router(model_dir: Path) -> RouterSpec | None:
     modules = model_dir / "modules.json"
     if not modules.is_file():
         return None
-    raw = _json(modules)
+    raw = read_json(modules)
     if not isinstance(raw, list) or not any(isinstance(m, dict) and _name(m.get("type")) == _ROUTER for m in raw):
         return None
     if len(raw) != 1:
@@ -71,7 +71,7 @@ def read_router(model_dir: Path) -> RouterSpec | None:
                          f"model); this one lists {kinds}")
     folder = model_dir / str(raw[0].get("path", ""))
     config_path = folder / "router_config.json"
-    cfg = _json(config_path)
+    cfg = read_json(config_path)
     types, structure = cfg.get("types") if isinstance(cfg, dict) else None, cfg.get("structure") if isinstance(cfg, dict) else None
     if not isinstance(types, dict) or not isinstance(structure, dict):
         raise ModelError(f"{config_path}: expected 'types' and 'structure' (sentence-transformers' Router.save)")
@@ -105,13 +105,13 @@ def query_spec(router: RouterSpec) -> StaticSpec:
         if not required.is_file():
             raise ModelError(f"{required}: file not found (needed by the SparseStaticEmbedding query route)")
     config = folder / "config.json"
-    if config.is_file() and isinstance(path := _json(config).get("path"), str) and path.endswith(".json"):
+    if config.is_file() and isinstance(path := read_json(config).get("path"), str) and path.endswith(".json"):
         raise ModelError(f"{config}: weights from an IDF JSON file ({path}) are not read here; save the module "
                          f"with sentence-transformers (model.safetensors) first")
     shape = _tensor_shapes(weights).get("weight")
     if shape is None or len(shape) != 1 or shape[0] < 1:
         raise ModelError(f"{weights}: expected a 'weight' vector (one float per token), got {shape!r}")
-    vocab = _vocab_size(_json(tokenizer))
+    vocab = _vocab_size(read_json(tokenizer))
     if shape[0] < vocab:
         raise ModelError(f"{weights}: {shape[0]:,} weights for a tokenizer of {vocab:,} tokens")
     cut = _model_max_length(folder / "tokenizer_config.json")
@@ -152,7 +152,7 @@ def presence_weights(weight: np.ndarray, input_ids: np.ndarray, attention_mask: 
 def _model_max_length(path: Path) -> int | None:
     if not path.is_file():
         return None
-    value = _json(path).get("model_max_length")
+    value = read_json(path).get("model_max_length")
     if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < _NO_CUT:
         return int(value)
     return None
@@ -160,14 +160,3 @@ def _model_max_length(path: Path) -> int | None:
 
 def _name(type_name: object) -> str:
     return str(type_name or "").rsplit(".", 1)[-1]
-
-
-def _json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelError(f"{path}: file not found") from None
-    except OSError as exc:
-        raise ModelError(f"{path}: {exc.strerror}") from None
-    except ValueError as exc:
-        raise ModelError(f"{path}: not valid JSON ({exc})") from None

@@ -37,6 +37,7 @@ from typing import Any, Literal
 import numpy as np
 
 from worker.core.errors import ModelError
+from worker.core.st_pipeline import read_json, read_json_object
 
 __all__ = ["STATIC_MAX_TOKENS", "StaticFormat", "StaticSpec", "StaticTable", "load_table", "read_static"]
 
@@ -93,7 +94,7 @@ def read_static(model_dir: Path) -> StaticSpec | None:
     """The folder's static model, or None where it is not one (ModelError where it is one that is broken)."""
     config = model_dir / "config.json"
     if config.is_file():
-        cfg = _json_object(config)
+        cfg = read_json_object(config)
         # model2vec's distill writes model_type; a StaticModel saved as constructed writes no
         # model_type at all, and is known by its table (an encoder's tensors have longer names).
         weights = model_dir / "model.safetensors"
@@ -102,7 +103,7 @@ def read_static(model_dir: Path) -> StaticSpec | None:
             return _model2vec(model_dir, config, cfg)
     modules = model_dir / "modules.json"
     if modules.is_file():
-        raw = _json(modules)
+        raw = read_json(modules)
         if isinstance(raw, list) and raw and all(isinstance(m, dict) for m in raw):
             entries = sorted(raw, key=lambda m: m.get("idx", 0) if isinstance(m.get("idx", 0), int) else 0)
             if _type(entries[0]) == _ST_STATIC:
@@ -154,7 +155,7 @@ def _spec(fmt: StaticFormat, weights: Path, tokenizer: Path, config: Path, norma
     # model2vec's vocabulary quantization; sentence-transformers 6.x folds them in the same way when
     # a StaticEmbedding holds model2vec's "embeddings" (StaticEmbedding._fold_model2vec_weights).
     mapped, weighted = key == "embeddings" and "mapping" in shapes, key == "embeddings" and "weights" in shapes
-    tok = _json_object(tokenizer)
+    tok = read_json_object(tokenizer)
     vocab = _vocab_size(tok)
     if not mapped and shape[0] < vocab:
         raise ModelError(f"{weights}: the table has {shape[0]:,} rows for a tokenizer of {vocab:,} tokens")
@@ -167,7 +168,7 @@ def _tokenizer_cut(tokenizer: Path) -> int | None:
     """tokenizer.json's truncation max_length: what StaticEmbedding's tokenizer keeps (None: no cut)."""
     if not tokenizer.is_file():
         return None
-    trunc = _json_object(tokenizer).get("truncation")
+    trunc = read_json_object(tokenizer).get("truncation")
     length = trunc.get("max_length") if isinstance(trunc, dict) else None
     return length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
 
@@ -294,19 +295,3 @@ def pool(table: StaticTable, input_ids: np.ndarray, attention_mask: np.ndarray) 
     if table.normalize:
         out /= (np.sqrt(np.einsum("ij,ij->i", out, out)) + np.float32(1e-32))[:, None]
     return out
-
-
-def _json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ModelError(f"{path}: {exc.strerror}") from None
-    except ValueError as exc:
-        raise ModelError(f"{path}: not valid JSON ({exc})") from None
-
-
-def _json_object(path: Path) -> dict[str, Any]:
-    raw = _json(path)
-    if not isinstance(raw, dict):
-        raise ModelError(f"{path}: expected a JSON object")
-    return raw
