@@ -346,3 +346,29 @@ def produce_with_raw_headers(bootstrap: str, topic: str, records: Sequence[RawRe
             raise RuntimeError(f"records not delivered to {topic} within {timeout_s} s")
     finally:
         lib.rd_kafka_destroy(rk)
+
+
+def stream_through_worker(bootstrap: str, topics: tuple[str, str, str], group: str, log_path: Path,
+                          queries: Sequence[tuple[str, str]], args: Sequence[str], *,
+                          backend: str = "onnxruntime") -> tuple[WorkerProcess, TopicReader, TopicReader]:
+    """The queries and one record without text ("bad-1") through one worker process with `args`:
+    waits for every query's output and the dead letter, stops the worker (exit 0 asserted), and
+    returns the stopped worker (its log) and the output and dead-letter readers, closed, with what
+    they read."""
+    inp, out, dlq = topics
+    produce_queries(bootstrap, inp, queries)
+    produce(bootstrap, inp, [(b"bad-1", b'{"id": "bad-1"}')])
+    w = WorkerProcess(bootstrap, inp, out, dlq, group, log_path, tuple(args), backend=backend)
+    w.start()
+    reader = TopicReader(bootstrap, out, group + "-reader")
+    dead = TopicReader(bootstrap, dlq, group + "-dlq")
+    try:
+        reader.wait_for({qid for qid, _ in queries}, 300, alive=[w])
+        dead.wait_for({"bad-1"}, 60, alive=[w])
+        assert w.stop() == 0
+    finally:
+        if w.proc and w.proc.poll() is None:
+            w.kill()
+        reader.close()
+        dead.close()
+    return w, reader, dead

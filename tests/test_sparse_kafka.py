@@ -11,7 +11,7 @@ import numpy as np
 import orjson
 import pytest
 
-from tests.kafka_tools import TopicReader, WorkerProcess, load_queries, produce, produce_queries
+from tests.kafka_tools import load_queries, stream_through_worker
 from worker.core.sparse import SparseRows, compare
 from worker.families import sparse_fixture_folder
 from worker.formats.sparse_codec import decode_sparse
@@ -32,22 +32,9 @@ def test_a_sparse_model_delivers_every_id_with_the_embedders_weights(
     queries = load_queries()[:2000]
     texts = dict(queries)
     assert len(set(texts.values())) < len(queries)  # repeats: some are answered from the cache
-    produce_queries(kafka_bootstrap, inp, queries)
-    produce(kafka_bootstrap, inp, [(b"bad-1", b'{"id": "bad-1"}')])  # no text: a dead letter
-    w = WorkerProcess(kafka_bootstrap, inp, out, dlq, group_id, tmp_path / "worker.log",
-                      ("--model-dir", str(folder), "--sparse-terms"))
-    w.start()
-    reader = TopicReader(kafka_bootstrap, out, group_id + "-reader")
-    dead = TopicReader(kafka_bootstrap, dlq, group_id + "-dlq")
-    try:
-        reader.wait_for(set(texts), 300, alive=[w])
-        dead.wait_for({"bad-1"}, 60, alive=[w])
-        assert w.stop() == 0
-    finally:
-        if w.proc and w.proc.poll() is None:
-            w.kill()
-    reader.close()
-    dead.close()
+    # One record without text goes to the dead-letter topic, as with any model.
+    w, reader, dead = stream_through_worker(kafka_bootstrap, (inp, out, dlq), group_id, tmp_path / "worker.log",
+                                            queries, ("--model-dir", str(folder), "--sparse-terms"))
     assert set(reader.key_counts().values()) == {1} and set(reader.ids()) == set(texts)
     by_id = {r.key: r for r in reader.records}
     sample = by_id[queries[0][0]]

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.kafka_tools import TopicReader, WorkerProcess, load_queries, produce, produce_queries
+from tests.kafka_tools import load_queries, stream_through_worker
 from worker.static_family import static_fixture_folder, static_fixtures
 
 pytestmark = pytest.mark.kafka
@@ -30,22 +30,9 @@ def test_a_static_model_delivers_every_id_with_the_embedders_vectors(
     queries = load_queries()[:3000]
     texts = dict(queries)
     assert len(set(texts.values())) < len(queries)  # repeats: some are answered from the cache
-    produce_queries(kafka_bootstrap, inp, queries)
-    produce(kafka_bootstrap, inp, [(b"bad-1", b'{"id": "bad-1"}')])  # no text: a dead letter
-    w = WorkerProcess(kafka_bootstrap, inp, out, dlq, group_id, tmp_path / "worker.log",
-                      ("--model-dir", str(folder), "--output-encoding", "base64-f32"), backend="auto")
-    w.start()
-    reader = TopicReader(kafka_bootstrap, out, group_id + "-reader")
-    dead = TopicReader(kafka_bootstrap, dlq, group_id + "-dlq")
-    try:
-        reader.wait_for(set(texts), 300, alive=[w])
-        dead.wait_for({"bad-1"}, 60, alive=[w])
-        assert w.stop() == 0
-    finally:
-        if w.proc and w.proc.poll() is None:
-            w.kill()
-    reader.close()
-    dead.close()
+    # One record without text goes to the dead-letter topic, as with any model.
+    w, reader, dead = stream_through_worker(kafka_bootstrap, (inp, out, dlq), group_id, tmp_path / "worker.log",
+                                            queries, ("--model-dir", str(folder), "--output-encoding", "base64-f32"), backend="auto")
     assert set(reader.key_counts().values()) == {1} and set(reader.ids()) == set(texts)
     assert dead.records[0].headers["kwe-dlq-reason"] == b"missing_text"
     by_id = {r.key: r for r in reader.records}
