@@ -23,6 +23,7 @@ from tests.kafka_tools import (
     load_queries,
     produce_queries,
 )
+from tests.proc_tools import alive, children_of
 
 pytestmark = pytest.mark.kafka
 
@@ -69,7 +70,7 @@ def test_a_process_that_dies_stops_the_machine_and_names_itself(
     try:
         w.wait_ready(180)
         assert w.proc is not None
-        children = _children(w.proc.pid)
+        children = children_of(w.proc.pid)
         assert len(children) == 2, children
         # One process is killed from outside (an OOM kill, say): the supervisor stops the other,
         # which drains and leaves, and exits with the dead one's code, 128 + SIGKILL.
@@ -83,18 +84,6 @@ def test_a_process_that_dies_stops_the_machine_and_names_itself(
     assert '"event": "worker stopped"' in log, "the other process drained and stopped"
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
 def _cpu_s(pid: int) -> float | None:
     """The process's own user + system CPU time so far (not its children's)."""
     try:
@@ -102,13 +91,6 @@ def _cpu_s(pid: int) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_ctrl_c_to_the_process_group_drains_both_processes_and_loses_nothing(
@@ -178,7 +160,7 @@ def test_a_standby_process_is_ready_and_a_stopped_one_is_killed_after_the_bound(
     try:
         w.wait_ready(180)
         assert w.proc is not None
-        children = _children(w.proc.pid)
+        children = children_of(w.proc.pid)
         assert len(children) == 2, children
         os.kill(children[0], signal.SIGSTOP)
         began = time.monotonic()
@@ -187,9 +169,9 @@ def test_a_standby_process_is_ready_and_a_stopped_one_is_killed_after_the_bound(
         took = time.monotonic() - began
     finally:
         for pid in [*children, *([w.proc.pid] if w.proc else [])]:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-    left = [pid for pid in children if _alive(pid)]
+    left = [pid for pid in children if alive(pid)]
     print(f"SIGSTOPped process: the machine exited {code} after {took:.1f} s; left: {left}")
     assert code == 128 + signal.SIGKILL and took < 40 and not left
     log = w.log()

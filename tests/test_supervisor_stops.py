@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from tests.proc_tools import alive, children_of
 from tests.test_supervisor import CHILD, _run, _supervisor
 from worker.core.errors import KeywordEmbedderError
 from worker.operations.metrics import Metrics
@@ -57,38 +58,19 @@ def _signals(out: Path, index: int) -> list[int]:
     return [int(s) for s in path.read_text().split()] if path.exists() else []
 
 
-def _children_of(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.fixture
 def machine(tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
     # A session of its own, as a terminal's foreground job or a container's entry point is: a
     # signal to its process group reaches no test.
     proc = subprocess.Popen([sys.executable, "-c", MACHINE, CHILD, str(tmp_path)], cwd=ROOT, start_new_session=True)
     _wait_started(tmp_path, 2)
-    children = _children_of(proc.pid)
+    children = children_of(proc.pid)
     assert len(children) == 2, children
     try:
         yield proc
     finally:
         for pid in [proc.pid, *children]:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         proc.wait()
 
@@ -103,13 +85,13 @@ def test_a_signal_to_the_process_group_reaches_each_child_once(machine: subproce
 
 
 def test_the_children_die_with_a_killed_supervisor(machine: subprocess.Popen[bytes], tmp_path: Path) -> None:
-    children = _children_of(machine.pid)
+    children = children_of(machine.pid)
     machine.kill()
     machine.wait()
     deadline = time.monotonic() + 15
-    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(pid) for pid in children), "a child outlived its supervisor"
+    assert not any(alive(pid) for pid in children), "a child outlived its supervisor"
     assert [_signals(tmp_path, i) for i in range(2)] == [[signal.SIGTERM]] * 2, "each was told to drain"
 
 
