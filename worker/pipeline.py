@@ -260,12 +260,13 @@ class Pipeline:
             self.on_overrun(self.exit_code())
 
     def _poll_once(self) -> None:
-        pending = self._committer.uncommitted()
+        uncommitted = self._committer.uncommitted()
+        pending = uncommitted if self._delivery.bound_counts == "uncommitted" else len(self._inflight)
         now = time.monotonic()
         if self._interpreter is not None:
             self._interpreter.check(now)  # one comparison but once a second
         self._flow.observe(now, self._acks.embedded_count + self._acks.dead_lettered_count,
-                           busy=pending > 0)
+                           busy=uncommitted > 0)
         pause = self._delivery.poll_step(flow_paused=self._flow.update(pending, self._inflight.bytes))
         # Intake stops (the bound, a transaction closing): True when the delivery brings the room
         # back without a pause (at least once: its commit at the bound), so intake holds. Paused,

@@ -46,7 +46,7 @@ from __future__ import annotations
 from typing import Any
 
 from worker.deadline import Deadline
-from worker.ledger.base import AroundBatch, Delivery, Phase, Serve
+from worker.ledger.base import AroundBatch, BoundCounts, Delivery, Phase, Serve
 from worker.ledger.inflight import InFlightTable
 from worker.ledger.committer import Committer
 from worker.ledger.offsets import PartitionOffsets
@@ -68,6 +68,7 @@ class AtLeastOnce:
         self._committer = committer
         self.writer = writer
         self.around_batch: AroundBatch | None = None
+        self.bound_counts: BoundCounts = "uncommitted"
         self.phase: Phase = "created"
 
     def start(self) -> None:
