@@ -131,6 +131,7 @@ class Transactions:
     taken_over_fenced: int = 0
     state: State = "idle"
     began_at: float = 0.0
+    closing_at: float = 0.0  # when the open transaction began to close (its drain's start)
     committed: int = 0
     aborted: int = 0
     _abort_reason: str | None = field(default=None, repr=False)
@@ -277,6 +278,7 @@ class Transactions:
         if self.state == "open" and (age_s >= self.interval_s
                                      or (age_s >= min(LULL_CLOSE_S, self.interval_s) and self.in_flight() == 0)):
             self.state = "closing"
+            self.closing_at = self.clock()
         if self.state == "closing" and self.in_flight() == 0:
             self.commit()
 
@@ -291,6 +293,7 @@ class Transactions:
             # Reported before its record left the in-flight table, so seen here at the latest.
             return False
         offsets = self._offsets()
+        drained_at = self.clock()
         positions = [TopicPartition(p.topic, p.partition, off) for p, off in offsets]
         result: CallResult = "ok"
         if positions:
@@ -321,7 +324,9 @@ class Transactions:
         if offsets:
             self.on_progress()
         self._writes.committed()
-        log.debug("transaction committed", offsets=[f"{p.topic}[{p.partition}]@{off}" for p, off in offsets])
+        log.debug("transaction committed", offsets=[f"{p.topic}[{p.partition}]@{off}" for p, off in offsets],
+                  drain_s=round(drained_at - self.closing_at, 4) if self.closing_at > self.began_at else None,
+                  calls_s=round(self.clock() - drained_at, 4))
         self._finish("committed")
         return True
 
