@@ -129,7 +129,7 @@ def sizes(folders: dict[str, Path], texts: list[str]) -> dict[str, Any]:
 
     import fastavro
 
-    from worker.app import output_codec
+    from worker.formats.codec_choice import output_codec
     from worker.core.model import ModelInfo, Prompt
     from worker.core.sparse import sparsify
     from worker.embedder import Embedder

@@ -19,7 +19,7 @@ import numpy as np
 import orjson
 import pytest
 
-from worker.app import output_codec
+from worker.formats.codec_choice import output_codec
 from worker.core import fingerprint as fp
 from worker.core.fingerprint import FINGERPRINT_VERSION, VectorSettings, model_fingerprint
 from worker.core.model import ModelInfo, Prompt, default_model_dir

@@ -287,7 +287,7 @@ def test_a_plan_or_a_given_onnx_file_is_refused_for_an_excluded_prompt(tmp_path:
 
 def test_an_unnormalised_model_says_so_in_the_record_and_a_header(tmp_path: Path) -> None:
     from tests.test_messages import schema
-    from worker.app import output_codec
+    from worker.formats.codec_choice import output_codec
     from worker.formats.messages import H_NORMALIZED
     from worker.settings.schema import Settings
 
@@ -307,7 +307,7 @@ def test_an_unnormalised_model_says_so_in_the_record_and_a_header(tmp_path: Path
 
 
 def test_truncation_keeps_the_scale_of_an_unnormalised_model(tmp_path: Path) -> None:
-    from worker.app import output_codec
+    from worker.formats.codec_choice import output_codec
     from worker.settings.schema import Settings
 
     row = np.arange(1, 33, dtype=np.float32)
@@ -319,7 +319,7 @@ def test_truncation_keeps_the_scale_of_an_unnormalised_model(tmp_path: Path) -> 
 
 
 def test_int8_without_a_range_is_refused_for_an_unnormalised_model(tmp_path: Path) -> None:
-    from worker.app import output_codec
+    from worker.formats.codec_choice import output_codec
     from worker.settings.schema import Settings, SettingsError
 
     info = _info(tmp_path, "distilbert-mean-dense-tanh")

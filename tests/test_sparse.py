@@ -293,7 +293,7 @@ def test_an_encoder_without_its_mlm_head_is_refused_at_export(tmp_path: Path) ->
 
 
 def test_settings_for_the_other_kind_of_model_are_refused(tmp_path: Path) -> None:
-    from worker.app import output_codec
+    from worker.formats.codec_choice import output_codec
     from worker.core.model import Prompt, default_model_dir
     from worker.settings.schema import Settings, SettingsError
 
@@ -517,7 +517,7 @@ def test_build_engine_refuses_an_fp16_plan_of_a_sparse_model(tmp_path: Path,
 
 
 def test_the_fingerprint_of_a_sparse_model_covers_top_k_and_leaves_dense_ones_as_they_were(tmp_path: Path) -> None:
-    from worker.app import output_codec
+    from worker.formats.codec_choice import output_codec
     from worker.core.fingerprint import VectorSettings, model_fingerprint
     from worker.core.model import Prompt, default_model_dir
     from worker.embedder import Embedder

@@ -160,7 +160,7 @@ def _describe(folder: Path) -> int:
 
 def fingerprint(info: ModelInfo) -> str:
     """The fingerprint a worker with the default settings writes for this model (the codec's own)."""
-    from worker.app import output_codec
+    from worker.formats.codec_choice import output_codec
     from worker.core.model import Prompt
     from worker.settings.schema import Settings
 
