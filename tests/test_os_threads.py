@@ -152,7 +152,7 @@ def test_a_pipeline_holds_its_poll_and_worker_threads_on_one_cpu_and_lets_the_po
                              model_name="m", codec=OutputCodec(model="m", dim=4, encoding="float-list"),
                              consumer_factory=lambda c: made.setdefault("consumer", FakeGroupConsumer(c, records=50)),
                              producer_factory=lambda c: made.setdefault("producer", AckingProducer(c)),
-                             interpreter_cpu_is_start=setting == "a supervisor's CPU")
+                             supervised=setting == "a supervisor's CPU")
     seen: dict[str, list[int]] = {}
 
     def poll_thread() -> None:

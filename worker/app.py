@@ -15,11 +15,12 @@ import structlog
 from confluent_kafka import Consumer, Producer
 
 from worker.backend_choice.costs import cost_model
-from worker.backends.base import Backend
+from worker.backends.base import CPU_BACKENDS, Backend
 from worker.backends.isolating import IsolatingBackend
 from worker.batching.cost_model import CostModel
 from worker.core.errors import BackendError
-from worker.core.os_threads import signal_stack_kept
+from worker.core.interpreter_hold import plan_hold
+from worker.core.os_threads import allowed_cpus, signal_stack_kept
 from worker.core.model import Prompt
 from worker.core.sparse import sparsify
 from worker.ledger.acks import Acknowledger
@@ -79,7 +80,7 @@ class Assembled:
 
 def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: GateFactory | None = None,
                    on_overrun: Callable[[int], None] | None = None,
-                   interpreter_cpu_is_start: bool = False) -> Assembled:
+                   supervised: bool = False) -> Assembled:
     """Loads the model's tokenizer and the backend the settings ask for, and wires the pipeline.
 
     The model folder is read once, and the pipeline gets the settings with every "auto"
@@ -126,7 +127,7 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: 
     pipeline = wire_pipeline(loaded.settings, tokenizer=tokenizer, backend=backend, profile=profile,
                              model_name=info.name, metrics=metrics, costs=costs, codec=encoder, decode=decode,
                              gate=gate, sparse=info.sparse, on_overrun=on_overrun,
-                             interpreter_cpu_is_start=interpreter_cpu_is_start,
+                             supervised=supervised,
                              identity={"model": info.name, "fingerprint": codec.fingerprint,
                                        "precision": precision_label(loaded.settings)})
     return Assembled(pipeline, backend)
@@ -139,7 +140,7 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
                   codec: ValueEncoder, decode: Decode | None = None,
                   spans: BatchSpans | None = None, gate: GateFactory | None = None,
                   sparse: bool = False, on_overrun: Callable[[int], None] | None = None,
-                  interpreter_cpu_is_start: bool = False, identity: dict[str, str] | None = None) -> Pipeline:
+                  supervised: bool = False, identity: dict[str, str] | None = None) -> Pipeline:
     """The stages around a loaded tokenizer and backend, wired into a Pipeline.
 
     The factories are the tests' seams (fake clients, a fake bucketer). `codec` is the output
@@ -194,5 +195,8 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
     stages = Stages(inflight=inflight, flow=flow, producer=producer, acks=acks, committer=committer, member=member,
                     delivery=delivery, output=output, bucketer=bucketer, intake=intake, liveness=liveness,
                     spans=spans, gate=gate(member.client, committer.tracker) if gate is not None else None)
-    return Pipeline(settings, shutdown, stages, metrics, on_overrun=on_overrun,
-                    interpreter_cpu_is_start=interpreter_cpu_is_start, identity=identity)
+    # Where the interpreter's threads are held, decided once: `supervised`, this process is one of a
+    # supervisor's, whose CPU number is where the hold starts (worker/core/interpreter_hold.py).
+    hold = plan_hold(settings.interpreter_cpu, cpu_backend=backend.name in CPU_BACKENDS, supervised=supervised,
+                     cpus=allowed_cpus())
+    return Pipeline(settings, shutdown, stages, metrics, on_overrun=on_overrun, hold=hold, identity=identity)
