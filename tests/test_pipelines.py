@@ -26,9 +26,10 @@ from engines.onnx_export.head import FP32_NODE_PREFIXES
 from worker.core.errors import BackendError
 from worker.core.model import ModelError, ModelInfo, Prompt, default_model_dir
 from worker.core.st_pipeline import POOLING_MODES, Dense, ModulePipeline, Normalize, Pooling
-from worker.families import MIN_COS, NORM_TOL, cosines, norm_error, pipeline_fixtures
-from worker.families import pipeline_folder as _pipeline_folder
-from worker.families import pipeline_parity as _pipeline_parity
+from worker.families.parity import MIN_COS, NORM_TOL, cosines, norm_error
+from worker.families.dense import pipeline_fixtures
+from worker.families.dense import pipeline_folder as _pipeline_folder
+from worker.families.dense import pipeline_parity as _pipeline_parity
 
 DATA = Path(__file__).resolve().parent / "data"
 PIPELINE_FIXTURES = DATA / "pipelines"

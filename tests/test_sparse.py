@@ -31,8 +31,8 @@ from worker.core.errors import BackendError
 from worker.core.model import ModelError, ModelInfo
 from worker.core.sparse import SparseRow, SparseRowCodec, SparseRows, compare, sparsify, token_budget
 from worker.core.st_pipeline import SpladePooling
-from worker.families import (SPARSE_VARIANTS, sparse_fixture_folder, sparse_fixtures, sparse_parity,
-                             sparse_reference)
+from worker.families.sparse import (SPARSE_VARIANTS, sparse_fixture_folder, sparse_fixtures, sparse_parity,
+                                    sparse_reference)
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
@@ -429,7 +429,7 @@ def test_the_real_splade_model_from_its_pypi_package_matches_sparse_encoder(tmp_
     from tests.ci_tools import missing
     from worker.core.model import ModelNotFoundError
     from worker.embedder import Embedder
-    from worker.families import REAL_MODELS, real_model_dir
+    from worker.families.real import REAL_MODELS, real_model_dir
 
     splade = next(m for m in REAL_MODELS if m.name == "splade-tiny-msmarco")
     try:
@@ -476,7 +476,7 @@ def test_the_real_splade_model_from_its_pypi_package_matches_sparse_encoder(tmp_
 def test_the_makefile_installs_the_package_the_test_looks_for() -> None:
     import re
 
-    from worker.families import SPLADE_PACKAGE, SPLADE_VERSION
+    from worker.families.real import SPLADE_PACKAGE, SPLADE_VERSION
 
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
     assert re.search(r"^SPLADE_PKG := (\S+)$", makefile, re.M)[1] == f"{SPLADE_PACKAGE}=={SPLADE_VERSION}"  # type: ignore[index]
