@@ -151,36 +151,41 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
     """
     from worker.batching.bucketer import Bucketer
 
+    # Built from the highest floor down where one part does not need another: the pipeline's stop
+    # state, what intake and the output take from the settings alone, the ledger and the Kafka
+    # clients it commits through, then the stages that write through the delivery, down to the bucketer.
     metrics = metrics if metrics is not None else Metrics()
     shutdown = Shutdown(settings)
     latch = shutdown.latch
-    inflight = InFlightTable()
     # What is in flight must drain within a third of the shutdown deadline (see FlowControl).
     flow = FlowControl(settings.max_in_flight, settings.max_in_flight_bytes,
                        drain_target_s=max(1.0, settings.shutdown_timeout_s / 3))
-    failures = FailurePolicy()
-    producer = OutputProducer(producer_config(settings), latch,
-                              failures=failures, producer_factory=producer_factory)
-    acks = Acknowledger(inflight, metrics)
-    producer.after_poll(acks.flush)
-    committer = Committer(None, interval_s=settings.commit_interval_ms / 1000.0)
-    member = GroupMember(consumer_config(settings), committer, latch, metrics, revoke_wait_s=shutdown.revoke_wait_s,
-                         group=settings.group_id, failures=failures, consumer_factory=consumer_factory)
-    delivery = build_delivery(settings, committer, producer, member.client, latch, inflight, metrics,
-                              shutdown.commit_by)
-    # Records are written through the delivery's writer (exactly-once wraps the producer).
-    dead_letters = DeadLetters(settings.dead_letter_topic, settings.dead_letter_max_bytes, delivery.writer, acks)
     # One span per batch when an OTLP endpoint is set (the otel extra, imported only then).
     if spans is None and settings.otel_exporter_otlp_endpoint:
         from worker.output.tracing import batch_spans
 
         spans = batch_spans(settings.otel_exporter_otlp_endpoint, model=model_name)
+
+    inflight = InFlightTable()
+    acks = Acknowledger(inflight, metrics)
+    committer = Committer(None, interval_s=settings.commit_interval_ms / 1000.0)
+    failures = FailurePolicy()
+    producer = OutputProducer(producer_config(settings), latch,
+                              failures=failures, producer_factory=producer_factory)
+    producer.after_poll(acks.flush)
+    member = GroupMember(consumer_config(settings), committer, latch, metrics, revoke_wait_s=shutdown.revoke_wait_s,
+                         group=settings.group_id, failures=failures, consumer_factory=consumer_factory)
+    delivery = build_delivery(settings, committer, producer, member.client, latch, inflight, metrics,
+                              shutdown.commit_by)
+
+    propagation = Propagation.of(settings.pass_headers, settings.trace_context)
     # Repeated keywords are answered from here without the model (0 bytes: off).
     cache = (EmbeddingCache(settings.cache_bytes, backend.dim, observer=metrics, sparse=sparse)
              if settings.cache_bytes else None)
+    # Records are written through the delivery's writer (exactly-once wraps the producer).
+    dead_letters = DeadLetters(settings.dead_letter_topic, settings.dead_letter_max_bytes, delivery.writer, acks)
     output = OutputStage(settings.output_topic, codec, delivery.writer, inflight, acks, dead_letters, metrics, latch,
-                         cache=cache, propagation=Propagation.of(settings.pass_headers, settings.trace_context),
-                         spans=spans, around_batch=delivery.around_batch,
+                         cache=cache, propagation=propagation, spans=spans, around_batch=delivery.around_batch,
                          sparsify=functools.partial(sparsify, top_k=settings.sparse_top_k,
                                                     min_weight=settings.sparse_min_weight) if sparse else None)
     canary = tokenizer.encode([CANARY_TEXT])[0].ids
