@@ -79,14 +79,14 @@ class Assembled:
 
 
 def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: GateFactory | None = None,
-                   on_overrun: Callable[[int], None] | None = None,
-                   supervised: bool = False) -> Assembled:
+                   on_overrun: Callable[[int], None] | None = None, supervised: bool = False) -> Assembled:
     """Loads the model's tokenizer and the backend the settings ask for, and wires the pipeline.
 
     The model folder is read once, and the pipeline gets the settings with every "auto"
     resolved (backend, profile, pad_to). `gate` makes a bounded run's poll gate (a backfill's) from
-    the group member's consumer and the offset tracker; None for `run`. Raises ModelError / BackendError / ProfileError with
-    messages that name the file or setting.
+    the group member's consumer and the offset tracker; None for `run`. `supervised`: this process is
+    one of a supervisor's (its interpreter_cpu is the supervisor's pick). Raises ModelError /
+    BackendError / ProfileError with messages that name the file or setting.
     """
     from worker.backend_choice.select import load_backend, model_info, precision_label
     from worker.batching.calibration import cpu_model
@@ -126,8 +126,7 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: 
         metrics.watch_costs(costs)
     pipeline = wire_pipeline(loaded.settings, tokenizer=tokenizer, backend=backend, profile=profile,
                              model_name=info.name, metrics=metrics, costs=costs, codec=encoder, decode=decode,
-                             gate=gate, sparse=info.sparse, on_overrun=on_overrun,
-                             supervised=supervised,
+                             gate=gate, sparse=info.sparse, on_overrun=on_overrun, supervised=supervised,
                              identity={"model": info.name, "fingerprint": codec.fingerprint,
                                        "precision": precision_label(loaded.settings)})
     return Assembled(pipeline, backend)
