@@ -10,7 +10,7 @@ from worker.deadline import Deadline
 from worker.ledger.exactly_once.loop import ExactlyOnce
 from worker.ledger.exactly_once.producer import ExactlyOnceProducer
 from worker.ledger.exactly_once.transactions import Transactions
-from worker.ledger.guarantees import AtLeastOnce
+from worker.ledger.at_least_once import AtLeastOnce
 from worker.ledger.inflight import InFlight, InFlightTable
 from worker.formats.headers import NO_HEADERS
 from worker.ledger.committer import Committer

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.kafka_tools import TopicReader, WorkerProcess, load_queries, produce_queries
-from worker.families import MIN_COS, cosines
+from worker.families.parity import MIN_COS, cosines
 
 pytestmark = pytest.mark.kafka
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.kafka_tools import load_queries, stream_through_worker
-from worker.static_family import static_fixture_folder, static_fixtures
+from worker.families.static import static_fixture_folder, static_fixtures
 
 pytestmark = pytest.mark.kafka
 

@@ -1,5 +1,5 @@
 """The `Delivery` interface the pipeline calls (worker/ledger/guarantees.py says when each method runs), and
-the types its two implementations share: at-least-once (worker/ledger/guarantees.py) and exactly-once
+the types its two implementations share: at-least-once (worker/ledger/at_least_once.py) and exactly-once
 (worker/ledger/exactly_once/loop.py) both import them from here, so neither imports the other's module."""
 
 from __future__ import annotations
