@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+
 from tests.conftest import ROOT
 
 DOC = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
+
 from tests.conftest import ROOT
 
 LAYERS = ("worker.core", "engines", "worker", "benchmarks")

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import textwrap
+
 from tests.conftest import ROOT
 
 

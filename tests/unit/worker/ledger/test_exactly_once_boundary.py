@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+
 from tests.conftest import ROOT
 
 
