@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from tests.kafka_tools import TopicReader, load_queries, produce_queries
-from tests.system.test_faults_kafka import in_process, loaded, topics  # noqa: F401 - the fixture
+from tests.in_process import in_process, loaded, topics  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.kafka]
 

@@ -26,7 +26,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from tests.kafka_tools import TopicReader, WorkerProcess, load_queries, produce_queries
-from tests.system.test_faults_kafka import InProcessWorker, loaded  # noqa: F401 - the fixture
+from tests.in_process import InProcessWorker, loaded  # noqa: F401 - the fixture
 from worker.app import wire_pipeline
 from worker.settings.schema import Settings
 

@@ -28,7 +28,7 @@ import yaml
 
 from tests.kafka_tools import WorkerProcess, free_port, http_get, load_queries, produce_queries
 from tests.unit.deploy.test_alerts import RULES, prometheus_tool
-from tests.system.test_faults_kafka import in_process, loaded, topics  # noqa: F401 - loaded is a fixture
+from tests.in_process import in_process, loaded, topics  # noqa: F401 - loaded is a fixture
 from worker.operations.probes import MetricsServer
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
