@@ -98,8 +98,6 @@ NO_UNIT_TEST = {
                                               "tests/unit/worker/core/test_static.py through select",
     "worker/backends/openvino.py": "run by name through the Embedder, parity per precision, in "
                                    "tests/unit/worker/test_embedder_parity.py",
-    "worker/backfill/progress.py": "the bar and the summary of a backfill, run whole by "
-                                   "tests/broker/test_backfill_kafka.py",
     "worker/benchmark/load.py": "run whole by the bench command in tests/unit/worker/benchmark/test_bench.py",
     "worker/benchmark/suite.py": "run whole by the bench command in tests/unit/worker/benchmark/test_bench.py",
     "worker/commands/bench.py": "run whole in tests/unit/worker/benchmark/test_bench.py",
