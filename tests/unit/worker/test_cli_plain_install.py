@@ -12,13 +12,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from tests.conftest import ROOT
 
 SCRIPT = """
 import sys
 assert "importlib.util" not in sys.modules, "importlib.util is imported at start: this check cannot fail"
 sys.path.insert(0, sys.argv[1])
 from worker.cli import main
-from tests.conftest import ROOT
 sys.exit(main(["--help"]))
 """
 
