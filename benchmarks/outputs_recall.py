@@ -26,7 +26,7 @@ import orjson
 
 from worker.core.model import ModelInfo, Prompt
 from worker.core.vectors import default_int8_range, dequantize_int8, pack_binary, quantize_int8, truncate
-from worker.app import output_codec
+from worker.formats.codec_choice import output_codec
 from worker.embedder import Embedder
 from worker.formats.keyword_files import read_keywords
 from worker.settings.schema import Settings

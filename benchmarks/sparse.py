@@ -61,7 +61,7 @@ def model_folders(into: Path) -> dict[str, Path]:
     files alone (no modules.json: mean pooling, then L2 normalisation), the default model."""
     from worker.core.disk_cache import cache_dir
     from worker.core.model import default_model_dir
-    from worker.families import REAL_MODELS, SPLADE_NAME, real_model_dir
+    from worker.families.real import REAL_MODELS, SPLADE_NAME, real_model_dir
 
     splade = real_model_dir(next(m for m in REAL_MODELS if m.name == SPLADE_NAME), cache_dir("models"))
     dense = into / "splade-tiny-encoder-mean"
@@ -129,7 +129,7 @@ def sizes(folders: dict[str, Path], texts: list[str]) -> dict[str, Any]:
 
     import fastavro
 
-    from worker.app import output_codec
+    from worker.formats.codec_choice import output_codec
     from worker.core.model import ModelInfo, Prompt
     from worker.core.sparse import sparsify
     from worker.embedder import Embedder

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from worker.app import wire_pipeline
+from worker.formats.messages import OutputCodec
 from worker.pipeline import Pipeline
 from worker.settings.schema import Settings
 
@@ -92,7 +93,9 @@ def in_process(loaded: tuple[Any, Any, Any], bootstrap: str, names: tuple[str, s
     s = Settings(bootstrap_servers=bootstrap, input_topic=names[0], output_topic=names[1],
                  dead_letter_topic=names[2], group_id=group, pad_to=profile.pad_to, **settings)
     return InProcessWorker(wire_pipeline(s, tokenizer=tokenizer, backend=faulty, profile=profile,
-                                         model_name="all-MiniLM-L6-v2")), faulty
+                                         model_name="all-MiniLM-L6-v2",
+                                         codec=OutputCodec(model="all-MiniLM-L6-v2", dim=384,
+                                                           encoding="float-list"))), faulty
 
 
 def topics(make_topic: Callable[..., str], partitions: int) -> tuple[str, str, str]:

@@ -14,25 +14,24 @@ from typing import Any
 import structlog
 from confluent_kafka import Consumer, Producer
 
-from worker.backends.base import Backend
+from worker.backend_choice.costs import cost_model
+from worker.backends.base import CPU_BACKENDS, Backend
 from worker.backends.isolating import IsolatingBackend
 from worker.batching.cost_model import CostModel
-from worker.core.errors import BackendError, extra_missing
-from worker.core.fingerprint import VectorSettings, model_fingerprint
-from worker.core.os_threads import signal_stack_kept
-from worker.core.model import ModelError, ModelInfo, Prompt
+from worker.core.errors import BackendError
+from worker.core.interpreter_hold import plan_hold
+from worker.core.os_threads import allowed_cpus, signal_stack_kept
+from worker.core.model import Prompt
 from worker.core.sparse import sparsify
-from worker.core.vectors import check_truncate_dim, default_int8_range
 from worker.ledger.acks import Acknowledger
 from worker.ledger.guarantees import build_delivery
 from worker.ledger.inflight import InFlightTable
 from worker.embedding_cache import EmbeddingCache
-from worker.formats.messages import OutputCodec, ValueEncoder
+from worker.formats.codec_choice import Decode, output_codec, registry_formats
+from worker.formats.messages import ValueEncoder
 from worker.formats.propagation import Propagation
-from worker.formats.sparse_codec import ENCODING as SPARSE_ENCODING
-from worker.formats.sparse_codec import SparseOutputCodec
 from worker.intake.flow import FlowControl
-from worker.intake.stage import Decode, Intake
+from worker.intake.stage import Intake
 from worker.intake.tokenize import KeywordTokenizer
 from worker.ledger.committer import Committer
 from worker.kafka.client_config import consumer_config, producer_config
@@ -42,15 +41,13 @@ from worker.ledger.offsets import OffsetTracker
 from worker.kafka.producer import OutputProducer
 from worker.kafka.reports import REPORTS_COMPILED
 from worker.latch import guarded
-from worker.names import REGISTRY_FORMATS
 from worker.operations.health import Liveness
 from worker.operations.metrics import Metrics
 from worker.output.dead_letters import DeadLetters
 from worker.output.stage import OutputStage
 from worker.output.tracing import BatchSpans
 from worker.pipeline import Pipeline, PollGate, Shutdown, Stages
-from worker.settings.output_fields import parse_output_fields
-from worker.settings.schema import Settings, SettingsError
+from worker.settings.schema import Settings
 
 log = structlog.get_logger(__name__)
 
@@ -81,36 +78,15 @@ class Assembled:
             log.warning("backend not closed cleanly", backend=self.backend.name, error=str(exc))
 
 
-def calibration_key(settings: Settings, info: ModelInfo) -> dict[str, Any]:
-    """What changes the price of a backend call, besides the backend and the machine
-    (worker/batching/calibration.py)."""
-    weights = info.weights_path.stat()
-    key: dict[str, Any] = {"model": str(info.model_dir), "weights": [weights.st_size, weights.st_mtime_ns],
-                           "onnx": settings.onnx_path, "precision": settings.precision,
-                           "intra_op_threads": settings.intra_op_threads, "spinning": settings.ort_allow_spinning,
-                           "dispatchers": settings.dispatchers}
-    if settings.backend == "openvino":  # the cost model follows the chosen backend and its arithmetic
-        from worker.backends.openvino import version
-
-        key.update(openvino_precision=settings.openvino_precision, openvino=version())
-    return key
-
-
-def cost_model(settings: Settings, info: ModelInfo, backend: Backend) -> CostModel | None:
-    from worker.batching.calibration import cost_model_for
-
-    return cost_model_for(backend, calibration_key(settings, info), vocab_size=info.vocab_size)
-
-
 def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: GateFactory | None = None,
-                   on_overrun: Callable[[int], None] | None = None,
-                   interpreter_cpu_is_start: bool = False) -> Assembled:
+                   on_overrun: Callable[[int], None] | None = None, supervised: bool = False) -> Assembled:
     """Loads the model's tokenizer and the backend the settings ask for, and wires the pipeline.
 
     The model folder is read once, and the pipeline gets the settings with every "auto"
     resolved (backend, profile, pad_to). `gate` makes a bounded run's poll gate (a backfill's) from
-    the group member's consumer and the offset tracker; None for `run`. Raises ModelError / BackendError / ProfileError with
-    messages that name the file or setting.
+    the group member's consumer and the offset tracker; None for `run`. `supervised`: this process is
+    one of a supervisor's (its interpreter_cpu is the supervisor's pick). Raises ModelError /
+    BackendError / ProfileError with messages that name the file or setting.
     """
     from worker.backend_choice.select import load_backend, model_info, precision_label
     from worker.batching.calibration import cpu_model
@@ -145,13 +121,12 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: 
     # Which vectors this worker writes: the fingerprint, with the precision stated beside it.
     metrics.set_model_info(codec.fingerprint, info.name, precision=precision_label(loaded.settings),
                            encoding=codec.encoding, dim=str(codec.dim))
-    costs = cost_model(loaded.settings, info, backend) if loaded.settings.merge_buckets else None
+    costs = cost_model(loaded.settings, info, backend)
     if costs is not None:
         metrics.watch_costs(costs)
     pipeline = wire_pipeline(loaded.settings, tokenizer=tokenizer, backend=backend, profile=profile,
                              model_name=info.name, metrics=metrics, costs=costs, codec=encoder, decode=decode,
-                             gate=gate, sparse=info.sparse, on_overrun=on_overrun,
-                             interpreter_cpu_is_start=interpreter_cpu_is_start,
+                             gate=gate, sparse=info.sparse, on_overrun=on_overrun, supervised=supervised,
                              identity={"model": info.name, "fingerprint": codec.fingerprint,
                                        "precision": precision_label(loaded.settings)})
     return Assembled(pipeline, backend)
@@ -161,53 +136,55 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
                   metrics: Metrics | None = None, bucketer_factory: Any = None, costs: CostModel | None = None,
                   consumer_factory: Callable[[dict[str, Any]], Any] = Consumer,
                   producer_factory: Callable[[dict[str, Any]], Any] = Producer,
-                  codec: ValueEncoder | None = None, decode: Decode | None = None,
+                  codec: ValueEncoder, decode: Decode | None = None,
                   spans: BatchSpans | None = None, gate: GateFactory | None = None,
                   sparse: bool = False, on_overrun: Callable[[int], None] | None = None,
-                  interpreter_cpu_is_start: bool = False, identity: dict[str, str] | None = None) -> Pipeline:
+                  supervised: bool = False, identity: dict[str, str] | None = None) -> Pipeline:
     """The stages around a loaded tokenizer and backend, wired into a Pipeline.
 
     The factories are the tests' seams (fake clients, a fake bucketer). `codec` is the output
-    encoder (`output_codec` adds truncate_dim, the prompt and the int8 range, `registry_formats`
-    the registry formats; the plain JSON codec if None); `decode` a registry format's decoder.
+    encoder (worker/formats/codec_choice.py: `output_codec`, wrapped by `registry_formats` for the
+    registry formats); `decode` a registry format's decoder.
     `sparse`: the backend gives a sparse model's [B, vocabulary] weights, which the output stage
     cuts to their non-zero entries (sparse_top_k, sparse_min_weight) and the cache keeps so.
     """
     from worker.batching.bucketer import Bucketer
 
+    # Built from the highest floor down where one part does not need another: the pipeline's stop
+    # state, what intake and the output take from the settings alone, the ledger and the Kafka
+    # clients it commits through, then the stages that write through the delivery, down to the bucketer.
     metrics = metrics if metrics is not None else Metrics()
     shutdown = Shutdown(settings)
     latch = shutdown.latch
-    inflight = InFlightTable()
     # What is in flight must drain within a third of the shutdown deadline (see FlowControl).
     flow = FlowControl(settings.max_in_flight, settings.max_in_flight_bytes,
                        drain_target_s=max(1.0, settings.shutdown_timeout_s / 3))
-    failures = FailurePolicy()
-    producer = OutputProducer(producer_config(settings), latch,
-                              failures=failures, producer_factory=producer_factory)
-    acks = Acknowledger(inflight, metrics)
-    producer.after_poll(acks.flush)
-    committer = Committer(None, interval_s=settings.commit_interval_ms / 1000.0)
-    member = GroupMember(consumer_config(settings), committer, latch, metrics, revoke_wait_s=shutdown.revoke_wait_s,
-                         group=settings.group_id, failures=failures, consumer_factory=consumer_factory)
-    delivery = build_delivery(settings, committer, producer, member.client, latch, inflight, metrics,
-                              shutdown.commit_by)
-    # Records are written through the delivery's writer (exactly-once wraps the producer).
-    dead_letters = DeadLetters(settings.dead_letter_topic, settings.dead_letter_max_bytes, delivery.writer, acks)
-    if codec is None:
-        codec = (SparseOutputCodec(model=model_name, dim=backend.dim) if sparse else
-                 OutputCodec(model=model_name, dim=backend.dim, encoding=settings.output_encoding))  # type: ignore[arg-type]
     # One span per batch when an OTLP endpoint is set (the otel extra, imported only then).
     if spans is None and settings.otel_exporter_otlp_endpoint:
         from worker.output.tracing import batch_spans
 
         spans = batch_spans(settings.otel_exporter_otlp_endpoint, model=model_name)
+
+    inflight = InFlightTable()
+    acks = Acknowledger(inflight, metrics)
+    committer = Committer(None, interval_s=settings.commit_interval_ms / 1000.0)
+    failures = FailurePolicy()
+    producer = OutputProducer(producer_config(settings), latch,
+                              failures=failures, producer_factory=producer_factory)
+    producer.after_poll(acks.flush)
+    member = GroupMember(consumer_config(settings), committer, latch, metrics, revoke_wait_s=shutdown.revoke_wait_s,
+                         group=settings.group_id, failures=failures, consumer_factory=consumer_factory)
+    delivery = build_delivery(settings, committer, producer, member.client, latch, inflight, metrics,
+                              shutdown.commit_by)
+
+    propagation = Propagation.of(settings.pass_headers, settings.trace_context)
     # Repeated keywords are answered from here without the model (0 bytes: off).
     cache = (EmbeddingCache(settings.cache_bytes, backend.dim, observer=metrics, sparse=sparse)
              if settings.cache_bytes else None)
+    # Records are written through the delivery's writer (exactly-once wraps the producer).
+    dead_letters = DeadLetters(settings.dead_letter_topic, settings.dead_letter_max_bytes, delivery.writer, acks)
     output = OutputStage(settings.output_topic, codec, delivery.writer, inflight, acks, dead_letters, metrics, latch,
-                         cache=cache, propagation=Propagation.of(settings.pass_headers, settings.trace_context),
-                         spans=spans, around_batch=delivery.around_batch,
+                         cache=cache, propagation=propagation, spans=spans, around_batch=delivery.around_batch,
                          sparsify=functools.partial(sparsify, top_k=settings.sparse_top_k,
                                                     min_weight=settings.sparse_min_weight) if sparse else None)
     canary = tokenizer.encode([CANARY_TEXT])[0].ids
@@ -222,93 +199,8 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
     stages = Stages(inflight=inflight, flow=flow, producer=producer, acks=acks, committer=committer, member=member,
                     delivery=delivery, output=output, bucketer=bucketer, intake=intake, liveness=liveness,
                     spans=spans, gate=gate(member.client, committer.tracker) if gate is not None else None)
-    return Pipeline(settings, shutdown, stages, metrics, on_overrun=on_overrun,
-                    interpreter_cpu_is_start=interpreter_cpu_is_start, identity=identity)
-
-
-def output_codec(settings: Settings, info: ModelInfo, prompt: Prompt,
-                 tokenizer: KeywordTokenizer | None = None) -> OutputCodec | SparseOutputCodec:
-    """The output records' codec: width (truncate_dim), encoding with its int8 range, the prompt, and
-    the model fingerprint of all of them (worker/core/fingerprint.py); for a sparse model, its
-    record of non-zero weights (with `terms`, read from `tokenizer`)."""
-    check_sparse_settings(settings, info)
-    if info.sparse:
-        vocabulary = None
-        if settings.sparse_terms:
-            tokenizer = tokenizer or KeywordTokenizer.from_model(info, prompt=prompt)
-            vocabulary = tokenizer.vocabulary(info.vocab_size)
-        # top-k and the minimum weight change what is written: they are part of the fingerprint.
-        fingerprint = model_fingerprint(info, VectorSettings(prompt=prompt.text, encoding=SPARSE_ENCODING,
-                                                             sparse_top_k=settings.sparse_top_k,
-                                                             sparse_min_weight=settings.sparse_min_weight))
-        return SparseOutputCodec(model=info.name, dim=info.dim, prompt_name=prompt.name, prompt=prompt.text,
-                                 fields=parse_output_fields(settings.output_fields), vocabulary=vocabulary,
-                                 fingerprint=fingerprint.value)
-    try:
-        check_truncate_dim(settings.truncate_dim, info.dim, source="setting 'truncate_dim'")
-    except ValueError as exc:
-        raise ModelError(f"{exc} ({info.model_dir})") from None
-    dim = settings.truncate_dim or info.dim
-    int8_range = None
-    if settings.output_encoding == "int8":
-        if not settings.int8_range and not info.normalized:
-            raise SettingsError(f"output_encoding=int8: {info.name} gives vectors that are not normalised (its "
-                                f"pipeline has no Normalize module), so the default int8_range, 6/sqrt(dim) for "
-                                f"unit vectors, does not fit them; set int8_range to the range of its components")
-        r = settings.int8_range or default_int8_range(dim)
-        int8_range = (-r, r)
-    # Once per start: the codec writes it on every record as a constant.
-    fingerprint = model_fingerprint(info, VectorSettings(prompt=prompt.text, truncate_dim=settings.truncate_dim,
-                                                         encoding=settings.output_encoding, int8_range=int8_range))
-    return OutputCodec(model=info.name, dim=dim, encoding=settings.output_encoding,  # type: ignore[arg-type]
-                       truncate_dim=settings.truncate_dim, prompt_name=prompt.name, prompt=prompt.text,
-                       int8_range=int8_range, fields=parse_output_fields(settings.output_fields),
-                       normalized=info.normalized, fingerprint=fingerprint.value)
-
-
-def check_sparse_settings(settings: Settings, info: ModelInfo) -> None:
-    """The settings that apply to one kind of model only, refused for the other (SettingsError,
-    naming the setting): a worker serves one model, dense or sparse."""
-    if info.sparse:
-        dense_only = [f"{name}={getattr(settings, name)}" for name, default in
-                      (("output_encoding", "float-list"), ("truncate_dim", 0), ("int8_range", 0.0))
-                      if getattr(settings, name) != default]
-        if dense_only:
-            raise SettingsError(f"{', '.join(dense_only)}: {info.name} is a sparse (SPLADE) model, whose records "
-                                f"are its non-zero weights ({{\"indices\", \"values\"}}); these settings shape a "
-                                f"dense vector (sparse_top_k and sparse_min_weight make a sparse one smaller)")
-        return
-    sparse_only = [f"{name}={getattr(settings, name)}" for name, default in
-                   (("sparse_top_k", 0), ("sparse_min_weight", 0.0), ("sparse_terms", False))
-                   if getattr(settings, name) != default]
-    if sparse_only:
-        raise SettingsError(f"{', '.join(sparse_only)}: these settings are for sparse (SPLADE) models; {info.name} is "
-                            f"dense ({info.pipeline.describe()})")
-
-
-def registry_formats(settings: Settings, codec: OutputCodec | SparseOutputCodec) -> tuple[ValueEncoder, Decode | None]:
-    """The output encoder and input decoder the formats ask for: the JSON codec and the built-in
-    decoder, or confluent-kafka's registry serdes (imported only then: the registry extra)."""
-    if settings.output_format not in REGISTRY_FORMATS and settings.input_format not in REGISTRY_FORMATS:
-        return codec, None
-    try:
-        from worker.formats.schema_registry import RegistryInput, RegistryOutput, check_reachable, registry_client
-    except ImportError as exc:
-        wanted = [f"{name}={getattr(settings, name)}" for name in ("input_format", "output_format")
-                  if getattr(settings, name) in REGISTRY_FORMATS]
-        raise SettingsError(extra_missing("registry", " and ".join(wanted), exc.name or str(exc))) from None
-
-    client = registry_client(settings)
-    encoder: ValueEncoder = codec
-    decode: Decode | None = None
-    if settings.input_format in REGISTRY_FORMATS:
-        check_reachable(settings, client)
-        decode = RegistryInput(settings, client)
-    if settings.output_format in REGISTRY_FORMATS:
-        output = RegistryOutput(settings, codec, client)
-        output.check(codec.dim)
-        encoder = output
-    log.info("schema registry", url=settings.schema_registry_url, input_format=settings.input_format,
-             output_format=settings.output_format, subject_strategy=settings.schema_subject_strategy,
-             auto_register=settings.schema_auto_register)
-    return encoder, decode
+    # Where the interpreter's threads are held, decided once: `supervised`, this process is one of a
+    # supervisor's, whose CPU number is where the hold starts (worker/core/interpreter_hold.py).
+    hold = plan_hold(settings.interpreter_cpu, cpu_backend=backend.name in CPU_BACKENDS, supervised=supervised,
+                     cpus=allowed_cpus())
+    return Pipeline(settings, shutdown, stages, metrics, on_overrun=on_overrun, hold=hold, identity=identity)

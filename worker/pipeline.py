@@ -37,9 +37,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
-from worker.backends.base import CPU_BACKENDS
-from worker.core.interpreter_hold import InterpreterHold
-from worker.core.os_threads import allowed_cpus, current_cpu, thread_affinities
+from worker.core.interpreter_hold import HoldPlan, InterpreterHold
+from worker.core.os_threads import current_cpu, thread_affinities
 from worker.deadline import Deadline, Overrun
 from worker.ledger.acks import Acknowledger
 from worker.ledger.guarantees import Delivery
@@ -144,7 +143,7 @@ class Pipeline:
     """Runs wired stages: start, the poll loop, drain and shutdown. It builds nothing."""
 
     def __init__(self, settings: Settings, shutdown: Shutdown, stages: Stages, metrics: Metrics, *,
-                 on_overrun: Callable[[int], None] | None = None, interpreter_cpu_is_start: bool = False,
+                 on_overrun: Callable[[int], None] | None = None, hold: HoldPlan | None = None,
                  identity: dict[str, str] | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -167,13 +166,10 @@ class Pipeline:
         self._held_since: float | None = None
         self._holds_unlogged = 0
         self._hold_logged_at = float("-inf")
-        # The one CPU the interpreter's threads are held on, where auto moves them (poll thread).
+        # Where the interpreter's threads are held (decided at build time; None: unheld), and the
+        # hold that carries it out once the pipeline runs, moving them where the plan says (poll thread).
+        self._hold_plan = hold
         self._interpreter: InterpreterHold | None = None
-        # Given by `run` in one of a supervisor's processes: the CPU number the supervisor gave
-        # (interpreter_cpu auto, a CPU each) is where the hold starts, and it moves from there as a
-        # lone process's does; two pods' supervisors that both start at CPU 0 part. Else a CPU
-        # number set is a hold for good.
-        self.interpreter_cpu_is_start = interpreter_cpu_is_start
         # What the start log states beside the settings (the model, its fingerprint and precision),
         # given by the assembly (worker.app.build_pipeline).
         self.identity: dict[str, str] = identity if identity is not None else {}
@@ -260,12 +256,13 @@ class Pipeline:
             self.on_overrun(self.exit_code())
 
     def _poll_once(self) -> None:
-        pending = self._committer.uncommitted()
+        uncommitted = self._committer.uncommitted()
+        pending = uncommitted if self._delivery.bound_counts == "uncommitted" else len(self._inflight)
         now = time.monotonic()
         if self._interpreter is not None:
             self._interpreter.check(now)  # one comparison but once a second
         self._flow.observe(now, self._acks.embedded_count + self._acks.dead_lettered_count,
-                           busy=pending > 0)
+                           busy=uncommitted > 0)
         pause = self._delivery.poll_step(flow_paused=self._flow.update(pending, self._inflight.bytes))
         # Intake stops (the bound, a transaction closing): True when the delivery brings the room
         # back without a pause (at least once: its commit at the bound), so intake holds. Paused,
@@ -293,24 +290,19 @@ class Pipeline:
             self.request_stop()
 
     def _hold_interpreter(self) -> InterpreterHold | None:
-        """This thread and the kwe-* threads, all started by now, on one CPU (the clients' and the
-        runtimes' own threads, started before, keep the process's set; so do a CPU backend's
-        dispatchers, which compute): a CPU number holds them there for good; auto, on a backend
-        that does not compute on the CPU, holds them where this thread runs now and returns the
-        hold that moves them when another process takes that CPU (worker/core/interpreter_hold.py).
-        A refusal costs speed, not correctness: logged, and the worker runs on unheld."""
-        setting, backend = self.settings.interpreter_cpu, self._bucketer.backend_name
-        cpus = allowed_cpus()
-        if setting.isdigit():
-            cpu: int | None = int(setting)
-        elif setting == "auto" and backend not in CPU_BACKENDS and len(cpus) > 1:
-            cpu = current_cpu()
-        else:
-            return None  # off; or auto where the model's own threads need the cores, or one CPU
+        """This thread and the kwe-* threads, all started by now, on one CPU, as the plan given at
+        build time says (worker/core/interpreter_hold.py: `plan_hold`); the clients' and the
+        runtimes' own threads, started before, keep the process's set. Returns the hold, which
+        moves them when another process takes that CPU where the plan says so. A refusal costs
+        speed, not correctness: logged, and the worker runs on unheld."""
+        plan = self._hold_plan
+        if plan is None:
+            return None
+        cpu = plan.cpu if plan.cpu is not None else current_cpu()
         if cpu is None:
             return None
-        moves = setting == "auto" or self.interpreter_cpu_is_start
-        hold = InterpreterHold(cpus, leave=("kwe-dispatch",) if backend in CPU_BACKENDS else (),
+        moves = plan.moves
+        hold = InterpreterHold(list(plan.cpus), leave=plan.leave,
                                on_move=lambda old, new, loads: self._interpreter_moved(old, new, loads, hold.followers),
                                adaptive=moves, threads=thread_affinities)
         try:
@@ -320,8 +312,7 @@ class Pipeline:
                         cpu=cpu, error=str(exc))
             return None
         self.metrics.set_interpreter_cpu(cpu)
-        log.info("interpreter threads held on one CPU", cpu=cpu, threads=len(held),
-                 moves="when another process takes it" if moves else "never (interpreter_cpu set)")
+        log.info("interpreter threads held on one CPU", cpu=cpu, threads=len(held), moves=plan.describe_moves())
         return hold
 
     @property

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from confluent_kafka import Producer
 
 from worker.deadline import Deadline
-from worker.ledger.guarantees import AtLeastOnce
+from worker.ledger.at_least_once import AtLeastOnce
 from worker.ledger.committer import Committer
 from worker.kafka.client_config import consumer_config
 from worker.kafka.consumer import GroupMember

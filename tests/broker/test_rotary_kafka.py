@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import DATA
 from tests.kafka_tools import TopicReader, WorkerProcess, load_queries, produce_queries
-from worker.families import MIN_COS, cosines
+from worker.families.parity import MIN_COS, cosines
 
 pytestmark = pytest.mark.kafka
 

@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import DATA
 from tests.kafka_tools import load_queries, stream_through_worker
 from worker.core.sparse import SparseRows, compare
-from worker.families import sparse_fixture_folder
+from worker.families.sparse import sparse_fixture_folder
 from worker.formats.sparse_codec import decode_sparse
 
 pytestmark = pytest.mark.kafka

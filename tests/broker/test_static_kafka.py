@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import DATA
 from tests.kafka_tools import load_queries, stream_through_worker
-from worker.static_family import static_fixture_folder, static_fixtures
+from worker.families.static import static_fixture_folder, static_fixtures
 
 pytestmark = pytest.mark.kafka
 

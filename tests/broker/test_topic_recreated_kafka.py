@@ -28,6 +28,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from tests.kafka_tools import TopicReader, WorkerProcess, load_queries, produce_queries
 from tests.in_process import InProcessWorker, loaded  # noqa: F401 - the fixture
 from worker.app import wire_pipeline
+from worker.formats.messages import OutputCodec
 from worker.settings.schema import Settings
 
 pytestmark = pytest.mark.kafka
@@ -153,7 +154,8 @@ def test_an_out_of_range_reset_of_a_member_that_began_above_the_log_start_writes
     s = Settings(bootstrap_servers=kafka_bootstrap, input_topic=src, output_topic=out, dead_letter_topic=dlq,
                  group_id=group_id, pad_to=profile.pad_to, processing_guarantee=guarantee)
     w = InProcessWorker(wire_pipeline(s, tokenizer=tokenizer, backend=backend, profile=profile,
-                                      model_name="all-MiniLM-L6-v2", consumer_factory=consumer)).start()
+                                      model_name="all-MiniLM-L6-v2", consumer_factory=consumer,
+                                      codec=OutputCodec(model="all-MiniLM-L6-v2", dim=384, encoding="float-list"))).start()
     reader = TopicReader(kafka_bootstrap, out, f"r-{group_id}")
     try:
         reader.wait_for(expected, 120)

@@ -20,6 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from tests.kafka_tools import TopicReader, load_queries, produce  # noqa: E402
 from worker.app import wire_pipeline  # noqa: E402
+from worker.formats.messages import OutputCodec  # noqa: E402
 from worker.output.tracing import batch_spans  # noqa: E402
 from worker.formats.propagation import parse_traceparent  # noqa: E402
 from worker.settings.schema import Settings  # noqa: E402
@@ -44,6 +45,7 @@ def test_each_traced_keyword_is_linked_from_one_batch_span(kafka_bootstrap: str,
                         group_id=group_id, pad_to=loaded.profile.pad_to, cache_bytes=0)
     pipeline = wire_pipeline(settings, tokenizer=KeywordTokenizer.from_model(loaded.model), backend=loaded.backend,
                              profile=loaded.profile, model_name="all-MiniLM-L6-v2",
+                             codec=OutputCodec(model="all-MiniLM-L6-v2", dim=384, encoding="float-list"),
                              spans=batch_spans("", model="all-MiniLM-L6-v2", exporter=exporter))
     code: list[Any] = []
     thread = threading.Thread(target=lambda: code.append(pipeline.run()), name="test-worker")

@@ -86,3 +86,10 @@ class FakeTxnProducer:
     def abort_transaction(self, timeout: float) -> None:
         self._enter("abort")
         self.open, self.pending_offsets, self.state = [], {}, "ready"
+
+
+def interval_up(txn: Any) -> None:
+    """One poll-loop turn of `txn` (a Transactions) as if its interval were up: the open transaction
+    starts closing, and commits if nothing is in flight."""
+    txn.began_at -= txn.interval_s
+    txn.step()

@@ -150,7 +150,7 @@ def main(args: argparse.Namespace) -> int:
                     baseline_intra_op_threads=args.baseline_threads)
     costs = None
     if args.merge_buckets and not bound:
-        from worker.app import calibration_key
+        from worker.backend_choice.costs import calibration_key
         from worker.batching.calibration import cost_model_for
 
         costs = cost_model_for(backend, calibration_key(_worker_settings(args, backend.name, desc.get("precision")),
@@ -213,7 +213,7 @@ def _open(args: argparse.Namespace, info, profile, threads: int, *, kind: str | 
 
 def calibrate(args: argparse.Namespace, fail) -> int:  # noqa: ANN001
     """`bench --calibrate`: measure afresh (and cache it for the worker) the backend choice and the cost model, print them."""
-    from worker.app import calibration_key
+    from worker.backend_choice.costs import calibration_key
     from worker.backend_choice.select import intra_op_threads
     from worker.batching.calibration import backend_key, cache_key, default_cache_dir, load_or_measure
     from worker.batching.cost_model import fit

@@ -1,6 +1,6 @@
 """`keyword-embedder models`: the encoder families and pipelines, what was verified for each, and the checks.
 
-Without flags it prints what is on record (worker/families.py): the families, the
+Without flags it prints what is on record (worker/families/): the families, the
 sentence-transformers pipelines that run (and what is refused), the pipeline each known model
 runs, and the installed real models' pipelines read from their folders. `--model DIR` prints
 what one model folder runs (or the one line saying why it cannot). `--check` reruns the checks
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,7 +44,8 @@ def main(args: argparse.Namespace) -> int:
     from worker.core.model import FAMILIES
     from worker.core.sparse import ATOL, RTOL
     from worker.core.st_pipeline import POOLING_MODES
-    from worker.families import FAMILY_STATUS, KNOWN_PIPELINES, MIN_COS
+    from worker.families import KNOWN_PIPELINES
+    from worker.families.dense import FAMILY_STATUS
 
     if args.model is not None:
         return _describe(args.model)
@@ -75,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
           "  refused:  SparseAutoEncoder (CSR)\n"
           f"  fixtures: tests/data/sparse, vs SparseEncoder's encode: |diff| <= {RTOL:g} x |ref| + {ATOL:g} per "
           "entry, the same non-zero indices (tests/unit/worker/core/test_sparse.py)")
-    from worker.static_family import STATIC_STATUS
+    from worker.families.static import STATIC_STATUS
 
     print("\nStatic models (a table lookup, no encoder; docs/models.md, Static models)\n" + STATIC_STATUS)
     print("\nKnown models (the pipeline its modules.json lists; what checked it here)")
@@ -100,7 +100,7 @@ def _cache() -> Path:
 
 def _installed() -> list[tuple[str, Path | None, str]]:
     from worker.core.model import ModelError, ModelInfo, ModelNotFoundError
-    from worker.families import REAL_MODELS, real_model_dir
+    from worker.families.real import REAL_MODELS, real_model_dir
 
     out: list[tuple[str, Path | None, str]] = []
     for model in REAL_MODELS:
@@ -119,7 +119,7 @@ def _installed() -> list[tuple[str, Path | None, str]]:
 
 def _path(name: str) -> int:
     from worker.core.model import ModelNotFoundError
-    from worker.families import REAL_MODELS, real_model_dir
+    from worker.families.real import REAL_MODELS, real_model_dir
 
     model = next((m for m in REAL_MODELS if m.name == name), None)
     if model is None:
@@ -160,7 +160,7 @@ def _describe(folder: Path) -> int:
 
 def fingerprint(info: ModelInfo) -> str:
     """The fingerprint a worker with the default settings writes for this model (the codec's own)."""
-    from worker.app import output_codec
+    from worker.formats.codec_choice import output_codec
     from worker.core.model import Prompt
     from worker.settings.schema import Settings
 
@@ -177,115 +177,11 @@ def _default_fingerprint() -> str:
     return f"{fingerprint(info)}  {info.name} ({info.model_dir})"
 
 
-def _check_rotary(root: Path) -> int:
-    """The rotary families' fixtures (whole sentence-transformers folders) on ONNX Runtime: failures."""
-    from worker.families_st import ST_NORM_TOL, cases, st_fixtures, st_parity
-
-    found = st_fixtures(root)
-    print(f"\nrotary family fixtures (vs sentence-transformers' encode: worst cosine of alone, batched and "
-          f"bucketed runs, worst |norm ratio - 1| <= {ST_NORM_TOL} where not normalised)")
-    if not found:
-        print(f"  skipped: no fixtures at {root}")
-    failed = 0
-    for fixture in found:  # each export is cached like the worker's
-        for case in cases(fixture):
-            p = st_parity(fixture, case)
-            failed += not p.ok
-            print(f"  {p.line()}")
-    return failed
-
-
 def _check(fixtures: Path) -> int:
-    from worker.core.model import BERT_FAMILIES, ModelNotFoundError
-    from worker.families import (
-        MIN_COS,
-        NORM_TOL,
-        REAL_MODELS,
-        REAL_NORM_TOL,
-        SPARSE_VARIANTS,
-        SparseParity,
-        fixture_parity,
-        pipeline_fixtures,
-        pipeline_parity,
-        real_model_dir,
-        real_parity,
-        sparse_fixture_folder,
-        sparse_fixtures,
-        sparse_parity,
-    )
+    from worker.families import Checkout, check_all
+    from worker.families.parity import MIN_COS
 
-    failed = 0
-    print("\nfixture parity (worst row's cosine vs transformers)")
-    if not (fixtures / "versions.json").is_file():
-        print(f"  skipped: no fixtures at {fixtures} (they ship with a source checkout; pass --fixtures DIR)")
-    else:
-        print(f"  {'family':<12} {'pooling':<8} {'alone':>10} {'batched':>10}")
-        for family in BERT_FAMILIES:  # the rotary families' fixtures are sentence-transformers folders (below)
-            for pooling in ("mean", "cls"):
-                p = fixture_parity(fixtures / family, pooling)
-                failed += not p.ok
-                print(f"  {family:<12} {pooling:<8} {p.single:>10.7f} {p.batched:>10.7f}  {'ok' if p.ok else 'FAIL'}")
-    data = fixtures.parent
-    failed += _check_rotary(data / "families-st")
-    found = pipeline_fixtures(data / "pipelines")
-    print(f"\npipeline fixtures (vs sentence-transformers' encode: worst cosine, worst |norm ratio - 1| <= {NORM_TOL})")
-    if not found or not (fixtures / "versions.json").is_file():
-        print(f"  skipped: no pipeline fixtures at {data / 'pipelines'}")
-    for fixture in found if (fixtures / "versions.json").is_file() else []:
-        q = pipeline_parity(fixture, families=fixtures)
-        failed += not q.ok
-        print(f"  {q.name:<40} {min(q.single, q.batched):>10.7f} {q.norm_error:>9.1e}  "
-              f"{'ok' if q.ok else 'FAIL' + ('' if q.ids_match else ' (token IDs differ)')}\n"
-              f"  {'':<40} {q.pipeline}")
-    sparse = sparse_fixtures(data / "sparse") if (fixtures / "versions.json").is_file() else []
-    print("\nsparse fixtures (vs SparseEncoder's encode: worst entry, as a share of its tolerance <= 1)")
-    if not sparse:
-        print(f"  skipped: no sparse fixtures at {data / 'sparse'}")
-    with tempfile.TemporaryDirectory() as tmp:
-        for fixture in sparse:
-            for variant in SPARSE_VARIANTS:
-                folder = sparse_fixture_folder(fixture, Path(tmp), families=fixtures, variant=variant)
-                sp = sparse_parity(folder, fixture / f"reference-{variant}.npz", name=f"{fixture.name} {variant}")
-                failed += not sp.ok
-                print(f"  {sp.name:<40} {max(sp.single.worst, sp.batched.worst):>10.3f}  "
-                      f"{'ok' if sp.ok else 'FAIL' + ('' if sp.ids_match else ' (token IDs differ)')}")
-    print(f"\nreal models (vs sentence-transformers: worst cosine, worst |norm ratio - 1| <= {REAL_NORM_TOL}; "
-          "sparse: the worst entry as a share of its tolerance)")
-    for model in REAL_MODELS:
-        try:
-            folder = real_model_dir(model, _cache())
-        except ModelNotFoundError as exc:
-            print(f"  {model.name}: skipped ({exc})")
-            continue
-        if not (data / model.reference).is_file():
-            print(f"  {model.name}: skipped (no reference vectors at {data / model.reference})")
-            continue
-        r = real_parity(model, folder, data)
-        failed += not r.ok
-        if isinstance(r, SparseParity):
-            print(f"  {r.name} ({folder}): {r.batched.line()}  {'ok' if r.ok else 'FAIL'}\n  {'':<4}{r.pipeline}")
-            continue
-        print(f"  {r.name} ({r.folder}): worst of {r.rows} rows {r.worst:.7f}, norms {r.norm_error:.1e}  "
-              f"{'ok' if r.ok else 'FAIL'}\n  {'':<4}{r.pipeline}")
-    failed += _check_static(data)
+    failed = check_all(Checkout(fixtures, _cache()))
     if failed:
         print(f"\n{failed} check(s) below cos {MIN_COS} or off in norm", file=sys.stderr)
     return 1 if failed else 0
-
-
-def _check_static(data: Path) -> int:
-    """The static fixtures (tests/data/static) against model2vec's and sentence-transformers' vectors."""
-    from worker.static_family import NORM_TOL, static_fixture_folder, static_fixtures, static_parity
-
-    found = static_fixtures(data)
-    print(f"\nstatic fixtures (vs model2vec / sentence-transformers encode: worst cosine, worst norm error <= {NORM_TOL})")
-    if not found:
-        print(f"  skipped: no static fixtures at {data / 'static'}")
-    failed = 0
-    with tempfile.TemporaryDirectory() as tmp:
-        for fixture in found:
-            p = static_parity(static_fixture_folder(fixture, Path(tmp), data=data), fixture / "reference.npz")
-            failed += not p.ok
-            print(f"  {p.name:<40} {min(p.single, p.batched):>10.7f} {p.norm_error:>9.1e}  {'ok' if p.ok else 'FAIL'}"
-                  f"\n  {'':<40} {p.pipeline}")
-    return failed

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Mapping
 from typing import Any
 
 import structlog
@@ -141,8 +140,9 @@ def _start(settings: Any) -> tuple[Any, Any]:
     metrics = Metrics()
     # A stop still running EXIT_GRACE_S past its deadline (a librdkafka call that never returns)
     # ends in exit_now, so the process exits within shutdown_timeout_s + 2 s (worker/pipeline.py).
+    # One of a supervisor's processes: its interpreter_cpu is the supervisor's pick (worker/app.py plans the hold).
     return build_pipeline(settings, metrics=metrics, on_overrun=exit_now,
-                          interpreter_cpu_is_start=interpreter_cpu_is_start(settings, os.environ)), metrics
+                          supervised=bool(os.environ.get(ENV_PROCESS))), metrics
 
 
 def _on_gpu(settings: Any, gpu: bool | None) -> bool:
@@ -173,13 +173,6 @@ def interpreter_cpus(settings: Any, processes: int, *, gpu: bool | None = None,
 
     machine = cpus if cpus is not None else allowed_cpus()
     return [machine[i % len(machine)] for i in range(processes)]
-
-
-def interpreter_cpu_is_start(settings: Any, environ: Mapping[str, str]) -> bool:
-    """True in one of a supervisor's processes given a CPU number: the supervisor's pick (settings
-    refuse a number with processes above 1, so a user's never reaches a child), where the hold
-    starts and moves from, as auto's does; a lone process's number is a hold for good."""
-    return bool(environ.get(ENV_PROCESS)) and settings.interpreter_cpu.isdigit()
 
 
 def standby_after_s(settings: Any) -> float:

@@ -116,6 +116,37 @@ class HoldRule:
         return rng.choice(sorted(cpu for cpu, load in others.items() if load <= least + 0.1))
 
 
+@dataclass(frozen=True)
+class HoldPlan:
+    """Where the worker's Python threads are held, decided once when the pipeline is built
+    (`plan_hold`) and carried out by the pipeline's poll thread when it starts."""
+
+    cpus: tuple[int, ...]  # the process's CPU set
+    cpu: int | None  # the CPU to start on; None: the one the poll thread runs on at the start
+    moves: bool  # off a CPU another process takes (auto, a supervisor's pick); False: held for good
+    leave: tuple[str, ...] = ()  # threads never held (a CPU backend's dispatchers, which compute)
+
+    def describe_moves(self) -> str:
+        return "when another process takes it" if self.moves else "never (interpreter_cpu set)"
+
+
+def plan_hold(setting: str, *, cpu_backend: bool, supervised: bool, cpus: list[int]) -> HoldPlan | None:
+    """`interpreter_cpu` as a plan, or None: nothing held.
+
+    A CPU number holds there: for good when the user set it, moving from there when a supervisor
+    gave it (settings refuse a number with processes above 1, so a user's never reaches a child;
+    two pods' supervisors that both start at CPU 0 part). Auto holds only on a backend that does
+    not compute on the CPU (there the model's own threads need the cores) and on more than one
+    CPU, starting where the poll thread runs. `cpu_backend`: the backend's dispatchers compute on
+    the CPU, so they are left out of a hold."""
+    leave = ("kwe-dispatch",) if cpu_backend else ()
+    if setting.isdigit():
+        return HoldPlan(tuple(cpus), int(setting), moves=supervised, leave=leave)
+    if setting == "auto" and not cpu_backend and len(cpus) > 1:
+        return HoldPlan(tuple(cpus), None, moves=True, leave=leave)
+    return None
+
+
 @dataclass
 class InterpreterHold:
     """The poll thread's and the kwe-* threads' one CPU, moved when another process takes it.

@@ -260,7 +260,7 @@ class OutputCodec:
     int8_range: tuple[float, float] | None = None  # required by (and only written for) int8
     fields: FieldMap = field(default_factory=lambda: FieldMap())  # output_fields (JSON only)
     normalized: bool = True  # the model's vectors are unit length (its pipeline ends in Normalize)
-    # The model fingerprint, computed once at start (worker.app.output_codec); "": none written.
+    # The model fingerprint, computed once at start (codec_choice.output_codec); "": none written.
     fingerprint: str = ""
     _headers: Headers = field(init=False, repr=False, compare=False)
     _extra: dict[str, object] = field(init=False, repr=False, compare=False)

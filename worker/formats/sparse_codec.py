@@ -53,7 +53,7 @@ class SparseOutputCodec:
     fields: FieldMap = field(default_factory=lambda: FieldMap())  # output_fields (JSON only)
     # The vocabulary's tokens by id, for `terms` (sparse_terms); None: not written.
     vocabulary: tuple[str, ...] | None = None
-    # The model fingerprint, computed once at start (worker.app.output_codec); "": none written.
+    # The model fingerprint, computed once at start (codec_choice.output_codec); "": none written.
     fingerprint: str = ""
     encoding: str = field(default=ENCODING, init=False)
     _headers: Headers = field(init=False, repr=False, compare=False)

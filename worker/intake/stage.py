@@ -23,7 +23,8 @@ from worker.ledger.inflight import InFlight, InFlightTable
 from worker.embedding_cache import EmbeddingCache
 from worker.embedding_cache import key as cache_key
 from worker.formats.headers import InputHeaders, read_headers
-from worker.formats.messages import Headers, Keyword, Rejection, decode_input, plain_keyword
+from worker.formats.codec_choice import Decode
+from worker.formats.messages import Rejection, decode_input, plain_keyword
 from worker.ledger.offsets import OffsetTracker, OffsetWentBack, PartitionOffsets, Refetched, Watermarks
 from worker.operations.metrics import Metrics
 from worker.settings.schema import Settings
@@ -34,10 +35,6 @@ log = structlog.get_logger(__name__)
 Submit = Callable[[Sequence[int], Sequence[np.ndarray]], None]
 # Records answered from the embedding cache: their seqs and rows, handed to the output stage.
 Answer = Callable[[list[int], Any], None]  # seqs and their rows: np.ndarray, or SparseRows
-# A registry format's decoder (worker/formats/schema_registry.py's RegistryInput):
-# (topic, key, value, headers, headers' bytes) -> the keyword or why not. It raises a WorkerError
-# when the registry, not the record, fails: that stops the worker without committing the record.
-Decode = Callable[[str, bytes | None, bytes | None, Headers, int], Keyword | Rejection]
 # A rejected record handed to the dead letters (the output's DeadLetters.send): its seq, the record,
 # its headers and why. Called once per bad record only; a good record never pays for it.
 Reject = Callable[[int, Message, InputHeaders, Rejection], object]

@@ -20,13 +20,9 @@
     writer, around_batch what the output stage and dead letters write through, and what wraps each
                          of the output thread's batches (at-least-once: the plain producer, nothing)
 
-AtLeastOnce (the committer; worker/ledger/committer.py) states:
+AtLeastOnce (worker/ledger/at_least_once.py, over the committer) states:
     running --finish--> finished
-  running: poll_step commits asynchronously at most once per commit interval; on_revoke commits
-  the revoked partitions' finished work synchronously; on_lost drops nothing but the state (the
-  committer remembers what they finished: worker/ledger/committer.py, `remember_lost`).
-  finish: commits all finished work, retrying until confirmed or the deadline (after an abort:
-  nothing); finished: no more commits.
+  (what each state does is written at the top of worker/ledger/at_least_once.py).
 
 ExactlyOnce (worker/ledger/exactly_once/loop.py: the transaction loop;
 worker/ledger/exactly_once/transactions.py has its states idle -> open -> closing -> idle, and the
@@ -36,9 +32,9 @@ abort path) states there:
   writes go through the exactly-once producer (worker/ledger/exactly_once/producer.py: the write gate around
   each batch, failed writes into the transaction, the client take-over).
 
-`build_delivery` is the one place that picks the guarantee's delivery (its client configuration is
-worker/kafka/client_config.py's); at-least-once is built from
-only what it uses (the committer and the producer) and runs no exactly-once code.
+`build_delivery` is the one place that picks the guarantee's delivery, between the two peers (their
+client configuration is worker/kafka/client_config.py's); at-least-once is built from only what it
+uses (the committer and the producer) and loads no exactly-once code.
 """
 
 from __future__ import annotations
@@ -46,64 +42,16 @@ from __future__ import annotations
 from typing import Any
 
 from worker.deadline import Deadline
+from worker.ledger.at_least_once import AtLeastOnce
 from worker.ledger.base import AroundBatch, Delivery, Phase, Serve
 from worker.ledger.inflight import InFlightTable
 from worker.ledger.committer import Committer
-from worker.ledger.offsets import PartitionOffsets
-from worker.kafka.producer import OutputProducer, RecordWriter
+from worker.kafka.producer import OutputProducer
 from worker.latch import FatalLatch
 from worker.operations.metrics import Metrics
 from worker.settings.schema import Settings
 
-__all__ = ["AroundBatch", "AtLeastOnce", "Delivery", "Phase", "Serve", "build_delivery"]
-# The at-least-once revoke commit: at most this long inside the callback.
-REVOKE_COMMIT_S = 5.0
-# The commit that frees room at the in-flight bound: at most this long (the poll thread holds
-# meanwhile; a coordinator that does not answer ends the hold in a pause instead).
-RELIEVE_COMMIT_S = 1.0
-
-
-class AtLeastOnce:
-    def __init__(self, committer: Committer, writer: RecordWriter) -> None:
-        self._committer = committer
-        self.writer = writer
-        self.around_batch: AroundBatch | None = None
-        self.phase: Phase = "created"
-
-    def start(self) -> None:
-        self.phase = "running"
-
-    def poll_step(self, *, flow_paused: bool) -> str | None:
-        self._committer.maybe_commit()
-        return "flow control" if flow_paused else None
-
-    def relieve(self, target: int) -> bool:
-        self._committer.commit_to_relieve(target, RELIEVE_COMMIT_S)
-        return True
-
-    def before_intake(self) -> None:
-        pass
-
-    def on_revoke(self, parts: list[PartitionOffsets], wait_s: float) -> bool:
-        return self._committer.commit_sync(parts, timeout_s=REVOKE_COMMIT_S, in_callback=True)
-
-    def on_lost(self) -> bool:
-        # Another member may own them already: nothing is committed for them now. Their finished
-        # records' outputs are acknowledged, so if they come back unmoved that work need not be redone.
-        return True
-
-    def drain_step(self) -> None:
-        self._committer.maybe_commit()
-
-    def finish(self, deadline: Deadline, serve: Serve, *, drained: bool, aborted: bool) -> None:
-        # Finished work is committed even after a fatal error: each partition commits only up
-        # to its lowest unfinished offset, and the failed record is never finished.
-        if not aborted and self.phase == "running":
-            self._committer.commit_until(deadline, serve)
-        self.phase = "finished"
-
-    def summary(self) -> dict[str, Any]:
-        return {}
+__all__ = ["AroundBatch", "Delivery", "Phase", "Serve", "build_delivery"]
 
 
 def build_delivery(settings: Settings, committer: Committer, producer: OutputProducer, consumer: Any,

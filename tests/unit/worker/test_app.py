@@ -18,6 +18,7 @@ from tests.conftest import ROOT
 from tests.fakes.consumer import FakeGroupConsumer
 from tests.unit.worker.test_pipeline_start import _NoContexts, _Producer, _Tokenizer
 from worker.app import wire_pipeline
+from worker.formats.messages import OutputCodec
 from worker.pipeline import Shutdown
 from worker.settings.schema import Settings
 
@@ -126,6 +127,7 @@ def test_wire_pipeline_hands_the_pipeline_its_parts_sharing_one_latch_and_one_de
     profile = Profile("test", (Bucket(8, 4, 4), Bucket(16, 4, 4)), token_budget=64, pad_to="bucket")
     s = Settings(input_format="raw", pad_to="bucket", shutdown_timeout_s=2.0)
     pipeline = wire_pipeline(s, tokenizer=_Tokenizer(), backend=_NoContexts(), profile=profile, model_name="m",
+                             codec=OutputCodec(model="m", dim=4, encoding="float-list"),
                              consumer_factory=lambda config: FakeGroupConsumer(config),
                              producer_factory=_Producer)
     member, producer = pipeline._member, pipeline._producer  # noqa: SLF001 - what was wired in

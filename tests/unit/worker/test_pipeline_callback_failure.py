@@ -20,6 +20,7 @@ from worker.core.profiles import Bucket, Profile
 from tests.fakes.consumer import FakeGroupConsumer
 from tests.fakes.pipeline import AckingProducer, HalvesBackend, ThreeTokens
 from worker.app import wire_pipeline
+from worker.formats.messages import OutputCodec
 from worker.batching.bucketer import Bucketer
 from worker.errors import ThreadDiedError
 from worker.operations.batch_stats import BatchStats
@@ -79,6 +80,7 @@ def test_a_callback_that_raises_stops_the_worker_and_nothing_past_its_batch_is_c
     s = Settings(input_format="raw", pad_to="bucket", shutdown_timeout_s=2.0, commit_interval_ms=10,
                  max_queue_delay_ms=1, dispatchers=1)
     pipeline = wire_pipeline(s, tokenizer=ThreeTokens(), backend=HalvesBackend(), profile=profile, model_name="m",
+                             codec=OutputCodec(model="m", dim=4, encoding="float-list"),
                              consumer_factory=consumer, producer_factory=producer, bucketer_factory=bucketer)
     codes: list[int] = []
     runner = threading.Thread(target=lambda: codes.append(pipeline.run()), daemon=True)

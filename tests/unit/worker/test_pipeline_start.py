@@ -13,6 +13,7 @@ import numpy as np
 from worker.core.profiles import Bucket, Profile
 from tests.fakes.consumer import FakeGroupConsumer
 from worker.app import wire_pipeline
+from worker.formats.messages import OutputCodec
 from worker.batching.bucketer import BucketerError
 from worker.settings.schema import Settings
 
@@ -75,6 +76,7 @@ def test_a_backend_that_cannot_create_contexts_stops_the_worker_with_exit_1_and_
     profile = Profile("test", (Bucket(8, 4, 4), Bucket(16, 4, 4)), token_budget=64, pad_to="bucket")
     s = Settings(input_format="raw", pad_to="bucket", shutdown_timeout_s=2.0)
     pipeline = wire_pipeline(s, tokenizer=_Tokenizer(), backend=_NoContexts(), profile=profile, model_name="m",
+                             codec=OutputCodec(model="m", dim=4, encoding="float-list"),
                              consumer_factory=consumer, producer_factory=_Producer)
     assert pipeline.run() == 1  # before the fix: BucketerError raised out of run(), a traceback
     assert isinstance(pipeline.latch.error, BucketerError)

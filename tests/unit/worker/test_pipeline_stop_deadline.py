@@ -15,6 +15,7 @@ from confluent_kafka import TopicPartition
 from tests.fakes.consumer import FakeGroupConsumer
 from tests.fakes.pipeline import AckingProducer, HalvesBackend, ThreeTokens
 from worker.app import wire_pipeline
+from worker.formats.messages import OutputCodec
 from worker.core.profiles import Bucket, Profile
 from worker.deadline import Deadline, Overrun
 from worker.pipeline import EXIT_GRACE_S
@@ -64,6 +65,7 @@ def test_a_stop_stuck_in_librdkafka_exits_at_the_deadline_plus_the_grace() -> No
         exited.set()
 
     pipeline = wire_pipeline(s, tokenizer=ThreeTokens(), backend=HalvesBackend(), profile=profile, model_name="m",
+                             codec=OutputCodec(model="m", dim=4, encoding="float-list"),
                              consumer_factory=lambda c: made.setdefault("consumer", _Stuck(c)),
                              producer_factory=lambda c: made.setdefault("producer", AckingProducer(c)),
                              on_overrun=on_overrun)

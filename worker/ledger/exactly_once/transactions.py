@@ -5,7 +5,7 @@ of every record consumed into it, and the input offsets after them (send_offsets
 with the consumer's group metadata, so the broker fences a member of an older generation).
 
 Rule: a transaction is closed only when everything consumed into it is finished. When the
-interval is up (or flow control would pause anyway), intake pauses, the pipeline drains (the
+interval is up (or sooner, in a lull: LULL_CLOSE_S), intake pauses, the pipeline drains (the
 in-flight table empties: every output acknowledged), then each partition's next offset is sent
 and the transaction committed; the next one begins with the next consumed record. So the
 outputs in a transaction are exactly those of the offsets it commits: there is no record whose
@@ -23,7 +23,7 @@ A stop during a take-over or an unfinished call halts the member (`_halt`).
 
 States (`state`), on the poll thread:
 
-    idle --ensure_open--> open --interval up / flow paused--> closing --drained: commit--> idle
+    idle --ensure_open--> open --interval up--> closing --drained: commit--> idle
     open|closing --abort (failed write, revoke, lost, commit refused)--> idle (rewound)
     open|closing --call hung / fenced past the timeout--> take-over --> idle (rewound)
     any --stop during a take-over or an unfinished call--> halted (nothing more begins)
@@ -88,6 +88,11 @@ from worker.latch import FatalLatch
 log = structlog.get_logger(__name__)
 
 State = Literal["idle", "open", "closing"]
+# A transaction this old whose records are all finished closes before its interval: nothing is left
+# to drain, so the close costs only its calls, and a backlog's last outputs become visible when
+# done instead of up to transaction_interval_ms later. The age keeps a trickle (finished between
+# polls) to ten transactions a second, as Kafka Streams' exactly-once default of 100 ms does.
+LULL_CLOSE_S = 0.1
 # taken_over: a hung call's transaction, ended by the producer that replaced the hung one (committed
 # if its commit had reached the coordinator, else aborted).
 Outcome = Literal["committed", "aborted", "taken_over"]
@@ -126,6 +131,7 @@ class Transactions:
     taken_over_fenced: int = 0
     state: State = "idle"
     began_at: float = 0.0
+    closing_at: float = 0.0  # when the open transaction began to close (its drain's start)
     committed: int = 0
     aborted: int = 0
     _abort_reason: str | None = field(default=None, repr=False)
@@ -248,9 +254,10 @@ class Transactions:
             "the transaction"))
         return True
 
-    def step(self, *, flow_paused: bool) -> None:
-        """One poll-loop turn: start closing when the interval is up or intake would pause
-        anyway; commit once drained; abort when asked to."""
+    def step(self) -> None:
+        """One poll-loop turn: start closing when the interval is up, or LULL_CLOSE_S in with
+        nothing in flight; commit once drained; abort when asked to. (Not when flow control
+        pauses: its bound counts the records not yet acknowledged, which a commit does not free.)"""
         if self.latch.is_set():
             return
         if self._fence is not None:
@@ -267,8 +274,11 @@ class Transactions:
             if self._lost or self.in_flight() == 0:
                 self.abort_and_rewind(self._abort_reason)
             return
-        if self.state == "open" and (flow_paused or self.clock() - self.began_at >= self.interval_s):
+        age_s = self.clock() - self.began_at
+        if self.state == "open" and (age_s >= self.interval_s
+                                     or (age_s >= min(LULL_CLOSE_S, self.interval_s) and self.in_flight() == 0)):
             self.state = "closing"
+            self.closing_at = self.clock()
         if self.state == "closing" and self.in_flight() == 0:
             self.commit()
 
@@ -283,6 +293,7 @@ class Transactions:
             # Reported before its record left the in-flight table, so seen here at the latest.
             return False
         offsets = self._offsets()
+        drained_at = self.clock()
         positions = [TopicPartition(p.topic, p.partition, off) for p, off in offsets]
         result: CallResult = "ok"
         if positions:
@@ -313,7 +324,9 @@ class Transactions:
         if offsets:
             self.on_progress()
         self._writes.committed()
-        log.debug("transaction committed", offsets=[f"{p.topic}[{p.partition}]@{off}" for p, off in offsets])
+        log.debug("transaction committed", offsets=[f"{p.topic}[{p.partition}]@{off}" for p, off in offsets],
+                  drain_s=round(drained_at - self.closing_at, 4) if self.closing_at > self.began_at else None,
+                  calls_s=round(self.clock() - drained_at, 4))
         self._finish("committed")
         return True
 

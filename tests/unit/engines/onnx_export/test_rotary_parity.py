@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from worker.core.model import ModelInfo
-from worker.families import MIN_COS, cosines
-from worker.families_st import ST_NORM_TOL, cases, st_fixtures, st_parity
+from worker.families.parity import MIN_COS, cosines
+from worker.families.rotary import ST_NORM_TOL, cases, st_fixtures, st_parity
 from tests.conftest import ROOT
 
 FIXTURES = ROOT / "tests" / "data" / "families-st"

@@ -124,7 +124,7 @@ def test_padding_past_the_graphs_length_is_dropped_only_when_it_is_padding() -> 
 
 
 def test_the_families_and_pipelines_it_cannot_run_exactly_are_refused_naming_who_can(tmp_path: Path) -> None:
-    from worker.families import pipeline_fixtures, pipeline_folder
+    from worker.families.dense import pipeline_fixtures, pipeline_folder
 
     assert refusal(ModelInfo.from_dir(default_model_dir())) is None
     assert refusal(ModelInfo.from_dir(TINY)) is None

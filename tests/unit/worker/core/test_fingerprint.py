@@ -19,11 +19,11 @@ import numpy as np
 import orjson
 import pytest
 
-from worker.app import output_codec
+from worker.formats.codec_choice import output_codec
 from worker.core import fingerprint as fp
 from worker.core.fingerprint import FINGERPRINT_VERSION, VectorSettings, model_fingerprint
 from worker.core.model import ModelInfo, Prompt, default_model_dir
-from worker.families import pipeline_folder
+from worker.families.dense import pipeline_folder
 from worker.formats.messages import H_FINGERPRINT
 from worker.settings.schema import Settings
 from tests.conftest import DATA

@@ -421,3 +421,17 @@ def test_the_offline_embedder_holds_no_thread() -> None:
     # (Threads the runtime starts are its own: ONNX Runtime may pin its pool where it is told to.)
     assert during[threading.get_native_id()] == before[threading.get_native_id()]
     assert all(during[tid] == cpus for tid, cpus in before.items() if tid in during), "a thread was held"
+
+
+def test_the_hold_is_planned_once_from_the_setting_the_backend_and_the_cpus() -> None:
+    from worker.core.interpreter_hold import plan_hold
+
+    # Auto holds only where the backend does not compute on the CPU, and only with a CPU to move to.
+    assert plan_hold("auto", cpu_backend=True, supervised=False, cpus=[0, 1]) is None
+    assert plan_hold("auto", cpu_backend=False, supervised=False, cpus=[0]) is None
+    auto = plan_hold("auto", cpu_backend=False, supervised=False, cpus=[0, 1])
+    assert auto is not None and (auto.cpu, auto.moves, auto.leave, auto.cpus) == (None, True, (), (0, 1))
+    # A number holds even on a CPU backend, whose dispatchers (which compute) are left free.
+    fixed = plan_hold("1", cpu_backend=True, supervised=False, cpus=[0, 1])
+    assert fixed is not None and (fixed.cpu, fixed.moves, fixed.leave) == (1, False, ("kwe-dispatch",))
+    assert plan_hold("off", cpu_backend=False, supervised=True, cpus=[0, 1]) is None

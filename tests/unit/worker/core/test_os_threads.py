@@ -134,6 +134,7 @@ def test_a_pipeline_holds_its_poll_and_worker_threads_on_one_cpu_and_lets_the_po
     from tests.fakes.consumer import FakeGroupConsumer
     from tests.fakes.pipeline import AckingProducer, HalvesBackend, ThreeTokens
     from worker.app import wire_pipeline
+    from worker.formats.messages import OutputCodec
     from worker.core.profiles import Bucket, Profile
     from worker.settings.schema import Settings
 
@@ -149,10 +150,10 @@ def test_a_pipeline_holds_its_poll_and_worker_threads_on_one_cpu_and_lets_the_po
                  interpreter_cpu="auto" if setting == "auto" else str(cpus[-1]))
     pipeline = wire_pipeline(s, tokenizer=ThreeTokens(), backend=GpuBackend(),
                              profile=Profile("test", (Bucket(8, 16, 16),), token_budget=256, pad_to="bucket"),
-                             model_name="m",
+                             model_name="m", codec=OutputCodec(model="m", dim=4, encoding="float-list"),
                              consumer_factory=lambda c: made.setdefault("consumer", FakeGroupConsumer(c, records=50)),
                              producer_factory=lambda c: made.setdefault("producer", AckingProducer(c)),
-                             interpreter_cpu_is_start=setting == "a supervisor's CPU")
+                             supervised=setting == "a supervisor's CPU")
     seen: dict[str, list[int]] = {}
 
     def poll_thread() -> None:
@@ -200,6 +201,7 @@ def test_a_cpu_backends_dispatchers_are_left_free_and_on_auto_nothing_is_held(se
     from tests.fakes.consumer import FakeGroupConsumer
     from tests.fakes.pipeline import AckingProducer, HalvesBackend, ThreeTokens
     from worker.app import wire_pipeline
+    from worker.formats.messages import OutputCodec
     from worker.core.profiles import Bucket, Profile
     from worker.settings.schema import Settings
 
@@ -211,7 +213,7 @@ def test_a_cpu_backends_dispatchers_are_left_free_and_on_auto_nothing_is_held(se
                  interpreter_cpu=str(cpus[0]) if setting == "first CPU" else "auto")
     pipeline = wire_pipeline(s, tokenizer=ThreeTokens(), backend=HalvesBackend(),  # named onnxruntime: a CPU backend
                              profile=Profile("test", (Bucket(8, 16, 16),), token_budget=256, pad_to="bucket"),
-                             model_name="m",
+                             model_name="m", codec=OutputCodec(model="m", dim=4, encoding="float-list"),
                              consumer_factory=lambda c: made.setdefault("consumer", FakeGroupConsumer(c, records=5)),
                              producer_factory=lambda c: AckingProducer(c))
     runner = threading.Thread(target=pipeline.run, name="poll", daemon=True)

@@ -32,8 +32,8 @@ from worker.core.errors import BackendError
 from worker.core.model import ModelError, ModelInfo
 from worker.core.sparse import SparseRow, SparseRowCodec, SparseRows, compare, sparsify, token_budget
 from worker.core.st_pipeline import SpladePooling
-from worker.families import (SPARSE_VARIANTS, sparse_fixture_folder, sparse_fixtures, sparse_parity,
-                             sparse_reference)
+from worker.families.sparse import (SPARSE_VARIANTS, sparse_fixture_folder, sparse_fixtures, sparse_parity,
+                                    sparse_reference)
 
 SPARSE = DATA / "sparse"
 FAMILIES = DATA / "families"
@@ -292,7 +292,7 @@ def test_an_encoder_without_its_mlm_head_is_refused_at_export(tmp_path: Path) ->
 
 
 def test_settings_for_the_other_kind_of_model_are_refused(tmp_path: Path) -> None:
-    from worker.app import output_codec
+    from worker.formats.codec_choice import output_codec
     from worker.core.model import Prompt, default_model_dir
     from worker.settings.schema import Settings, SettingsError
 
@@ -428,7 +428,7 @@ def test_the_real_splade_model_from_its_pypi_package_matches_sparse_encoder(tmp_
     from tests.ci_tools import missing
     from worker.core.model import ModelNotFoundError
     from worker.embedder import Embedder
-    from worker.families import REAL_MODELS, real_model_dir
+    from worker.families.real import REAL_MODELS, real_model_dir
 
     splade = next(m for m in REAL_MODELS if m.name == "splade-tiny-msmarco")
     try:
@@ -475,7 +475,7 @@ def test_the_real_splade_model_from_its_pypi_package_matches_sparse_encoder(tmp_
 def test_the_makefile_installs_the_package_the_test_looks_for() -> None:
     import re
 
-    from worker.families import SPLADE_PACKAGE, SPLADE_VERSION
+    from worker.families.real import SPLADE_PACKAGE, SPLADE_VERSION
 
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
     assert re.search(r"^SPLADE_PKG := (\S+)$", makefile, re.M)[1] == f"{SPLADE_PACKAGE}=={SPLADE_VERSION}"  # type: ignore[index]
@@ -516,7 +516,7 @@ def test_build_engine_refuses_an_fp16_plan_of_a_sparse_model(tmp_path: Path,
 
 
 def test_the_fingerprint_of_a_sparse_model_covers_top_k_and_leaves_dense_ones_as_they_were(tmp_path: Path) -> None:
-    from worker.app import output_codec
+    from worker.formats.codec_choice import output_codec
     from worker.core.fingerprint import VectorSettings, model_fingerprint
     from worker.core.model import Prompt, default_model_dir
     from worker.embedder import Embedder

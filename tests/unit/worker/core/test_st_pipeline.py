@@ -26,9 +26,10 @@ from engines.onnx_export.head import FP32_NODE_PREFIXES
 from worker.core.errors import BackendError
 from worker.core.model import ModelError, ModelInfo, Prompt, default_model_dir
 from worker.core.st_pipeline import POOLING_MODES, Dense, ModulePipeline, Normalize, Pooling
-from worker.families import MIN_COS, NORM_TOL, cosines, norm_error, pipeline_fixtures
-from worker.families import pipeline_folder as _pipeline_folder
-from worker.families import pipeline_parity as _pipeline_parity
+from worker.families.parity import MIN_COS, NORM_TOL, cosines, norm_error
+from worker.families.dense import pipeline_fixtures
+from worker.families.dense import pipeline_folder as _pipeline_folder
+from worker.families.dense import pipeline_parity as _pipeline_parity
 from tests.conftest import DATA
 
 PIPELINE_FIXTURES = DATA / "pipelines"
@@ -287,7 +288,7 @@ def test_a_plan_or_a_given_onnx_file_is_refused_for_an_excluded_prompt(tmp_path:
 
 def test_an_unnormalised_model_says_so_in_the_record_and_a_header(tmp_path: Path) -> None:
     from tests.unit.worker.formats.test_messages import schema
-    from worker.app import output_codec
+    from worker.formats.codec_choice import output_codec
     from worker.formats.messages import H_NORMALIZED
     from worker.settings.schema import Settings
 
@@ -307,7 +308,7 @@ def test_an_unnormalised_model_says_so_in_the_record_and_a_header(tmp_path: Path
 
 
 def test_truncation_keeps_the_scale_of_an_unnormalised_model(tmp_path: Path) -> None:
-    from worker.app import output_codec
+    from worker.formats.codec_choice import output_codec
     from worker.settings.schema import Settings
 
     row = np.arange(1, 33, dtype=np.float32)
@@ -319,7 +320,7 @@ def test_truncation_keeps_the_scale_of_an_unnormalised_model(tmp_path: Path) -> 
 
 
 def test_int8_without_a_range_is_refused_for_an_unnormalised_model(tmp_path: Path) -> None:
-    from worker.app import output_codec
+    from worker.formats.codec_choice import output_codec
     from worker.settings.schema import Settings, SettingsError
 
     info = _info(tmp_path, "distilbert-mean-dense-tanh")

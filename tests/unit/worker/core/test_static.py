@@ -15,7 +15,7 @@ from worker.core.errors import BackendError, ModelError
 from worker.core.model import ModelInfo
 from worker.core.static import STATIC_MAX_TOKENS, load_table, pool
 from worker.intake.tokenize import KeywordTokenizer
-from worker.static_family import MIN_COS, static_fixture_folder, static_fixtures, static_parity
+from worker.families.static import MIN_COS, static_fixture_folder, static_fixtures, static_parity
 from tests.conftest import DATA
 
 FIXTURES = {p.name: p for p in static_fixtures(DATA)}
@@ -212,11 +212,12 @@ def test_padding_and_unknown_tokens_do_not_move_the_mean(tmp_path: Path) -> None
 def test_models_lists_the_static_family_and_check_runs_its_fixtures(
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from worker.cli import main
-    from worker.commands.models import _check_static
+    from worker.families import Checkout
+    from worker.families.static import check
 
     assert main(["models"]) == 0
     assert "\nStatic models (a table lookup, no encoder" in capsys.readouterr().out
-    assert _check_static(DATA) == 0
+    assert check(Checkout(DATA / "families", tmp_path)) == 0
     out = capsys.readouterr().out
     assert out.count(" ok\n") == len(FIXTURES) == 5 and "Static model2vec (1,000 rows x 32, token weights" in out
     assert main(["models", "--model", str(folder_of("st-minilm", tmp_path))]) == 0
@@ -234,7 +235,7 @@ def test_models_lists_the_static_family_and_check_runs_its_fixtures(
     with np.load(FIXTURES["st-bert-tiny"] / "reference.npz") as ref:
         np.savez(broken / "static" / "st-bert-tiny" / "reference.npz", texts=ref["texts"], vectors=ref["vectors"][::-1])
     (broken / "families").symlink_to(DATA / "families")
-    assert _check_static(broken) == 1
+    assert check(Checkout(broken / "families", tmp_path)) == 1
     assert "FAIL" in capsys.readouterr().out
 
 

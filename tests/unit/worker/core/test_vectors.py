@@ -15,7 +15,7 @@ from worker.core.model import ModelError, ModelInfo, Prompt, default_model_dir
 from worker.core.vectors import (VectorError, default_int8_range, dequantize_int8, pack_binary, quantize_int8,
                               truncate, unpack_binary)
 from tests.unit.worker.formats.test_messages import schema
-from worker.app import output_codec
+from worker.formats.codec_choice import output_codec
 from worker.embedding_cache import key
 from worker.settings.schema import Settings
 from worker.formats.messages import (H_INT8_RANGE, H_PROMPT, H_PROMPT_NAME, OutputCodec, decode_embedding,

@@ -87,7 +87,7 @@ def test_the_default_path_imports_no_registry_or_otel_code_and_a_missing_extra_i
 import sys
 for name in ("fastavro", "opentelemetry", "google.protobuf.descriptor_pool"):
     sys.modules[name] = None  # as if the extras were not installed: importing them raises ImportError
-from worker.app import registry_formats
+from worker.formats.codec_choice import registry_formats
 import worker.cli, worker.app, worker.pipeline, worker.output.stage
 from worker.output.tracing import batch_spans
 from worker.formats.messages import OutputCodec

@@ -20,6 +20,7 @@ import worker.pipeline as pipeline_module
 from tests.fakes.consumer import FakeGroupConsumer
 from tests.fakes.pipeline import AckingProducer, HalvesBackend, ThreeTokens
 from worker.app import wire_pipeline
+from worker.formats.messages import OutputCodec
 from worker.core.profiles import Bucket, Profile
 from worker.ledger.committer import RELIEVE_GAP_S, Committer
 from worker.settings.schema import Settings
@@ -66,6 +67,7 @@ def _run(records: int, max_in_flight: int, *, stuck_after: int | None = None, ho
     s = Settings(input_format="raw", pad_to="bucket", shutdown_timeout_s=5.0, commit_interval_ms=commit_interval_ms,
                  max_queue_delay_ms=1, dispatchers=1, max_in_flight=max_in_flight)
     pipeline = wire_pipeline(s, tokenizer=ThreeTokens(), backend=HalvesBackend(), profile=profile, model_name="m",
+                             codec=OutputCodec(model="m", dim=4, encoding="float-list"),
                              consumer_factory=lambda c: made.setdefault("consumer", _Consumer(c, records)),
                              producer_factory=lambda c: made.setdefault("producer", AckingProducer(c)))
     runner = threading.Thread(target=pipeline.run, daemon=True)

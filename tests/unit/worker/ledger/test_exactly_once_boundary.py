@@ -14,7 +14,7 @@ from tests.conftest import ROOT
 # the in-flight table, the delivery interface (with AtLeastOnce), the producer and the committer.
 AT_LEAST_ONCE = ["worker/app.py", "worker/pipeline.py", "worker/intake/stage.py", "worker/output/stage.py",
                  "worker/output/dead_letters.py", "worker/ledger/acks.py", "worker/ledger/inflight.py",
-                 "worker/ledger/guarantees.py", "worker/ledger/base.py",
+                 "worker/ledger/guarantees.py", "worker/ledger/at_least_once.py", "worker/ledger/base.py",
                  "worker/kafka/producer.py", "worker/ledger/committer.py", "worker/ledger/offsets.py"]
 # Exactly-once's names: the write gate, failed-write routing, the client take-over, the transaction loop.
 NAMES = ["write_gate", "fail_writes_into", "given_up", "drop_revoked", "replace_client", "PURGED", "take_over",

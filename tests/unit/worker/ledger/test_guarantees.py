@@ -10,7 +10,7 @@ from worker.deadline import Deadline
 from worker.ledger.exactly_once.loop import ExactlyOnce
 from worker.ledger.exactly_once.producer import ExactlyOnceProducer
 from worker.ledger.exactly_once.transactions import Transactions
-from worker.ledger.guarantees import AtLeastOnce
+from worker.ledger.at_least_once import AtLeastOnce
 from worker.ledger.inflight import InFlight, InFlightTable
 from worker.formats.headers import NO_HEADERS
 from worker.ledger.committer import Committer
@@ -61,6 +61,7 @@ def test_at_least_once_commits_on_each_step_on_revoke_and_at_finish() -> None:
     assert d.poll_step(flow_paused=False) is None
     assert consumer.commits[-1] == ([(0, 2)], True)  # asynchronous, at the interval
     assert d.poll_step(flow_paused=True) == "flow control"
+    assert d.bound_counts == "uncommitted"  # every uncommitted record is redone after a crash
     d.before_intake()  # nothing to open
     _finished(committer, 2)
     part = committer.tracker.get("in", 0)
@@ -127,8 +128,12 @@ def test_exactly_once_opens_on_intake_pauses_while_closing_and_commits_once_drai
     assert e.d.poll_step(flow_paused=False) is None
     e.consume(0, 1)
     assert e.txn.state == "open"
-    assert e.d.poll_step(flow_paused=True) == "closing a transaction"  # closes instead of pausing only
-    assert not e.d.relieve(0)  # the pipeline pauses while the transaction closes (no hold)
+    assert e.d.bound_counts == "unacknowledged"  # acknowledgements bring room back, not commits
+    assert e.d.poll_step(flow_paused=True) == "flow control" and e.txn.state == "open"
+    assert e.d.relieve(0)  # at the bound with the transaction open: intake holds
+    e.txn.began_at -= e.txn.interval_s
+    assert e.d.poll_step(flow_paused=False) == "closing a transaction"
+    assert e.d.relieve(0)  # intake holds while it closes: its commit brings the room back
     e.finish_all()
     assert e.d.poll_step(flow_paused=False) is None and e.txn.committed == 1
     assert e.producer.visible == ["out-0", "out-1"] and e.producer.offsets == {("in", 0): 2}

@@ -185,10 +185,13 @@ def test_a_cpu_number_is_for_one_process() -> None:
 
 
 def test_only_a_supervisors_cpu_number_is_where_a_hold_starts_not_where_it_stays() -> None:
-    from worker.commands.run import interpreter_cpu_is_start
-    from worker.operations.supervisor import ENV_PROCESS
+    from worker.core.interpreter_hold import plan_hold
 
-    assert interpreter_cpu_is_start(Settings(interpreter_cpu="3"), {ENV_PROCESS: "2"})
-    assert not interpreter_cpu_is_start(Settings(interpreter_cpu="3"), {}), "a lone process's number holds for good"
-    assert not interpreter_cpu_is_start(Settings(interpreter_cpu="auto"), {ENV_PROCESS: "0"})
-    assert not interpreter_cpu_is_start(Settings(interpreter_cpu="off"), {ENV_PROCESS: "1"})
+    def plan(setting: str, supervised: bool):  # noqa: ANN202
+        return plan_hold(Settings(interpreter_cpu=setting).interpreter_cpu, cpu_backend=False, supervised=supervised,
+                         cpus=[0, 1, 2, 3])
+
+    assert plan("3", supervised=True).moves and plan("3", supervised=True).cpu == 3
+    assert not plan("3", supervised=False).moves, "a lone process's number holds for good"
+    assert plan("auto", supervised=True).cpu is None  # where the poll thread runs: no number to start from
+    assert plan("off", supervised=True) is None

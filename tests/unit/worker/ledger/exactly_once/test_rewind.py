@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tests.fakes.consumer import FakeGroupConsumer
-from tests.fakes.transactions import FakeTxnProducer
+from tests.fakes.transactions import FakeTxnProducer, interval_up
 from worker.ledger.acks import Acknowledger
 from worker.output.dead_letters import DeadLetters
 from worker.ledger.exactly_once.loop import ExactlyOnce
@@ -104,7 +104,7 @@ class Member:
         for _ in range(turns):
             self.poll(max_records=20)
             self.finish_all()
-        self.txn.step(flow_paused=True)
+        interval_up(self.txn)
 
     def finish_all(self) -> None:
         for seq in list(self.submitted):
@@ -129,8 +129,8 @@ def test_a_rewind_inside_the_second_consume_call_drops_the_record_of_the_first()
     for _ in range(10):
         m.poll(max_records=8)
         m.finish_all()
-    m.txn.step(flow_paused=True)
-    m.txn.step(flow_paused=True)
+    interval_up(m.txn)
+    interval_up(m.txn)
     assert m.txn.committed == 1 and not m.latch.is_set()
     assert sorted(m.producer.visible, key=lambda k: int(k.split("-")[1])) == [f"0-{o}" for o in range(20)]
     assert m.producer.offsets == {("in", 0): 20}
@@ -152,8 +152,8 @@ def test_records_of_a_partition_not_rewound_are_kept() -> None:
     for _ in range(5):
         m.poll(max_records=20)
         m.finish_all()
-    m.txn.step(flow_paused=True)
-    m.txn.step(flow_paused=True)
+    interval_up(m.txn)
+    interval_up(m.txn)
     assert sorted(m.producer.visible) == sorted([f"0-{o}" for o in range(5)] + [f"1-{o}" for o in range(5)])
     assert m.producer.offsets == {("in", 0): 5, ("in", 1): 5}
 
@@ -256,7 +256,7 @@ def test_a_reset_to_the_log_start_right_after_a_rewind_is_skipped_not_written_ag
     m.poll(max_records=20)  # 10-14 into the open transaction
     m.txn.request_abort("a write failed")
     m.finish_all()
-    m.txn.step(flow_paused=True)
+    interval_up(m.txn)
     assert m.txn.aborted == 1 and m.consumer.seeks[-1] == (0, 10)
     m.consumer.fetch_at[0] = 0  # reset to the log start before the rewind's first record, same log
     m.consumer.queue.clear()

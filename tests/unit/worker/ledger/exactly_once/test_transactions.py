@@ -11,15 +11,16 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-from tests.fakes.transactions import ABORTABLE, FENCED, INVALID_TXN_STATE, RETRIABLE, FakeTxnProducer
+from tests.fakes.transactions import (ABORTABLE, FENCED, INVALID_TXN_STATE, RETRIABLE, FakeTxnProducer,
+                                     interval_up)
 from worker.ledger.exactly_once.loss_bound import check_session
 from worker.ledger.exactly_once.take_over import FENCED_TAKE_OVERS
 from worker.errors import WorkerError
 from worker.kafka.client_config import SESSION_TIMEOUT_MS, transactional_config, transactional_id
 from worker.ledger.offsets import OffsetTracker
-from worker.ledger.exactly_once.transactions import (WRITE_FAILURES, WRITE_RETRY_BACKOFF_S, TransactionError,
-                                                       TransactionFencedError, TransactionHungError, Transactions,
-                                                       drained_waiter, kind_of)
+from worker.ledger.exactly_once.transactions import (LULL_CLOSE_S, WRITE_FAILURES, WRITE_RETRY_BACKOFF_S,
+                                                       TransactionError, TransactionFencedError, TransactionHungError,
+                                                       Transactions, drained_waiter, kind_of)
 import worker.ledger.exactly_once.transactions as txmod
 from worker.latch import FatalLatch
 from worker.settings.schema import Settings
@@ -99,14 +100,14 @@ def test_a_transaction_closes_only_when_everything_consumed_into_it_is_finished(
     loop.finish(0, 11)
     loop.finish(1, 5)
     loop.clock.now = 1.5
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert loop.txn.state == "closing" and loop.txn.closing  # intake pauses
     assert "commit" not in loop.producer.calls  # 10 and 12 are still in flight
     loop.finish(0, 12)
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert "commit" not in loop.producer.calls
     loop.finish(0, 10)
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert loop.producer.offsets == {("in", 0): 13, ("in", 1): 6}
     assert sorted(loop.producer.visible) == ["out-0-10", "out-0-11", "out-0-12", "out-1-5"]
     assert loop.txn.state == "idle" and not loop.txn.closing
@@ -116,25 +117,45 @@ def test_a_transaction_closes_only_when_everything_consumed_into_it_is_finished(
     assert all(p.uncommitted() == 0 for p in loop.tracker.partitions())
 
 
-def test_a_transaction_closes_early_when_flow_control_would_pause_anyway() -> None:
+def test_a_transaction_closes_in_a_lull_once_everything_in_it_is_finished() -> None:
+    loop = Loop()
+    loop.consume(0, 1, 2)
+    loop.finish(0, 1)
+    loop.clock.now = LULL_CLOSE_S
+    loop.txn.step()
+    assert loop.txn.state == "open"  # a record still in flight: closing now would drain it
+    loop.finish(0, 2)
+    loop.txn.step()
+    assert loop.txn.state == "idle" and loop.producer.offsets == {("in", 0): 3}  # long before the interval (1 s)
+    loop.consume(0, 3)
+    loop.finish(0, 3)
+    loop.clock.now += LULL_CLOSE_S / 2
+    loop.txn.step()
+    assert loop.txn.state == "open"  # too young: a trickle closes at most one a LULL_CLOSE_S
+
+
+def test_a_transaction_stays_open_until_its_interval_is_up_whatever_flow_control_does() -> None:
+    # Flow control bounds the records not yet acknowledged: a commit would free none of them, so
+    # closing at the bound only drained the pipeline every max_in_flight records (issue 59).
     loop = Loop()
     loop.consume(0, 1)
     loop.finish(0, 1)
-    loop.txn.step(flow_paused=False)
-    assert loop.txn.state == "open"  # the interval is not up
-    loop.txn.step(flow_paused=True)
+    loop.txn.step()
+    assert loop.txn.state == "open" and not loop.txn.closing  # the interval is not up
+    loop.clock.now = 1.0
+    loop.txn.step()
     assert loop.txn.state == "idle" and loop.producer.offsets == {("in", 0): 2}
 
 
 def test_no_transaction_is_begun_until_records_come_and_the_next_begins_after_the_commit() -> None:
     loop = Loop()
     loop.clock.now = 5.0
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert "begin" not in loop.producer.calls
     loop.consume(0, 1)
     loop.finish(0, 1)
     loop.clock.now = 7.0
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     loop.consume(0, 2)
     assert loop.producer.calls == ["init", "begin", "send_offsets", "commit", "begin"]
 
@@ -145,7 +166,7 @@ def test_a_retriable_error_is_retried_and_the_transaction_commits() -> None:
     loop.consume(0, 1)
     loop.finish(0, 1)
     loop.clock.now = 2
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert loop.producer.calls.count("commit") == 3 and loop.producer.visible == ["out-0-1"]
     assert loop.txn.committed == 1 and loop.txn.aborted == 0
 
@@ -160,7 +181,7 @@ def test_a_commit_that_times_out_is_resumed_not_aborted() -> None:
     loop.consume(0, 1)
     loop.finish(0, 1)
     loop.clock.now = 2
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert not loop.latch.is_set(), loop.latch.error
     assert loop.producer.calls.count("commit") == 8 and "abort" not in loop.producer.calls
     assert loop.producer.visible == ["out-0-1"] and loop.producer.offsets == {("in", 0): 2}
@@ -193,7 +214,7 @@ def test_an_abortable_error_aborts_and_rewinds_to_the_last_committed_offsets(cal
     for key in list(loop.in_flight):
         loop.finish(*key)
     loop.clock.now = 1
-    loop.txn.step(flow_paused=False)  # first transaction commits: offsets 2 and 8
+    loop.txn.step()  # first transaction commits: offsets 2 and 8
     old = {p.partition: p for p in loop.tracker.partitions()}
     loop.consume(0, 2, 3)
     loop.consume(1, 8)
@@ -201,7 +222,7 @@ def test_an_abortable_error_aborts_and_rewinds_to_the_last_committed_offsets(cal
         loop.finish(*key)
     loop.producer.errors[call] = [ABORTABLE]
     loop.clock.now = 3
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert loop.producer.calls[-1] == "abort"
     assert loop.producer.visible == ["out-0-0", "out-0-1", "out-1-7"]  # nothing of the aborted one
     assert loop.producer.offsets == {("in", 0): 2, ("in", 1): 8}
@@ -220,7 +241,7 @@ def test_an_abort_before_any_commit_rewinds_to_where_the_assignment_started() ->
     loop.finish(0, 40)
     loop.finish(0, 41)
     loop.producer.errors["send_offsets"] = [ABORTABLE]
-    loop.txn.step(flow_paused=True)
+    interval_up(loop.txn)
     assert loop.consumer.seeks == [("in", 0, 40)] and loop.producer.visible == []
 
 
@@ -229,11 +250,11 @@ def test_a_fenced_member_trips_the_latch_and_writes_nothing_more() -> None:
     loop.consume(0, 1)
     loop.finish(0, 1)
     loop.producer.errors["send_offsets"] = [FENCED]
-    loop.txn.step(flow_paused=True)
+    interval_up(loop.txn)
     assert isinstance(loop.latch.error, TransactionFencedError) and "fenced" in str(loop.latch.error)
     assert loop.producer.visible == [] and loop.producer.offsets == {}
     calls = list(loop.producer.calls)
-    loop.txn.step(flow_paused=True)
+    interval_up(loop.txn)
     loop.txn.finish(drained_waiter(lambda: 0, lambda s: None), 1.0)  # shutdown: a zombie does not abort
     assert loop.producer.calls == calls and loop.producer.visible == []
 
@@ -331,17 +352,17 @@ def test_lost_partitions_abort_a_young_transaction_at_once_without_waiting_for_t
     loop.clock.now = 40.0
     loop.txn.lost()
     assert loop.txn.closing and not loop.latch.is_set()
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert loop.producer.calls[-1] == "abort", "the abort waited for a record still in flight"
     assert loop.txn.state == "idle" and loop.consumer.seeks == [("in", 0, 1)]
     loop.clock.now = 50.0  # the record's write comes back (purged, or late): of the aborted transaction
     loop.finish(0, 1)
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert loop.producer.calls.count("abort") == 1 and loop.producer.visible == [] and not loop.latch.is_set()
     loop.consume(0, 1)  # consumed again, into the next transaction, and committed
     loop.finish(0, 1)
     loop.clock.now = 52.0
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert loop.producer.visible == ["out-0-1"] and loop.producer.offsets == {("in", 0): 2}
 
 
@@ -363,7 +384,7 @@ def test_a_lost_transactions_age_is_checked_again_as_its_abort_goes() -> None:
     loop.clock.now = 40.0
     loop.txn.lost()
     assert not loop.latch.is_set()
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert isinstance(loop.latch.error, TransactionFencedError) and "45 s" in str(loop.latch.error)
     loop.txn.finish(lambda timeout_s: True, 1.0)
     assert "abort" not in loop.producer.calls and loop.producer.visible == []
@@ -387,7 +408,7 @@ def test_lost_partitions_with_an_old_transaction_stop_the_member_without_abortin
     loop.txn.lost()
     assert isinstance(loop.latch.error, TransactionFencedError) and "lost" in str(loop.latch.error)
     loop.finish(0, 1)
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     loop.txn.finish(lambda timeout_s: True, 1.0)
     # An abort would bump the epoch of a timed-out transaction and fence the successor.
     assert "abort" not in loop.producer.calls and loop.producer.visible == []
@@ -425,10 +446,10 @@ def test_an_abort_requested_waits_for_the_pipeline_to_drain() -> None:
     loop.consume(0, 1)
     loop.txn.request_abort("test")
     assert loop.txn.closing
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert "abort" not in loop.producer.calls
     loop.finish(0, 1)
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert loop.producer.calls[-1] == "abort" and loop.producer.visible == []
 
 
@@ -488,7 +509,7 @@ def test_a_transactional_call_that_hangs_stops_the_member() -> None:
     try:
         loop.consume(0, 1)
         loop.finish(0, 1)
-        loop.txn.step(flow_paused=True)
+        interval_up(loop.txn)
     finally:
         calls.HANG_MARGIN_S = old_margin
         release.set()
@@ -559,7 +580,7 @@ def test_a_failed_write_aborts_at_once_without_waiting_for_the_records_librdkafk
     old = {p.partition: p for p in loop.tracker.partitions()}
     loop.txn.write_failed("could not write to topic 'out': Broker: Message size too large")
     assert loop.txn.closing  # intake pauses at once
-    loop.txn.step(flow_paused=False)  # records (0, 1) and (1, 5) are still in flight
+    loop.txn.step()  # records (0, 1) and (1, 5) are still in flight
     assert loop.producer.calls[-1] == "abort" and gate.held_for == [["abort"]]
     assert loop.producer.visible == [] and loop.txn.aborted == 1
     assert sorted(loop.consumer.seeks) == [("in", 0, 0), ("in", 1, 5)]
@@ -573,7 +594,7 @@ def test_a_failed_write_aborts_at_once_without_waiting_for_the_records_librdkafk
     for key in list(loop.in_flight):
         loop.finish(*key)
     loop.clock.now += 2
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert loop.producer.visible == ["out-0-0", "out-0-1"] and loop.producer.offsets == {("in", 0): 2}
     assert loop.txn._writes.in_row == 0
 
@@ -586,7 +607,7 @@ def test_writes_failing_transaction_after_transaction_stop_the_member_with_backo
         loop.consume(0, 0)
         loop.txn.write_failed(f"could not write to topic 'out': attempt {attempt}")
         before = loop.clock.now
-        loop.txn.step(flow_paused=False)
+        loop.txn.step()
         if loop.latch.is_set():
             break
         while loop.txn.closing:
@@ -603,7 +624,7 @@ def test_a_failure_reported_as_the_last_record_leaves_makes_the_commit_abort() -
     loop.consume(0, 0, 1)
     loop.finish(0, 0)
     loop.clock.now = 1
-    loop.txn.step(flow_paused=False)  # closing: waits for (0, 1)
+    loop.txn.step()  # closing: waits for (0, 1)
     assert loop.txn.state == "closing"
     loop.txn.write_failed("could not write to topic 'out': Local: Erroneous state")
     loop.in_flight.clear()  # the failed record was given up: nothing in flight any more
@@ -614,12 +635,12 @@ def test_a_failure_reported_as_the_last_record_leaves_makes_the_commit_abort() -
 def test_a_failure_reported_with_no_transaction_open_fails_nothing() -> None:
     loop, _ = _failing_loop()
     loop.txn.write_failed("a straggler of an aborted transaction")
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert not loop.txn.closing and "abort" not in loop.producer.calls
     loop.consume(0, 0)
     loop.finish(0, 0)
     loop.clock.now = 1
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert loop.producer.visible == ["out-0-0"]
 
 
@@ -683,7 +704,7 @@ def test_a_refused_write_fails_its_transaction_before_its_record_leaves_the_in_f
 
     def failed(reason: str) -> None:
         # The barrier: the poll thread takes a turn between the write's failure and its report.
-        poll = threading.Thread(target=lambda: (turns.append(inflight.__len__()), txn.step(flow_paused=True)))
+        poll = threading.Thread(target=lambda: (turns.append(inflight.__len__()), interval_up(txn)))
         poll.start()
         poll.join()
         txn.write_failed(reason)
@@ -698,10 +719,10 @@ def test_a_refused_write_fails_its_transaction_before_its_record_leaves_the_in_f
     client.reports[0](None, None)  # the delivery thread acknowledges q0
     acks.flush()  # and finishes it after its poll
     clock.now = 1.5
-    txn.step(flow_paused=False)
+    txn.step()
     assert txn.state == "closing"  # waits for q1
     assert wrapper.produce("out", b"q1", b"too large", [], acks.embedded(1), wrapper.release(1))
-    txn.step(flow_paused=False)
+    txn.step()
     assert not latch.is_set(), latch.error
     assert "commit" not in client.calls and client.calls[-1] == "abort" and client.offsets == {}
     assert turns == [1]  # the poll turn in between saw the failed record still in flight
@@ -761,7 +782,7 @@ class TakeOverLoop(Loop):
         """One record of partition 0 consumed, finished, and its transaction closed."""
         self.consume(0, offset)
         self.finish(0, offset)
-        self.txn.step(flow_paused=True)
+        interval_up(self.txn)
 
     def intake(self, partition: int, *offsets: int) -> None:
         """Records the member fetched, as the pipeline takes them: a transaction is opened for them
@@ -801,7 +822,7 @@ def test_a_hung_send_offsets_is_taken_over_by_a_new_producer_and_the_records_are
         loop.consume(0, 5, 6)
         loop.finish(0, 5)
         loop.finish(0, 6)
-        loop.txn.step(flow_paused=True)
+        interval_up(loop.txn)
         assert not loop.latch.is_set(), loop.latch.error
         assert len(loop.producers) == 2 and loop.stuck[0].is_alive()  # still blocked in the old one
         new = loop.producer
@@ -812,7 +833,7 @@ def test_a_hung_send_offsets_is_taken_over_by_a_new_producer_and_the_records_are
         loop.consume(0, 5, 6)
         loop.finish(0, 5)
         loop.finish(0, 6)
-        loop.txn.step(flow_paused=True)
+        interval_up(loop.txn)
         assert new.visible == ["out-0-5", "out-0-6"] and new.offsets == {("in", 0): 7}
         assert old.visible == [] and loop.txn.committed == 1
     finally:
@@ -831,7 +852,7 @@ def test_a_hung_commit_that_landed_is_not_redone(short_hang: None) -> None:
         loop.consume(1, 9)
         for p, off in [(0, 5), (0, 6), (1, 9)]:
             loop.finish(p, off)
-        loop.txn.step(flow_paused=True)
+        interval_up(loop.txn)
         assert not loop.latch.is_set(), loop.latch.error
         assert old.visible == ["out-0-5", "out-0-6", "out-1-9"]
         assert sorted(loop.consumer.seeks) == [("in", 0, 7), ("in", 1, 10)]
@@ -850,7 +871,7 @@ def test_a_hung_abort_with_records_in_flight_forgets_them_and_rewinds(short_hang
         loop.consume(0, 5, 6, 7)
         loop.finish(0, 5)
         loop.txn.write_failed("cannot write to topic 'out': Broker: Message size too large")
-        loop.txn.step(flow_paused=False)
+        loop.txn.step()
         assert not loop.latch.is_set(), loop.latch.error
         assert loop.forgotten == [2] and loop.in_flight == {}
         assert loop.consumer.seeks == [("in", 0, 5)]
@@ -929,7 +950,7 @@ def test_a_stop_while_the_committed_offsets_are_read_commits_nothing_past_the_hu
         loop.consume(0, 5, 6)
         loop.finish(0, 5)
         loop.finish(0, 6)
-        loop.txn.step(flow_paused=True)
+        interval_up(loop.txn)
         assert not loop.latch.is_set(), loop.latch.error
         loop.intake(0, 7, 8)  # the fetch position is past the hung transaction's records
         for key in list(loop.in_flight):
@@ -982,7 +1003,7 @@ def test_a_commit_that_never_completes_is_taken_over_after_the_transaction_timeo
     loop.consume(0, 5)
     loop.finish(0, 5)
     loop.clock.now = t0 = 2.0
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert not loop.latch.is_set(), loop.latch.error
     assert "abort" not in old.calls and old.calls.count("commit") > 5
     assert loop.clock.now - t0 >= loop.txn.transaction_timeout_s
@@ -1006,7 +1027,7 @@ def test_an_abort_that_keeps_timing_out_is_resumed_then_taken_over(short_hang: N
     loop.txn.lost()  # young: aborted at the next step
     loop.finish(0, 5)
     loop.finish(0, 6)
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert not loop.latch.is_set(), loop.latch.error
     assert old.calls.count("abort") > 5 and old.resuming == "abort"
     assert loop.txn.taken_over == 1 and loop.producer is not old and loop.consumer.seeks == [("in", 0, 5)]
@@ -1021,7 +1042,7 @@ def test_a_hung_call_while_stopping_is_not_taken_over(short_hang: None) -> None:
         loop.consume(0, 5)
         loop.finish(0, 5)
         loop.txn.stop.start(5.0)
-        loop.txn.step(flow_paused=True)
+        interval_up(loop.txn)
     finally:
         stuck.release.set()
     assert isinstance(loop.latch.error, TransactionHungError) and loop.stuck == []
@@ -1040,7 +1061,7 @@ def _fenced_abort(loop: TakeOverLoop, *, age_s: float = 61.0, at: int = 5,
     loop.clock.now += age_s
     fenced.errors["abort"] = [error]
     loop.txn.write_failed("could not write to topic 'out': Local: Message timed out (_MSG_TIMED_OUT)")
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     return fenced
 
 
@@ -1060,7 +1081,7 @@ def test_a_producer_fenced_by_the_brokers_transaction_timeout_is_taken_over_and_
     assert loop.txn.closing and len(loop.producers) == 1
     loop.finish(0, 6)  # a straggler of the fenced transaction
     loop.clock.now += txmod.FENCE_SETTLE_S
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert not loop.latch.is_set(), loop.latch.error
     new = loop.producer
     assert new is not fenced and loop.txn.producer is new and new.calls == ["init"]
@@ -1071,7 +1092,7 @@ def test_a_producer_fenced_by_the_brokers_transaction_timeout_is_taken_over_and_
     loop.consume(0, 5, 6, 7)
     for off in (5, 6, 7):
         loop.finish(0, off)
-    loop.txn.step(flow_paused=True)
+    interval_up(loop.txn)
     assert new.visible == ["out-0-5", "out-0-6", "out-0-7"] and new.offsets == {("in", 0): 8}
     assert fenced.visible == [] and fenced.offsets == {}
     assert _committed_without_output(loop) == [] and not loop.latch.is_set()
@@ -1093,7 +1114,7 @@ def test_an_abort_answered_invalid_txn_state_is_taken_over_at_any_age_and_the_st
     assert not loop.latch.is_set(), loop.latch.error
     assert loop.txn.closing and len(loop.producers) == 1  # the group's verdict first, as for a fence
     loop.clock.now += txmod.FENCE_SETTLE_S
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     assert not loop.latch.is_set(), loop.latch.error
     new = loop.producer
     assert new is not old and new.calls == ["init"] and takes == ["fenced"]
@@ -1101,7 +1122,7 @@ def test_an_abort_answered_invalid_txn_state_is_taken_over_at_any_age_and_the_st
     loop.consume(0, 5, 6)
     for off in (5, 6):
         loop.finish(0, off)
-    loop.txn.step(flow_paused=True)
+    interval_up(loop.txn)
     assert new.visible == ["out-0-5", "out-0-6"] and new.offsets == {("in", 0): 7}
     assert old.visible == [] and old.offsets == {}
     assert _committed_without_output(loop) == [] and not loop.latch.is_set()
@@ -1134,7 +1155,7 @@ def test_partitions_lost_while_a_fenced_take_over_waits_stop_the_member_as_a_zom
     loop.txn.lost()
     assert isinstance(loop.latch.error, TransactionFencedError) and "zombie" in str(loop.latch.error)
     loop.clock.now += txmod.FENCE_SETTLE_S
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     loop.txn.finish(drained_waiter(lambda: 0, lambda s: None), 1.0)
     assert len(loop.producers) == 1 and loop.txn.taken_over == 0
     assert "abort" not in loop.producer.calls[loop.producer.calls.index("abort") + 1:]
@@ -1155,7 +1176,7 @@ def test_fenced_take_overs_are_bounded_then_the_member_stops_committing_nothing_
         loop.commit_one(at)  # a transaction that commits: the stream moves
         _fenced_abort(loop, at=at + 1, age_s=age_s, error=error)
         loop.clock.now += txmod.FENCE_SETTLE_S
-        loop.txn.step(flow_paused=False)
+        loop.txn.step()
         assert not loop.latch.is_set(), loop.latch.error
         assert loop.consumer.seeks[-1] == ("in", 0, at + 1)
         loop.in_flight.clear()
@@ -1168,7 +1189,7 @@ def test_fenced_take_overs_are_bounded_then_the_member_stops_committing_nothing_
     if error is INVALID_TXN_STATE:  # no second process answers so: the message does not blame one
         assert "second process" not in str(loop.latch.error) and "keeps refusing" in str(loop.latch.error)
     assert len(loop.producers) == FENCED_TAKE_OVERS + 1
-    loop.txn.step(flow_paused=False)
+    loop.txn.step()
     loop.finish(0, at + 2)  # a straggler of the fenced transaction
     loop.txn.finish(drained_waiter(lambda: len(loop.in_flight), lambda s: None), 1.0)
     # Nothing committed past the fenced transactions: every committed offset has its output.

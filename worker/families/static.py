@@ -1,5 +1,5 @@
 """Static models as a family: what was verified for them, and the parity check `keyword-embedder
-models --check` reruns (beside worker/families.py's encoder families).
+models --check` reruns (beside the encoder families of worker/families/dense.py).
 
 The fixtures (tests/data/static/, made once by make_fixtures.py where model2vec and
 sentence-transformers run) hold each folder's JSON files, which tokenizer it uses, and the
@@ -14,14 +14,18 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-MIN_COS = 0.9999
-NORM_TOL = 1e-4
+from worker.families.parity import MIN_COS, NORM_TOL
+
+if TYPE_CHECKING:
+    from worker.families import Checkout
 
 STATIC_STATUS = (
     "static: a table of one vector per token, a text's vector the mean of its tokens' rows (no encoder)\n"
@@ -135,3 +139,20 @@ def static_parity(folder: Path, reference: Path, *, name: str = "") -> StaticPar
     return StaticParity(name or folder.name, info.pipeline.describe(), len(texts),
                         float(_cosines(single, expected).min()), float(_cosines(batched, expected).min()),
                         norm_error, int(np.sum(norms == 0)))
+
+
+def check(checkout: Checkout) -> int:
+    """The static fixtures (tests/data/static) against model2vec's and sentence-transformers' vectors."""
+    data = checkout.data
+    found = static_fixtures(data)
+    print(f"\nstatic fixtures (vs model2vec / sentence-transformers encode: worst cosine, worst norm error <= {NORM_TOL})")
+    if not found:
+        print(f"  skipped: no static fixtures at {data / 'static'}")
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for fixture in found:
+            p = static_parity(static_fixture_folder(fixture, Path(tmp), data=data), fixture / "reference.npz")
+            failed += not p.ok
+            print(f"  {p.name:<40} {min(p.single, p.batched):>10.7f} {p.norm_error:>9.1e}  {'ok' if p.ok else 'FAIL'}"
+                  f"\n  {'':<40} {p.pipeline}")
+    return failed

@@ -14,10 +14,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from worker.families import MIN_COS, cosines, norm_error
+from worker.families.parity import MIN_COS, cosines, norm_error
+
+if TYPE_CHECKING:
+    from worker.families import Checkout
 
 # Norms where the pipeline does not normalise: float32 sums in another order, well inside this.
 ST_NORM_TOL = 1e-3
@@ -85,3 +89,20 @@ def st_parity(fixture: Path, case: str = "default", *, backend: str = "onnxrunti
     norms = 0.0 if normalized else max(norm_error(v, single) for v in got)
     return StParity(fixture.name, label, case, ids_match, *(float(cosines(v, single).min()) for v in got),
                     norms, float(cosines(st_batched, single).min()))
+
+
+def check(checkout: Checkout) -> int:
+    """The rotary families' fixtures (whole sentence-transformers folders) on ONNX Runtime: failures."""
+    root = checkout.data / "families-st"
+    found = st_fixtures(root)
+    print(f"\nrotary family fixtures (vs sentence-transformers' encode: worst cosine of alone, batched and "
+          f"bucketed runs, worst |norm ratio - 1| <= {ST_NORM_TOL} where not normalised)")
+    if not found:
+        print(f"  skipped: no fixtures at {root}")
+    failed = 0
+    for fixture in found:  # each export is cached like the worker's
+        for case in cases(fixture):
+            p = st_parity(fixture, case)
+            failed += not p.ok
+            print(f"  {p.line()}")
+    return failed
