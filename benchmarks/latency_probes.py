@@ -6,7 +6,7 @@
   (`_meminfo`), the CPU of worker, broker and generator, and the worker's flow-control and
   batching counters;
 - `box_ticks` and `busy_share`: the whole machine's busy share over a span (/proc/stat);
-- `rss_bytes`: a process's resident set size (the overload round, tests/test_faults_kafka.py).
+- `rss_bytes`: a process's resident set size (the overload round, tests/system/test_faults_kafka.py).
 
 Linux only (/proc); no Kafka client here.
 """

@@ -7,7 +7,7 @@
 - the report: `summarise`, `render_markdown`, `render_overload`, `render_windows`, `merge_reports`
   (--merge), `write_report` (--json, --markdown, stdout), and `level_line` (one level's printout).
 
-Nothing here talks to Kafka or the worker; tests/test_latency_bench.py tests it on made-up numbers.
+Nothing here talks to Kafka or the worker; tests/unit/benchmarks/test_latency_bench.py tests it on made-up numbers.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
   per window, per hop, the generator's lag, cache hits, CPU (and --timeline's samples);
 - `overload_round`: --overload's high then low phase, RSS, the drain, per partition.
 
-Also used by benchmarks/latency_diagnosis.py and tests/test_overload_kafka.py.
+Also used by benchmarks/latency_diagnosis.py and tests/system/test_overload_kafka.py.
 """
 
 from __future__ import annotations

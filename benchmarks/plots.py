@@ -4,7 +4,7 @@
     .venv/bin/python -m benchmarks.plots --results DIR --out DIR
 
 A rerun of a benchmark rewrites its JSON; rerunning this script redraws its picture.
-tests/test_plots.py runs it on the committed JSONs and fails when a committed PNG is not what it
+tests/unit/benchmarks/test_plots.py runs it on the committed JSONs and fails when a committed PNG is not what it
 draws now (pixel for pixel, with the pinned matplotlib), so a picture never drifts from its data.
 
 Each plot in PLOTS names the JSONs it is drawn from. A plot whose `waiting_for` is set belongs to

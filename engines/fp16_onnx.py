@@ -33,7 +33,7 @@ ONNX Runtime's versions, and onnxconverter-common's does not retarget existing C
 exporter's graphs use a small, known set of ops, so the rule above is short and exact.
 
 No GPU and no TensorRT here: `parity` runs both graphs in ONNX Runtime on CPU, which is the
-check to pass before any TensorRT build (tests/test_fp16_onnx.py: cos >= 0.9999 on the golden
+check to pass before any TensorRT build (tests/unit/engines/test_fp16_onnx.py: cos >= 0.9999 on the golden
 rows).
 """
 

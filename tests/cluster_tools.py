@@ -1,4 +1,4 @@
-"""The three-broker cluster of tests/test_cluster_kafka.py and what its fault scenarios share.
+"""The three-broker cluster of tests/system/test_cluster_kafka.py and what its fault scenarios share.
 
 - `Net`: two network namespaces of the test's own, one for the cluster and one for a worker, joined
   by a veth pair whose link the test cuts, slows (tc tbf) or makes lossy (nftables, where the kernel

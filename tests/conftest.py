@@ -20,9 +20,37 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).resolve().parent / "data"
+TESTS = ROOT / "tests"
+DATA = TESTS / "data"
 KAFKA_SH = ROOT / "deploy" / "local" / "kafka.sh"
 REGISTRY_SH = ROOT / "deploy" / "local" / "registry.sh"
+
+
+# The suite's layers (docs/development.md, Tests by layer) and the markers that put a test in one:
+# tests/unit takes none of them, tests/broker needs the broker or the registry and nothing heavier,
+# tests/system is what takes a cluster, an image or a minute or more.
+BROKER_MARKS = frozenset({"kafka", "registry"})
+SYSTEM_MARKS = frozenset({"cluster", "image", "slow"})
+
+
+def _misplaced(item: pytest.Item) -> str | None:
+    """Why a collected test is in the wrong layer, or None."""
+    try:
+        layer = item.path.relative_to(TESTS).parts[0]
+    except ValueError:
+        return None
+    marks = {m.name for m in item.iter_markers()} & (BROKER_MARKS | SYSTEM_MARKS)
+    if layer == "unit" and marks:
+        return f"marked {', '.join(sorted(marks))}: it belongs in tests/broker or tests/system"
+    if layer == "broker" and not marks & BROKER_MARKS:
+        return "needs neither the broker nor the registry: it belongs in tests/unit"
+    if layer == "broker" and marks & SYSTEM_MARKS:
+        return f"marked {', '.join(sorted(marks & SYSTEM_MARKS))}: it belongs in tests/system"
+    if layer == "system" and not marks:
+        return "has none of the markers kafka, registry, cluster, image, slow: it belongs in tests/unit"
+    if layer not in ("unit", "broker", "system"):
+        return "is outside tests/unit, tests/broker and tests/system"
+    return None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -32,6 +60,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.kafka)
         if "schema_registry" in names or "own_registry" in names:
             item.add_marker(pytest.mark.registry)
+    misplaced = [f"{item.nodeid} {why}" for item in items if (why := _misplaced(item))]
+    if misplaced:
+        raise pytest.UsageError("tests in the wrong layer:\n" + "\n".join(misplaced))
 
 
 @pytest.fixture(scope="session")

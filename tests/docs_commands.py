@@ -15,7 +15,7 @@ Each block is split into simple commands (continuation lines joined, comments dr
 
 Anything else (kcat, curl, kubectl get, ...) is another program's business and is not checked.
 A block preceded by the line `<!-- docs-test: run -->` is also run, as written, by
-tests/test_docs_commands.py.
+tests/unit/docs/test_docs_commands.py.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ How the Kafka worker uses it (wired in worker/app.py, used by worker/intake/stag
 
 Eviction: least recently used (a hit refreshes an entry), until the accounted bytes fit
 `max_bytes`. The accounted size of an entry is what it really holds: the key and value objects
-(sys.getsizeof) plus the map's own per-entry cost; tests/test_cache.py checks the account
+(sys.getsizeof) plus the map's own per-entry cost; tests/unit/worker/test_embedding_cache.py checks the account
 against tracemalloc.
 """
 

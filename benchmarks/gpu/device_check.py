@@ -69,7 +69,7 @@ def open_backend() -> Any:
     from worker.backend_choice.select import gpu_present, load_backend
     from worker.settings.schema import Settings
 
-    # KWE_PROFILES_FILE: the dry run's small profiles (tests/test_gpu_scripts.py); on the GPU, the
+    # KWE_PROFILES_FILE: the dry run's small profiles (tests/unit/benchmarks/gpu/test_gpu_scripts.py); on the GPU, the
     # shipped ones. DEVICE_DRY_RUN: the fake torch has a GPU, the machine no /dev/nvidia* node.
     has_gpu = (lambda: True) if os.environ.get("DEVICE_DRY_RUN") else gpu_present
     return load_backend(Settings(backend="torch", model_dir=str(MODEL),

@@ -2,8 +2,8 @@
 
 NOT YET RUN ON A GPU: written for the day a GPU with TensorRT 10 and pycuda is lent. Its
 logic runs on CPU against the fake tensorrt/pycuda of tests/fakes/gpu.py, in process
-(tests/test_tensorrt_logic.py) and as the whole shell script in a subprocess
-(tests/test_gpu_scripts.py), with a failure injected in every stage.
+(tests/unit/worker/backends/test_tensorrt.py) and as the whole shell script in a subprocess
+(tests/unit/benchmarks/gpu/test_gpu_scripts.py), with a failure injected in every stage.
 
 Stages, most valuable first; each has its own deadline inside one total budget that ends
 before the wrapper's `timeout`, and a stage whose prerequisite failed is recorded as not run:

@@ -10,7 +10,7 @@
 #   make constraints          # or: bash deploy/tools/lock-constraints.sh [PYTHON]
 #
 # Run it after changing a dependency in pyproject.toml, commit the result; `make install`, both
-# Dockerfiles and CI then install exactly these versions. tests/test_deploy_files.py checks that
+# Dockerfiles and CI then install exactly these versions. tests/unit/deploy/test_deploy_files.py checks that
 # every dependency of pyproject.toml is pinned here to a version its specifier allows.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."

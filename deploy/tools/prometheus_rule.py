@@ -1,7 +1,7 @@
 """Writes deploy/k8s/components/alerts/prometheusrule.yaml from deploy/prometheus/alerts.yml.
 
 The plain rule file is the one source of the rules; the PrometheusRule wraps its groups for the
-Prometheus Operator. Run after editing alerts.yml (tests/test_alerts.py fails until you do):
+Prometheus Operator. Run after editing alerts.yml (tests/unit/deploy/test_alerts.py fails until you do):
 
     .venv/bin/python deploy/tools/prometheus_rule.py            # rewrite the PrometheusRule
     .venv/bin/python deploy/tools/prometheus_rule.py --check    # exit 1 if it is out of step

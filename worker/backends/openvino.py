@@ -44,7 +44,7 @@ OUTPUT = "sentence_embedding"
 # The CPU plugin keeps the kernels it built for each input shape it has seen, 5,000 shapes by
 # default, and a worker under load meets a new (batch, length) pair with nearly every batch:
 # 1,200 calls of random shapes up to 32 x 32 grew RSS by 482 MiB, still rising, with the default,
-# and settled at +113 MiB (reached by the 600th call) with 128; tests/test_parity.py walks it.
+# and settled at +113 MiB (reached by the 600th call) with 128; tests/unit/worker/test_embedder_parity.py walks it.
 # 128 keeps a trickle's common shapes as fast as the default (60 shapes, paired: 0.99x the time;
 # 32: 1.07x; no cache: 1.57x).
 RUNTIME_CACHE_SHAPES = 128

@@ -2,7 +2,7 @@
 bucket -> profile mapping, the plan's shape checks, staging a batch into the pinned host buffers.
 
 No tensorrt or pycuda import: everything here is unit-tested without a GPU
-(tests/test_tensorrt_logic.py); worker/backends/tensorrt.py holds the contexts, streams and
+(tests/unit/worker/backends/test_tensorrt.py); worker/backends/tensorrt.py holds the contexts, streams and
 the CUDA context that use it.
 """
 

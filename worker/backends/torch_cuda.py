@@ -37,7 +37,7 @@ eager (graphs=False): the same slots without graphs; each batch runs the forward
 run in the worker.
 
 torch is imported only inside `cuda_device()` and `TorchCudaBackend.__init__`: the CPU install
-never imports it (tests/test_no_gpu_imports.py). The forward uses only calls the numpy fake of
+never imports it (tests/unit/repo/test_no_gpu_imports.py). The forward uses only calls the numpy fake of
 tests/fakes/gpu_modules/torch models, so the whole backend runs in CI on CPU.
 """
 

@@ -1,7 +1,7 @@
 """The PyTorch backend, the pure logic: what it can run, the graph shape per bucket, staging a batch
 into the static buffers, the precision candidates, the encoder weights as numpy arrays.
 
-No torch import: everything here is unit-tested without torch or a GPU (tests/test_torch_backend.py);
+No torch import: everything here is unit-tested without torch or a GPU (tests/unit/worker/backends/test_torch_cuda.py);
 worker/backends/torch_cuda.py holds the tensors, streams and CUDA graphs that use it.
 """
 

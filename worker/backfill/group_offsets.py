@@ -15,7 +15,7 @@ Instead, per group, a consumer with that group's id that never subscribes, so it
   coordinator after NOT_COORDINATOR and retries a load in progress itself;
 - `commit()` sends OffsetCommit with no member id and generation -1, as AlterConsumerGroupOffsets
   does: the broker accepts it while the group is empty and answers UNKNOWN_MEMBER_ID while it has
-  members (checked against the broker: tests/test_backfill_kafka.py). It is sent asynchronously
+  members (checked against the broker: tests/broker/test_backfill_kafka.py). It is sent asynchronously
   and its answer awaited by polling, so each attempt has a bound of its own; a commit that is
   retried sends the same offsets again.
 Every call runs within `Retry` (worker/backfill/cluster_calls.py).

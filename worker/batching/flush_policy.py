@@ -3,7 +3,7 @@
 The bucketer (worker/batching/bucketer.py) holds the lock, the threads, the padding and the lanes; under
 its lock it takes a `Snapshot` of what is queued and asks `next_flush` what to do, then applies
 the answer. Nothing here reads a clock, takes a lock or touches an item, so every rule is tested
-with a table (tests/test_flush_policy.py), without threads.
+with a table (tests/unit/worker/batching/test_flush_policy.py), without threads.
 
 The rules, for the buckets of one lane whose ready queue has room:
 1. a bucket is *full* (`is_full`) when it holds max_batch items or a batch of it would fill the

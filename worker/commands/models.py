@@ -65,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
           "Dense use_residual, modules on token embeddings\n"
           "  no modules.json: pooling from 1_Pooling/config.json (mean without it), then L2-normalised\n"
           "  fixtures: tests/data/pipelines, vs sentence-transformers' encode: cos and norm per row "
-          "(tests/test_pipelines.py)")
+          "(tests/unit/worker/core/test_st_pipeline.py)")
     print("\nSparse models (sentence-transformers' SparseEncoder, SPLADE; docs/models.md, Sparse models)\n"
           "  runs:     an MLM Transformer (transformer_task fill-mask; 5.x's MLMTransformer) of any family above, "
           "then SpladePooling max or sum, relu or log1p_relu; the MLM head and the pooling in the ONNX graph; "
@@ -74,7 +74,7 @@ def main(args: argparse.Namespace) -> int:
           "encoder; sparse_route query) or its document route (sparse_route document)\n"
           "  refused:  SparseAutoEncoder (CSR)\n"
           f"  fixtures: tests/data/sparse, vs SparseEncoder's encode: |diff| <= {RTOL:g} x |ref| + {ATOL:g} per "
-          "entry, the same non-zero indices (tests/test_sparse.py)")
+          "entry, the same non-zero indices (tests/unit/worker/core/test_sparse.py)")
     from worker.families.static import STATIC_STATUS
 
     print("\nStatic models (a table lookup, no encoder; docs/models.md, Static models)\n" + STATIC_STATUS)

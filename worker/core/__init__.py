@@ -1,7 +1,7 @@
 """The lowest floor: what the model is, how keywords are bucketed, what is kept on disk, and the
 errors' one root.
 
-Layers import one way (tests/test_layers.py checks it):
+Layers import one way (tests/unit/repo/test_layers.py checks it):
 
     worker.core  <-  engines (ONNX export, TensorRT build)  <-  the rest of worker (runtime, CLI)  <-  benchmarks
 

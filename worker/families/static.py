@@ -37,7 +37,7 @@ STATIC_STATUS = (
     "  runs:     the intake's token IDs (no special tokens), a numpy gather and mean per batch, Normalize as "
     "stated (worker/backends/static.py)\n"
     f"  fixtures: tests/data/static, vs model2vec's StaticModel.encode and sentence-transformers' encode, "
-    f"cos >= {MIN_COS} and norm per row (tests/test_static.py)\n"
+    f"cos >= {MIN_COS} and norm per row (tests/unit/worker/core/test_static.py)\n"
     "  real model: none: no PyPI package inspected ships one")
 
 

@@ -334,7 +334,7 @@ class OutputCodec:
                truncated: Sequence[bool]) -> list[bytes]:
         """The values of a batch, byte for byte what `value` writes for each row, without building
         a dict per record: the record's fixed fields are written once per codec and the embeddings
-        of the whole batch in one call (tests/test_messages.py holds the two against each other)."""
+        of the whole batch in one call (tests/unit/worker/formats/test_messages.py holds the two against each other)."""
         if self._shaped or not len(qids):
             return values_one_by_one(self, qids, rows, tokens, truncated)
         if self.truncate_dim:

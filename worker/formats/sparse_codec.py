@@ -14,7 +14,7 @@ JSON Schema) write the same fields (worker/formats/registry_schemas/sparse-embed
 
 `values` writes a batch byte for byte as `value` writes each record, with the fixed fields written
 once per codec and the indices and values of the whole batch in one orjson call each
-(tests/test_sparse.py holds the two against each other).
+(tests/unit/worker/core/test_sparse.py holds the two against each other).
 
 Runs on the output thread only (like OutputCodec); the codec is immutable.
 """

@@ -12,7 +12,7 @@
        -> first, the words' IDs, last; cut to max_len (last kept)
 
    A text it does not take (not ASCII, or holding an added token) gets None, and the caller runs
-   the full tokenizer on it. tests/test_wordpiece.py holds this against the Python path and the
+   the full tokenizer on it. tests/unit/worker/intake/test_wordpiece.py holds this against the Python path and the
    full tokenizer.
 
    Runs with the GIL held (it reads and writes Python objects throughout); the poll thread only,

@@ -16,7 +16,7 @@ text that is not ASCII (accents, CJK, other scripts), or that holds an added tok
 (`[MASK]`, ...: matched before normalisation), or a tokenizer whose pipeline is not exactly this
 one (`FastWordPiece.of` returns None: RoBERTa, XLM-R, any other normaliser or template, or an
 added token matched after normalisation, `"normalized": true`, as transformers' add_tokens makes).
-tests/test_wordpiece.py holds the fast path against the full tokenizer on every real query
+tests/unit/worker/intake/test_wordpiece.py holds the fast path against the full tokenizer on every real query
 shipped with the tests and on random ASCII text.
 
 The loop over a poll's texts is compiled where the build found a C compiler

@@ -19,7 +19,7 @@
 
    The sink's count is read and reset by the delivery thread after each poll (`take_delivered`),
    so a poll with a delivery tells the failure policy once that the credentials work. Every
-   call runs with the interpreter lock held; no state outside the objects. tests/test_reports.py
+   call runs with the interpreter lock held; no state outside the objects. tests/unit/worker/kafka/test_reports.py
    holds this against the Python form in reports.py. */
 
 #define PY_SSIZE_T_CLEAN

@@ -153,7 +153,7 @@ class OutputProducer:
                 # value, key, partition, callback, on_delivery, timestamp, headers; unchanged since
                 # confluent-kafka 0.11.4): given any keyword, it looks each of its eight up in the
                 # dict by a string made for the lookup, 0.5 of the 2.6 us a record with four headers
-                # costs (micro-timed; tests/test_producer_positional.py checks the order).
+                # costs (micro-timed; tests/unit/worker/kafka/test_producer_positional.py checks the order).
                 self._producer.produce(topic, value, key, PARTITION_UNASSIGNED, delivered, None, 0, headers)
                 return True
             except BufferError:

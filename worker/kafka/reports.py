@@ -18,7 +18,7 @@ from confluent_kafka import KafkaError, Message
 
 try:  # compiled by setup.py where a C compiler is found; else the same callbacks in Python (_PythonSink)
     from worker.kafka import _reports
-except ImportError:  # pragma: no cover - exercised by tests/test_reports.py's Python form
+except ImportError:  # pragma: no cover - exercised by tests/unit/worker/kafka/test_reports.py's Python form
     _reports = None  # type: ignore[assignment]
 
 # Whether each record's delivery callback is the compiled one (logged at start, beside the tokenizer's path).
@@ -46,7 +46,7 @@ class ReportSink(Protocol):
 
 class _PythonSink:
     """`worker/kafka/_reports.c`'s Sink, in Python: two frames a record on the delivery thread where
-    the compiled one runs none (tests/test_reports.py holds the two against each other)."""
+    the compiled one runs none (tests/unit/worker/kafka/test_reports.py holds the two against each other)."""
 
     def __init__(self, refused: Callable[[str, KafkaError, Failed | None], object],
                  broken: Callable[[str, Exception], object]) -> None:

@@ -1,6 +1,6 @@
 """docs/settings.md: the settings reference, rendered from `Settings` and the librdkafka rules.
 
-`keyword-embedder settings --markdown` prints it; tests/test_settings.py fails when the file and
+`keyword-embedder settings --markdown` prints it; tests/unit/worker/settings/test_settings.py fails when the file and
 the code disagree.
 """
 
@@ -20,7 +20,7 @@ REFERENCE_HEADER = (
     "# Settings reference\n\n"
     "<!-- Generated file: do not edit. Regenerate with\n"
     "     keyword-embedder settings --markdown > docs/settings.md\n"
-    "     (tests/test_settings.py fails when this file and worker/settings/schema.py disagree). -->\n\n"
+    "     (tests/unit/worker/settings/test_settings.py fails when this file and worker/settings/schema.py disagree). -->\n\n"
     "Every setting has a default, a command-line flag, a `KWE_*` environment variable and a key in "
     "the TOML config file (`--config FILE` or `KWE_CONFIG`). Precedence, lowest to highest: "
     "default < config file < environment < flag. An invalid value stops the worker at start with "

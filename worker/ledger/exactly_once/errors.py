@@ -19,7 +19,7 @@ from worker.errors import WorkerError
 #   holds another state; Kafka's TransactionCoordinator.endTransaction). A second process would
 #   be answered PRODUCER_FENCED instead, so this one is taken over at any age. librdkafka raises it
 #   as fatal (rdkafka_txnmgr.c, rd_kafka_txn_handle_EndTxn); seen in CI with the group's
-#   coordinator node frozen (tests/test_cluster_kafka.py).
+#   coordinator node frozen (tests/system/test_cluster_kafka.py).
 TAKEN_OVER_FATAL = frozenset({KafkaError._FENCED, KafkaError.INVALID_TXN_STATE})
 
 

@@ -1,5 +1,5 @@
 """A numpy-backed fake `torch`: exactly the part of PyTorch's API that worker/backends/torch_cuda.py uses,
-so that the torch backend runs in CI on CPU (tests/test_torch_backend.py; tests/fakes/gpu.py
+so that the torch backend runs in CI on CPU (tests/unit/worker/backends/test_torch_cuda.py; tests/fakes/gpu.py
 install_fake_torch loads a fresh copy per test, and this folder on PYTHONPATH makes it importable
 in a subprocess).
 
