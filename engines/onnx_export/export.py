@@ -31,14 +31,15 @@ from engines.onnx_export.fusion import check_fused, fuse
 from engines.onnx_export.graph import INPUT_NAMES, OPSET, OUTPUT_NAME, ExportError, Graph
 from engines.onnx_export.head import head, load_dense
 from engines.onnx_export.mlm import check_head, decoder, transform
-from engines.onnx_export.rotary import encode_rotary, load_rotary_weights
+from engines.onnx_export.pooling import without_prompt
+from engines.onnx_export.rotary import encode_rotary, load_rotary_weights, single_row_pooling
 from engines.onnx_export.splade import splade
 from worker.core.disk_cache import cache_dir, locked, write_atomic
 from worker.core.fingerprint import file_sha256, hash_file_into
 from worker.core.model import FAMILIES, ModelError, ModelInfo, default_model_dir
 
 # Bump whenever the emitted graph changes (any module of this package): it is part of the cache key.
-EXPORTER_VERSION = "2"
+EXPORTER_VERSION = "3"
 # One protobuf holds at most 2 GiB. A graph whose weights come near it (Qwen3-Embedding-0.6B in
 # float32: 2.4 GB) keeps them in one file beside it, `<file>.data` (ONNX's external data), which
 # ONNX Runtime, OpenVINO and TensorRT's parser read from the path; a margin is left for the rest.
@@ -66,7 +67,16 @@ def build_model(model_dir: str | Path | ModelInfo | None = None, *, external_dat
         if info.pipeline.sparse is not None:
             raise ExportError(f"{info.model_dir}: a sparse (SPLADE) {info.model_type} model is not supported "
                               "(sparse models run on the BERT-like families)")
-        head(g, info, load_dense(info), encode_rotary(g, load_rotary_weights(info), info, ids, mask), mask)
+        weights = load_rotary_weights(info)
+        if single_row_pooling(info) is None:
+            head(g, info, load_dense(info), encode_rotary(g, weights, info, ids, mask), mask)
+        else:
+            # The pooling takes one row (cls, lasttoken): the encoder's last layer computes that
+            # row alone and hands over the pooled vector.
+            excluded = info.pipeline.prompt_tokens_excluded
+            pooling_mask = without_prompt(g, mask, excluded) if excluded else mask
+            head(g, info, load_dense(info), None, mask,
+                 pooled=encode_rotary(g, weights, info, ids, mask, pooling_mask))
     elif info.pipeline.sparse is not None:
         weights = load_weights(info)
         # A SPLADE model: the encoder, its MLM head, then the pooling onto the vocabulary.

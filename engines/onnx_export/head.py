@@ -26,13 +26,19 @@ FP32_NODE_PREFIXES: tuple[str, ...] = ("masked_states", "pool_sum", "pool_count"
 
 
 def head(g: Graph, info: ModelInfo, dense_weights: list[tuple[np.ndarray, np.ndarray | None]],
-         hidden_states: str, attention_mask: str) -> str:
-    """sentence-transformers' modules after the encoder: Pooling, then Dense and Normalize in order."""
+         hidden_states: str | None, attention_mask: str, *, pooled: str | None = None) -> str:
+    """sentence-transformers' modules after the encoder: Pooling (unless the encoder gives the
+    `pooled` [B, hidden] itself, engines.onnx_export.rotary), then Dense and Normalize in order."""
     pipeline = info.pipeline
-    mask = attention_mask
-    if pipeline.prompt_tokens_excluded:
-        mask = without_prompt(g, attention_mask, pipeline.prompt_tokens_excluded)
-    x = pool(g, pipeline.pooling.modes, hidden_states, mask, prompt_excluded=bool(pipeline.prompt_tokens_excluded))
+    if pooled is not None:
+        x = pooled
+    else:
+        assert hidden_states is not None
+        mask = attention_mask
+        if pipeline.prompt_tokens_excluded:
+            mask = without_prompt(g, attention_mask, pipeline.prompt_tokens_excluded)
+        x = pool(g, pipeline.pooling.modes, hidden_states, mask,
+                 prompt_excluded=bool(pipeline.prompt_tokens_excluded))
     dense = iter(zip(pipeline.dense, dense_weights))
     for i, step in enumerate(pipeline.steps):
         if isinstance(step, Dense):

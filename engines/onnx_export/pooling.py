@@ -25,6 +25,27 @@ def without_prompt(g: Graph, attention_mask: str, n: int) -> str:
     return g.op("Mul", [attention_mask, keep], "pool_index_mask")  # [B, S] int64
 
 
+def row_pick(g: Graph, mode: str, mask: str) -> str:
+    """[B, 1, S] (cls: [1, 1, S]) float32, 1 at the one position a single-row pooling takes and 0
+    elsewhere, as `pool` takes it: cls position 0; lasttoken the row's last masked position (no
+    position for a row with none). Computed in integers, so positions past fp16's 2048 stay exact."""
+    one = np.asarray(1, dtype=np.int64)
+    end = g.op("Add", [seq_len(g, mask), g.const("one_scalar", one)], "pool_index_end")
+    steps = g.op("Range", [g.const("one_scalar", one), end, g.const("one_scalar", one)], "pool_index_range")
+    if mode == "cls":
+        hit = g.op("Equal", [steps, g.const("one_scalar", one)], "pool_index_first")
+        hit = g.op("Unsqueeze", [hit, g.const("axes01", i64(0, 1))], "pool_index_first_u")
+    elif mode == "lasttoken":
+        score = g.op("Mul", [mask, steps], "pool_index_last_score")  # [B, S] int64
+        best = g.op("ReduceMax", [score], "pool_index_last_best", axes=[1], keepdims=1)
+        hit = g.op("And", [g.op("Equal", [score, best], "pool_index_last_eq"),
+                           g.op("Cast", [mask], "pool_index_last_mask", to=TensorProto.BOOL)], "pool_index_last")
+        hit = g.op("Unsqueeze", [hit, g.const("axis1", i64(1))], "pool_index_last_u")
+    else:
+        raise ExportError(f"pooling mode {mode!r} does not take one row")
+    return g.op("Cast", [hit], "row_pick", to=TensorProto.FLOAT)
+
+
 def pool(g: Graph, modes: tuple[str, ...], hidden_states: str, mask: str, *, prompt_excluded: bool) -> str:
     """sentence-transformers' Pooling over the mask, the modes concatenated in their order.
 

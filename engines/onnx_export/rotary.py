@@ -32,6 +32,7 @@ import numpy as np
 from onnx import TensorProto
 
 from engines.onnx_export.graph import ExportError, Graph, Weights, f32, gelu, i64, read_safetensors, seq_len
+from engines.onnx_export.pooling import row_pick
 from worker.core.model import ModelInfo
 from worker.core.rotary_config import FULL, RotaryConfig
 
@@ -59,6 +60,37 @@ _LAYOUTS = {
     "modernbert": _FamilyLayout("embeddings.tok_embeddings.weight", "layers.{i}", "final_norm", "layer", False,
                                 ("model.",)),
 }
+
+
+@dataclass(frozen=True)
+class _Pick:
+    """The one row per text the last layer computes (single-row poolings): the [B, 1, S] one-hot
+    and, picked by it, each layer type's rotary tables and mask bias at that row's position.
+    A MatMul by a one-hot adds zeros to the one value it takes, so the picked values are exact."""
+
+    g: Graph
+    rows3: str  # [B, 1, S] (cls: [1, 1, S])
+    rows4: str  # [B, 1, 1, S]
+    cos: dict[str, str]
+    sin: dict[str, str]
+    bias: dict[str, str]
+
+    @staticmethod
+    def make(g: Graph, picked: str, ropes: dict[str, tuple[str, str]], biases: dict[str, str]) -> _Pick:
+        rows4 = g.op("Unsqueeze", [picked, g.const("axis1", i64(1))], "row_pick4")
+        m = KEEP_FP32_MARK
+        cos = {c: g.op("MatMul", [rows4, c], f"{m}rope_cos_picked") for c, _ in ropes.values()}
+        sin = {s: g.op("MatMul", [rows4, s], f"{m}rope_sin_picked") for _, s in ropes.values()}
+        # A bias is [B, 1, S, S], or [B, 1, 1, S] where every query sees the same keys: its
+        # picked row is the sum over queries weighted by the one-hot, for either shape.
+        column = g.op("Transpose", [rows4], "row_pick_column", perm=[0, 1, 3, 2])  # [B, 1, S, 1]
+        bias = {b: g.op("ReduceSum", [g.op("Mul", [b, column], "mask_bias_pick"), g.const("axis2", i64(2))],
+                        "mask_bias_picked", keepdims=1) for b in biases.values()}
+        return _Pick(g, picked, rows4, cos, sin, bias)
+
+    def rows(self, x: str, hint: str) -> str:
+        """[B, S, n] -> the picked row, [B, 1, n]."""
+        return self.g.op("MatMul", [self.rows3, x], f"{hint}.picked")
 
 
 def load_rotary_weights(info: ModelInfo) -> Weights:
@@ -181,7 +213,9 @@ class _Builder:
 
     # ------------------------------------------------------------ layers
 
-    def attention(self, x: str, p: str, cos: str, sin: str, bias: str) -> str:
+    def attention(self, x: str, p: str, cos: str, sin: str, bias: str, pick: _Pick | None = None) -> str:
+        """Self-attention of x's rows; with `pick`, for the picked row's query only (keys and
+        values from every row), so the output is [B, 1, hidden]."""
         g, rc, info = self.g, self.rc, self.info
         h, heads, kv, hd = info.hidden_size, info.num_heads, rc.kv_heads, rc.head_dim
         if info.model_type == "modernbert":
@@ -190,10 +224,13 @@ class _Builder:
             parts = [g.op("Gather", [qkv, g.const(f"index_{j}", np.asarray(j, dtype=np.int64))], f"{p}.{n}", axis=2)
                      for j, n in enumerate("qkv")]
             q, k, v = (g.op("Transpose", [t], f"{t}.t", perm=[0, 2, 1, 3]) for t in parts)
+            if pick is not None:  # Wqkv is one product: its query rows are picked after it
+                q = g.op("MatMul", [pick.rows4, q], f"{p}.q.picked")
             out_name = f"{p}.attn.Wo"
         else:
             def heads_of(name: str, n: int, norm: str | None) -> str:
-                proj = self.linear(x, f"{p}.self_attn.{name}", h, n * hd, bias=rc.attention_bias)
+                src = pick.rows(x, f"{p}.q_in") if pick is not None and name == "q_proj" else x
+                proj = self.linear(src, f"{p}.self_attn.{name}", h, n * hd, bias=rc.attention_bias)
                 proj = g.op("Reshape", [proj, g.const(f"split_{n}_heads", i64(0, 0, n, hd))], f"{p}.{name}.reshape")
                 if norm is not None:
                     proj = self.norm(proj, f"{p}.self_attn.{norm}", hd)
@@ -202,7 +239,11 @@ class _Builder:
             q, k = heads_of("q_proj", heads, "q_norm"), heads_of("k_proj", kv, "k_norm")
             v = heads_of("v_proj", kv, None)
             out_name = f"{p}.self_attn.o_proj"
-        q = self.rotate(q, cos, sin, f"{p}.q")
+        if pick is not None:
+            q = self.rotate(q, pick.cos[cos], pick.sin[sin], f"{p}.q")
+            bias = pick.bias[bias]
+        else:
+            q = self.rotate(q, cos, sin, f"{p}.q")
         k = self.rotate(k, cos, sin, f"{p}.k")
         if kv != heads:  # grouped-query attention: query head i reads key/value head i // (heads / kv)
             rep = heads // kv
@@ -244,17 +285,22 @@ class _Builder:
             act = _gelu_tanh(g, gate, f"{p}.mlp")
         return self.linear(g.op("Mul", [act, up], f"{p}.mlp.glu"), f"{p}.mlp.down_proj", inter, h, bias=False)
 
-    def layer(self, x: str, i: int, ropes: dict[str, tuple[str, str]], biases: dict[str, str]) -> str:
+    def layer(self, x: str, i: int, ropes: dict[str, tuple[str, str]], biases: dict[str, str],
+              pick: _Pick | None = None) -> str:
+        """Layer i over every row of x, or (with `pick`) only the picked row's output [B, 1, hidden]."""
         g, h = self.g, self.info.hidden_size
         p = self.layout.layer.format(i=i)
         layer_type = self.rc.layer_types[i]
         cos, sin = ropes[layer_type]
         if self.info.model_type == "modernbert":
             normed = x if i == 0 else self.norm(x, f"{p}.attn_norm", h)  # layer 0's attn_norm is Identity
-            x = g.op("Add", [x, self.attention(normed, p, cos, sin, biases[layer_type])], f"{p}.attn.residual")
+            attn = self.attention(normed, p, cos, sin, biases[layer_type], pick)
+            x = pick.rows(x, f"{p}.residual_in") if pick is not None else x
+            x = g.op("Add", [x, attn], f"{p}.attn.residual")
             mlp = self.feed_forward(self.norm(x, f"{p}.mlp_norm", h), p)
             return g.op("Add", [x, mlp], f"{p}.mlp.residual")
-        attn = self.attention(self.norm(x, f"{p}.input_layernorm", h), p, cos, sin, biases[layer_type])
+        attn = self.attention(self.norm(x, f"{p}.input_layernorm", h), p, cos, sin, biases[layer_type], pick)
+        x = pick.rows(x, f"{p}.residual_in") if pick is not None else x
         if self.layout.post_norms:
             attn = self.norm(attn, f"{p}.post_attention_layernorm", h)
             x = g.op("Add", [x, attn], f"{p}.attn.residual")
@@ -277,8 +323,21 @@ def _gelu_tanh(g: Graph, x: str, prefix: str) -> str:
     return g.op("Mul", [half, g.op("Add", [t, g.const("one_f", f32(1.0))], f"{prefix}.gelu_1p")], f"{prefix}.gelu")
 
 
-def encode_rotary(g: Graph, w: Weights, info: ModelInfo, input_ids: str, attention_mask: str) -> str:
-    """The rotary family's last hidden states [B, S, hidden] for the graph inputs."""
+def single_row_pooling(info: ModelInfo) -> str | None:
+    """The pooling mode when the pipeline pools one row of the last layer (cls, lasttoken), else None."""
+    modes = info.pipeline.pooling.modes
+    if modes == ("lasttoken",) or (modes == ("cls",) and not info.pipeline.prompt_tokens_excluded):
+        return modes[0]
+    return None
+
+
+def encode_rotary(g: Graph, w: Weights, info: ModelInfo, input_ids: str, attention_mask: str,
+                  pooling_mask: str | None = None) -> str:
+    """The rotary family's last hidden states [B, S, hidden] for the graph inputs; or, with
+    `pooling_mask` (the mask the pooling reads) where single_row_pooling(info) is a mode, the pooled
+    [B, hidden] itself: the last layer then computes the pooled row alone (its query, attention
+    output and feed-forward; keys and values from every row), which is all that reaches the
+    pooling, and a row with no pooled position gives zeros as sentence-transformers does."""
     b = _Builder(g, w, info)
     h = info.hidden_size
     table = g.const("embed_tokens", w.get(b.layout.embed, (info.vocab_size, h)))
@@ -290,6 +349,19 @@ def encode_rotary(g: Graph, w: Weights, info: ModelInfo, input_ids: str, attenti
         x = b.norm(x, "embeddings.norm", h)
     ropes = b.rope_tables(input_ids)
     biases = b.mask_biases(input_ids, attention_mask)
-    for i in range(info.num_layers):
+    mode = single_row_pooling(info) if pooling_mask is not None else None
+    last = info.num_layers - 1
+    for i in range(last):
         x = b.layer(x, i, ropes, biases)
-    return b.norm(x, b.layout.final_norm, h)
+    if mode is None:
+        return b.norm(b.layer(x, last, ropes, biases), b.layout.final_norm, h)
+    assert pooling_mask is not None
+    picked = row_pick(g, mode, pooling_mask)
+    pick = _Pick.make(g, picked, ropes, biases)
+    x = b.norm(b.layer(x, last, ropes, biases, pick), b.layout.final_norm, h)  # [B, 1, hidden]
+    x = g.op("Squeeze", [x, g.const("axis1", i64(1))], "pooled_row")
+    if mode == "cls":
+        return x
+    # A row with no position to pool ran its zero row through the layer: sentence-transformers gives zeros.
+    found = g.op("ReduceMax", [picked], "pooled_row_found", axes=[2], keepdims=0)  # [B, 1]
+    return g.op("Mul", [x, found], "pooled")
