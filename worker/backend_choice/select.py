@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from worker.backend_choice.auto import Candidate, CpuChoice
+from worker.backend_choice.static_choice import static_reason, static_refusal
 from worker.backends.base import Backend, BackendName, OvPrecision
 from worker.names import TorchPrecision
 from worker.core.errors import BackendError, extra_missing
@@ -253,7 +254,6 @@ def open_backend(kind: BackendName, model: ModelInfo, profile: Profile | None = 
     """
     backend: Backend
     if model.static is not None:  # a table lookup whatever `kind` (worker/backend_choice/static_choice.py)
-        from worker.backend_choice.static_choice import static_refusal
         from worker.backends.static import StaticBackend
 
         why = static_refusal(model, backend=kind, precision=precision, onnx_path=str(onnx_path or ""),
@@ -344,10 +344,17 @@ def load_backend(settings: Settings, *, model: ModelInfo | None = None,
     ModelError (model folder), each with a message that names the setting or file.
     """
     model = model or model_info(settings)
-    if model.static is not None:  # no graph: the numpy lookup, whatever the CPU backend setting
-        from worker.backend_choice.static_choice import load_static
-
-        return load_static(settings, model)
+    if model.static is not None:  # no graph: the numpy lookup, the settings resolved as for ONNX Runtime on CPU
+        why = static_refusal(model, backend=settings.backend, precision=settings.precision,
+                             onnx_path=settings.onnx_path, engine_path=settings.engine_path)
+        if why is not None:
+            raise BackendError(why)
+        profile = load_profile(resolve_profile_name(settings, "onnxruntime"), settings.profiles_file or None,
+                               model_max_len=model.max_seq_length)
+        reason = static_reason(settings.backend)
+        log.info("backend chosen", backend="static", reason=reason, profile=profile.name)
+        backend = open_backend("onnxruntime", model, profile)  # the benchmarks' seam, as for every backend
+        return Loaded(resolve_settings(settings, "onnxruntime", profile), model, backend, profile, reason)
     choice = choose_backend(settings, find_spec=find_spec, has_gpu=has_gpu)
     threads = intra_op_threads(settings)
     if choice.backend == "torch":
