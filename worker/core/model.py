@@ -17,7 +17,7 @@ from pathlib import Path
 
 from worker.core.errors import ModelError
 from worker.core.rotary_config import ROTARY_FAMILIES, RotaryConfig, read_rotary_config
-from worker.core.st_pipeline import ModulePipeline, check_layout, read_json_object, read_pipeline
+from worker.core.st_pipeline import ModulePipeline, Normalize, check_layout, read_json_object, read_pipeline
 from worker.core.sparse_static import document_info, query_spec, read_router
 from worker.core.static import StaticSpec, read_static
 
@@ -153,13 +153,11 @@ class ModelInfo:
         static = read_static(model_dir)
         router = read_router(model_dir) if static is None else None
         if router is not None and sparse_route == "document":
-            return document_info(router)
+            return document_info(router, cls.from_dir)
         if router is not None:
             static = query_spec(router)
         if static is not None:
-            from worker.core.static_info import static_model_info
-
-            return static_model_info(model_dir, static)
+            return cls._static(model_dir, static)
         check_layout(model_dir)
         config_path = model_dir / "config.json"
         cfg = read_json_object(config_path)
@@ -255,6 +253,21 @@ class ModelInfo:
             pipeline=read_pipeline(model_dir, hidden, vocab), similarity=similarity,
             tied_embeddings=bool(cfg.get("tie_word_embeddings", True)), rotary=rotary,
         )
+
+    @classmethod
+    def _static(cls, model_dir: Path, spec: StaticSpec) -> ModelInfo:
+        """A static model (worker/core/static.py), no encoder behind its fields: `hidden_size` the table's
+        width, `vocab_size` the tokenizer's, `max_seq_length` the token cut; the pipeline a mean, then
+        Normalize where the model states it."""
+        prompts, default_prompt_name, similarity = _st_config(model_dir)
+        pipeline = ModulePipeline(steps=(Normalize(),) if spec.normalize else (), modules_path=spec.config_path,
+                                  static=spec.describe(), static_files=spec.files)
+        return cls(
+            name=_model_name(model_dir), model_type="static", hidden_size=spec.dim, num_layers=0, num_heads=1,
+            intermediate_size=0, layer_norm_eps=0.0, vocab_size=spec.vocab, max_position_embeddings=spec.max_tokens,
+            max_seq_length=spec.max_tokens, model_dir=model_dir, config_path=spec.config_path,
+            weights_path=spec.weights_path, tokenizer_path=spec.tokenizer_path, prompts=prompts,
+            default_prompt_name=default_prompt_name, pipeline=pipeline, similarity=similarity, static=spec)
 
     def prompt(self, name: str) -> str:
         for key, text in self.prompts:

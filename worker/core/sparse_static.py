@@ -23,6 +23,7 @@ Nothing here imports torch or tokenizers.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -121,10 +122,10 @@ def query_spec(router: RouterSpec) -> StaticSpec:
                       int(shape[0]), vocab, False, cut or STATIC_MAX_TOKENS, cut is not None, None, False, False)
 
 
-def document_info(router: RouterSpec) -> ModelInfo:
-    """The document route as a SPLADE ModelInfo: the Transformer's sub-folder is the encoder, the
-    SpladePooling's config its pooling (worker/core/st_pipeline.py's reading of both)."""
-    from worker.core.model import ModelInfo
+def document_info(router: RouterSpec, read_encoder: Callable[[Path], ModelInfo]) -> ModelInfo:
+    """The document route as a SPLADE ModelInfo: the Transformer's sub-folder is the encoder, read by
+    `read_encoder` (ModelInfo.from_dir, which dispatches here: passed in so this module stays below
+    worker/core/model.py), the SpladePooling's config its pooling (worker/core/st_pipeline.py's reading of both)."""
     from worker.core.st_pipeline import _sparse_pipeline
 
     kinds = [kind for _, kind in router.document]
@@ -132,7 +133,7 @@ def document_info(router: RouterSpec) -> ModelInfo:
         raise ModelError(f"{router.config_path}: the document route is {' -> '.join(kinds)}; the worker runs an MLM "
                          f"Transformer and SpladePooling there")
     encoder, pooling = router.document[0][0], router.document[1][0]
-    info = ModelInfo.from_dir(encoder)
+    info = read_encoder(encoder)
     entries: list[dict[str, Any]] = [{"path": ""}, {"path": str(pooling.relative_to(encoder.parent.resolve()))}]
     pipeline = _sparse_pipeline(encoder.parent.resolve(), router.config_path, entries,
                                 ["MLMTransformer", "SpladePooling"], info.vocab_size)

@@ -113,8 +113,6 @@ NO_UNIT_TEST = {
     "worker/commands/embed.py": "run by the documented commands in tests/broker/test_docs_commands_kafka.py",
     "worker/commands/export_onnx.py": "run in tests/unit/engines/onnx_export/test_export.py through the CLI",
     "worker/commands/produce.py": "run against the broker by tests/broker/test_produce_consume_cli.py",
-    "worker/core/static_info.py": "a static model's ModelInfo, read by every test of "
-                                  "tests/unit/worker/core/test_static.py",
     "worker/kafka/admin.py": "creates topics on the broker: used by the broker and system tests",
     "worker/kafka/bounded_calls.py": "the committer's and the group member's deadlines, in "
                                      "tests/unit/worker/test_fault_core.py and tests/system/test_faults_kafka.py",
