@@ -47,7 +47,6 @@ TESTED_ELSEWHERE = {
     "worker/families/static.py": "tests/unit/worker/core/test_static.py",
     "worker/formats/codec_choice.py": "tests/unit/worker/core/test_vectors.py",
     "worker/formats/sparse_codec.py": "tests/unit/worker/core/test_sparse.py",
-    "worker/intake/static_tokens.py": "tests/unit/worker/core/test_static.py",
     "worker/kafka/consumer.py": "tests/unit/worker/test_fault_core.py",
     "worker/names.py": "tests/unit/worker/settings/test_settings.py",
     "worker/operations/redact.py": "tests/unit/worker/kafka/test_client_security.py",

@@ -97,7 +97,7 @@ def test_the_fast_path_gives_the_full_tokenizers_ids(tmp_path: Path) -> None:
     """BERT's WordPiece fast path with [CLS] and [SEP] sliced off: add_special_tokens=False's IDs."""
     from tokenizers import Tokenizer
 
-    from worker.intake.static_tokens import StaticTokenizer
+    from worker.intake.tokenize import StaticTokenizer
 
     info = ModelInfo.from_dir(folder_of("st-minilm", tmp_path))
     assert info.static is not None
