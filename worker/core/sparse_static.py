@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import numpy as np
 
@@ -34,7 +34,6 @@ from worker.core.errors import ModelError
 from worker.core.st_pipeline import read_json
 
 if TYPE_CHECKING:
-    from worker.core.model import ModelInfo
     from worker.core.static import StaticSpec
 
 __all__ = ["ROUTES", "Route", "RouterSpec", "document_info", "presence_weights", "query_spec", "read_router"]
@@ -122,7 +121,17 @@ def query_spec(router: RouterSpec) -> StaticSpec:
                       int(shape[0]), vocab, False, cut or STATIC_MAX_TOKENS, cut is not None, None, False, False)
 
 
-def document_info(router: RouterSpec, read_encoder: Callable[[Path], ModelInfo]) -> ModelInfo:
+class EncoderInfo(Protocol):
+    """A ModelInfo (worker/core/model.py) as far as the document route reads it: no import of that
+    module here, not even for the type, since it imports this one."""
+
+    vocab_size: int
+
+
+Info = TypeVar("Info", bound=EncoderInfo)
+
+
+def document_info(router: RouterSpec, read_encoder: Callable[[Path], Info]) -> Info:
     """The document route as a SPLADE ModelInfo: the Transformer's sub-folder is the encoder, read by
     `read_encoder` (ModelInfo.from_dir, which dispatches here: passed in so this module stays below
     worker/core/model.py), the SpladePooling's config its pooling (worker/core/st_pipeline.py's reading of both)."""
@@ -137,7 +146,7 @@ def document_info(router: RouterSpec, read_encoder: Callable[[Path], ModelInfo])
     entries: list[dict[str, Any]] = [{"path": ""}, {"path": str(pooling.relative_to(encoder.parent.resolve()))}]
     pipeline = _sparse_pipeline(encoder.parent.resolve(), router.config_path, entries,
                                 ["MLMTransformer", "SpladePooling"], info.vocab_size)
-    return dataclasses.replace(info, name=router.model_dir.name, pipeline=pipeline)
+    return dataclasses.replace(info, name=router.model_dir.name, pipeline=pipeline)  # type: ignore[type-var]
 
 
 def presence_weights(weight: np.ndarray, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
