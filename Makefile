@@ -101,8 +101,9 @@ bench-kafka: install
 
 # Exactly-once against at-least-once, paired rounds through one broker (README, Delivery guarantees).
 bench-kafka-eos: install
-	bash deploy/local/with-kafka.sh $(PY) -m benchmarks.kafka_ab -n 5000 --rounds 6 \
-		--new-args="--processing-guarantee exactly-once" --json benchmarks/results/kafka/kafka_eos.json
+	bash deploy/local/with-kafka.sh $(PY) -m benchmarks.kafka_ab -n 4000 --rounds 6 \
+		--new-args="--processing-guarantee exactly-once --cache-bytes 0" --old-args="--cache-bytes 0" \
+		--json benchmarks/results/kafka/kafka_eos_cache_off.json
 
 # Latency through Kafka under open-loop load (25/50/80/90% of the sustained throughput), paired
 # with the same bucketer offline, and where the time goes per hop; a few minutes.
