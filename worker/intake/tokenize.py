@@ -150,16 +150,21 @@ class KeywordTokenizer:
             if None in counts:
                 slow = [i for i, n in enumerate(counts) if n is None]
         if slow:
-            special = self._n_special
-            # Offsets are not computed (encode_batch_fast): nothing here reads them.
-            for i, enc in zip(slow, self._tokenizer.encode_batch_fast([full[i] for i in slow],
-                                                                       add_special_tokens=True)):
-                ids = np.array(enc.ids, dtype=np.int64)
-                n = len(ids)
-                # Only an encoding cut at max_len has overflowing pieces; reading them costs objects.
-                overflow = sum(len(o.ids) - special for o in enc.overflowing) if n >= cut else 0
-                out[i] = Encoded(ids, n + overflow, overflow > 0)
+            self._encode_slow(full, slow, out, cut, special_tokens=True)
         return out  # type: ignore[return-value]  # every slot is filled above
+
+    def _encode_slow(self, full: list[str], slow: list[int], out: list[Encoded | None], cut: int, *,
+                     special_tokens: bool) -> None:
+        """The texts `slow` of `full` through the tokenizer in one call, into their slots of `out`."""
+        special = self._n_special if special_tokens else 0
+        # Offsets are not computed (encode_batch_fast): nothing here reads them.
+        for i, enc in zip(slow, self._tokenizer.encode_batch_fast([full[i] for i in slow],
+                                                                   add_special_tokens=special_tokens)):
+            ids = np.array(enc.ids, dtype=np.int64)
+            n = len(ids)
+            # Only an encoding cut at max_len has overflowing pieces; reading them costs objects.
+            overflow = sum(len(o.ids) - special for o in enc.overflowing) if n >= cut else 0
+            out[i] = Encoded(ids, n + overflow, overflow > 0)
 
 
 class StaticTokenizer(KeywordTokenizer):
@@ -215,10 +220,5 @@ class StaticTokenizer(KeywordTokenizer):
             if None in counts:
                 slow = [i for i, n in enumerate(counts) if n is None]
         if slow:
-            for i, enc in zip(slow, self._tokenizer.encode_batch_fast([full[i] for i in slow],
-                                                                       add_special_tokens=False)):
-                ids = np.array(enc.ids, dtype=np.int64)
-                n = len(ids)
-                overflow = sum(len(o.ids) for o in enc.overflowing) if n >= cut else 0
-                out[i] = Encoded(ids, n + overflow, overflow > 0)
+            self._encode_slow(full, slow, out, cut, special_tokens=False)
         return out  # type: ignore[return-value]  # every slot is filled above
