@@ -19,7 +19,7 @@ from worker.backends.base import CPU_BACKENDS, Backend
 from worker.backends.isolating import IsolatingBackend
 from worker.batching.cost_model import CostModel
 from worker.core.errors import BackendError
-from worker.core.interpreter_hold import plan_hold
+from worker.core.interpreter_hold import HoldPlan, plan_hold
 from worker.core.os_threads import allowed_cpus, signal_stack_kept
 from worker.core.model import Prompt
 from worker.core.sparse import sparsify
@@ -34,11 +34,9 @@ from worker.intake.flow import FlowControl
 from worker.intake.stage import Intake
 from worker.intake.tokenize import KeywordTokenizer
 from worker.ledger.committer import Committer
-from worker.kafka.client_config import consumer_config, producer_config
-from worker.kafka.consumer import GroupMember
-from worker.kafka.errors import FailurePolicy
+from worker.kafka.client_config import worker_configs
+from worker.kafka.clients import WorkerClients
 from worker.ledger.offsets import OffsetTracker
-from worker.kafka.producer import OutputProducer
 from worker.kafka.reports import REPORTS_COMPILED
 from worker.latch import guarded
 from worker.operations.health import Liveness
@@ -124,9 +122,13 @@ def build_pipeline(settings: Settings, *, metrics: Metrics | None = None, gate: 
     costs = cost_model(loaded.settings, info, backend)
     if costs is not None:
         metrics.watch_costs(costs)
+    # Where the interpreter's threads are held, decided once for the process: `supervised`, it is one
+    # of a supervisor's, whose CPU number is where the hold starts (worker/core/interpreter_hold.py).
+    hold = plan_hold(loaded.settings.interpreter_cpu, cpu_backend=backend.name in CPU_BACKENDS,
+                     supervised=supervised, cpus=allowed_cpus())
     pipeline = wire_pipeline(loaded.settings, tokenizer=tokenizer, backend=backend, profile=profile,
                              model_name=info.name, metrics=metrics, costs=costs, codec=encoder, decode=decode,
-                             gate=gate, sparse=info.sparse, on_overrun=on_overrun, supervised=supervised,
+                             gate=gate, sparse=info.sparse, on_overrun=on_overrun, hold=hold,
                              identity={"model": info.name, "fingerprint": codec.fingerprint,
                                        "precision": precision_label(loaded.settings)})
     return Assembled(pipeline, backend)
@@ -139,7 +141,7 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
                   codec: ValueEncoder, decode: Decode | None = None,
                   spans: BatchSpans | None = None, gate: GateFactory | None = None,
                   sparse: bool = False, on_overrun: Callable[[int], None] | None = None,
-                  supervised: bool = False, identity: dict[str, str] | None = None) -> Pipeline:
+                  hold: HoldPlan | None = None, identity: dict[str, str] | None = None) -> Pipeline:
     """The stages around a loaded tokenizer and backend, wired into a Pipeline.
 
     The factories are the tests' seams (fake clients, a fake bucketer). `codec` is the output
@@ -151,8 +153,9 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
     from worker.batching.bucketer import Bucketer
 
     # Built from the highest floor down where one part does not need another: the pipeline's stop
-    # state, what intake and the output take from the settings alone, the ledger and the Kafka
-    # clients it commits through, then the stages that write through the delivery, down to the bucketer.
+    # state, the spans, the Kafka clients (the settings read once for both) and the ledger that
+    # commits through them, then the stages that write through the delivery, down to the bucketer.
+    # The Pipeline takes no settings: each stage holds what it was built with.
     metrics = metrics if metrics is not None else Metrics()
     shutdown = Shutdown(settings)
     latch = shutdown.latch
@@ -168,12 +171,11 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
     inflight = InFlightTable()
     acks = Acknowledger(inflight, metrics)
     committer = Committer(None, interval_s=settings.commit_interval_ms / 1000.0)
-    failures = FailurePolicy()
-    producer = OutputProducer(producer_config(settings), latch,
-                              failures=failures, producer_factory=producer_factory)
+    clients = WorkerClients.open(worker_configs(settings), committer, latch, metrics, group=settings.group_id,
+                                 topic=settings.input_topic, revoke_wait_s=shutdown.revoke_wait_s,
+                                 producer_factory=producer_factory, consumer_factory=consumer_factory)
+    producer, member = clients.producer, clients.member
     producer.after_poll(acks.flush)
-    member = GroupMember(consumer_config(settings), committer, latch, metrics, revoke_wait_s=shutdown.revoke_wait_s,
-                         group=settings.group_id, failures=failures, consumer_factory=consumer_factory)
     delivery = build_delivery(settings, committer, producer, member.client, latch, inflight, metrics,
                               shutdown.commit_by)
 
@@ -199,8 +201,4 @@ def wire_pipeline(settings: Settings, *, tokenizer: Any, backend: Any, profile: 
     stages = Stages(inflight=inflight, flow=flow, producer=producer, acks=acks, committer=committer, member=member,
                     delivery=delivery, output=output, bucketer=bucketer, intake=intake, liveness=liveness,
                     spans=spans, gate=gate(member.client, committer.tracker) if gate is not None else None)
-    # Where the interpreter's threads are held, decided once: `supervised`, this process is one of a
-    # supervisor's, whose CPU number is where the hold starts (worker/core/interpreter_hold.py).
-    hold = plan_hold(settings.interpreter_cpu, cpu_backend=backend.name in CPU_BACKENDS, supervised=supervised,
-                     cpus=allowed_cpus())
-    return Pipeline(settings, shutdown, stages, metrics, on_overrun=on_overrun, hold=hold, identity=identity)
+    return Pipeline(shutdown, stages, metrics, on_overrun=on_overrun, hold=hold, identity=identity)

@@ -131,6 +131,8 @@ class Shutdown:
         self.commit_by = self.deadline.before(LEAVE_S)
         self.leave_by = self.deadline.before(AFTER_LEAVE_S)
         self._revoke_timeout_s = settings.revoke_timeout_s
+        # How long a stop may take (shutdown_timeout_s): the deadline a stop request starts.
+        self.timeout_s = settings.shutdown_timeout_s
 
     def revoke_wait_s(self) -> float:
         """How long a revocation waits for its partitions' records (none once stopping hard)."""
@@ -142,12 +144,12 @@ class Shutdown:
 class Pipeline:
     """Runs wired stages: start, the poll loop, drain and shutdown. It builds nothing."""
 
-    def __init__(self, settings: Settings, shutdown: Shutdown, stages: Stages, metrics: Metrics, *,
+    def __init__(self, shutdown: Shutdown, stages: Stages, metrics: Metrics, *,
                  on_overrun: Callable[[int], None] | None = None, hold: HoldPlan | None = None,
                  identity: dict[str, str] | None = None) -> None:
-        self.settings = settings
         self.metrics = metrics
         self.latch = shutdown.latch
+        self._timeout_s = shutdown.timeout_s
         self._stop, self._abort = shutdown.stop, shutdown.abort
         self.deadline, self._drain_by, self._commit_by = shutdown.deadline, shutdown.drain_by, shutdown.commit_by
         self._leave_by = shutdown.leave_by
@@ -202,13 +204,12 @@ class Pipeline:
             self.deadline.shorten(ABORT_S)
             log.warning("second stop request: aborting without draining")
             return
-        self.deadline.start(self.settings.shutdown_timeout_s)
+        self.deadline.start(self._timeout_s)
         self._stop.set()
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
         """Runs until stopped; returns the process exit code (0, 1 on a fatal error, 130 aborted)."""
-        s = self.settings
         if self.on_overrun is not None:
             Overrun(self.deadline, EXIT_GRACE_S, self._overran).start()
         try:
@@ -217,11 +218,13 @@ class Pipeline:
             self._bucketer.start()
             self._output.start()
             self._producer.start()
-            log.info("worker started", processing_guarantee=s.processing_guarantee, group=s.group_id,
-                     input_topic=s.input_topic, output_topic=s.output_topic, dead_letter_topic=s.dead_letter_topic,
-                     max_in_flight=s.max_in_flight, max_in_flight_bytes=s.max_in_flight_bytes, **self.identity)
+            # Each stage states the settings it was built with.
+            log.info("worker started", processing_guarantee=self._delivery.guarantee, group=self._member.group,
+                     input_topic=self._member.topic, output_topic=self._output.topic,
+                     dead_letter_topic=self._output.dead_letter_topic, max_in_flight=self._flow.max_records,
+                     max_in_flight_bytes=self._flow.max_bytes, **self.identity)
             self._delivery.start()
-            self._member.subscribe(s.input_topic, self._delivery)
+            self._member.subscribe(self._member.topic, self._delivery)
             self._interpreter = self._hold_interpreter()
             while not self._stop.is_set() and not self.latch.is_set():
                 self._poll_once()
@@ -234,7 +237,7 @@ class Pipeline:
             log.exception("poll thread failed")
         finally:
             # Stopping on a fatal error: the same deadline applies (a no-op after a stop request).
-            self.deadline.start(s.shutdown_timeout_s)
+            self.deadline.start(self._timeout_s)
             self._shutdown()
             if self._interpreter is not None:
                 self._interpreter.release()
@@ -251,7 +254,7 @@ class Pipeline:
     def _overran(self) -> None:
         """EXIT_GRACE_S past the shutdown deadline and still not exited (the stop watch's thread)."""
         log.error("the stop overran its deadline: exiting without waiting for the rest", step=self._step,
-                  shutdown_timeout_s=self.settings.shutdown_timeout_s, exit_code=self.exit_code())
+                  shutdown_timeout_s=self._timeout_s, exit_code=self.exit_code())
         if self.on_overrun is not None:
             self.on_overrun(self.exit_code())
 
@@ -387,5 +390,5 @@ class Pipeline:
         log.info("worker stopped", consumed=self._intake.consumed, produced=self._acks.embedded_count,
                  dead_lettered=self._acks.dead_lettered_count, in_flight=self.in_flight(),
                  dropped_after_revoke=self._output.dropped, never_run=len(never_run or []),
-                 left_group=self.left_group, processing_guarantee=self.settings.processing_guarantee,
+                 left_group=self.left_group, processing_guarantee=self._delivery.guarantee,
                  **self._delivery.summary())

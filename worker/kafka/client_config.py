@@ -1,7 +1,8 @@
 """The one place where the settings and the guarantee become librdkafka configuration.
 
 The worker's consumer (`consumer_config`), its producer under either guarantee (`producer_config`:
-exactly once makes it transactional, `transactional_config`) and the admin client (`admin_config`)
+exactly once makes it transactional, `transactional_keys`; both from one reading of the
+client settings, `worker_configs`) and the admin client (`admin_config`)
 are built here. Every Kafka client of every command (those, and the `produce`, `consume` and `demo`
 commands) gets its security and pass-through keys from `client_config(settings)`:
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +109,8 @@ def typed_config(settings: Settings) -> dict[str, str]:
 
 def client_config(settings: Settings) -> dict[str, str]:
     """Security and pass-through librdkafka keys for any client built from these settings."""
-    raw = raw_config(settings)
     typed = typed_config(settings)
+    raw = raw_config(settings)
     normalised = {_ALIASES.get(k, k): (k, v) for k, v in raw.items()}
     for key, value in typed.items():
         if key in normalised and normalised[key][1] != value:
@@ -159,6 +161,49 @@ def client_env(settings: Settings) -> dict[str, str]:
 
 
 def consumer_config(settings: Settings) -> dict[str, Any]:
+    """The worker's consumer configuration."""
+    return worker_configs(settings).consumer
+
+
+def producer_config(settings: Settings) -> dict[str, Any]:
+    """The output producer's configuration under the settings' guarantee (exactly once: transactional)."""
+    return worker_configs(settings).producer
+
+
+@dataclass(frozen=True)
+class WorkerConfigs:
+    """A worker's two clients: the group member's consumer and the output producer."""
+
+    consumer: dict[str, Any]
+    producer: dict[str, Any]
+
+
+def worker_configs(settings: Settings) -> WorkerConfigs:
+    """Both clients' configurations from one reading of the client settings (the properties file and
+    the password file are read once, not once a client): the worker's keys, the transactional keys
+    under exactly once, then the security and pass-through keys over both."""
+    consumer = _consumer_keys(settings)
+    producer = _producer_keys(settings)
+    if settings.processing_guarantee == "exactly-once":
+        transactional = transactional_keys(group=settings.group_id, member=settings.member_id or socket.gethostname(),
+                                           transaction_timeout_ms=settings.transaction_timeout_ms)
+    else:
+        transactional = {}
+    # Security and --kafka-config / --kafka-config-file keys, merged in one place.
+    shared = client_config(settings)
+    consumer.update(shared)
+    producer.update(shared)
+    producer.update(transactional)
+    if transactional:
+        # librdkafka refuses a message timeout above the transaction timeout (the --kafka-config one
+        # too): a write that cannot succeed while its transaction is open fails the transaction,
+        # which is then aborted.
+        producer["message.timeout.ms"] = min(int(producer["message.timeout.ms"]),
+                                             transactional["transaction.timeout.ms"])
+    return WorkerConfigs(consumer=consumer, producer=producer)
+
+
+def _consumer_keys(settings: Settings) -> dict[str, Any]:
     config: dict[str, Any] = {
         "bootstrap.servers": settings.bootstrap_servers,
         "group.id": settings.group_id,
@@ -220,21 +265,10 @@ def consumer_config(settings: Settings) -> dict[str, Any]:
     # librdkafka's own log lines go through the stdlib logger into the structured log stream,
     # instead of raw "%6|...|FAIL|..." lines on stderr.
     config["logger"] = logging.getLogger("librdkafka")
-    # Security and --kafka-config / --kafka-config-file keys, merged in one place.
-    config.update(client_config(settings))
     return config
 
 
-def producer_config(settings: Settings) -> dict[str, Any]:
-    """The output producer's configuration under the settings' guarantee (exactly once: transactional)."""
-    config = _plain_producer_config(settings)
-    if settings.processing_guarantee != "exactly-once":
-        return config
-    return transactional_config(config, group=settings.group_id, member=settings.member_id or socket.gethostname(),
-                                transaction_timeout_ms=settings.transaction_timeout_ms)
-
-
-def _plain_producer_config(settings: Settings) -> dict[str, Any]:
+def _producer_keys(settings: Settings) -> dict[str, Any]:
     config: dict[str, Any] = {
         "bootstrap.servers": settings.bootstrap_servers,
         # Idempotent + acks=all: a broker restart neither loses nor duplicates an acknowledged write.
@@ -254,8 +288,6 @@ def _plain_producer_config(settings: Settings) -> dict[str, Any]:
     # librdkafka's own log lines go through the stdlib logger into the structured log stream,
     # instead of raw "%6|...|FAIL|..." lines on stderr.
     config["logger"] = logging.getLogger("librdkafka")
-    # Security and --kafka-config / --kafka-config-file keys, merged in one place.
-    config.update(client_config(settings))
     return config
 
 
@@ -265,14 +297,6 @@ def transactional_id(group: str, member: str) -> str:
     return f"keyword-embedder-{group}-{member}"
 
 
-def transactional_config(producer_config: dict[str, Any], *, group: str, member: str,
-                         transaction_timeout_ms: int) -> dict[str, Any]:
-    """The producer configuration of an exactly-once member."""
-    config = dict(producer_config)
-    config["transactional.id"] = transactional_id(group, member)
-    config["transaction.timeout.ms"] = transaction_timeout_ms
-    # librdkafka refuses a message timeout above the transaction timeout: a write that cannot
-    # succeed while its transaction is open fails the transaction, which is then aborted.
-    config["message.timeout.ms"] = min(int(config.get("message.timeout.ms", transaction_timeout_ms)),
-                                       transaction_timeout_ms)
-    return config
+def transactional_keys(*, group: str, member: str, transaction_timeout_ms: int) -> dict[str, Any]:
+    """The keys that make an exactly-once member's producer transactional."""
+    return {"transactional.id": transactional_id(group, member), "transaction.timeout.ms": transaction_timeout_ms}

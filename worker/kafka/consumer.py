@@ -96,12 +96,14 @@ class Rebalances(Protocol):
 
 class GroupMember:
     def __init__(self, config: dict[str, Any], committer: Ledger, latch: FatalLatch, metrics: Metrics, *,
-                 revoke_wait_s: Callable[[], float], group: str = "", failures: FailurePolicy | None = None,
+                 revoke_wait_s: Callable[[], float], group: str = "", topic: str = "",
+                 failures: FailurePolicy | None = None,
                  consumer_factory: Callable[[dict[str, Any]], Any] = Consumer) -> None:
         self._committer = committer
         # What the processing guarantee does on a revoke and a loss (set by `subscribe`).
         self._rebalances: Rebalances | None = None
         self._group = group
+        self.topic = topic  # what `subscribe` joins the group for
         # Authentication, TLS and ACL errors: which stop the worker, with which message.
         self._failures = failures if failures is not None else FailurePolicy()
         self._latch = latch
@@ -119,6 +121,10 @@ class GroupMember:
         return self._consumer
 
     # ------------------------------------------------------------------ consuming
+    @property
+    def group(self) -> str:
+        return self._group
+
     def subscribe(self, topic: str, rebalances: Rebalances) -> None:
         self._rebalances = rebalances
         self._consumer.subscribe([topic], on_assign=self._on_assign, on_revoke=self._on_revoke,

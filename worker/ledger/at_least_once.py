@@ -31,6 +31,8 @@ RELIEVE_COMMIT_S = 1.0
 
 
 class AtLeastOnce:
+    guarantee = "at-least-once"
+
     def __init__(self, committer: Committer, writer: RecordWriter) -> None:
         self._committer = committer
         self.writer = writer

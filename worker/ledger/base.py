@@ -23,6 +23,7 @@ BoundCounts = Literal["uncommitted", "unacknowledged"]
 
 
 class Delivery(Protocol):
+    guarantee: str  # the processing_guarantee setting it carries out
     phase: Phase
     writer: RecordWriter
     around_batch: AroundBatch | None

@@ -26,6 +26,10 @@ class DeadLetters:
         self._writer = writer
         self._acks = acks
 
+    @property
+    def topic(self) -> str:
+        return self._topic
+
     def send(self, seq: int, msg: Message, headers: InputHeaders, rejection: Rejection) -> bool:
         """Produces the (size-bounded) dead letter of `msg`; False if it could not be queued."""
         ts_type, ts = msg.timestamp()

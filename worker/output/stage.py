@@ -94,6 +94,14 @@ class OutputStage:
     def thread(self) -> threading.Thread:
         return self._thread
 
+    @property
+    def topic(self) -> str:
+        return self._topic
+
+    @property
+    def dead_letter_topic(self) -> str:
+        return self._dead_letters.topic
+
     def start(self) -> None:
         self._thread.start()
 

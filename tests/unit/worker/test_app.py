@@ -24,7 +24,7 @@ from worker.settings.schema import Settings
 
 ASSEMBLY = "worker/app.py"
 # What the worker's pipeline is made of: each built in one place.
-STAGES = {"InFlightTable", "FlowControl", "OutputProducer", "Acknowledger", "Committer", "GroupMember",
+STAGES = {"InFlightTable", "FlowControl", "Acknowledger", "Committer",
           "build_delivery", "DeadLetters", "OutputStage", "IsolatingBackend", "Intake", "Liveness", "Shutdown",
           "Stages", "Pipeline"}
 
@@ -117,10 +117,15 @@ def _called_names(path: Path) -> set[str]:
 
 def test_the_stages_are_built_in_worker_app_alone() -> None:
     # Before: worker/pipeline.py built all of them in Pipeline.__init__ (a second assembly place).
+    # The two Kafka clients are opened together (worker/kafka/clients.py), as build_delivery makes
+    # the guarantee's parts: from app.py, and nowhere else.
     built = {str(path.relative_to(ROOT)): sorted(_called_names(path) & STAGES)
              for path in sorted((ROOT / "worker").rglob("*.py")) if str(path.relative_to(ROOT)) != ASSEMBLY}
     assert {path: names for path, names in built.items() if names} == {}
     assert _called_names(ROOT / ASSEMBLY) >= STAGES
+    clients = {str(path.relative_to(ROOT)) for path in (ROOT / "worker").rglob("*.py")
+               if _called_names(path) & {"OutputProducer", "GroupMember"}}
+    assert clients == {"worker/kafka/clients.py"}
 
 
 def test_wire_pipeline_hands_the_pipeline_its_parts_sharing_one_latch_and_one_deadline() -> None:

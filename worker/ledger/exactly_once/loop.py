@@ -40,6 +40,8 @@ log = structlog.get_logger(__name__)
 
 
 class ExactlyOnce:
+    guarantee = "exactly-once"
+
     def __init__(self, txn: Transactions, in_flight: Callable[[], int], producer: ExactlyOnceProducer) -> None:
         self.txn = txn
         self._in_flight = in_flight
@@ -54,9 +56,6 @@ class ExactlyOnce:
     @classmethod
     def build(cls, settings: Settings, committer: Committer, plain: OutputProducer, consumer: Any,
               latch: FatalLatch, in_flight: InFlightTable, metrics: Metrics, stop: Deadline) -> ExactlyOnce:
-        # Refused before anything is consumed (`run` checks it before the model loads, too).
-        if (warning := check_session(settings)) is not None:
-            log.warning("an outage past the session will stop this member", reason=warning)
         count = in_flight.__len__
         producer = ExactlyOnceProducer(plain, in_flight)
         txn = Transactions(producer.client, consumer, committer.tracker, latch, count,
@@ -69,6 +68,9 @@ class ExactlyOnce:
                            on_take_over=metrics.count_take_over)
         # A failed write fails the transaction (aborted, its records consumed again), not the worker.
         producer.fail_writes_into(txn.write_failed)
+        # Refused before anything is consumed (`run` checks it before the model loads, too).
+        if (warning := check_session(settings)) is not None:
+            log.warning("an outage past the session will stop this member", reason=warning)
         return cls(txn, count, producer)
 
     def start(self) -> None:

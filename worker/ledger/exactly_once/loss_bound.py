@@ -71,12 +71,12 @@ def check_session(settings: Settings, session_ms: int | None = None) -> str | No
     lowered transaction timeout that leaves none (None: the pair fits, or at-least-once)."""
     if settings.processing_guarantee != "exactly-once":
         return None
+    timeout_ms, interval_ms = settings.transaction_timeout_ms, settings.transaction_interval_ms
+    bound_s = abortable_after_loss_s(timeout_ms / 1000)
     session_ms = effective_session_ms(settings) if session_ms is None else session_ms
     if session_ms is None:
         return None
-    timeout_ms, interval_ms = settings.transaction_timeout_ms, settings.transaction_interval_ms
     oldest_s = oldest_at_loss_s(session_ms / 1000, interval_ms / 1000)
-    bound_s = abortable_after_loss_s(timeout_ms / 1000)
     if oldest_s <= bound_s:
         return None
     # The longest session, and the shortest transaction timeout, that fit (whole milliseconds).

@@ -15,7 +15,8 @@ import pytest
 
 from tests.conftest import ROOT
 from tests.thread_tools import run_in_thread
-from worker.core.os_threads import (PR_SET_NAME, hold_interpreter_threads, name_current_thread, started_on,
+from worker.core.interpreter_hold import plan_hold
+from worker.core.os_threads import (PR_SET_NAME, allowed_cpus, hold_interpreter_threads, name_current_thread, started_on,
                                     thread_affinities)
 from worker.latch import FatalLatch, guarded
 
@@ -153,7 +154,8 @@ def test_a_pipeline_holds_its_poll_and_worker_threads_on_one_cpu_and_lets_the_po
                              model_name="m", codec=OutputCodec(model="m", dim=4, encoding="float-list"),
                              consumer_factory=lambda c: made.setdefault("consumer", FakeGroupConsumer(c, records=50)),
                              producer_factory=lambda c: made.setdefault("producer", AckingProducer(c)),
-                             supervised=setting == "a supervisor's CPU")
+                             hold=plan_hold(s.interpreter_cpu, cpu_backend=False,
+                                            supervised=setting == "a supervisor's CPU", cpus=allowed_cpus()))
     seen: dict[str, list[int]] = {}
 
     def poll_thread() -> None:
@@ -215,7 +217,8 @@ def test_a_cpu_backends_dispatchers_are_left_free_and_on_auto_nothing_is_held(se
                              profile=Profile("test", (Bucket(8, 16, 16),), token_budget=256, pad_to="bucket"),
                              model_name="m", codec=OutputCodec(model="m", dim=4, encoding="float-list"),
                              consumer_factory=lambda c: made.setdefault("consumer", FakeGroupConsumer(c, records=5)),
-                             producer_factory=lambda c: AckingProducer(c))
+                             producer_factory=lambda c: AckingProducer(c),
+                             hold=plan_hold(s.interpreter_cpu, cpu_backend=True, supervised=False, cpus=allowed_cpus()))
     runner = threading.Thread(target=pipeline.run, name="poll", daemon=True)
     runner.start()
     deadline = time.monotonic() + 20

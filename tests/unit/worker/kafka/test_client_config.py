@@ -1,17 +1,19 @@
 """The exact configuration each Kafka client of the worker is handed, per guarantee (issue 60).
 
 Pinned key by key, from the one module that builds them (worker/kafka/client_config.py:
-`consumer_config`, and `producer_config`, transactional under exactly once). The secret is a fake one.
+`consumer_config`, and `producer_config`, transactional under exactly once; `worker_configs`, both from
+one reading of the client settings). The secret is a fake one.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from worker.kafka.client_config import consumer_config, producer_config
+from worker.kafka.client_config import consumer_config, producer_config, worker_configs
 from worker.settings.schema import Settings
 
 SECURITY = {"security.protocol": "SASL_SSL", "sasl.mechanism": "PLAIN", "sasl.username": "u",
@@ -60,3 +62,23 @@ def test_a_pass_through_key_reaches_both_clients_and_the_transaction_bounds_the_
     produced = producer_config(s)
     assert produced["message.timeout.ms"] == 60000 and produced["socket.keepalive.enable"] == "true"
     assert consumer_config(s)["socket.keepalive.enable"] == "true"
+
+
+def test_both_clients_come_from_one_reading_of_the_password_file(tmp_path: Any) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("fake-secret\n")
+    s = Settings(processing_guarantee="exactly-once", bootstrap_servers="broker:9092", group_id="g", member_id="m-0",
+                 security_protocol="SASL_SSL", sasl_mechanism="PLAIN", sasl_username="u",
+                 sasl_password_file=str(secret))
+    reads: list[str] = []
+    real = Path.read_text
+
+    def counted(self: Path, *args: Any, **kw: Any) -> str:
+        reads.append(str(self))
+        return real(self, *args, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Path, "read_text", counted)
+        configs = worker_configs(s)
+    assert reads == [str(secret)]
+    assert (configs.consumer, configs.producer) == (CONSUMER, TRANSACTIONAL)

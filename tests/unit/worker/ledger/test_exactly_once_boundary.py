@@ -18,7 +18,7 @@ AT_LEAST_ONCE = ["worker/app.py", "worker/pipeline.py", "worker/intake/stage.py"
                  "worker/kafka/producer.py", "worker/ledger/committer.py", "worker/ledger/offsets.py"]
 # Exactly-once's names: the write gate, failed-write routing, the client take-over, the transaction loop.
 NAMES = ["write_gate", "fail_writes_into", "given_up", "drop_revoked", "replace_client", "PURGED", "take_over",
-         "Transactions", "ExactlyOnceProducer", "txn", "transactional_config", "abort_transaction", "commit_transaction", "TransactionHungError", "TransactionFencedError"]
+         "Transactions", "ExactlyOnceProducer", "txn", "transactional_keys", "abort_transaction", "commit_transaction", "TransactionHungError", "TransactionFencedError"]
 # Loaded only when exactly-once runs.
 MODULES = ["worker.ledger.exactly_once.loop", "worker.ledger.exactly_once.producer",
            "worker.ledger.exactly_once.transactions", "worker.ledger.exactly_once.take_over",

@@ -16,7 +16,7 @@ from tests.fakes.transactions import (ABORTABLE, FENCED, INVALID_TXN_STATE, RETR
 from worker.ledger.exactly_once.loss_bound import check_session
 from worker.ledger.exactly_once.take_over import FENCED_TAKE_OVERS
 from worker.errors import WorkerError
-from worker.kafka.client_config import SESSION_TIMEOUT_MS, transactional_config, transactional_id
+from worker.kafka.client_config import SESSION_TIMEOUT_MS, transactional_id, worker_configs
 from worker.ledger.offsets import OffsetTracker
 from worker.ledger.exactly_once.transactions import (LULL_CLOSE_S, WRITE_FAILURES, WRITE_RETRY_BACKOFF_S,
                                                        TransactionError, TransactionFencedError, TransactionHungError,
@@ -483,12 +483,19 @@ def test_errors_are_classified_as_librdkafka_marks_them() -> None:
 
 
 def test_the_transactional_config() -> None:
-    config = transactional_config({"message.timeout.ms": 3_600_000, "acks": "all"}, group="g", member="pod-1",
-                                  transaction_timeout_ms=20_000)
+    def producer(**kw: Any) -> dict[str, Any]:
+        return worker_configs(Settings(processing_guarantee="exactly-once", group_id="g", member_id="pod-1",
+                                       **kw)).producer
+
+    config = producer(transaction_timeout_ms=20_000)
     assert config["transactional.id"] == transactional_id("g", "pod-1") == "keyword-embedder-g-pod-1"
+    # The message timeout is cut to the transaction's, the worker's own and a --kafka-config one alike.
     assert config["transaction.timeout.ms"] == 20_000 and config["message.timeout.ms"] == 20_000
-    assert transactional_config({}, group="g", member="m", transaction_timeout_ms=60_000)["message.timeout.ms"] \
-        == 60_000
+    assert producer(transaction_timeout_ms=90_000, kafka_config=("message.timeout.ms=120000",))[
+        "message.timeout.ms"] == 90_000
+    assert producer(transaction_timeout_ms=90_000, kafka_config=("message.timeout.ms=80000",))[
+        "message.timeout.ms"] == 80_000
+    assert "transactional.id" not in worker_configs(Settings(group_id="g")).producer
 
 
 def test_a_transactional_call_that_hangs_stops_the_member() -> None:
